@@ -1,0 +1,31 @@
+"""The `splitserve` command. Subcommands import their heavy parts only when chosen."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description="disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from engine import generate_command
+
+    generate_command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:  # bad input: a clear message, no traceback
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

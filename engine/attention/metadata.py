@@ -1,0 +1,36 @@
+"""What an attention backend needs to know about one flattened step.
+
+The runner lays the step's tokens out decode-first:
+
+    tokens:  [ d0 d1 ... d(D-1) | p0 p0 p0 p0 | p1 p1 | ... ]
+               one token each      prefill chunks (query_len > 1), contiguous per request
+
+`slot_mapping[t]` is where token t's K/V go in the paged cache: block_table[pos // B] * B + pos % B.
+A prefill chunk whose request has no earlier context ("fresh") attends only to its own new K/V, so a backend
+can skip reading the cache for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillChunk:
+    query_start: int  # index of its first token in the flattened step
+    query_len: int
+    context_len: int  # tokens it attends to, its new ones included
+    context_slots: torch.Tensor | None  # [context_len] cache slots; None when fresh
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_num_blocks] int64, padded with 0
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
+    decode_max_seq_len: int
+    prefills: tuple[PrefillChunk, ...]

@@ -1,0 +1,94 @@
+"""Per-request block tables over the block pool, with prefix-cache lookup. Control plane: no torch.
+
+A request's block table is append-only while it runs: block i holds the KV of tokens [i*B, (i+1)*B). Blocks are
+returned to the pool exactly once, by `free`, when the request finishes, is aborted or is preempted.
+"""
+
+from __future__ import annotations
+
+from engine.core.block_pool import BlockPool, KVBlock
+from engine.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, block_pool: BlockPool, *, block_size: int, enable_prefix_caching: bool) -> None:
+        self.pool = block_pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}  # per request: how many of its blocks are already prefix cache
+        self.prefix_queries_tokens = 0  # prompt tokens looked up
+        self.prefix_hits_tokens = 0  # of which found in cache
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of `request`, as blocks and a token count.
+
+        At least one token is always left to compute, because the step that computes it produces the logits the
+        next token is sampled from.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_queries_tokens += request.num_tokens
+        self.prefix_hits_tokens += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones; False (and no change) if the pool
+        cannot. `new_computed_blocks` are prefix hits taken on first scheduling."""
+        table = self._tables.setdefault(request.request_id, [])
+        hits = new_computed_blocks or []
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(hits)
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # free cached blocks a hit takes off the free list
+        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
+            if not table:
+                del self._tables[request.request_id]
+            return False
+        if hits:
+            self.pool.touch(hits)
+            table.extend(hits)
+            self._num_cached[request.request_id] = len(hits)
+        if num_needed > 0:
+            table.extend(self.pool.allocate(num_needed))
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's newly full and computed blocks as prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        start = self._num_cached.get(request.request_id, 0)
+        if num_full > start:
+            self.pool.cache_blocks(table[start:num_full], request.block_hashes[start:num_full])
+            self._num_cached[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return all of a request's blocks, tail first (so its tail is evicted before its shared head)."""
+        table = self._tables.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._tables)

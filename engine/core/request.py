@@ -1,0 +1,121 @@
+"""A request's state as the scheduler sees it. Control plane: no torch.
+
+Lifecycle:
+
+    WAITING ──schedule──▶ RUNNING ──stop / length / abort / error──▶ FINISHED_*
+       ▲                     │
+       └──── PREEMPTED ◀─────┘   (blocks freed; recomputed from its tokens when rescheduled)
+
+The one rule: each step a request catches `num_computed_tokens` up to `num_tokens` as far as the token budget
+allows. A fresh prompt, a prompt chunk, a prefix-cache hit (which advances `num_computed_tokens` for free), a
+recompute after preemption and a decode step are all that same rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.core.sampling_params import SamplingParams
+from kv_transfer.block_hash import BlockHash, BlockHashNamespace, extend_block_hashes
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished request, None while it runs."""
+        return self.value if self.finished else None
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (time.monotonic) for the engine statistics."""
+
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...],
+        max_tokens: int,
+        hash_namespace: BlockHashNamespace | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens  # resolved against max_model_len by the engine
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on first scheduling
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.times = RequestTimes()
+        self._hash_namespace = hash_namespace
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self._hash_namespace is not None:
+            extend_block_hashes(self._hash_namespace, self.all_token_ids, self.block_hashes)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,204 @@
+"""Iteration-level continuous batching. Control plane: no torch.
+
+Each `schedule()` builds one step: running requests first (in arrival order), then waiting ones, every request
+catching its computed-token count up to its token count within the per-step token budget. There is no prefill or
+decode phase: a fresh prompt, a prompt chunk, a prefix hit, a recompute and a decode token are the same rule.
+
+When the pool runs dry, the most recently admitted running request is preempted (recompute preemption): its blocks
+go back and it returns to the front of the waiting queue with its tokens intact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_new_tokens) of `request.all_token_ids`."""
+
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_new_tokens: int
+    block_ids: list[int]  # the whole block table after allocation
+    samples: bool  # the step reaches the end of the request's tokens: its last logits yield a new token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string, error): unqueue it and free its blocks. Idempotent."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.times.finished_s = time.monotonic()
+        self.kv_cache.free(request)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step --------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.times.first_scheduled_s is None:
+                request.times.first_scheduled_s = time.monotonic()
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=request,
+            start=request.num_computed_tokens,
+            num_new_tokens=num_new,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+            samples=request.num_computed_tokens + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the step --------------------------------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, int]]:
+        """Advance computed counts, append sampled tokens, apply token-level stops (EOS, stop token ids,
+        max_tokens, max_model_len), cache newly full blocks and free finished requests.
+
+        Returns (request, new token id) for every request that produced a token this step; stop strings are the
+        caller's to check (they need text), through `finish_request`.
+        """
+        produced: list[tuple[Request, int]] = []
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_blocks(request)
+            if not item.samples:
+                continue
+            token_id = sampled[request.request_id]
+            request.append_output_token(token_id)
+            produced.append((request, token_id))
+            status = self._token_stop_status(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+        return produced
+
+    def _token_stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        # vLLM's order: the length cap first, then EOS and stop token ids (held off until min_tokens).
+        params = request.sampling_params
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

@@ -1,0 +1,58 @@
+"""Engine statistics, named after vLLM's metrics so a later exporter maps them one to one. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.request import Request
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestStats:
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    queue_time_s: float  # arrival -> first scheduled
+    ttft_s: float  # arrival -> first output token
+    tpot_s: float  # mean time per output token after the first (0 with one token)
+    e2e_latency_s: float
+    finish_reason: str | None
+
+    @classmethod
+    def of(cls, request: Request) -> RequestStats:
+        t = request.times
+        end = t.finished_s if t.finished_s is not None else t.arrival_s
+        first_token = t.first_token_s if t.first_token_s is not None else end
+        last_token = t.last_token_s if t.last_token_s is not None else first_token
+        n = request.num_output_tokens
+        return cls(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=n,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            queue_time_s=(t.first_scheduled_s if t.first_scheduled_s is not None else end) - t.arrival_s,
+            ttft_s=first_token - t.arrival_s,
+            tpot_s=(last_token - first_token) / (n - 1) if n > 1 else 0.0,
+            e2e_latency_s=end - t.arrival_s,
+            finish_reason=request.status.finish_reason,
+        )
+
+
+@dataclass(kw_only=True)
+class EngineStats:
+    """A snapshot: gauges as of now, counters since the engine started."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks referenced by requests
+    prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM counts tokens)
+    prefix_cache_hits: int = 0  # of which served from cache
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    finished: list[RequestStats] = field(default_factory=list)

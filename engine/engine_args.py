@@ -1,0 +1,55 @@
+"""Engine flags, named as in vLLM, shared by every entry point that builds an engine."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from engine.config import DTYPES, EngineConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+
+
+def parse_size_bytes(text: str) -> int:
+    """'2GiB', '512M', '1073741824' -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (try 2GiB or 512MiB)")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** "BKMGT".index((unit or "B").upper()))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model, help="model name (smollm2-135m), a .gguf file or an HF directory")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
+    )
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks; overrides --kv-cache-memory")
+    g.add_argument(
+        "--kv-cache-memory", type=parse_size_bytes, default=d.kv_cache_memory_bytes, help="KV cache size, e.g. 2GiB"
+    )
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )

