@@ -1,0 +1,62 @@
+"""The loader's front door: a model argument in, a `Checkpoint` (config, weights, tokenizer) out.
+
+    name or path ──resolve_model──▶ .gguf file ──load_gguf─────────────▶ config, weights ─┐
+                                    HF directory ──load_safetensors_dir──▶ config, weights ─┴─▶ Checkpoint
+                                    (either) ──Tokenizer.from_gguf / from_hf_dir──▶ tokenizer ──┘
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.loader.errors import ModelLoadError
+from engine.loader.gguf_loader import load_gguf
+from engine.loader.model_registry import resolve_model
+from engine.loader.safetensors_loader import load_safetensors_dir
+from engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """Everything a model runner needs from disk.
+
+    `weights` uses HF names and layouts (see `weight_layout`), every tensor in the requested dtype, contiguous,
+    on CPU; `lm_head.weight` is absent when `config.tie_word_embeddings`. The dict is the caller's to consume
+    (e.g. pop tensors as they move to a device).
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    path: Path  # the resolved checkpoint: a .gguf file or an HF directory
+
+
+def load_weights_and_config(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a local checkpoint, choosing the reader by its kind: a directory is an HF checkpoint, a file GGUF."""
+    path = Path(path)
+    if path.is_dir():
+        return load_safetensors_dir(path, dtype)
+    if path.is_file():
+        return load_gguf(path, dtype)
+    raise ModelLoadError(f"{path}: no such checkpoint file or directory")
+
+
+def load_checkpoint(model: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Resolve `model` (a registered name such as "smollm2-135m", a .gguf path or an HF directory), then load
+    its config, weights and tokenizer. Errors are those of `resolve_model` and the loaders."""
+    path = resolve_model(model)
+    config, weights = load_weights_and_config(path, dtype)
+    # Imported here so the loader works, and is testable, without the tokenizer package.
+    from engine.tokenizer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_hf_dir(str(path)) if path.is_dir() else Tokenizer.from_gguf(str(path))
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=path)

@@ -1,0 +1,187 @@
+"""Dequantization of GGML tensor data to float32, written here rather than borrowed from `gguf.quants`.
+
+A GGML tensor is a run of fixed-size blocks along its innermost (contiguous) dimension; each block packs
+`block_size` values into `block_bytes` bytes. The formats, all little-endian (f16 = IEEE half):
+
+    F32   1 value  / 4 bytes    plain
+    F16   1 value  / 2 bytes    plain
+    BF16  1 value  / 2 bytes    upper half of a float32
+    Q8_0  32 / 34   d:f16, q:int8[32]                          x = d * q
+    Q4_0  32 / 18   d:f16, nibbles[16]                         x = d * (q - 8)
+    Q4_1  32 / 20   d:f16, m:f16, nibbles[16]                  x = d * q + m
+    Q5_0  32 / 22   d:f16, qh:u32, nibbles[16]                 x = d * (q - 16)
+    Q5_1  32 / 24   d:f16, m:f16, qh:u32, nibbles[16]          x = d * q + m
+    Q6_K  256 / 210 ql[128], qh[64], scales:int8[16], d:f16    x = (d * scale) * (q - 32)
+
+In the 32-value formats byte j's low nibble is value j and its high nibble value j + 16; for Q5_* bit i of qh
+is the fifth bit of value i. Q6_K is laid out in two halves of 128 values; within half h (ql_h = ql[64h:64h+64],
+qh_h = qh[32h:32h+32]) and for l < 32:
+
+    value 128h +      l   low nibble  of ql_h[l]       | bits 0-1 of qh_h[l] << 4
+    value 128h + 32 + l   low nibble  of ql_h[32 + l]  | bits 2-3 of qh_h[l] << 4
+    value 128h + 64 + l   high nibble of ql_h[l]       | bits 4-5 of qh_h[l] << 4
+    value 128h + 96 + l   high nibble of ql_h[32 + l]  | bits 6-7 of qh_h[l] << 4
+
+and value i uses scales[i // 16]. The arithmetic follows ggml's reference order in float32, so the results
+match ggml (and `gguf.quants.dequantize`) bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from engine.loader.errors import UnsupportedQuantizationError
+
+# Blocks are decoded a chunk at a time into a preallocated output so that the int intermediates of a large
+# embedding (hundreds of millions of values) never all exist at once.
+_CHUNK_BLOCKS = 1 << 15
+
+_DecodeBlocks = Callable[[np.ndarray], np.ndarray]  # [num_blocks, block_bytes] uint8 -> [num_blocks, block_size] f32
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The f16 stored at byte `start` of each block, as float32 of shape [num_blocks, 1]."""
+    return np.ascontiguousarray(blocks[:, start : start + 2]).view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[num_blocks, 16] bytes -> [num_blocks, 32] values: the low nibbles first, then the high ones."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+
+
+def _fifth_bits(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The 32 one-bit planes of the u32 at byte `start`, shifted to bit 4: [num_blocks, 32] uint8."""
+    qh = np.ascontiguousarray(blocks[:, start : start + 4]).view("<u4")  # [num_blocks, 1]
+    return (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+
+
+def _decode_f32(blocks: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(blocks).view("<f4").astype(np.float32)
+
+
+def _decode_f16(blocks: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(blocks).view("<f2").astype(np.float32)
+
+
+def _decode_bf16(blocks: np.ndarray) -> np.ndarray:
+    # A bfloat16 is the high 16 bits of a float32, so widening is a shift: exact, no rounding.
+    halves = np.ascontiguousarray(blocks).view("<u2").astype(np.uint32)
+    return (halves << 16).view(np.float32)
+
+
+def _decode_q8_0(blocks: np.ndarray) -> np.ndarray:
+    return _f16(blocks, 0) * blocks[:, 2:].view(np.int8).astype(np.float32)
+
+
+def _decode_q4_0(blocks: np.ndarray) -> np.ndarray:
+    q = _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
+    return _f16(blocks, 0) * q.astype(np.float32)
+
+
+def _decode_q4_1(blocks: np.ndarray) -> np.ndarray:
+    q = _nibbles(blocks[:, 4:]).astype(np.float32)
+    return _f16(blocks, 0) * q + _f16(blocks, 2)
+
+
+def _decode_q5_0(blocks: np.ndarray) -> np.ndarray:
+    q = (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks, 2)).astype(np.int8) - np.int8(16)
+    return _f16(blocks, 0) * q.astype(np.float32)
+
+
+def _decode_q5_1(blocks: np.ndarray) -> np.ndarray:
+    q = (_nibbles(blocks[:, 8:]) | _fifth_bits(blocks, 4)).astype(np.float32)
+    return _f16(blocks, 0) * q + _f16(blocks, 2)
+
+
+def _decode_q6_k(blocks: np.ndarray) -> np.ndarray:
+    num_blocks = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(num_blocks, 2, 64)
+    qh = blocks[:, 128:192].reshape(num_blocks, 2, 1, 32)
+    scales = blocks[:, 192:208].view(np.int8).astype(np.float32)  # [num_blocks, 16]
+    d = _f16(blocks, 208)  # [num_blocks, 1]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [num_blocks, 2, 128]: the table's four rows in order
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = ((qh >> shifts) & 0x03).reshape(num_blocks, 2, 128)  # row j of a half takes bits 2j..2j+1
+    q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    return ((d * scales)[:, :, None] * q.reshape(num_blocks, 16, 16)).reshape(num_blocks, 256)
+
+
+# type -> (values per block, bytes per block, decoder)
+_FORMATS: dict[GGMLQuantizationType, tuple[int, int, _DecodeBlocks]] = {
+    GGMLQuantizationType.F32: (1, 4, _decode_f32),
+    GGMLQuantizationType.F16: (1, 2, _decode_f16),
+    GGMLQuantizationType.BF16: (1, 2, _decode_bf16),
+    GGMLQuantizationType.Q8_0: (32, 34, _decode_q8_0),
+    GGMLQuantizationType.Q4_0: (32, 18, _decode_q4_0),
+    GGMLQuantizationType.Q4_1: (32, 20, _decode_q4_1),
+    GGMLQuantizationType.Q5_0: (32, 22, _decode_q5_0),
+    GGMLQuantizationType.Q5_1: (32, 24, _decode_q5_1),
+    GGMLQuantizationType.Q6_K: (256, 210, _decode_q6_k),
+}
+
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_FORMATS)
+
+
+def _type_label(ggml_type: GGMLQuantizationType | int) -> str:
+    try:
+        return f"{GGMLQuantizationType(int(ggml_type)).name} (id {int(ggml_type)})"
+    except ValueError:
+        return f"<unknown> (id {int(ggml_type)})"
+
+
+def is_supported(ggml_type: GGMLQuantizationType | int) -> bool:
+    return int(ggml_type) in {int(t) for t in _FORMATS}
+
+
+def unsupported_message(ggml_type: GGMLQuantizationType | int) -> str:
+    """'Q2_K (id 10) cannot be dequantized; supported: ...' — shared so every caller names types the same way."""
+    supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+    return f"GGML type {_type_label(ggml_type)} cannot be dequantized by splitserve; supported: {supported}"
+
+
+def packed_size_bytes(ggml_type: GGMLQuantizationType | int, shape: Sequence[int]) -> int:
+    """How many bytes a tensor of logical `shape` occupies in `ggml_type`. Raises for unsupported types and
+    for shapes whose innermost dimension is not a whole number of blocks."""
+    block_size, block_bytes, _ = _format(ggml_type)
+    num_values = int(np.prod(shape, dtype=np.int64))
+    if len(shape) == 0 or shape[-1] % block_size != 0:
+        raise ValueError(
+            f"shape {tuple(shape)} does not split into {_type_label(ggml_type)} blocks of {block_size} values"
+        )
+    return num_values // block_size * block_bytes
+
+
+def _format(ggml_type: GGMLQuantizationType | int) -> tuple[int, int, _DecodeBlocks]:
+    if not is_supported(ggml_type):
+        raise UnsupportedQuantizationError(unsupported_message(ggml_type))
+    return _FORMATS[GGMLQuantizationType(int(ggml_type))]
+
+
+def dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType | int, shape: Sequence[int]) -> torch.Tensor:
+    """Decode the raw bytes of one GGML tensor into a new float32 tensor of `shape`.
+
+    `shape` is the logical row-major shape (GGUF lists dimensions innermost first; pass them reversed). `data`
+    may be any array over the packed bytes (e.g. a read-only memmap view); it is read, never kept. Raises
+    `UnsupportedQuantizationError` naming the type for formats not listed in the module docstring, and
+    `ValueError` when the byte count does not match the shape.
+    """
+    block_size, block_bytes, decode = _format(ggml_type)
+    expected_bytes = packed_size_bytes(ggml_type, shape)
+    raw = np.asarray(data).reshape(-1).view(np.uint8)
+    if raw.size != expected_bytes:
+        raise ValueError(
+            f"{_type_label(ggml_type)} tensor of shape {tuple(shape)} needs {expected_bytes} bytes, got {raw.size}"
+        )
+    blocks = raw.reshape(-1, block_bytes)  # [num_blocks, block_bytes]
+    out = np.empty((blocks.shape[0], block_size), dtype=np.float32)  # [num_blocks, block_size]
+    # Corrupt scales can decode to inf/NaN; numpy's warnings about that would only be noise, since loaders
+    # refuse non-finite weights with a message naming the tensor (weight_layout.check_weights).
+    with np.errstate(over="ignore", invalid="ignore"):
+        for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+            stop = start + _CHUNK_BLOCKS
+            out[start:stop] = decode(blocks[start:stop])
+    return torch.from_numpy(out.reshape(tuple(int(d) for d in shape)))
