@@ -40,7 +40,8 @@ def make_engine(checkpoint, **overrides):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(dtype="float32", max_model_len=2048, **overrides), checkpoint=checkpoint)
+    overrides.setdefault("max_model_len", 2048)
+    return LLMEngine(EngineConfig(dtype="float32", **overrides), checkpoint=checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,9 @@ def test_small_chunked_prefill_keeps_outputs_identical(checkpoint, prompt_ids, e
 
 
 def test_preemption_keeps_outputs_identical(checkpoint, prompt_ids, expected):
-    # 2,048-token max_model_len needs 128 blocks; 140 cannot hold this whole batch at once.
-    engine = make_engine(checkpoint, num_kv_blocks=140, enable_prefix_caching=True)
-    assert_same(run_greedy(engine, prompt_ids), expected)
+    # 80 blocks hold one 1,280-token request, but not this batch (about 111 blocks by the end). The long prompt
+    # goes first, so the short ones are admitted into what is left and must preempt each other as they grow.
+    engine = make_engine(checkpoint, num_kv_blocks=80, max_model_len=1280, enable_prefix_caching=True)
+    got = run_greedy(engine, prompt_ids[::-1])[::-1]
+    assert_same(got, expected)
     assert engine.scheduler.num_preemptions > 0
