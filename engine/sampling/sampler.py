@@ -1,0 +1,210 @@
+"""The sampler: one step's logits in, one token per request out, with vLLM v1's semantics.
+
+Per row, each stage running only on the rows that need it (see `sampling_batch.py`):
+
+    raw logits ─┬─▶ logprobs: log_softmax of the raw logits (what the model said, before any shaping)
+                ▼
+    min_tokens: EOS and stop ids masked ─▶ repetition penalty ─▶ frequency & presence penalties
+                │
+                ├─ temperature 0 ─▶ argmax (ties -> lowest id)
+                └─ otherwise ─────▶ / temperature ─▶ min_p ─▶ top_k ─▶ top_p ─▶ Gumbel-max draw
+
+The draw is the exponential race in log space: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i picks token i with
+probability p_i, and argmax_i (logit_i - log E_i) is the same token without a softmax. E_i = -log U_i with U_i
+uniform, drawn `vocab_size` at a time from the row's own generator when it has one. A seeded row therefore gets
+the same token for the same logits wherever it sits in whatever batch: its noise depends only on its generator,
+and every stage treats rows independently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.sampling_params import SamplingParams
+from engine.sampling.logit_filters import min_p_threshold, top_k_threshold, top_p_threshold
+from engine.sampling.logprobs import TokenLogprobs
+from engine.sampling.penalties import apply_frequency_presence_penalties, apply_repetition_penalty, mask_tokens
+from engine.sampling.sampling_batch import LogprobStage, RandomStage, SamplingBatch
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs"]
+
+
+@dataclass
+class SamplingRow:
+    """One request that needs a token this step.
+
+    `generator` is the request's own, seeded from `params.seed` by the caller and kept across steps; best on the
+    logits' device (one elsewhere works, at the cost of a copy per step). None draws from the sampler's default
+    generator. Token ids must be < vocab_size.
+    min_tokens masking applies whatever `params.ignore_eos` says: ignore_eos only affects stopping, which is the
+    engine's business.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]  # for the repetition penalty
+    output_token_ids: Sequence[int]  # tokens generated so far: penalties and min_tokens
+    eos_token_ids: tuple[int, ...]  # masked with params.stop_token_ids while len(output) < params.min_tokens
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row, in row order
+    logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
+
+
+class Sampler:
+    """Samples one token per row. Stateless between steps apart from the default generator."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        """`seed` seeds the default generator (one per device, made on first use) for rows without their own;
+        None seeds it nondeterministically."""
+        self._seed = seed
+        self._default_generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Pick a token for each row.
+
+        logits: [num_rows, vocab_size], float32 (other float dtypes are processed in float32); not modified.
+        Rows whose params agree share every tensor operation; the per-row Python work is reading params and
+        building tensors, plus one noise draw per seeded random row.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {list(logits.shape)}")
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        batch = SamplingBatch.from_rows(rows, vocab_size=logits.shape[1], device=logits.device)
+
+        raw_logprobs = None
+        if batch.logprobs is not None:  # before anything shapes the logits
+            raw_logprobs = batch.logprobs.rows.gather(logits).float().log_softmax(dim=-1)  # [num_lp, vocab_size]
+
+        if batch.adjusts_logits:
+            logits = self._adjust(logits, batch)
+
+        if batch.random is None:
+            token_ids = logits.argmax(dim=-1)  # [num_rows]: the all-greedy step is this one op
+        elif batch.greedy is None:
+            token_ids = self._sample_random(logits, batch.random)  # [num_rows]
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)  # [num_rows]
+            assert batch.greedy.index is not None and batch.random.rows.index is not None  # both groups are partial
+            token_ids[batch.greedy.index] = batch.greedy.gather(logits).argmax(dim=-1)
+            token_ids[batch.random.rows.index] = self._sample_random(logits, batch.random)
+
+        token_id_list: list[int] = token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if batch.logprobs is not None and raw_logprobs is not None:
+            _gather_logprobs(raw_logprobs, token_ids, batch.logprobs, logprobs)
+        return SamplerOutput(token_ids=token_id_list, logprobs=logprobs)
+
+    @staticmethod
+    def _adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """min_tokens masking, then the penalties, on a float32 copy of logits [num_rows, vocab_size]."""
+        logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
+        if batch.min_tokens_mask is not None:
+            mask_tokens(logits, batch.min_tokens_mask.row_ids, batch.min_tokens_mask.token_ids)
+        if batch.repetition is not None:
+            seen = batch.repetition.seen
+            apply_repetition_penalty(logits, batch.repetition.penalty, seen.row_ids, seen.token_ids)
+        if batch.frequency_presence is not None:
+            stage = batch.frequency_presence
+            apply_frequency_presence_penalties(
+                logits, stage.frequency_penalty, stage.presence_penalty, stage.output.row_ids, stage.output.token_ids
+            )
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, stage: RandomStage) -> torch.Tensor:
+        """Draw one token per random row. logits: [num_rows, vocab_size] (the step's); returns [num_random]."""
+        if stage.rows.index is None:
+            scaled = logits.float() / stage.temperature  # [num_random, vocab_size], fresh: the caller's stays
+        else:
+            scaled = logits[stage.rows.index].float().div_(stage.temperature)  # a fresh copy
+        threshold = _truncation_threshold(scaled, stage)  # [num_random, 1] or None
+        if threshold is not None:
+            scaled.masked_fill_(scaled < threshold, float("-inf"))
+        return scaled.sub_(self._log_exponential_noise(scaled, stage)).argmax(dim=-1)
+
+    def _log_exponential_noise(self, scaled: torch.Tensor, stage: RandomStage) -> torch.Tensor:
+        """log E for E ~ Exp(1), shaped like `scaled` ([num_random, vocab_size]); each seeded row's from its own
+        generator, the rest from the default one.
+
+        E = -log U with U in [0, 1): U = 0 gives E = inf and a -inf score, never a NaN (unlike p / E at p = 0).
+        """
+        num_random, vocab_size = scaled.shape
+        uniform = torch.empty_like(scaled)  # [num_random, vocab_size]
+        if stage.unseeded is not None:
+            default = self._default_generator(scaled.device)
+            if stage.unseeded.index is None:
+                uniform.uniform_(generator=default)
+            else:
+                num_unseeded = stage.unseeded.index.shape[0]
+                draws = torch.rand(num_unseeded, vocab_size, generator=default, device=scaled.device)
+                uniform[stage.unseeded.index] = draws
+        for row, generator in stage.seeded:
+            # Exactly vocab_size draws per step from the row's generator, whatever the batch looks like.
+            if generator.device == uniform.device:
+                uniform[row].uniform_(generator=generator)
+            else:  # e.g. a CPU generator for GPU logits: draw where the generator lives, then copy
+                uniform[row].copy_(torch.rand(vocab_size, generator=generator, device=generator.device))
+        return uniform.log_().neg_().log_()
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._default_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed)
+            self._default_generators[device] = generator
+        return generator
+
+
+def _truncation_threshold(scaled: torch.Tensor, stage: RandomStage) -> torch.Tensor | None:
+    """The smallest logit min_p, top_k and top_p (in that order) let through, per random row ([num_random, 1]);
+    None when no row sets a filter. scaled: [num_random, vocab_size], temperature applied."""
+    threshold = None
+    if stage.min_p is not None:
+        threshold = min_p_threshold(scaled, stage.min_p)
+    if stage.top_k is not None:
+        rows = stage.top_k.rows
+        kth = top_k_threshold(rows.gather(scaled), stage.top_k.values, int(stage.top_k.max_value))
+        if threshold is None:
+            threshold = torch.full_like(scaled[:, :1], float("-inf"))
+        threshold = rows.scatter(threshold, torch.maximum(rows.gather(threshold), kth))
+    if stage.top_p is not None:
+        rows = stage.top_p.rows
+        floor = None if threshold is None else rows.gather(threshold)
+        nucleus = top_p_threshold(rows.gather(scaled), stage.top_p.values, floor)
+        if threshold is None:
+            threshold = torch.full_like(scaled[:, :1], float("-inf"))
+        threshold = rows.scatter(threshold, nucleus)
+    return threshold
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, stage: LogprobStage, out: list[TokenLogprobs | None]
+) -> None:
+    """Fill `out` at the stage's rows. raw_logprobs: [num_lp, vocab_size]; token_ids: [num_rows] sampled."""
+    lp_token_ids = stage.rows.gather(token_ids)  # [num_lp]
+    token_logprobs = raw_logprobs.gather(-1, lp_token_ids.unsqueeze(1))  # [num_lp, 1]
+    ranks = (raw_logprobs >= token_logprobs).sum(dim=-1)  # [num_lp]; counts the token itself, so 1-based
+    top_ids: list[list[int]] = [[] for _ in stage.num_logprobs]
+    top_values: list[list[float]] = [[] for _ in stage.num_logprobs]
+    if stage.max_num_logprobs > 0:
+        values, ids = raw_logprobs.topk(stage.max_num_logprobs, dim=-1)  # [num_lp, max_num_logprobs], descending
+        top_values, top_ids = values.tolist(), ids.tolist()
+    row_ids = range(len(out)) if stage.rows.index is None else stage.rows.index.tolist()
+    token_id_list, logprob_list, rank_list = lp_token_ids.tolist(), token_logprobs.squeeze(1).tolist(), ranks.tolist()
+    for i, row_id in enumerate(row_ids):
+        num = stage.num_logprobs[i]
+        out[row_id] = TokenLogprobs(
+            token_id=token_id_list[i],
+            logprob=logprob_list[i],
+            rank=rank_list[i],
+            top=list(zip(top_ids[i][:num], top_values[i][:num], strict=True)),
+        )
