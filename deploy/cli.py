@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.loader.errors import ModelLoadError  # torch-free, like everything imported here
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="disaggregated prefill/decode LLM serving")
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:  # bad input: a clear message, no traceback
+    except (ValueError, FileNotFoundError, ModelLoadError) as exc:  # bad input: a clear message, no traceback
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -43,16 +43,19 @@ class LLM:
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         for p in per_prompt:
             p.validate()
-        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        requests = [
+            self.engine.make_request(f"offline-{next(self._ids)}", prompt, p)
+            for prompt, p in zip(prompts, per_prompt, strict=True)
+        ]
         added: list[str] = []
         try:
-            for request_id, prompt, p in zip(request_ids, prompts, per_prompt, strict=True):
-                self.engine.add_request(request_id, prompt, p)
-                added.append(request_id)
+            for request in requests:
+                self.engine.enqueue(request)
+                added.append(request.request_id)
         except BaseException:
             self.engine.abort_request(added)
             raise
-        return self._run(request_ids)
+        return self._run([r.request_id for r in requests])
 
     def chat(
         self,

@@ -9,6 +9,7 @@ errored; on every one of those exits the scheduler returns their KV blocks to th
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -83,13 +84,23 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
         """Validate and queue a request. Raises ValueError naming the problem; allocates nothing on failure."""
+        request = self.make_request(request_id, prompt, params)
+        self.enqueue(request)
+        return request
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        """Validate and tokenize a request without queueing it: the engine is left untouched, so a caller can
+        check a whole batch before queueing any of it. Raises ValueError naming the problem."""
         params.validate()
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
-            prompt_ids = list(prompt)
+            try:  # an int-like id (numpy's too) is taken; a float or str would fail later, inside a shared step
+                prompt_ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError(f"a prompt is text or a sequence of integer token ids, got {prompt!r:.100}") from None
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
@@ -103,7 +114,7 @@ class LLMEngine:
             )
         room = self.max_model_len - len(prompt_ids)
         eos = tuple(self.tokenizer.eos_token_ids)
-        request = Request(
+        return Request(
             request_id,
             prompt_ids,
             params,
@@ -111,10 +122,12 @@ class LLMEngine:
             max_tokens=min(params.max_tokens or room, room),
             hash_namespace=self.hash_namespace if self.config.enable_prefix_caching else None,
         )
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request from `make_request`. Raises ValueError (and queues nothing) if its id is in use."""
         self.scheduler.add_request(request)
         self.outputs.add(request)
-        self._counters.num_prompt_tokens += len(prompt_ids)
-        return request
+        self._counters.num_prompt_tokens += request.num_prompt_tokens
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         outs = []
@@ -142,23 +155,32 @@ class LLMEngine:
                 if request is not None:
                     outs.append(self._finish(request, error=f"engine step failed: {exc}"))
             return outs
+        # The tokens exist from here: stamped before update_from_output, which stamps finish times, so that a
+        # request finishing on its first token never reports a ttft longer than its e2e latency.
+        sampled_s = time.monotonic()
         produced = self.scheduler.update_from_output(scheduled, sampled)
-        outs = self._postprocess(produced, logprobs)
+        outs = self._postprocess(produced, logprobs, sampled_s)
         self._events.extend(self.block_pool.take_events())
         return outs
 
-    def _postprocess(self, produced: list[tuple[Request, int]], logprobs: dict) -> list[RequestOutput]:
-        now = time.monotonic()
+    def _postprocess(
+        self, produced: list[tuple[Request, int]], logprobs: dict, sampled_s: float
+    ) -> list[RequestOutput]:
         outs = []
         self._counters.num_generation_tokens += len(produced)
         for request, token_id in produced:
             if request.times.first_token_s is None:
-                request.times.first_token_s = now
-            request.times.last_token_s = now
+                request.times.first_token_s = sampled_s
+            request.times.last_token_s = sampled_s
             stop_string = self.outputs.append_token(request, token_id, logprobs.get(request.request_id))
-            if stop_string is not None and not request.is_finished:
+            if stop_string is not None:
+                # The text is cut at the stop string, so that is why the request ended, even when the same token
+                # also reached max_tokens or was a stop token id (vLLM's rule too).
                 request.stop_reason = stop_string
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                if request.is_finished:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             outs.append(self._finish(request) if request.is_finished else self.outputs.snapshot(request))
         return outs
 

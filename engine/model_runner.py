@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.attention.metadata import AttentionMetadata, PrefillChunk, build_decode_groups
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.model.llama import LlamaModel
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
@@ -34,7 +34,8 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """Run one step. Returns the sampled token of each request that samples, and logprobs where asked."""
-        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        # Decodes first, shortest context first (the attention backend groups them by length); then prefills.
+        items = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start if s.num_new_tokens == 1 else 0))
         input_ids, positions, meta = self._prepare(items)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
 
@@ -104,20 +105,11 @@ class ModelRunner:
                         query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
                     )
                 )
-        decode_block_tables = None
-        decode_seq_lens = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            decode_seq_lens = torch.tensor(decode_lens)
-        slot_mapping = torch.tensor(slots)
         meta = AttentionMetadata(
             num_tokens=len(ids),
-            slot_mapping=slot_mapping,
+            slot_mapping=torch.tensor(slots),
             num_decode_tokens=len(decode_tables),
-            decode_block_tables=decode_block_tables,
-            decode_seq_lens=decode_seq_lens,
-            decode_max_seq_len=max(decode_lens, default=0),
+            decode_groups=build_decode_groups(decode_tables, decode_lens, bs),
             prefills=tuple(prefills),
         )
         return torch.tensor(ids), torch.tensor(pos), meta

@@ -1,7 +1,9 @@
 """Paged attention in plain torch: the reference backend, and the CPU one.
 
-Decode tokens are attended in one batched matmul over their gathered, padded contexts; prefill chunks one by one
-with SDPA (causal; a chunk after cached context gets an explicit offset-causal mask).
+Decode tokens (one query each) are grouped by context length; each group gathers its blocks with one
+`index_select` per K and V over the flat `[num_blocks, block_size * Hkv * D]` view (a row copy, the cheapest
+gather torch has) and runs one masked SDPA. Prefill chunks run one by one with SDPA: plain causal when fresh, an
+offset-causal mask after cached context.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk
 
 
 class TorchAttentionBackend:
@@ -26,39 +28,41 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, Hkv, D]
-        v_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        k_slots[meta.slot_mapping] = k
-        v_slots[meta.slot_mapping] = v
+        num_tokens, num_kv_heads, head_dim = k.shape
+        row = num_kv_heads * head_dim
+        # Flat views over the paged cache: one row per token slot, and one row per block.
+        k_slots, v_slots = kv_cache[0].view(-1, row), kv_cache[1].view(-1, row)
+        k_slots.index_copy_(0, meta.slot_mapping, k.reshape(num_tokens, row))
+        v_slots.index_copy_(0, meta.slot_mapping, v.reshape(num_tokens, row))
 
         out = torch.empty_like(q)
-        num_decodes = meta.num_decode_tokens
-        if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta)
+        for group in meta.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_slots, v_slots, chunk)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        group = num_heads // num_kv_heads
-        max_len = meta.decode_max_seq_len
-        num_blocks = -(-max_len // block_size)
-        tables = meta.decode_block_tables[:, :num_blocks]  # [S, nb]
-        # [S, nb, B, Hkv, D] -> [S, Hkv, L, D]
-        keys = kv_cache[0][tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
-        values = kv_cache[1][tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
-        qg = q.view(num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [S, Hkv, G, L]
-        positions = torch.arange(max_len)
-        pad = positions[None, :] >= meta.decode_seq_lens[:, None]  # [S, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+        num_blocks, block_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
+        k_blocks = kv_cache[0].view(num_blocks, -1)  # [num_blocks, block_size * Hkv * D]
+        v_blocks = kv_cache[1].view(num_blocks, -1)
+        max_len = group.max_seq_len
+        # [S * nb, B * Hkv * D] -> [S, nb * B, Hkv, D] -> [S, Hkv, L, D] (a strided view, no copy)
+        keys = torch.index_select(k_blocks, 0, group.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
+        values = torch.index_select(v_blocks, 0, group.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
+        keys = keys[:, :max_len].transpose(1, 2)
+        values = values[:, :max_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [S, H, 1, D]
+            keys,
+            values,
+            attn_mask=group.mask,  # [S, 1, 1, L], True = attend
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.view(num_seqs, num_heads, head_dim)
 
     def _prefill(
         self,
@@ -69,10 +73,12 @@ class TorchAttentionBackend:
         v_slots: torch.Tensor,
         chunk: PrefillChunk,
     ) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         if chunk.context_slots is None:  # fresh: only its own tokens, plain causal
             keys, values, mask, causal = k, v, None, True
         else:
-            keys, values = k_slots[chunk.context_slots], v_slots[chunk.context_slots]
+            keys = torch.index_select(k_slots, 0, chunk.context_slots).view(-1, num_kv_heads, head_dim)
+            values = torch.index_select(v_slots, 0, chunk.context_slots).view(-1, num_kv_heads, head_dim)
             offset = chunk.context_len - chunk.query_len
             rows = torch.arange(chunk.query_len)[:, None] + offset
             mask = torch.arange(chunk.context_len)[None, :] <= rows  # [Lq, Lc], True = attend
