@@ -19,7 +19,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 2 << 30
     seed: int | None = None  # for requests without their own seed
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "cpu" (C++ paged decode kernel) when it builds, else "torch"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
 
     def __post_init__(self) -> None:

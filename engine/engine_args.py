@@ -35,6 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-memory", type=parse_size_bytes, default=d.kv_cache_memory_bytes, help="KV cache size, e.g. 2GiB"
     )
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "cpu", "torch"))
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 
@@ -51,5 +52,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory,
         seed=args.seed,
+        attention_backend=args.attention_backend,
         num_threads=args.num_threads,
     )

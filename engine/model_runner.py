@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata, PrefillChunk, build_decode_groups
+from engine.attention.metadata import AttentionMetadata, PrefillChunk
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.model.llama import LlamaModel
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
@@ -105,11 +105,13 @@ class ModelRunner:
                         query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
                     )
                 )
+        width = max((len(t) for t in decode_tables), default=0)
         meta = AttentionMetadata(
             num_tokens=len(ids),
             slot_mapping=torch.tensor(slots),
             num_decode_tokens=len(decode_tables),
-            decode_groups=build_decode_groups(decode_tables, decode_lens, bs),
+            decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
             prefills=tuple(prefills),
         )
         return torch.tensor(ids), torch.tensor(pos), meta

@@ -29,9 +29,22 @@ class AttentionBackend(Protocol):
         ...
 
 
+BACKENDS = ("auto", "cpu", "torch")
+
+
 def get_attention_backend(name: str, *, scale: float) -> AttentionBackend:
+    """"torch": the plain-torch reference; "cpu": torch plus the C++ paged decode kernel; "auto": "cpu" when the
+    kernel builds on this machine, else "torch"."""
+    if name == "auto":
+        from engine.kernels.cpu_paged_attention import load_kernel
+
+        name = "cpu" if load_kernel() is not None else "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(scale=scale)
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(scale=scale)
+    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")

@@ -44,12 +44,15 @@ class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode_tokens: int
-    decode_groups: tuple[DecodeGroup, ...]
+    decode_block_tables: torch.Tensor  # [num_decode_tokens, max_num_blocks] int64, padded with 0
+    decode_seq_lens: torch.Tensor  # [num_decode_tokens] int64, ascending
     prefills: tuple[PrefillChunk, ...]
 
 
-def build_decode_groups(tables: list[list[int]], seq_lens: list[int], block_size: int) -> tuple[DecodeGroup, ...]:
-    """Split decode sequences (sorted by ascending length) into groups of bounded padding waste."""
+def build_decode_groups(meta: AttentionMetadata, block_size: int) -> tuple[DecodeGroup, ...]:
+    """Split the step's decode sequences (ascending length) into groups of bounded padding waste."""
+    seq_lens: list[int] = meta.decode_seq_lens.tolist()
+    tables: list[list[int]] = meta.decode_block_tables.tolist()
     groups: list[DecodeGroup] = []
     start = 0
     while start < len(seq_lens):

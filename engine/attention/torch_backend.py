@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk, build_decode_groups
 
 
 class TorchAttentionBackend:
@@ -19,6 +19,13 @@ class TorchAttentionBackend:
 
     def __init__(self, *, scale: float) -> None:
         self.scale = scale
+        self._groups: tuple[AttentionMetadata | None, tuple[DecodeGroup, ...]] = (None, ())
+
+    def _decode_groups(self, meta: AttentionMetadata, block_size: int) -> tuple[DecodeGroup, ...]:
+        # Built once per step (the first layer), reused by the other layers.
+        if self._groups[0] is not meta:
+            self._groups = (meta, build_decode_groups(meta, block_size))
+        return self._groups[1]
 
     def forward(
         self,
@@ -36,14 +43,21 @@ class TorchAttentionBackend:
         v_slots.index_copy_(0, meta.slot_mapping, v.reshape(num_tokens, row))
 
         out = torch.empty_like(q)
-        for group in meta.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], kv_cache, group)
+        if meta.num_decode_tokens:
+            out[: meta.num_decode_tokens] = self.decode(q[: meta.num_decode_tokens], kv_cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_slots, v_slots, chunk)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of the step's decode tokens (the first `meta.num_decode_tokens` rows)."""
+        out = torch.empty_like(q)
+        for group in self._decode_groups(meta, kv_cache.shape[2]):
+            out[group.rows] = self._decode_group(q[group.rows], kv_cache, group)
+        return out
+
+    def _decode_group(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
         k_blocks = kv_cache[0].view(num_blocks, -1)  # [num_blocks, block_size * Hkv * D]
