@@ -50,6 +50,7 @@ def run_ours(checkpoint, work, args) -> float:
             max_model_len=2048,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory_bytes=int(args.kv_cache_memory_gib * (1 << 30)),
             enable_prefix_caching=True,
         ),
         checkpoint=checkpoint,
@@ -124,7 +125,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--hf-batch-sizes", default="1,8,32")
     p.add_argument("--calibration-prompts", type=int, default=32)
-    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=6.0, help="room for the whole workload in flight")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--llama-cpp", action="store_true", help="also time single-stream decode vs llama.cpp")
     p.add_argument("--single-stream-tokens", type=int, default=128)

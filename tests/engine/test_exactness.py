@@ -81,8 +81,9 @@ def assert_same(got: list[list[int]], want: list[list[int]]) -> None:
                            f"want {[want[i] for i in mismatches]}"
 
 
-def test_batched_greedy_matches_hf(checkpoint, prompt_ids, expected):
-    engine = make_engine(checkpoint, enable_prefix_caching=False)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_batched_greedy_matches_hf(checkpoint, prompt_ids, expected, backend):
+    engine = make_engine(checkpoint, enable_prefix_caching=False, attention_backend=backend)
     assert_same(run_greedy(engine, prompt_ids), expected)
 
 
