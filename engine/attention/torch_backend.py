@@ -59,7 +59,7 @@ class TorchAttentionBackend:
 
     def _decode_group(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
-        num_blocks, block_size, num_kv_heads = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
+        num_blocks, num_kv_heads = kv_cache.shape[1], kv_cache.shape[3]
         k_blocks = kv_cache[0].view(num_blocks, -1)  # [num_blocks, block_size * Hkv * D]
         v_blocks = kv_cache[1].view(num_blocks, -1)
         max_len = group.max_seq_len

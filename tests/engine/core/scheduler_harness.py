@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 
-import pytest
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kv_transfer.block_hash import BlockHashNamespace
-from kv_transfer.kv_events import BlockRemoved, BlockStored
 
 AllFree = Callable[[BlockPool], None]
 

@@ -5,26 +5,15 @@ A fake "model" (scheduler_harness.FakeModel) stands in for the runtime.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
 
 import pytest
 
-from engine.core.block_pool import BlockPool
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus
-from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kv_transfer.block_hash import BlockHashNamespace
+from engine.core.request import RequestStatus
+from engine.core.scheduler import SchedulerConfig
 from kv_transfer.kv_events import BlockRemoved, BlockStored
 from tests.engine.core.scheduler_harness import (
     AllFree,
-    B,
-    EOS,
     FakeModel,
-    NS,
-    Trace,
-    check_ref_counts,
     make_request,
     make_scheduler,
     prompt,
