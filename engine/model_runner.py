@@ -19,7 +19,6 @@ class ModelRunner:
         c = model.config
         self.model = model
         self.block_size = block_size
-        self.num_blocks = num_blocks
         # [2, num_blocks, block_size, Hkv, D] per layer
         self.kv_caches = [
             torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
