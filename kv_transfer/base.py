@@ -1,0 +1,166 @@
+"""The sender/receiver interface every transport implements, and the two ends it plugs into.
+
+    prefill worker                                             decode worker
+    ──────────────                                             ─────────────
+    KVBlockSource ──▶ KVSender.send(handoff, source, endpoint) ──wire──▶ KVReceiver ──▶ KVSink.open(handoff)
+      (reads held blocks)        raises KVTransferError                                   └▶ KVDestination
+                                 on refusal, timeout, dead peer,                             .write_block(i, data)
+                                 bad checksum                                                .commit() | .fail(why)
+
+Ownership: the sender's blocks stay held until `send` returns (the receiver confirmed every block) or raises
+(the receiver failed the destination, or the timeout passed); the caller frees them either way. On the receiving
+side, exactly one of `commit` / `fail` is called on every destination `open` returned, so the decode worker
+frees a reservation whose transfer never completed.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import torch
+
+from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError, block_checksum
+
+
+class KVBlockSource(Protocol):
+    """The sender's view of one handoff's blocks."""
+
+    layout: KVLayout
+
+    def read_block(self, index: int) -> torch.Tensor:
+        """Block `index` of the handoff: a contiguous tensor of `layout.block_shape`, on the source's device."""
+        ...
+
+
+class KVDestination(Protocol):
+    """Where one handoff's blocks land on the receiver: reserved blocks of its paged cache."""
+
+    def write_block(self, index: int, data: torch.Tensor) -> None:
+        """Store block `index` (a tensor of `layout.block_shape`, verified against its checksum)."""
+        ...
+
+    def commit(self) -> None:
+        """Every block arrived and verified; the request may run."""
+        ...
+
+    def fail(self, reason: str) -> None:
+        """The handoff failed; the reservation must be released. Idempotent."""
+        ...
+
+
+class SettleOnce:
+    """A KVDestination wrapper that lets exactly one of commit / fail through, whichever comes first.
+
+    Receivers wrap every destination the sink opens, so that a `close()` racing a handler thread, or an error
+    after a failed commit, can never commit a failed handoff or fail a committed one."""
+
+    def __init__(self, dest: KVDestination) -> None:
+        self._dest = dest
+        self._lock = threading.Lock()
+        self.outcome: str | None = None  # None (open), "committed" or "failed"
+
+    def write_block(self, index: int, data: torch.Tensor) -> None:
+        if self.outcome is not None:
+            raise KVTransferError(f"write to a destination already {self.outcome}")
+        self._dest.write_block(index, data)
+
+    def commit(self) -> None:
+        """Commit, or raise KVTransferError when the handoff was failed first (by `close`, a timeout)."""
+        with self._lock:
+            if self.outcome is not None:
+                raise KVTransferError(f"commit of a destination already {self.outcome}")
+            self._dest.commit()
+            self.outcome = "committed"
+
+    def fail(self, reason: str) -> None:
+        """Fail unless already settled; later calls do nothing."""
+        with self._lock:
+            if self.outcome is not None:
+                return
+            self.outcome = "failed"
+        self._dest.fail(reason)
+
+
+class KVSink(Protocol):
+    """The receiver's owner (the decode worker)."""
+
+    layout: KVLayout
+    device: torch.device
+
+    def open(self, handoff: KVHandoff) -> KVDestination:
+        """Find (or make) the destination for a handoff. Raises KVTransferError to refuse it."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferResult:
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferFault:
+    """Test hook: make a sender misbehave on purpose (the conformance suite's corrupted-block case)."""
+
+    corrupt_block: int | None = None  # flip a byte of this block after its checksum is taken
+    stop_after_blocks: int | None = None  # die (raise, drop the connection) after sending this many blocks
+
+    def apply(self, index: int, block: torch.Tensor) -> torch.Tensor:
+        """Block `index` as the faulty sender puts it on the wire: a copy with its first byte flipped when it is
+        `corrupt_block`, else `block` itself. Call it after the checksum is taken."""
+        if index != self.corrupt_block:
+            return block
+        corrupted = block.clone()
+        first = corrupted.view(-1).view(torch.uint8)[:1]  # a view: writing it writes the copy
+        first.bitwise_xor_(0xFF)
+        return corrupted
+
+
+def block_bytes(block: torch.Tensor) -> memoryview:
+    """The raw bytes of one contiguous block, copied to host memory first when it lives on a GPU."""
+    if not block.is_contiguous():
+        raise ValueError("a KV block on the wire must be a contiguous tensor")
+    host = block if block.device.type == "cpu" else block.cpu()
+    return memoryview(host.view(-1).view(torch.uint8).numpy())
+
+
+def tensor_checksum(block: torch.Tensor) -> int:
+    """`block_checksum` of a block tensor's bytes."""
+    return block_checksum(block_bytes(block))
+
+
+class KVSender(abc.ABC):
+    """One per prefill worker; thread-safe: concurrent `send`s to the same or different receivers."""
+
+    name: str
+
+    @abc.abstractmethod
+    def send(self, handoff: KVHandoff, source: KVBlockSource, *, endpoint: str, timeout_s: float) -> TransferResult:
+        """Move every block to the receiver at `endpoint` and wait for its confirmation.
+
+        Returns once the receiver committed; raises KVTransferError (KVLayoutMismatch, KVChecksumError, or a
+        timeout / dead-peer error) otherwise. Never returns before the receiver has verified every block."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release connections and groups."""
+
+
+class KVReceiver(abc.ABC):
+    """One per decode worker. Serves its transport's wire side and hands blocks to the sink."""
+
+    name: str
+
+    def __init__(self, sink: KVSink) -> None:
+        self.sink = sink
+
+    @abc.abstractmethod
+    def attach(self, server: grpc.Server, endpoint: str) -> None:
+        """Serve this transport through the worker's gRPC server (called before `server.start()`); `endpoint` is
+        that server's address, which senders pass to `KVSender.send`."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Stop serving; destinations still open are failed."""

@@ -1,0 +1,349 @@
+"""The gRPC KV transport: the block bytes ride inside one client-streaming call to the receiver's worker server.
+
+    sender                                                 receiver (KVReceiver.Transfer on the worker's server)
+    ──────                                                 ────────
+    descriptor ──────────────────────────────────────────▶ check layout, sink.open(handoff) ─▶ dest
+    block 0: chunk(≤1 MiB) … chunk(last, crc32) ─────────▶ assemble in one block buffer, verify CRC, write_block(0)
+    …                                                      …
+    half-close ──────────────────────────────────────────▶ every block arrived: dest.commit()
+    ◀──────────────────────────────────────────────────── KVTransferAck(ok) | ack(error, error_kind)
+
+Memory stays bounded on both ends: the sender reads one block when gRPC flow control asks for more, the
+receiver holds one block's buffer. The call carries the sender's `timeout_s` as its deadline, so a sender that
+stalls or dies cancels the call on the receiver (which fails the destination), and a receiver that stalls or
+dies ends the call on the sender with DEADLINE_EXCEEDED or UNAVAILABLE.
+
+This module also holds the gRPC plumbing the torch transport reuses for its control messages: the channel
+cache and the mapping from gRPC status and receiver acks to KVTransferError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from kv_transfer.base import (
+    KVBlockSource,
+    KVReceiver,
+    KVSender,
+    KVSink,
+    SettleOnce,
+    TransferFault,
+    TransferResult,
+    block_bytes,
+    tensor_checksum,
+)
+from kv_transfer.layout import (
+    KVChecksumError,
+    KVHandoff,
+    KVTransferError,
+    block_checksum,
+    error_from_kind,
+    error_kind,
+)
+from kv_transfer.grpc_wire import Chunk, Malformed, decode_message, encode_chunk, encode_message
+from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+CHUNK_BYTES = 1 << 20  # a block larger than this is split; keeps every message far below gRPC's 4 MB default
+MAX_MESSAGE_BYTES = 64 << 20  # raised on our channels all the same, for the descriptor of a very long prompt
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+STOP_SLACK_S = 5.0  # how long past its deadline the sender waits for gRPC to report the deadline itself
+SERVICE = "splitserve.kv.v1.KVReceiver"  # protos/kv_transfer.proto's package and service
+TRANSFER_METHOD = f"/{SERVICE}/Transfer"
+# A block that came in one chunk is viewed, not copied, out of the received message (read-only bytes) until the
+# sink copies it into the cache; torch warns that such a tensor must not be written, which nothing here does.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
+
+
+# ── plumbing shared with the torch transport ─────────────────────────────────────────────────────────────────
+
+
+class ChannelCache:
+    """One insecure channel per receiver endpoint, made on first use; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def channel(self, endpoint: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+                self._channels[endpoint] = channel
+        return channel
+
+    def stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KVReceiverStub:
+        return kv_transfer_pb2_grpc.KVReceiverStub(self.channel(endpoint))
+
+    def transfer(self, endpoint: str) -> grpc.StreamUnaryMultiCallable:
+        """KVReceiver.Transfer on `endpoint`, with the hand-made chunk encoding (kv_transfer.grpc_wire)."""
+        return self.channel(endpoint).stream_unary(
+            TRANSFER_METHOD,
+            request_serializer=encode_message,
+            response_deserializer=kv_transfer_pb2.KVTransferAck.FromString,
+        )
+
+    def forget(self, endpoint: str) -> None:
+        """Drop an endpoint's channel after it proved unreachable, so that the next send dials afresh instead of
+        waiting out the old channel's reconnect backoff (a restarted worker reuses its address). Calls still in
+        flight on it keep it alive until they end."""
+        with self._lock:
+            self._channels.pop(endpoint, None)
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+
+
+def rpc_error(exc: grpc.RpcError, *, what: str, endpoint: str, timeout_s: float) -> KVTransferError:
+    """A KVTransferError saying why a call to the receiver at `endpoint` failed."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return KVTransferError(f"{what}: timed out after {timeout_s:.3g}s waiting for the receiver at {endpoint}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return KVTransferError(f"{what}: receiver at {endpoint} unavailable (dead or unreachable): {details}")
+    if code == grpc.StatusCode.CANCELLED:
+        return KVTransferError(f"{what}: call to the receiver at {endpoint} was cancelled: {details}")
+    name = code.name if code is not None else "unknown status"
+    return KVTransferError(f"{what}: receiver at {endpoint} answered {name}: {details}")
+
+
+def refusal(exc: Exception) -> KVTransferError:
+    """The receiver-side view of an exception: KVTransferError subclasses as they are, anything else wrapped."""
+    if isinstance(exc, KVTransferError):
+        return exc
+    return KVTransferError(f"{type(exc).__name__}: {exc}")
+
+
+def error_ack(exc: Exception) -> kv_transfer_pb2.KVTransferAck:
+    err = refusal(exc)
+    return kv_transfer_pb2.KVTransferAck(ok=False, error=str(err), error_kind=error_kind(err))
+
+
+def ack_error(ack: kv_transfer_pb2.KVTransferAck | kv_transfer_pb2.KVOpenAck, *, endpoint: str) -> KVTransferError:
+    """The exception a sender raises for a receiver's negative ack, of the subclass the receiver reported."""
+    return error_from_kind(ack.error_kind, f"receiver at {endpoint} refused: {ack.error}")
+
+
+def with_source(handoff: KVHandoff, *, worker_id: str, transport: str) -> KVHandoff:
+    """The handoff as it goes on the wire: the sender's identity and transport filled in where the caller left
+    them empty."""
+    return dataclasses.replace(
+        handoff,
+        source_worker_id=handoff.source_worker_id or worker_id,
+        transport=handoff.transport or transport,
+    )
+
+
+# ── receiver ─────────────────────────────────────────────────────────────────────────────────────────────────
+
+
+class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
+    def __init__(self, receiver: Receiver) -> None:
+        self._receiver = receiver
+
+    def Transfer(
+        self, request_iterator: Iterator[kv_transfer_pb2.KVTransferMessage | Chunk | Malformed],
+        context: grpc.ServicerContext,
+    ) -> kv_transfer_pb2.KVTransferAck:
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            return error_ack(KVTransferError("empty KV transfer stream"))
+        except grpc.RpcError:  # the sender went away before saying anything: nothing was opened
+            return error_ack(KVTransferError("sender cancelled before the descriptor"))
+        if not isinstance(first, kv_transfer_pb2.KVTransferMessage) or first.WhichOneof("kind") != "descriptor":
+            return error_ack(KVTransferError("KV transfer stream must start with the handoff descriptor"))
+        try:
+            handoff = KVHandoff.from_proto(first.descriptor)
+            dest = self._receiver.open(handoff)
+        except Exception as exc:  # refused before any byte was accepted; the sink opened nothing (or refused)
+            return error_ack(exc)
+        try:
+            self._receiver.receive(handoff, dest, request_iterator)
+            dest.commit()
+        except Exception as exc:  # a broken stream (grpc.RpcError on cancel or deadline) included
+            reason = str(refusal(exc)) if not isinstance(exc, grpc.RpcError) else "sender cancelled or timed out"
+            dest.fail(f"gRPC KV transfer {handoff.transfer_id} failed: {reason}")
+            return error_ack(exc if not isinstance(exc, grpc.RpcError) else KVTransferError(reason))
+        finally:
+            self._receiver.forget(dest)
+        return kv_transfer_pb2.KVTransferAck(ok=True, num_bytes=handoff.num_bytes)
+
+
+class Receiver(KVReceiver):
+    """Serves KVReceiver.Transfer on the worker's gRPC server; one handler thread per handoff in flight."""
+
+    name = "grpc"
+
+    def __init__(self, sink: KVSink) -> None:
+        super().__init__(sink)
+        self._lock = threading.Lock()
+        self._open: set[SettleOnce] = set()
+        self._closed = False
+
+    def attach(self, server: grpc.Server, endpoint: str) -> None:
+        handlers = {
+            "Transfer": grpc.stream_unary_rpc_method_handler(
+                _Servicer(self).Transfer,
+                request_deserializer=decode_message,
+                response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+    def close(self) -> None:
+        """Refuse new handoffs and fail the ones in flight (their handler threads then end the calls)."""
+        with self._lock:
+            self._closed = True
+            dests, self._open = list(self._open), set()
+        for dest in dests:
+            dest.fail("KV receiver closed")
+
+    def open(self, handoff: KVHandoff) -> SettleOnce:
+        """Layout first (before any byte is accepted), then the sink, which may refuse."""
+        self.sink.layout.check_compatible(handoff.layout)
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("KV receiver is closed")
+        dest = SettleOnce(self.sink.open(handoff))
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._open.add(dest)
+        if closed:
+            dest.fail("KV receiver closed")
+            raise KVTransferError("KV receiver is closed")
+        return dest
+
+    def forget(self, dest: SettleOnce) -> None:
+        with self._lock:
+            self._open.discard(dest)
+
+    def receive(
+        self, handoff: KVHandoff, dest: SettleOnce, messages: Iterator[kv_transfer_pb2.KVTransferMessage | Chunk]
+    ) -> None:
+        """Verify and write each block as its last chunk arrives; raise on any gap. A block that came whole in one
+        chunk is checked and written straight from the message; a split one is assembled in one reused buffer."""
+        layout = handoff.layout
+        block_nbytes = layout.block_bytes
+        dtype = getattr(torch, layout.dtype)
+        buffer = bytearray(block_nbytes)
+        view = memoryview(buffer)
+        # [num_layers, 2, block_size, num_kv_heads, head_dim], sharing `buffer`: write_block copies it out
+        assembled = torch.frombuffer(buffer, dtype=dtype).view(layout.block_shape)
+        index, filled = 0, 0
+        for msg in messages:
+            if isinstance(msg, Malformed):
+                raise KVTransferError(f"handoff {handoff.transfer_id}: {msg.reason}")
+            if not isinstance(msg, Chunk):
+                raise KVTransferError(f"handoff {handoff.transfer_id}: a second descriptor in the stream")
+            if index >= handoff.num_blocks or msg.block_index != index or msg.offset != filled:
+                raise KVTransferError(
+                    f"handoff {handoff.transfer_id}: chunk of block {msg.block_index} at offset {msg.offset} "
+                    f"out of order (expected block {index} at offset {filled} of {handoff.num_blocks} blocks)"
+                )
+            end = filled + len(msg.data)
+            if end > block_nbytes:
+                raise KVTransferError(f"handoff {handoff.transfer_id}: block {index} overflows {block_nbytes} bytes")
+            if not msg.last:
+                view[filled:end] = msg.data
+                filled = end
+                continue
+            if end != block_nbytes:
+                raise KVTransferError(
+                    f"handoff {handoff.transfer_id}: block {index} ended at {end} of {block_nbytes} bytes"
+                )
+            if filled == 0:  # the whole block in one chunk
+                data, block = msg.data, torch.frombuffer(msg.data, dtype=dtype).view(layout.block_shape)
+            else:
+                view[filled:end] = msg.data
+                data, block = view, assembled
+            if block_checksum(data) != msg.crc32:
+                raise KVChecksumError(f"handoff {handoff.transfer_id}: block {index} failed its CRC-32 check")
+            dest.write_block(index, block)
+            index, filled = index + 1, 0
+        if index != handoff.num_blocks or filled:
+            raise KVTransferError(
+                f"handoff {handoff.transfer_id}: stream ended after {index} of {handoff.num_blocks} blocks"
+            )
+
+
+# ── sender ───────────────────────────────────────────────────────────────────────────────────────────────────
+
+
+class Sender(KVSender):
+    """Streams each handoff in one call; one cached channel per receiver endpoint. Thread-safe."""
+
+    name = "grpc"
+
+    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None) -> None:
+        self.worker_id = worker_id
+        self.device = torch.device(device)
+        self.fault = fault or TransferFault()
+        self._channels = ChannelCache()
+
+    def close(self) -> None:
+        self._channels.close()
+
+    def send(self, handoff: KVHandoff, source: KVBlockSource, *, endpoint: str, timeout_s: float) -> TransferResult:
+        start_s = time.monotonic()
+        handoff = with_source(handoff, worker_id=self.worker_id, transport=self.name)
+        what = f"KV handoff {handoff.transfer_id} ({handoff.num_bytes} bytes)"
+        gave_up: list[KVTransferError] = []
+
+        def messages() -> Iterator[kv_transfer_pb2.KVTransferMessage | bytes]:
+            yield kv_transfer_pb2.KVTransferMessage(descriptor=handoff.to_proto())
+            try:
+                for index in range(handoff.num_blocks):
+                    if index == self.fault.stop_after_blocks:
+                        raise KVTransferError(f"{what}: sender stopped after {index} blocks (fault)")
+                    yield from self._chunks(index, source.read_block(index))
+            except Exception as exc:
+                # On a gRPC thread: end the stream short. A half-close, not a cancel, so that the receiver surely
+                # sees the handoff open, then the stream end early, and fails it (a cancel could beat the
+                # descriptor to the wire). A sender that truly dies drops the connection; the receiver fails then too.
+                gave_up.append(exc if isinstance(exc, KVTransferError) else KVTransferError(f"{what}: {exc}"))
+
+        call = self._channels.transfer(endpoint).future(messages(), timeout=timeout_s)
+        try:
+            ack = call.result(timeout=timeout_s + STOP_SLACK_S)  # gRPC ends the call at timeout_s; this is a net
+        except grpc.FutureTimeoutError:
+            call.cancel()
+            raise KVTransferError(f"{what}: no answer from the receiver at {endpoint} after {timeout_s:.3g}s") from None
+        except grpc.RpcError as exc:
+            if gave_up:
+                raise gave_up[0] from None
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._channels.forget(endpoint)
+            raise rpc_error(exc, what=what, endpoint=endpoint, timeout_s=timeout_s) from None
+        if gave_up:
+            raise gave_up[0]  # the receiver failed the handoff it saw cut short; our reason is the better one
+        if not ack.ok:
+            raise ack_error(ack, endpoint=endpoint)
+        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s)
+
+    def _chunks(self, index: int, block: torch.Tensor) -> Iterator[bytes]:
+        """Block `index` as encoded KVTransferMessage chunks (kv_transfer.grpc_wire): one copy of its bytes."""
+        host = block.cpu()  # one device-to-host copy serves the checksum and the bytes (a no-op on CPU)
+        crc32 = tensor_checksum(host)
+        data = block_bytes(self.fault.apply(index, host))
+        num_bytes = len(data)
+        for offset in range(0, num_bytes, CHUNK_BYTES):
+            end = min(offset + CHUNK_BYTES, num_bytes)
+            last = end == num_bytes
+            yield encode_chunk(block_index=index, offset=offset, data=data[offset:end], last=last,
+                               crc32=crc32 if last else 0)

@@ -1,0 +1,125 @@
+"""The gRPC transport's bulk messages, encoded and decoded by hand in protobuf's own wire format.
+
+`KVTransferMessage{chunk: KVBlockChunk}` carries the KV bytes. Through the generated classes every chunk's data
+is copied four times on the sender (tensor → bytes → message → serialized) and twice on the receiver; that, not
+the socket, bounded the transport's throughput. Here the sender writes one buffer (header, data, trailer) and the
+receiver gets a `Chunk` whose `data` is a view into the received message, checked and copied once into the cache.
+
+The bytes on the wire are exactly what `KVTransferMessage.SerializeToString()` would produce (a test checks), so
+the .proto stays the contract and any protobuf implementation can talk to us. Messages the fast decoder does not
+recognise (the descriptor, fields in another order or form) go through the generated parser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos import kv_transfer_pb2
+
+# KVTransferMessage.chunk is field 2; KVBlockChunk: block_index 1, offset 2, data 3, last 4, crc32 5.
+_CHUNK_TAG = (2 << 3) | 2
+_VARINT, _LEN = 0, 2
+
+
+@dataclass(slots=True, frozen=True)
+class Chunk:
+    """One decoded KVBlockChunk; `data` may be a view into the message it came in."""
+
+    block_index: int
+    offset: int
+    data: memoryview
+    last: bool
+    crc32: int
+
+
+@dataclass(slots=True, frozen=True)
+class Malformed:
+    """A message that is not protobuf at all: the receiver fails the handoff with `reason` (a deserializer that
+    raised would end the call with an opaque INTERNAL instead)."""
+
+    reason: str
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number: int, value: int) -> bytes:
+    """A varint field, omitted at its default (0) as proto3 serializers do."""
+    return _varint((number << 3) | _VARINT) + _varint(value) if value else b""
+
+
+def encode_chunk(*, block_index: int, offset: int, data: memoryview | bytes, last: bool, crc32: int) -> bytes:
+    """`KVTransferMessage(chunk=KVBlockChunk(...)).SerializeToString()`, with one copy of `data`."""
+    head = _field(1, block_index) + _field(2, offset)
+    if len(data):
+        head += _varint((3 << 3) | _LEN) + _varint(len(data))
+    tail = _field(4, int(last)) + _field(5, crc32)
+    inner_len = len(head) + len(data) + len(tail)
+    return b"".join((_varint(_CHUNK_TAG) + _varint(inner_len) + head, data, tail))
+
+
+def encode_message(message: kv_transfer_pb2.KVTransferMessage) -> bytes:
+    """The request serializer: bytes from `encode_chunk` pass through, messages are serialized."""
+    if isinstance(message, bytes):
+        return message
+    return message.SerializeToString()
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= end or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fast_chunk(raw: bytes) -> Chunk | None:
+    """The chunk in `raw` if it has exactly the canonical shape `encode_chunk` writes; else None."""
+    buf = memoryview(raw)
+    end = len(buf)
+    if not end or buf[0] != _CHUNK_TAG:
+        return None
+    inner_len, pos = _read_varint(buf, 1, end)
+    if pos + inner_len != end:
+        return None
+    fields = {1: 0, 2: 0, 4: 0, 5: 0}
+    data = buf[0:0]
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT and number in fields:
+            fields[number], pos = _read_varint(buf, pos, end)
+        elif wire_type == _LEN and number == 3:
+            size, pos = _read_varint(buf, pos, end)
+            if pos + size > end:
+                raise ValueError("chunk data runs past the message")
+            data, pos = buf[pos : pos + size], pos + size
+        else:
+            return None  # an unknown field: let the generated parser decide
+    return Chunk(block_index=fields[1], offset=fields[2], data=data, last=bool(fields[4]), crc32=fields[5] & 0xFFFFFFFF)
+
+
+def decode_message(raw: bytes) -> kv_transfer_pb2.KVTransferMessage | Chunk | Malformed:
+    """The request deserializer: a `Chunk` for a chunk message, the parsed message otherwise."""
+    try:
+        chunk = _fast_chunk(raw)
+        if chunk is not None:
+            return chunk
+        message = kv_transfer_pb2.KVTransferMessage.FromString(raw)
+    except Exception as exc:  # noqa: BLE001 - reported to the handler as data, not raised inside gRPC
+        return Malformed(f"undecodable KV transfer message: {exc}")
+    if message.WhichOneof("kind") == "chunk":
+        c = message.chunk
+        return Chunk(block_index=c.block_index, offset=c.offset, data=memoryview(c.data), last=c.last, crc32=c.crc32)
+    return message

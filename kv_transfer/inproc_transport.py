@@ -1,0 +1,135 @@
+"""The in-process KV transport: sender and receiver live in one process and blocks move by a tensor copy.
+
+    Sender.send ──lookup(endpoint)──▶ Receiver (process-global registry, filled by `attach`)
+        for each block: checksum on the sender side ──▶ verify on the receiver side ──▶ dest.write_block (copies)
+        then dest.commit
+
+It still checksums on both sides, like the wire transports, so the conformance suite's corrupted-block case
+means the same thing here: a corrupt block fails the handoff and never commits. There is no peer process that
+can die; `TransferFault.stop_after_blocks` stands in for a sender dying mid-transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import torch
+
+from kv_transfer.base import (
+    KVBlockSource,
+    KVDestination,
+    KVReceiver,
+    KVSender,
+    KVSink,
+    TransferFault,
+    TransferResult,
+    tensor_checksum,
+)
+from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError
+
+SCHEME = "inproc://"
+
+_registry_lock = threading.Lock()
+_registry: dict[str, Receiver] = {}
+
+
+def _key(endpoint: str) -> str:
+    """`inproc://name` and `name` name the same receiver, so a worker's gRPC address works as is."""
+    return endpoint[len(SCHEME):] if endpoint.startswith(SCHEME) else endpoint
+
+
+class _Incoming:
+    """One open handoff on the receiver: verifies each block before it reaches the destination."""
+
+    def __init__(self, handoff: KVHandoff, dest: KVDestination) -> None:
+        self.handoff = handoff
+        self.dest = dest
+        self.num_written = 0
+
+    def write(self, index: int, block: torch.Tensor, crc32: int) -> None:
+        if index != self.num_written:
+            raise KVTransferError(
+                f"handoff {self.handoff.transfer_id}: block {index} arrived, block {self.num_written} expected"
+            )
+        if tuple(block.shape) != self.handoff.layout.block_shape:
+            raise KVTransferError(
+                f"handoff {self.handoff.transfer_id}: block {index} has shape {tuple(block.shape)}, "
+                f"expected {self.handoff.layout.block_shape}"
+            )
+        if tensor_checksum(block) != crc32:
+            raise KVChecksumError(f"handoff {self.handoff.transfer_id}: block {index} failed its CRC-32 check")
+        self.dest.write_block(index, block)
+        self.num_written += 1
+
+    def commit(self) -> None:
+        if self.num_written != self.handoff.num_blocks:
+            raise KVTransferError(
+                f"handoff {self.handoff.transfer_id}: commit after {self.num_written} of "
+                f"{self.handoff.num_blocks} blocks"
+            )
+        self.dest.commit()
+
+
+class Receiver(KVReceiver):
+    name = "inproc"
+
+    def __init__(self, sink: KVSink) -> None:
+        super().__init__(sink)
+        self._endpoint: str | None = None
+
+    def attach(self, server: grpc.Server | None, endpoint: str) -> None:
+        """Register under `endpoint` (the worker's gRPC address or `inproc://name`); `server` is unused."""
+        key = _key(endpoint)
+        with _registry_lock:
+            if key in _registry:
+                raise ValueError(f"an in-process KV receiver is already attached at {endpoint!r}")
+            _registry[key] = self
+        self._endpoint = key
+
+    def close(self) -> None:
+        """Unregister. A handoff in progress runs on the sender's thread and finishes or fails there."""
+        with _registry_lock:
+            if self._endpoint is not None and _registry.get(self._endpoint) is self:
+                del _registry[self._endpoint]
+        self._endpoint = None
+
+    def open(self, handoff: KVHandoff) -> _Incoming:
+        """Check the layout before anything else, then ask the sink (which may refuse with KVTransferError)."""
+        self.sink.layout.check_compatible(handoff.layout)
+        return _Incoming(handoff, self.sink.open(handoff))
+
+
+class Sender(KVSender):
+    name = "inproc"
+
+    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None) -> None:
+        self.worker_id = worker_id
+        self.device = torch.device(device)
+        self.fault = fault or TransferFault()
+
+    def send(self, handoff: KVHandoff, source: KVBlockSource, *, endpoint: str, timeout_s: float) -> TransferResult:
+        start_s = time.monotonic()
+        deadline_s = start_s + timeout_s
+        with _registry_lock:
+            receiver = _registry.get(_key(endpoint))
+        if receiver is None:
+            raise KVTransferError(f"no in-process KV receiver attached at {endpoint!r}")
+        incoming = receiver.open(handoff)  # refusals propagate as they are: nothing was opened
+        try:
+            for index in range(handoff.num_blocks):
+                if index == self.fault.stop_after_blocks:
+                    raise KVTransferError(f"handoff {handoff.transfer_id}: sender stopped after {index} blocks (fault)")
+                if time.monotonic() > deadline_s:
+                    raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} timed out after {timeout_s}s")
+                block = source.read_block(index)
+                crc32 = tensor_checksum(block)
+                incoming.write(index, self.fault.apply(index, block), crc32)
+            incoming.commit()
+        except BaseException as exc:
+            incoming.dest.fail(f"in-process KV transfer failed: {exc}")
+            if isinstance(exc, KVTransferError) or not isinstance(exc, Exception):
+                raise
+            raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} failed: {exc}") from exc
+        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s)

@@ -1,0 +1,165 @@
+"""The KV contract between peers: the layout of one block on the wire, the handoff descriptor, the errors.
+
+No torch: the router and the control plane may import this.
+
+One block on the wire is a C-contiguous array of `dtype`:
+
+    [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+
+A handoff carries `num_blocks = ceil(num_tokens / block_size)` such blocks, in block-table order. The last block
+may be partly filled; its tail bytes are whatever the sender's cache held and the receiver never reads them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field, fields
+
+from protos import kv_transfer_pb2
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class KVTransferError(RuntimeError):
+    """A handoff failed: the peer refused it, died, timed out, or a block arrived corrupt."""
+
+
+class KVLayoutMismatch(KVTransferError):
+    """Sender and receiver disagree on the block layout: refused before any byte moves."""
+
+
+class KVChecksumError(KVTransferError):
+    """A block's bytes do not match the checksum the sender computed."""
+
+
+def error_kind(exc: KVTransferError) -> kv_transfer_pb2.KVErrorKind.ValueType:
+    """The wire tag of a receiver-side error, so that the sender re-raises the same subclass."""
+    if isinstance(exc, KVLayoutMismatch):
+        return kv_transfer_pb2.KV_ERROR_LAYOUT_MISMATCH
+    if isinstance(exc, KVChecksumError):
+        return kv_transfer_pb2.KV_ERROR_CHECKSUM
+    return kv_transfer_pb2.KV_ERROR_UNSPECIFIED
+
+
+def error_from_kind(kind: kv_transfer_pb2.KVErrorKind.ValueType, message: str) -> KVTransferError:
+    """The inverse of `error_kind`: the exception a sender raises for a receiver's refusal."""
+    if kind == kv_transfer_pb2.KV_ERROR_LAYOUT_MISMATCH:
+        return KVLayoutMismatch(message)
+    if kind == kv_transfer_pb2.KV_ERROR_CHECKSUM:
+        return KVChecksumError(message)
+    return KVTransferError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"KV dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        for f in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"KVLayout.{f} must be positive, got {getattr(self, f)}")
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise KVLayoutMismatch naming every field that differs (self is ours, other the peer's)."""
+        diffs = [
+            f"{f.name}: ours {getattr(self, f.name)!r}, peer's {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        if diffs:
+            raise KVLayoutMismatch("KV layout mismatch between peers (" + "; ".join(diffs) + ")")
+
+    def to_proto(self) -> kv_transfer_pb2.KVLayout:
+        return kv_transfer_pb2.KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: kv_transfer_pb2.KVLayout) -> KVLayout:
+        try:
+            return cls(
+                num_layers=msg.num_layers,
+                num_kv_heads=msg.num_kv_heads,
+                head_dim=msg.head_dim,
+                block_size=msg.block_size,
+                dtype=msg.dtype,
+            )
+        except ValueError as exc:
+            raise KVLayoutMismatch(f"peer sent an invalid KV layout: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVHandoff:
+    """One request's KV handoff, as the sender opens it. `transfer_id` is unique per attempt."""
+
+    request_id: str
+    transfer_id: str
+    num_tokens: int
+    layout: KVLayout
+    block_hashes: tuple[bytes, ...] = field(default=())
+    source_endpoint: str = ""
+    source_worker_id: str = ""
+    transport: str = ""
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.layout.block_size)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.layout.block_bytes
+
+    def to_proto(self) -> kv_transfer_pb2.KVHandoffDescriptor:
+        return kv_transfer_pb2.KVHandoffDescriptor(
+            request_id=self.request_id,
+            transfer_id=self.transfer_id,
+            block_hashes=list(self.block_hashes),
+            num_tokens=self.num_tokens,
+            num_blocks=self.num_blocks,
+            layout=self.layout.to_proto(),
+            source_endpoint=self.source_endpoint,
+            source_worker_id=self.source_worker_id,
+            transport=self.transport,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: kv_transfer_pb2.KVHandoffDescriptor) -> KVHandoff:
+        handoff = cls(
+            request_id=msg.request_id,
+            transfer_id=msg.transfer_id,
+            num_tokens=msg.num_tokens,
+            layout=KVLayout.from_proto(msg.layout),
+            block_hashes=tuple(msg.block_hashes),
+            source_endpoint=msg.source_endpoint,
+            source_worker_id=msg.source_worker_id,
+            transport=msg.transport,
+        )
+        if msg.num_blocks != handoff.num_blocks:
+            raise KVTransferError(
+                f"handoff {msg.transfer_id}: {msg.num_blocks} blocks declared for {msg.num_tokens} tokens "
+                f"of block size {handoff.layout.block_size}"
+            )
+        return handoff
+
+
+def block_checksum(data: bytes | bytearray | memoryview) -> int:
+    """CRC-32 of one block's bytes: what travels with every block and what the receiver verifies."""
+    return zlib.crc32(data)

@@ -1,0 +1,86 @@
+"""The gRPC transport's hand-made chunk encoding is protobuf's own: byte-identical to the generated serializer,
+decoded the same as the generated parser (odd but valid encodings included), and garbage is reported, not raised."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from kv_transfer.grpc_transport import TRANSFER_METHOD
+from kv_transfer.grpc_wire import Chunk, Malformed, decode_message, encode_chunk, encode_message
+from kv_transfer.grpc_wire import _varint  # noqa: PLC2701 - the same varint builds the odd encodings here
+from kv_transfer.layout import KVHandoff, KVLayout
+from kv_transfer.registry import make_receiver
+from protos import kv_transfer_pb2
+from tests.kv_transfer.transfer_peer import RecordingSink
+
+CASES = [
+    dict(block_index=0, offset=0, data=b"", last=False, crc32=0),  # every field at its default
+    dict(block_index=0, offset=0, data=b"x", last=True, crc32=1),
+    dict(block_index=7, offset=1 << 20, data=os.urandom(1000), last=False, crc32=0),
+    dict(block_index=(1 << 32) - 1, offset=(1 << 64) - 1, data=os.urandom(300_000), last=True, crc32=(1 << 32) - 1),
+]
+
+
+@pytest.mark.parametrize("fields", CASES, ids=range(len(CASES)))
+def test_encoding_is_byte_identical_to_protobuf(fields: dict) -> None:
+    expected = kv_transfer_pb2.KVTransferMessage(chunk=kv_transfer_pb2.KVBlockChunk(**fields)).SerializeToString()
+    assert encode_chunk(**{**fields, "data": memoryview(fields["data"])}) == expected
+    decoded = decode_message(expected)
+    assert isinstance(decoded, Chunk)
+    assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32) == (
+        fields["block_index"], fields["offset"], fields["data"], fields["last"], fields["crc32"])
+
+
+def test_valid_but_unusual_encodings_decode_as_protobuf_does() -> None:
+    # Fields in reverse order, a zero written out explicitly, an unknown field: valid protobuf, not our shape.
+    inner = (_varint(5 << 3) + _varint(99) + _varint(4 << 3) + _varint(1) + _varint((3 << 3) | 2) + _varint(3) + b"abc"
+             + _varint(2 << 3) + _varint(0) + _varint(1 << 3) + _varint(4) + _varint(15 << 3) + _varint(1))
+    raw = _varint((2 << 3) | 2) + _varint(len(inner)) + inner
+    reference = kv_transfer_pb2.KVTransferMessage.FromString(raw).chunk
+    decoded = decode_message(raw)
+    assert isinstance(decoded, Chunk)
+    assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32) == (
+        reference.block_index, reference.offset, reference.data, reference.last, reference.crc32) == (4, 0, b"abc",
+                                                                                                       True, 99)
+
+
+def test_descriptor_passes_through_the_generated_classes() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+    handoff = KVHandoff(request_id="r", transfer_id="t", num_tokens=9, layout=layout)
+    message = kv_transfer_pb2.KVTransferMessage(descriptor=handoff.to_proto())
+    decoded = decode_message(encode_message(message))
+    assert isinstance(decoded, kv_transfer_pb2.KVTransferMessage) and decoded == message
+
+
+@pytest.mark.parametrize("raw", [b"\x12\x05\x08", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x12\x80"])
+def test_garbage_is_reported_not_raised(raw: bytes) -> None:
+    assert isinstance(decode_message(raw), Malformed)
+
+
+def test_a_malformed_chunk_fails_the_handoff_with_a_clear_error() -> None:
+    """A peer speaking garbage after a valid descriptor: the receiver fails the opened handoff and says why."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+    sink = RecordingSink(layout)
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    receiver = make_receiver("grpc", sink)
+    receiver.attach(server, endpoint)
+    server.start()
+    try:
+        handoff = KVHandoff(request_id="r", transfer_id=uuid.uuid4().hex, num_tokens=8, layout=layout)
+        descriptor = kv_transfer_pb2.KVTransferMessage(descriptor=handoff.to_proto()).SerializeToString()
+        with grpc.insecure_channel(endpoint) as channel:
+            transfer = channel.stream_unary(TRANSFER_METHOD, request_serializer=lambda b: b,
+                                            response_deserializer=kv_transfer_pb2.KVTransferAck.FromString)
+            ack = transfer(iter([descriptor, b"\x12\x80"]), timeout=10)
+        assert not ack.ok and "undecodable KV transfer message" in ack.error
+        assert sink.only().outcome == "failed"
+    finally:
+        receiver.close()
+        server.stop(grace=None)
+    sink.assert_each_settled_once()

@@ -1,0 +1,94 @@
+"""The KV contract: block layout arithmetic, compatibility checks, the handoff descriptor on the wire, checksums."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer.layout import (
+    KVChecksumError,
+    KVHandoff,
+    KVLayout,
+    KVLayoutMismatch,
+    KVTransferError,
+    block_checksum,
+    error_from_kind,
+    error_kind,
+)
+from protos import kv_transfer_pb2
+
+SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+
+
+def test_block_shape_and_bytes() -> None:
+    assert SMOLLM2.block_shape == (30, 2, 16, 3, 64)
+    assert SMOLLM2.block_bytes == 30 * 2 * 16 * 3 * 64 * 4 == 737_280
+    half = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
+    assert half.block_bytes == SMOLLM2.block_bytes // 2
+
+
+@pytest.mark.parametrize(("num_tokens", "num_blocks"), [(1, 1), (16, 1), (17, 2), (1000, 63)])
+def test_handoff_counts_partly_filled_last_block(num_tokens: int, num_blocks: int) -> None:
+    handoff = KVHandoff(request_id="r", transfer_id="t", num_tokens=num_tokens, layout=SMOLLM2)
+    assert handoff.num_blocks == num_blocks
+    assert handoff.num_bytes == num_blocks * SMOLLM2.block_bytes
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"dtype": "int8"}, {"num_layers": 0}, {"block_size": -1}, {"head_dim": 0}, {"num_kv_heads": 0}],
+)
+def test_invalid_layout_is_rejected(kwargs: dict) -> None:
+    fields = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "float32", **kwargs}
+    with pytest.raises(ValueError):
+        KVLayout(**fields)
+
+
+def test_compatible_layouts_pass() -> None:
+    SMOLLM2.check_compatible(KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32"))
+
+
+def test_mismatch_names_every_differing_field_ours_then_peers() -> None:
+    theirs = KVLayout(num_layers=30, num_kv_heads=3, head_dim=128, block_size=16, dtype="bfloat16")
+    with pytest.raises(KVLayoutMismatch) as info:
+        SMOLLM2.check_compatible(theirs)
+    message = str(info.value)
+    assert "head_dim: ours 64, peer's 128" in message
+    assert "dtype: ours 'float32', peer's 'bfloat16'" in message
+    assert "num_layers" not in message and "block_size" not in message
+    assert isinstance(info.value, KVTransferError)
+
+
+def test_handoff_round_trips_through_its_descriptor() -> None:
+    handoff = KVHandoff(
+        request_id="req-1", transfer_id="tx-1", num_tokens=33, layout=SMOLLM2,
+        block_hashes=(b"\x01" * 16, b"\x02" * 16), source_endpoint="10.0.0.1:50051", source_worker_id="prefill-0",
+        transport="grpc",
+    )
+    wire = kv_transfer_pb2.KVHandoffDescriptor.FromString(handoff.to_proto().SerializeToString())
+    assert wire.num_blocks == 3
+    assert KVHandoff.from_proto(wire) == handoff
+
+
+def test_descriptor_with_inconsistent_block_count_is_refused() -> None:
+    wire = KVHandoff(request_id="r", transfer_id="t", num_tokens=33, layout=SMOLLM2).to_proto()
+    wire.num_blocks = 2
+    with pytest.raises(KVTransferError, match="2 blocks declared for 33 tokens"):
+        KVHandoff.from_proto(wire)
+
+
+def test_descriptor_with_invalid_layout_is_a_layout_mismatch() -> None:
+    wire = KVHandoff(request_id="r", transfer_id="t", num_tokens=4, layout=SMOLLM2).to_proto()
+    wire.layout.dtype = "float64"
+    with pytest.raises(KVLayoutMismatch, match="invalid KV layout"):
+        KVHandoff.from_proto(wire)
+
+
+def test_block_checksum_is_crc32() -> None:
+    assert block_checksum(b"123456789") == 0xCBF43926  # the CRC-32 check value
+    assert block_checksum(memoryview(bytearray(b"123456789"))) == 0xCBF43926
+
+
+@pytest.mark.parametrize("exc", [KVTransferError("x"), KVLayoutMismatch("x"), KVChecksumError("x")])
+def test_error_kind_round_trips_the_subclass(exc: KVTransferError) -> None:
+    back = error_from_kind(error_kind(exc), "receiver said x")
+    assert type(back) is type(exc) and str(back) == "receiver said x"

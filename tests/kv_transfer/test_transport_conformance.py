@@ -1,0 +1,385 @@
+"""The one suite every KV transport passes: in-process, gRPC, torch.distributed (gloo here; NCCL with 2 GPUs).
+
+Each test runs a real gRPC server with the transport's receiver attached and a recording sink over a fake paged
+cache. The dead-peer cases run the other end in a subprocess (tests/kv_transfer/transfer_peer.py) and kill or
+freeze it mid-transfer. After every test, each destination the sink opened has ended in exactly one commit or
+one fail.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_transfer.base import KVSender, TransferFault
+from kv_transfer.layout import KVChecksumError, KVLayout, KVLayoutMismatch, KVTransferError
+from kv_transfer.registry import make_sender
+from tests.kv_transfer.transfer_peer import (
+    PatternSource,
+    RecordingSink,
+    format_layout,
+    make_handoff,
+    serve_receiver,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SLACK_S = 3.0  # what "within the timeout" may overrun by: thread wake-ups on a busy 2-core machine
+
+SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")  # 1 KiB blocks
+SMALL_BF16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")  # 720 KiB blocks
+SMOLLM2_B32 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32, dtype="float32")  # 1.4 MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    transport: str
+    sender_device: str = "cpu"
+    sink_device: str = "cpu"
+
+
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+TRANSPORTS = [
+    pytest.param(Case(transport="inproc"), id="inproc"),
+    pytest.param(Case(transport="grpc"), id="grpc"),
+    pytest.param(Case(transport="torch"), id="torch-gloo"),
+    pytest.param(
+        Case(transport="torch", sender_device="cuda:0", sink_device="cuda:1"),
+        id="torch-nccl",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="NCCL point-to-point needs 2 GPUs")],
+    ),
+]
+# The dead-peer cases need a peer in another process; inproc has none by definition (its sender giving up is
+# test_sender_stopping_mid_transfer_fails_the_destination).
+DEAD_PEER_TRANSPORTS = [p for p in TRANSPORTS if p.id != "inproc"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def case(request: pytest.FixtureRequest) -> Case:
+    return request.param
+
+
+class Harness:
+    """A started gRPC server with the case's receiver over a recording sink, and the senders made for it."""
+
+    def __init__(self, case: Case, sink: RecordingSink) -> None:
+        self.case = case
+        self.sink = sink
+        self.server, self.endpoint, self.receiver = serve_receiver(case.transport, sink)
+        self.senders: list[KVSender] = []
+
+    def sender(self, fault: TransferFault | None = None, worker_id: str = "prefill-0") -> KVSender:
+        sender = make_sender(self.case.transport, worker_id=worker_id, device=torch.device(self.case.sender_device))
+        if fault is not None:
+            sender.fault = fault  # type: ignore[attr-defined]  # every transport's Sender takes a test fault
+        self.senders.append(sender)
+        return sender
+
+    def source(self, num_blocks: int, *, layout: KVLayout | None = None, seed: int = 0) -> PatternSource:
+        return PatternSource(layout or self.sink.layout, num_blocks, seed=seed, device=self.case.sender_device)
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
+        self.receiver.close()
+        self.server.stop(grace=None)
+
+
+@pytest.fixture
+def make_harness(case: Case) -> Iterator:
+    made: list[Harness] = []
+
+    def make(layout: KVLayout = SMALL, **sink_kwargs) -> Harness:
+        sink = RecordingSink(layout, device=case.sink_device, **sink_kwargs)
+        made.append(Harness(case, sink))
+        return made[-1]
+
+    yield make
+    for harness in made:
+        harness.close()
+    for harness in made:  # after close: a destination still open here would be a leak
+        harness.sink.assert_each_settled_once()
+
+
+def _wait_settled(sink: RecordingSink, timeout_s: float) -> float:
+    """Wait until the sink's only destination settles; seconds it took."""
+    start_s = time.monotonic()
+    deadline_s = start_s + timeout_s
+    dest = sink.wait_opened(timeout_s)
+    assert dest.settled.wait(max(deadline_s - time.monotonic(), 0)), "destination neither committed nor failed"
+    return time.monotonic() - start_s
+
+
+# ── happy path ───────────────────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("layout", "num_tokens"),
+    [
+        pytest.param(SMALL, 1, id="1-token"),
+        pytest.param(SMALL, 8, id="2-full-blocks"),
+        pytest.param(SMALL_BF16, 37, id="bf16-partial-last"),
+        pytest.param(SMOLLM2, 187, id="8.6MB-partial-last"),
+        pytest.param(SMOLLM2_B32, 64 * 32 - 3, id="94MB-1.4MB-blocks"),
+    ],
+)
+def test_round_trip_is_byte_exact(make_harness, layout: KVLayout, num_tokens: int) -> None:
+    handoff = make_handoff(layout, num_tokens)
+    harness = make_harness(layout, num_cache_blocks=handoff.num_blocks + 1)
+    source = harness.source(handoff.num_blocks)
+
+    result = harness.sender().send(handoff, source, endpoint=harness.endpoint, timeout_s=60)
+
+    dest = harness.sink.only()
+    assert dest.outcome == "committed"
+    assert dest.written == list(range(handoff.num_blocks))
+    # The whole last block travels, its unused tail included: compare every byte.
+    assert torch.equal(dest.blocks().cpu().view(torch.uint8), source.blocks.cpu().view(torch.uint8))
+    assert result.num_bytes == handoff.num_bytes == handoff.num_blocks * layout.block_bytes
+
+
+def test_sender_is_reusable_and_thread_safe_across_two_senders(make_harness) -> None:
+    harness = make_harness(SMALL)
+    senders = [harness.sender(worker_id="prefill-0"), harness.sender(worker_id="prefill-1")]
+    jobs = [(senders[i % 2], make_handoff(SMALL, 4 * (i + 1) + 1, request_id=f"r{i}"), i) for i in range(8)]
+    sources = {handoff.transfer_id: harness.source(handoff.num_blocks, seed=seed) for _, handoff, seed in jobs}
+    errors: list[BaseException] = []
+
+    def run(sender: KVSender, handoff, seed: int) -> None:
+        try:
+            sender.send(handoff, sources[handoff.transfer_id], endpoint=harness.endpoint, timeout_s=30)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert len(harness.sink.destinations) == len(jobs)
+    for dest in harness.sink.destinations:
+        assert dest.outcome == "committed"
+        assert torch.equal(dest.blocks().cpu(), sources[dest.handoff.transfer_id].blocks.cpu())
+
+
+# ── refusals ─────────────────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_layout_mismatch_is_refused_before_any_byte(make_harness) -> None:
+    harness = make_harness(SMALL)
+    theirs = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
+    handoff = make_handoff(theirs, 9)
+
+    with pytest.raises(KVLayoutMismatch, match=r"head_dim: ours 8, peer's 16.*dtype"):
+        harness.sender().send(handoff, harness.source(handoff.num_blocks, layout=theirs),
+                              endpoint=harness.endpoint, timeout_s=10)
+
+    assert harness.sink.open_calls == 0 and not harness.sink.destinations  # never opened, so never failed
+    assert not harness.sink.cache.any()
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [KVTransferError("no free KV blocks for request req"), KVLayoutMismatch("block_size: ours 4, peer's 8")],
+    ids=["no-room", "sink-says-mismatch"],
+)
+def test_sink_refusal_reaches_the_sender(make_harness, refusal: KVTransferError) -> None:
+    harness = make_harness(SMALL, refuse=refusal)
+    handoff = make_handoff(SMALL, 9)
+
+    with pytest.raises(type(refusal), match=str(refusal)):
+        harness.sender().send(handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=10)
+
+    assert harness.sink.open_calls == 1 and not harness.sink.destinations
+
+
+def test_corrupted_block_fails_and_never_commits(make_harness) -> None:
+    harness = make_harness(SMALL)
+    handoff = make_handoff(SMALL, 4 * 4)
+
+    with pytest.raises(KVChecksumError, match="block 1"):
+        harness.sender(TransferFault(corrupt_block=1)).send(
+            handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=10
+        )
+
+    dest = harness.sink.only()
+    assert dest.outcome == "failed" and "CRC" in dest.fail_reasons[0]
+    assert 1 not in dest.written and 2 not in dest.written  # verified before write: the bad block never lands
+
+
+def test_unreachable_receiver_raises(case: Case) -> None:
+    endpoint = "127.0.0.1:1"  # nothing listens on port 1 (and no in-process receiver is attached there)
+    sender = make_sender(case.transport, worker_id="p", device=torch.device(case.sender_device))
+    handoff = make_handoff(SMALL, 4)
+    start_s = time.monotonic()
+    try:
+        with pytest.raises(KVTransferError, match="127.0.0.1:1"):
+            sender.send(handoff, PatternSource(SMALL, 1, device=case.sender_device), endpoint=endpoint, timeout_s=5)
+    finally:
+        sender.close()
+    assert time.monotonic() - start_s < 5 + SLACK_S
+
+
+# ── the sender gives up mid-transfer ─────────────────────────────────────────────────────────────────────────
+
+
+def test_sender_stopping_mid_transfer_fails_the_destination(make_harness) -> None:
+    harness = make_harness(SMALL)
+    sender = harness.sender(TransferFault(stop_after_blocks=2))
+    handoff = make_handoff(SMALL, 4 * 6)
+
+    with pytest.raises(KVTransferError, match="stopped after 2 blocks"):
+        sender.send(handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=10)
+
+    assert _wait_settled(harness.sink, 10) < 10
+    dest = harness.sink.only()
+    assert dest.outcome == "failed" and dest.commits == 0
+
+    # The same sender (and, for torch, a rebuilt pair group) serves the next handoff.
+    sender.fault = TransferFault()  # type: ignore[attr-defined]
+    retry = make_handoff(SMALL, 4 * 6)
+    source = harness.source(retry.num_blocks, seed=1)
+    sender.send(retry, source, endpoint=harness.endpoint, timeout_s=10)
+    committed = [d for d in harness.sink.destinations if d.outcome == "committed"]
+    assert len(committed) == 1 and torch.equal(committed[0].blocks().cpu(), source.blocks.cpu())
+
+
+# ── a peer process dies or freezes mid-transfer ──────────────────────────────────────────────────────────────
+
+
+class Peer:
+    """The other end in a subprocess; its stdout lines (READY, OPENED, WROTE, STALL, ERROR, SENT) in a queue."""
+
+    def __init__(self, role: str, case: Case, layout: KVLayout, log_path: Path, *extra: str) -> None:
+        self._log = log_path.open("w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.kv_transfer.transfer_peer", role, "--transport", case.transport,
+             "--layout", format_layout(layout), *extra],
+            cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+        )
+        self.log_path = log_path
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def expect(self, prefix: str, timeout_s: float = 30) -> str:
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline_s - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"peer never printed {prefix!r}; its log:\n{self.log_path.read_text()}") from None
+            if line.startswith(prefix):
+                return line
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture
+def peers(tmp_path: Path) -> Iterator:
+    made: list[Peer] = []
+
+    def spawn(role: str, case: Case, layout: KVLayout, *extra: str) -> Peer:
+        made.append(Peer(role, case, layout, tmp_path / f"peer-{len(made)}.log", *extra))
+        return made[-1]
+
+    yield spawn
+    for peer in made:
+        peer.close()
+
+
+@pytest.fixture(params=DEAD_PEER_TRANSPORTS)
+def wire_case(request: pytest.FixtureRequest) -> Case:
+    return request.param
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_sender_dying_mid_transfer_fails_the_destination(wire_case: Case, peers, how: str) -> None:
+    """A sender process stalls inside its source after 2 blocks; then it is SIGKILLed, or left frozen: either way
+    the receiver fails the destination, at once for a dead peer and by the sender's deadline for a silent one."""
+    sink = RecordingSink(SMOLLM2, device=wire_case.sink_device)
+    server, endpoint, receiver = serve_receiver(wire_case.transport, sink)
+    timeout_s = 2.5
+    try:
+        sender = peers("sender", wire_case, SMOLLM2, "--device", wire_case.sender_device, "--endpoint", endpoint,
+                       "--num-tokens", str(16 * 8), "--stall-at-block", "2", "--timeout-s", str(timeout_s))
+        sender.expect("STALL")
+        dest = sink.wait_opened(SLACK_S)  # the blocks before the stall may still be on their way
+        killed_s = time.monotonic()
+        if how == "killed":
+            sender.signal(signal.SIGKILL)
+        assert dest.settled.wait(timeout_s + SLACK_S), "the receiver never failed the destination"
+        assert dest.outcome == "failed"
+        assert dest.settled_at_s is not None
+        if how == "killed":
+            assert dest.settled_at_s - killed_s < SLACK_S, "a dead sender must fail the handoff at once"
+    finally:
+        receiver.close()
+        server.stop(grace=None)
+    sink.assert_each_settled_once()
+
+
+@pytest.mark.parametrize(
+    ("how", "when"), [("killed", "OPENED"), ("killed", "WROTE 0"), ("frozen", "OPENED")],
+    ids=["killed-on-open", "killed-mid-write", "frozen-on-open"],
+)
+def test_receiver_dying_mid_transfer_raises_on_the_sender(wire_case: Case, peers, how: str, when: str) -> None:
+    """The receiver process is SIGKILLed or SIGSTOPped as its sink opens the handoff, or SIGKILLed once its slow
+    sink is writing blocks (gRPC: mid-stream; torch: after the bytes moved, before the commit): the sender raises
+    KVTransferError, never later than timeout_s plus slack."""
+    receiver = peers("receiver", wire_case, SMOLLM2, "--device", wire_case.sink_device, "--write-delay-s", "0.5")
+    endpoint = receiver.expect("READY").split()[1]
+    handoff = make_handoff(SMOLLM2, 16 * 12)
+    source = PatternSource(SMOLLM2, handoff.num_blocks, device=wire_case.sender_device)
+    sender = make_sender(wire_case.transport, worker_id="prefill-0", device=torch.device(wire_case.sender_device))
+    timeout_s = 2.5
+    outcome: list[BaseException | None] = []
+
+    def send() -> None:
+        try:
+            sender.send(handoff, source, endpoint=endpoint, timeout_s=timeout_s)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=send)
+    start_s = time.monotonic()
+    thread.start()
+    try:
+        receiver.expect(when)
+        receiver.signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        thread.join(timeout_s + SLACK_S)
+        assert not thread.is_alive(), "the sender hung past its timeout"
+        assert time.monotonic() - start_s < timeout_s + SLACK_S
+        assert outcome and isinstance(outcome[0], KVTransferError), outcome
+    finally:
+        receiver.close()
+        thread.join(timeout=10)
+        sender.close()

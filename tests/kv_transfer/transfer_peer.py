@@ -1,0 +1,222 @@
+"""The conformance suite's two ends: a recording KV sink and a deterministic block source, and a command line that
+runs either end of a transport in a separate process so that a test can kill (or freeze) it mid-transfer.
+
+    python -m tests.kv_transfer.transfer_peer receiver --transport grpc --layout 2,2,4,8,float32 [--write-delay-s S]
+        prints "READY <endpoint>", then "OPENED <transfer_id>" and "WROTE <index>" as its sink sees them
+    python -m tests.kv_transfer.transfer_peer sender --transport torch --layout ... --endpoint E --num-tokens N \
+        --stall-at-block K
+        sends one handoff whose source prints "STALL <K>" and sleeps forever when block K is read
+
+Every line is flushed at once: the test reads them to time its kill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from kv_transfer.base import KVDestination
+from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
+from kv_transfer.registry import make_receiver, make_sender
+
+
+class RecordingDestination:
+    """One opened handoff in the fake paged cache: records every write, commit and fail."""
+
+    def __init__(self, sink: RecordingSink, handoff: KVHandoff, slots: list[int]) -> None:
+        self.sink = sink
+        self.handoff = handoff
+        self.slots = slots
+        self.written: list[int] = []
+        self.commits = 0
+        self.fail_reasons: list[str] = []
+        self.settled = threading.Event()
+        self.settled_at_s: float | None = None
+
+    def write_block(self, index: int, data: torch.Tensor) -> None:
+        assert tuple(data.shape) == self.handoff.layout.block_shape, data.shape
+        assert not self.settled.is_set(), "write after commit or fail"
+        self.sink.cache[self.slots[index]].copy_(data)
+        self.written.append(index)
+        self.sink.on_write(self, index)
+
+    def commit(self) -> None:
+        self.commits += 1
+        self._settle()
+
+    def fail(self, reason: str) -> None:
+        self.fail_reasons.append(reason)
+        self._settle()
+
+    def _settle(self) -> None:
+        if not self.settled.is_set():
+            self.settled_at_s = time.monotonic()
+            self.settled.set()
+            if not self.commits:
+                self.sink.release(self.slots)
+
+    @property
+    def outcome(self) -> str | None:
+        if self.commits and not self.fail_reasons:
+            return "committed"
+        if self.fail_reasons and not self.commits:
+            return "failed"
+        return None if not self.settled.is_set() else "both"
+
+    def blocks(self) -> torch.Tensor:
+        """[num_blocks, *block_shape]: what landed in this handoff's cache slots."""
+        return self.sink.cache[self.slots]
+
+
+class RecordingSink:
+    """A KVSink over a fake paged cache of `num_cache_blocks` blocks. `refuse` makes `open` raise it."""
+
+    def __init__(self, layout: KVLayout, *, num_cache_blocks: int = 256, device: torch.device | str = "cpu",
+                 refuse: KVTransferError | None = None, write_delay_s: float = 0.0, announce: bool = False) -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+        # [num_cache_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.cache = torch.zeros((num_cache_blocks, *layout.block_shape), dtype=getattr(torch, layout.dtype),
+                                 device=self.device)
+        self.refuse = refuse
+        self.write_delay_s = write_delay_s
+        self.announce = announce
+        self.lock = threading.Lock()
+        self.free = list(range(num_cache_blocks))
+        self.destinations: list[RecordingDestination] = []
+        self.open_calls = 0
+
+    def open(self, handoff: KVHandoff) -> KVDestination:
+        with self.lock:
+            self.open_calls += 1
+            if self.refuse is not None:
+                raise self.refuse
+            if handoff.num_blocks > len(self.free):
+                raise KVTransferError(f"no room for {handoff.num_blocks} blocks")
+            slots, self.free = self.free[: handoff.num_blocks], self.free[handoff.num_blocks:]
+            dest = RecordingDestination(self, handoff, slots)
+            self.destinations.append(dest)
+        if self.announce:
+            print(f"OPENED {handoff.transfer_id}", flush=True)
+        return dest
+
+    def release(self, slots: list[int]) -> None:
+        with self.lock:
+            self.free.extend(slots)
+
+    def on_write(self, dest: RecordingDestination, index: int) -> None:
+        if self.announce:
+            print(f"WROTE {index}", flush=True)
+        if self.write_delay_s:
+            time.sleep(self.write_delay_s)
+
+    def wait_opened(self, timeout_s: float) -> RecordingDestination:
+        """The only destination, once `open` made it (within `timeout_s`)."""
+        deadline_s = time.monotonic() + timeout_s
+        while time.monotonic() < deadline_s:
+            with self.lock:
+                if self.destinations:
+                    break
+            time.sleep(0.01)
+        return self.only()
+
+    def only(self) -> RecordingDestination:
+        with self.lock:
+            assert len(self.destinations) == 1, f"{len(self.destinations)} destinations opened, expected 1"
+            return self.destinations[0]
+
+    def assert_each_settled_once(self) -> None:
+        """Every destination `open` returned ended in exactly one commit or exactly one fail."""
+        with self.lock:
+            for dest in self.destinations:
+                assert dest.commits + len(dest.fail_reasons) == 1, (
+                    f"{dest.handoff.transfer_id}: {dest.commits} commits, fails {dest.fail_reasons}"
+                )
+
+
+class PatternSource:
+    """A KVBlockSource of seeded random blocks (the tails of a partly filled last block included)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, *, seed: int = 0, device: torch.device | str = "cpu",
+                 stall_at_block: int | None = None) -> None:
+        self.layout = layout
+        generator = torch.Generator().manual_seed(seed)
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.blocks = torch.randn((num_blocks, *layout.block_shape), generator=generator).to(
+            dtype=getattr(torch, layout.dtype), device=device
+        )
+        self.stall_at_block = stall_at_block
+
+    def read_block(self, index: int) -> torch.Tensor:
+        if index == self.stall_at_block:
+            print(f"STALL {index}", flush=True)
+            time.sleep(3600)
+        return self.blocks[index]
+
+
+def make_handoff(layout: KVLayout, num_tokens: int, *, request_id: str = "req") -> KVHandoff:
+    return KVHandoff(request_id=request_id, transfer_id=uuid.uuid4().hex, num_tokens=num_tokens, layout=layout)
+
+
+def parse_layout(text: str) -> KVLayout:
+    """`num_layers,num_kv_heads,head_dim,block_size,dtype`."""
+    num_layers, num_kv_heads, head_dim, block_size, dtype = text.split(",")
+    return KVLayout(num_layers=int(num_layers), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+                    block_size=int(block_size), dtype=dtype)
+
+
+def format_layout(layout: KVLayout) -> str:
+    return f"{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.block_size},{layout.dtype}"
+
+
+def serve_receiver(transport: str, sink: RecordingSink) -> tuple[grpc.Server, str, object]:
+    """A real gRPC server on a free loopback port with the transport's receiver attached; started."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=16))
+    port = server.add_insecure_port("127.0.0.1:0")
+    endpoint = f"127.0.0.1:{port}"
+    receiver = make_receiver(transport, sink)
+    receiver.attach(server, endpoint)
+    server.start()
+    return server, endpoint, receiver
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=("receiver", "sender"))
+    parser.add_argument("--transport", required=True)
+    parser.add_argument("--layout", required=True, type=parse_layout)
+    parser.add_argument("--device", default="cpu", help="the sink's (receiver) or the source's (sender) device")
+    parser.add_argument("--write-delay-s", type=float, default=0.0)
+    parser.add_argument("--endpoint")
+    parser.add_argument("--num-tokens", type=int, default=64)
+    parser.add_argument("--stall-at-block", type=int)
+    parser.add_argument("--timeout-s", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.role == "receiver":
+        sink = RecordingSink(args.layout, device=args.device, write_delay_s=args.write_delay_s, announce=True)
+        _server, endpoint, _receiver = serve_receiver(args.transport, sink)
+        print(f"READY {endpoint}", flush=True)
+        sys.stdin.read()  # serve until the test closes our stdin (or kills us)
+        return 0
+    handoff = make_handoff(args.layout, args.num_tokens)
+    source = PatternSource(args.layout, handoff.num_blocks, device=args.device, stall_at_block=args.stall_at_block)
+    sender = make_sender(args.transport, worker_id="peer-sender", device=torch.device(args.device))
+    try:
+        sender.send(handoff, source, endpoint=args.endpoint, timeout_s=args.timeout_s)
+    except KVTransferError as exc:
+        print(f"ERROR {exc}", flush=True)
+        return 1
+    print("SENT", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
