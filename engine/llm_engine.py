@@ -28,6 +28,7 @@ from engine.loader.checkpoint import Checkpoint, load_checkpoint
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.sampling.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
 from kv_transfer.block_hash import BlockHashNamespace
 from kv_transfer.kv_events import KVEvent
@@ -88,7 +89,9 @@ class LLMEngine:
         self.enqueue(request)
         return request
 
-    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+    def make_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *, remote_decode: bool = False
+    ) -> Request:
         """Validate and tokenize a request without queueing it: the engine is left untouched, so a caller can
         check a whole batch before queueing any of it. Raises ValueError naming the problem."""
         params.validate()
@@ -121,6 +124,7 @@ class LLMEngine:
             eos_token_ids=eos,
             max_tokens=min(params.max_tokens or room, room),
             hash_namespace=self.hash_namespace if self.config.enable_prefix_caching else None,
+            remote_decode=remote_decode,
         )
 
     def enqueue(self, request: Request) -> None:
@@ -132,6 +136,8 @@ class LLMEngine:
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         outs = []
         for request_id in request_ids:
+            if self.scheduler.release_held(request_id):  # its output already went out as "prefilled"
+                continue
             request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
             if request is not None:
                 outs.append(self._finish(request))
@@ -139,6 +145,42 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_schedulable_requests(self) -> bool:
+        return self.scheduler.has_schedulable_requests()
+
+    # -- disaggregation: the prefill side holds, the decode side reserves and commits -------------------------
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The block table of a prefilled request whose KV is being handed off."""
+        if request_id not in self.scheduler.held:
+            raise KeyError(f"request {request_id!r} holds no KV blocks")
+        return self.kv_cache.block_ids(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """End a prefilled request's KV handoff: its blocks go back (full ones stay as prefix cache)."""
+        released = self.scheduler.release_held(request_id)
+        self._events.extend(self.block_pool.take_events())
+        return released
+
+    def reserve_remote(self, request: Request) -> list[int] | None:
+        """Reserve blocks for a request whose prompt KV a prefill worker will send; returns the block table, or
+        None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`."""
+        if not self.scheduler.reserve_remote(request):
+            return None
+        self.outputs.add(request)
+        self._counters.num_prompt_tokens += request.num_prompt_tokens
+        return self.kv_cache.block_ids(request.request_id)
+
+    def commit_remote(
+        self, request_id: str, first_token_id: int, logprobs: TokenLogprobs | None, num_cached_tokens: int = 0
+    ) -> RequestOutput:
+        """The reserved blocks now hold the prompt's KV: queue the request for decode with its first token."""
+        request = self.scheduler.requests[request_id]
+        request.num_cached_tokens = num_cached_tokens
+        self.scheduler.commit_remote(request, first_token_id)
+        outs = self._postprocess([(request, first_token_id)], {request_id: logprobs} if logprobs else {}, time.monotonic())
+        self._events.extend(self.block_pool.take_events())
+        return outs[0]
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -178,6 +220,7 @@ class LLMEngine:
                 # also reached max_tokens or was a stop token id (vLLM's rule too).
                 request.stop_reason = stop_string
                 if request.is_finished:
+                    self.scheduler.release_held(request.request_id)  # a prefilled request needs no handoff now
                     request.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)

@@ -28,3 +28,13 @@ def hf_reference(smollm2_gguf: str):
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf: str):
+    """The real SmolLM2-135M-Instruct, loaded once (~10 s) for every slow test that shares it."""
+    import torch
+
+    from engine.loader.checkpoint import load_checkpoint
+
+    return load_checkpoint(smollm2_gguf, dtype=torch.float32)

@@ -6,6 +6,10 @@ Lifecycle:
        ▲                     │
        └──── PREEMPTED ◀─────┘   (blocks freed; recomputed from its tokens when rescheduled)
 
+Disaggregated, on the prefill worker (`remote_decode`): RUNNING ──first token──▶ PREFILLED (blocks held for the
+KV handoff until the engine releases them). On the decode worker: WAITING_FOR_REMOTE_KV (blocks reserved, KV
+arriving) ──commit──▶ WAITING (prompt already computed, first token appended) ──▶ RUNNING ──▶ FINISHED_*.
+
 The one rule: each step a request catches `num_computed_tokens` up to `num_tokens` as far as the token budget
 allows. A fresh prompt, a prompt chunk, a prefix-cache hit (which advances `num_computed_tokens` for free), a
 recompute after preemption and a decode step are all that same rule.
@@ -23,12 +27,14 @@ from kv_transfer.block_hash import BlockHash, BlockHashNamespace, extend_block_h
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    PREFILLED = "prefilled"  # prefill worker: first token out, KV held for the handoff (not an OpenAI reason)
 
     @property
     def finished(self) -> bool:
@@ -46,6 +52,7 @@ _FINISHED = frozenset(
         RequestStatus.FINISHED_LENGTH,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_ERROR,
+        RequestStatus.PREFILLED,
     }
 )
 
@@ -71,6 +78,7 @@ class Request:
         eos_token_ids: tuple[int, ...],
         max_tokens: int,
         hash_namespace: BlockHashNamespace | None,
+        remote_decode: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -84,6 +92,8 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # Prefill worker: after the first token, hand the KV off instead of decoding (blocks held, not freed).
+        self.remote_decode = remote_decode
         self.times = RequestTimes()
         self._hash_namespace = hash_namespace
         self.block_hashes: list[BlockHash] = []

@@ -6,6 +6,13 @@ decode phase: a fresh prompt, a prompt chunk, a prefix hit, a recompute and a de
 
 When the pool runs dry, the most recently admitted running request is preempted (recompute preemption): its blocks
 go back and it returns to the front of the waiting queue with its tokens intact.
+
+Disaggregation adds two side doors, both outside the step loop:
+- `hold`: a prefill worker's `remote_decode` request that produced its first token (and did not stop) leaves the
+  queues but keeps its blocks, now owned by the KV handoff, until `release_held`.
+- `reserve_remote` → `commit_remote`: a decode worker allocates blocks for a prompt whose KV another worker computes;
+  once the KV has arrived the request joins the waiting queue with the prompt already computed, so the one rule
+  schedules it straight into decode.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # prefilled, blocks held for the KV handoff
         self.num_preemptions = 0
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -73,10 +81,17 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request (abort, stop string, error): unqueue it and free its blocks. Idempotent."""
+        """End a request (abort, stop string, error): unqueue it and free its blocks. Idempotent.
+
+        A held (prefilled) request's blocks are freed too: an abort during the handoff ends it."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return None
+            request = self.held.pop(request_id, None)
+            if request is None:
+                return None
+            request.status = status
+            self.kv_cache.free(request)
+            return request
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -88,6 +103,45 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """Anything a step could run (requests waiting for remote KV are not)."""
+        return bool(self.waiting or self.running)
+
+    # -- disaggregation --------------------------------------------------------------------------------------
+    def release_held(self, request_id: str) -> bool:
+        """Free a prefilled request's blocks once its KV handoff is over (confirmed or failed). Idempotent."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv_cache.free(request)
+        return True
+
+    def reserve_remote(self, request: Request) -> bool:
+        """Allocate blocks for `request`'s prompt, whose KV will arrive from a prefill worker. False (and nothing
+        changed) if the pool cannot hold it now."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens):
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return True
+
+    def commit_remote(self, request: Request, first_token_id: int) -> RequestStatus | None:
+        """The prompt's KV has arrived: mark it computed, append the first token (sampled by the prefill worker) and
+        queue the request for decode. Returns a finish status if that token already ends it."""
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request.request_id!r} is not waiting for remote KV ({request.status.name})")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache.cache_blocks(request)
+        request.append_output_token(first_token_id)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        status = self._token_stop_status(request, first_token_id)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        return status
 
     @property
     def num_waiting(self) -> int:
@@ -126,7 +180,11 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            remote = request.num_computed_tokens > 0  # its prompt KV came from a prefill worker: blocks in place
+            if remote:
+                hits, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv_cache.allocate_slots(request, num_new, hits):
                 break
@@ -134,7 +192,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.times.first_scheduled_s is None:
                 request.times.first_scheduled_s = time.monotonic()
-                request.num_cached_tokens = num_hit_tokens
+                if not remote:
+                    request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
@@ -183,7 +242,17 @@ class Scheduler:
             status = self._token_stop_status(request, token_id)
             if status is not None:
                 self.finish_request(request.request_id, status)
+            elif request.remote_decode:
+                self._hold(request)
         return produced
+
+    def _hold(self, request: Request) -> None:
+        # Out of the queues, blocks kept: the KV handoff owns them until release_held.
+        self.requests.pop(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.PREFILLED
+        request.times.finished_s = time.monotonic()
+        self.held[request.request_id] = request
 
     def _token_stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         # vLLM's order: the length cap first, then EOS and stop token ids (held off until min_tokens).

@@ -54,13 +54,3 @@ def tiny_llm(tiny_model_dir: Path) -> LLM:
     from engine.llm import LLM
 
     return LLM(model=str(tiny_model_dir), **TINY_ENGINE)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="session")
-def smollm2_checkpoint(smollm2_gguf: str) -> Checkpoint:
-    """The real SmolLM2-135M-Instruct, loaded once (~10 s) for every slow engine test that shares it."""
-    import torch
-
-    from engine.loader.checkpoint import load_checkpoint
-
-    return load_checkpoint(smollm2_gguf, dtype=torch.float32)

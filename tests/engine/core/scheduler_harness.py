@@ -68,9 +68,10 @@ def prompt(n: int, first: int = 100) -> list[int]:
 
 
 def check_ref_counts(scheduler: Scheduler, pool: BlockPool) -> None:
-    """A block's ref count is the number of block tables holding it; only running requests hold blocks."""
+    """A block's ref count is the number of block tables holding it; only running, reserved (remote KV) and
+    held (prefilled, handing off) requests hold blocks."""
     holders = [0] * pool.num_blocks
-    for rid in scheduler.requests:
+    for rid in [*scheduler.requests, *scheduler.held]:
         for block_id in scheduler.kv_cache.block_ids(rid):
             holders[block_id] += 1
     assert [b.ref_cnt for b in pool.blocks] == holders

@@ -1,4 +1,5 @@
-"""Shared fixtures: synthetic byte-level BPE models (trained in-test) and the real SmolLM2 GGUF when present."""
+"""Shared fixtures: synthetic byte-level BPE models (trained in-test) and the real SmolLM2 GGUF (fetched on first
+use, like every real-model test)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.tokenizer.tokenizer import Tokenizer
 from tests.engine.tokenizer.corpus import VARIANTS, train_tokenizer, write_hf_dir
-
-SMOL_GGUF = Path("/tmp/smol.gguf")
-
 
 @pytest.fixture(scope="session")
 def trained() -> dict[str, HFTokenizer]:
@@ -32,7 +30,5 @@ def smollm_like(hf_dirs: dict[str, Path]) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def smol_gguf() -> Path:
-    if not SMOL_GGUF.exists():
-        pytest.skip(f"{SMOL_GGUF} is absent (the loader's tests fetch SmolLM2); skipping the real-model comparison")
-    return SMOL_GGUF
+def smol_gguf(smollm2_gguf: str) -> Path:
+    return Path(smollm2_gguf)

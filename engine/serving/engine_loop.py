@@ -1,0 +1,136 @@
+"""The engine on its own thread, so gRPC handlers can feed it and read from it.
+
+    handler threads ──call(fn)──▶ command queue ──▶ loop thread: run commands, then engine.step()
+                    ◀── listener(output) ◀──────────────────────── every RequestOutput, routed by request id
+
+The engine is single-threaded: everything that touches it (add, abort, reserve, commit, stats) runs on the loop
+thread through `call`, between steps. Listeners are called on the loop thread and must not block (hand outputs to
+a queue). A request's listener is dropped after its finished output.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+Listener = Callable[[RequestOutput], None]
+
+
+class EngineLoopClosed(RuntimeError):
+    """The loop has stopped; nothing more runs on the engine."""
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, *, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future]] = queue.SimpleQueue()
+        self._listeners: dict[str, Listener] = {}
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort every request, stop the thread. Idempotent."""
+        if self._stopped.is_set():
+            return
+        if self._thread.is_alive():
+            try:
+                self.call(lambda e: e.abort_request(list(e.scheduler.requests) + list(e.scheduler.held)), timeout_s)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                logger.exception("aborting requests at shutdown failed")
+        self._stopped.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        self._fail_pending()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    # -- talking to the engine -------------------------------------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0) -> T:
+        """Run `fn(engine)` on the loop thread between steps; return its result or raise its exception."""
+        return self.submit(fn).result(timeout_s)
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        if self._stopped.is_set():
+            raise EngineLoopClosed("the engine loop has stopped")
+        future: Future[T] = Future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    def listen(self, request_id: str, listener: Listener) -> None:
+        """Route `request_id`'s outputs to `listener` (call before the request can produce any)."""
+        self._listeners[request_id] = listener
+
+    def unlisten(self, request_id: str) -> None:
+        self._listeners.pop(request_id, None)
+
+    # -- the thread ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._run_commands()
+            if self.engine.has_schedulable_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # the engine already failed the step's requests; keep serving the others
+                    logger.exception("engine step raised")
+                    continue
+                self._dispatch(outputs)
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self._fail_pending()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+                if isinstance(result, list) and result and isinstance(result[0], RequestOutput):
+                    self._dispatch(result)  # e.g. abort_request's final outputs
+                elif isinstance(result, RequestOutput):
+                    self._dispatch([result])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            listener = self._listeners.get(out.request_id)
+            if listener is None:
+                continue
+            if out.finished:
+                self._listeners.pop(out.request_id, None)
+            try:
+                listener(out)
+            except Exception:  # noqa: BLE001 - a broken listener must not stop the engine
+                logger.exception("listener for %s raised", out.request_id)
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(EngineLoopClosed("the engine loop has stopped"))

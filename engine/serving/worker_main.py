@@ -1,0 +1,57 @@
+"""Run one worker as its own process (`python -m prefill_worker` / `python -m decode_worker`), outside Ray.
+
+Prints `ENDPOINT host:port` on stdout once serving, then serves until SIGINT/SIGTERM, on which it aborts every
+request (freeing its blocks) and exits 0. Benchmarks and multi-host setups without Ray start workers this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.serving.worker_config import ROLES, WorkerConfig
+from kv_transfer.registry import TRANSPORTS
+
+
+def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> WorkerConfig:
+    package = "prefill_worker" if roles[0] == "prefill" else "decode_worker"
+    parser = argparse.ArgumentParser(prog=f"python -m {package}", description=__doc__)
+    parser.add_argument("--role", choices=roles, default=roles[0])
+    parser.add_argument("--worker-id", default=None, help="default: <role>-<port>")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: any free port")
+    parser.add_argument("--kv-transport", choices=TRANSPORTS, default="grpc")
+    parser.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    return WorkerConfig(
+        worker_id=args.worker_id or f"{args.role}-{args.port}",
+        role=args.role,
+        engine=engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        kv_transport=args.kv_transport,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+    )
+
+
+def serve_forever(build: Callable[[WorkerConfig], object], argv: Sequence[str] | None, roles: Sequence[str]) -> int:
+    assert set(roles) <= set(ROLES)
+    config = parse_worker_config(argv, roles)
+    worker = build(config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    endpoint = worker.start()  # type: ignore[attr-defined]
+    print(f"ENDPOINT {endpoint}", flush=True)
+    stop.wait()
+    worker.stop()  # type: ignore[attr-defined]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit("run `python -m prefill_worker` or `python -m decode_worker`")
