@@ -1,0 +1,108 @@
+"""The decode side of a KV handoff: blocks reserved for one request, and the sink that finds them.
+
+A reservation's states (its lock makes each transition atomic with respect to block writes):
+
+    RESERVED ──open──▶ RECEIVING ──commit──▶ COMMITTED          (the request may decode)
+        │                  │
+        └──────fail / cancel────▶ FAILED                         (the owner frees the blocks)
+
+`cancel` is what the owner calls before freeing the blocks on abort or timeout: once it returns, no write is in
+flight and none will start, so a late sender can never write into blocks that another request now owns.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+import torch
+
+from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
+
+
+class ReservationState(enum.Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
+class Reservation:
+    """A KVDestination over reserved blocks of the decode worker's paged cache."""
+
+    def __init__(
+        self, request_id: str, num_tokens: int, block_ids: list[int], kv_caches: list[torch.Tensor], layout: KVLayout
+    ) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.block_ids = block_ids
+        self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.layout = layout
+        self.state = ReservationState.RESERVED
+        self.error: str | None = None
+        self.num_bytes = 0
+        self.done = threading.Event()  # set on COMMITTED or FAILED
+        self._lock = threading.Lock()
+
+    def open(self, handoff: KVHandoff) -> None:
+        with self._lock:
+            if self.state is not ReservationState.RESERVED:
+                raise KVTransferError(f"request {self.request_id}: KV already {self.state.value}, refusing a transfer")
+            if handoff.num_tokens != self.num_tokens or handoff.num_blocks > len(self.block_ids):
+                raise KVTransferError(
+                    f"request {self.request_id}: reserved {self.num_tokens} tokens in {len(self.block_ids)} blocks, "
+                    f"the handoff carries {handoff.num_tokens} tokens in {handoff.num_blocks} blocks"
+                )
+            self.state = ReservationState.RECEIVING
+
+    def write_block(self, index: int, data: torch.Tensor) -> None:
+        with self._lock:
+            if self.state is not ReservationState.RECEIVING:
+                raise KVTransferError(f"request {self.request_id}: transfer is {self.state.value}, block dropped")
+            block_id = self.block_ids[index]
+            for layer, kv in enumerate(self.kv_caches):
+                kv[:, block_id].copy_(data[layer])
+            self.num_bytes += data.numel() * data.element_size()
+
+    def commit(self) -> None:
+        with self._lock:
+            if self.state is not ReservationState.RECEIVING:
+                raise KVTransferError(f"request {self.request_id}: cannot commit a transfer that is {self.state.value}")
+            self.state = ReservationState.COMMITTED
+            self.done.set()
+
+    def fail(self, reason: str) -> None:
+        with self._lock:
+            if self.state in (ReservationState.RESERVED, ReservationState.RECEIVING):
+                self.state = ReservationState.FAILED
+                self.error = reason
+                self.done.set()
+
+    cancel = fail
+
+
+class DecodeKVSink:
+    """The KVSink of a decode worker: a handoff is accepted only for a request that reserved blocks for it."""
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self._reservations: dict[str, Reservation] = {}
+        self._lock = threading.Lock()
+
+    def add(self, reservation: Reservation) -> None:
+        with self._lock:
+            self._reservations[reservation.request_id] = reservation
+
+    def remove(self, request_id: str) -> None:
+        with self._lock:
+            self._reservations.pop(request_id, None)
+
+    def open(self, handoff: KVHandoff) -> Reservation:
+        self.layout.check_compatible(handoff.layout)
+        with self._lock:
+            reservation = self._reservations.get(handoff.request_id)
+        if reservation is None:
+            raise KVTransferError(f"no blocks are reserved for request {handoff.request_id} on this decode worker")
+        reservation.open(handoff)
+        return reservation

@@ -1,0 +1,266 @@
+"""The decode worker (role "decode"), or a worker that runs both phases itself (role "colocated").
+
+One `Generate` stream, disaggregated (`prefill_endpoint` set):
+
+    validate ──▶ reserve blocks for the prompt (waits while the pool is full, up to the transfer timeout)
+      ──▶ Prefill RPC to the prefill worker, which pushes the prompt's KV into the reservation (receive KV)
+      ──▶ commit: prompt marked computed, first token appended, request WAITING ──▶ RUNNING (continuous batching)
+      ──▶ stream every step's tokens ──▶ finished: blocks freed by the engine
+
+Colocated (no `prefill_endpoint`): the request is queued whole and this worker's engine prefills it too.
+
+A failure of the prefill side (its worker unreachable, the KV handoff cut or timed out) ends the stream with
+ABORTED before any token, which the router retries; the request itself was fine.
+
+Every exit frees the blocks exactly once: a finished request through the engine; a refused, failed or timed-out
+handoff, a cancelled stream or a client that went away through `_abandon` (cancel the reservation first, so no
+late block write can land, then abort the request in the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from engine.core.request import Request
+from engine.loader.checkpoint import Checkpoint
+from engine.outputs import RequestOutput
+from engine.serving.convert import logprobs_from_proto, output_to_response, sampling_params_from_proto
+from engine.serving.worker_config import WorkerConfig
+from engine.serving.worker_runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
+from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
+from kv_transfer.registry import make_receiver
+from protos import serving_pb2, serving_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+RESERVE_POLL_S = 0.01
+
+
+class GenerateFailed(Exception):
+    """A request that cannot go on; `code` is the gRPC status the stream ends with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DecodeWorker(RuntimeWorker):
+    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint | None = None) -> None:
+        if config.role not in ("decode", "colocated"):
+            raise ValueError(f"DecodeWorker needs role 'decode' or 'colocated', got {config.role!r}")
+        self.config = config
+        self.runtime = WorkerRuntime(config, checkpoint)
+        self.sink = DecodeKVSink(self.runtime.layout, torch.device(config.device))
+        self.receiver = None
+        if config.role == "decode":  # a colocated worker receives no KV
+            self.receiver = make_receiver(config.kv_transport, self.sink)
+            self.receiver.attach(self.runtime.server, self.runtime.endpoint)
+        serving_pb2_grpc.add_WorkerServicer_to_server(DecodeServicer(self), self.runtime.server)
+        self._prefill_stubs: dict[str, serving_pb2_grpc.WorkerStub] = {}
+
+    def stop(self) -> None:
+        self.runtime.stop()
+        if self.receiver is not None:
+            self.receiver.close()
+
+    # -- one request -----------------------------------------------------------------------------------------
+    def generate(self, request: serving_pb2.GenerateRequest, context: grpc.ServicerContext) -> Iterator[serving_pb2.GenerateResponse]:
+        arrival_s = time.monotonic()
+        loop = self.runtime.loop
+        request_id = request.request_id
+        try:
+            req = loop.engine.make_request(
+                request_id, list(request.prompt_token_ids), sampling_params_from_proto(request.params)
+            )
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        timings = serving_pb2.StageTimings(router_queue_s=request.router_queue_s)
+        reservation: Reservation | None = None
+        finished = False
+        loop.listen(request_id, outputs.put)
+        try:
+            if request.prefill_endpoint:
+                reservation = self._reserve(req, context)
+                timings.decode_queue_s = time.monotonic() - arrival_s
+                early = self._prefill_remote(req, request, reservation, timings, context)
+                if early is not None:  # the first token ended it on the prefill worker: no KV came
+                    self._abandon(req, reservation)
+                    finished = True
+                    early.timings.CopyFrom(timings)
+                    yield early
+                    return
+            else:
+                try:
+                    loop.call(lambda e: e.enqueue(req))
+                except ValueError as exc:
+                    raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            first = True
+            while True:
+                out = _next_output(outputs, context)
+                if out is None:  # the caller went away
+                    return
+                msg = output_to_response(out)
+                if first:
+                    first = False
+                    if not request.prefill_endpoint:  # colocated: both prefill stages ran here
+                        timings.prefill_queue_s = _queue_s(req)
+                        timings.prefill_s = max(_first_token_s(req) - _queue_s(req), 0.0)
+                    msg.timings.CopyFrom(timings)
+                if out.finished:
+                    finished = True
+                yield msg
+                if finished:
+                    return
+        except GenerateFailed as exc:
+            finished = False
+            context.abort(exc.code, str(exc))
+        finally:
+            loop.unlisten(request_id)
+            if not finished:
+                self._abandon(req, reservation)
+            self.sink.remove(request_id)
+
+    def _reserve(self, req: Request, context: grpc.ServicerContext) -> Reservation:
+        """Blocks for the prompt, waiting while the pool is full (decode queue). Registers the reservation."""
+        loop = self.runtime.loop
+        deadline = time.monotonic() + self.config.kv_transfer_timeout_s
+        while True:
+            try:
+                block_ids = loop.call(lambda e: e.reserve_remote(req))
+            except ValueError as exc:
+                raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if block_ids is not None:
+                break
+            if not context.is_active():
+                raise GenerateFailed(grpc.StatusCode.CANCELLED, "cancelled while waiting for KV blocks")
+            if time.monotonic() > deadline:
+                raise GenerateFailed(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no room in the KV cache for a {req.num_prompt_tokens}-token prompt within "
+                    f"{self.config.kv_transfer_timeout_s:.0f}s",
+                )
+            time.sleep(RESERVE_POLL_S)
+        reservation = Reservation(
+            req.request_id, req.num_prompt_tokens, block_ids, self.runtime.engine.runner.kv_caches, self.runtime.layout
+        )
+        self.sink.add(reservation)
+        return reservation
+
+    def _prefill_remote(
+        self,
+        req: Request,
+        request: serving_pb2.GenerateRequest,
+        reservation: Reservation,
+        timings: serving_pb2.StageTimings,
+        context: grpc.ServicerContext,
+    ) -> serving_pb2.GenerateResponse | None:
+        """Ask the prefill worker for the prompt and its KV; commit. Returns a final message if the request ended
+        on its first token; raises GenerateFailed on any failure (the caller frees the reservation)."""
+        stub = self._prefill_stub(request.prefill_endpoint)
+        call = stub.Prefill.future(
+            serving_pb2.PrefillRequest(
+                request=request,
+                decode_endpoint=self.runtime.endpoint,
+                decode_worker_id=self.config.worker_id,
+                transfer_id=uuid.uuid4().hex,
+            ),
+            # The prefill worker's own queue plus the handoff: generous, but never unbounded.
+            timeout=self.config.kv_transfer_timeout_s * 2,
+        )
+        context.add_callback(call.cancel)  # the client left: stop the prefill too
+        try:
+            reply: serving_pb2.PrefillResponse = call.result()
+        except grpc.FutureCancelledError:
+            raise GenerateFailed(grpc.StatusCode.CANCELLED, "cancelled during prefill") from None
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise GenerateFailed(code, exc.details()) from None
+            raise GenerateFailed(
+                grpc.StatusCode.ABORTED,
+                f"prefill worker {request.prefill_endpoint} failed ({code.name}): {exc.details()}",
+            ) from None
+        timings.prefill_queue_s = reply.timings.prefill_queue_s
+        timings.prefill_s = reply.timings.prefill_s
+        timings.kv_transfer_s = reply.timings.kv_transfer_s
+        timings.kv_transfer_bytes = reply.timings.kv_transfer_bytes
+        if reply.error:  # the prompt ran but its KV never arrived: this pair failed, not the request
+            raise GenerateFailed(grpc.StatusCode.ABORTED, reply.error)
+        if reply.finish_reason:
+            return serving_pb2.GenerateResponse(
+                request_id=req.request_id,
+                token_ids=[reply.first_token_id],
+                text_delta=reply.text,
+                logprobs=[reply.first_logprobs] if reply.HasField("first_logprobs") else [],
+                finish_reason=reply.finish_reason,
+                stop_reason=reply.stop_reason,
+                usage=serving_pb2.Usage(
+                    prompt_tokens=req.num_prompt_tokens, completion_tokens=1, cached_tokens=reply.num_cached_tokens
+                ),
+            )
+        # The sender returns only after the receiver committed, so anything else is a protocol error.
+        if reservation.state is not ReservationState.COMMITTED:
+            raise GenerateFailed(
+                grpc.StatusCode.INTERNAL,
+                f"prefill worker replied but the KV handoff is {reservation.state.value}: {reservation.error or ''}",
+            )
+        self.runtime.transfers.record(reservation.num_bytes, reply.timings.kv_transfer_s)
+        first_logprobs = logprobs_from_proto(reply.first_logprobs) if reply.HasField("first_logprobs") else None
+        self.runtime.loop.call(
+            lambda e: e.commit_remote(req.request_id, reply.first_token_id, first_logprobs, reply.num_cached_tokens)
+        )
+        return None
+
+    def _abandon(self, req: Request, reservation: Reservation | None) -> None:
+        if reservation is not None:
+            reservation.cancel("request abandoned")  # after this no block write is in flight
+        try:
+            self.runtime.loop.call(lambda e: e.abort_request([req.request_id]), timeout_s=10.0)
+        except Exception:  # noqa: BLE001 - the loop is gone: its stop() aborted everything already
+            logger.warning("could not abort %s: engine loop unavailable", req.request_id)
+
+    def _prefill_stub(self, endpoint: str) -> serving_pb2_grpc.WorkerStub:
+        stub = self._prefill_stubs.get(endpoint)
+        if stub is None:  # a racing handler may build a second channel; the first one stored wins
+            stub = serving_pb2_grpc.WorkerStub(grpc.insecure_channel(endpoint, options=GRPC_OPTIONS))
+            stub = self._prefill_stubs.setdefault(endpoint, stub)
+        return stub
+
+
+def _next_output(outputs: queue.SimpleQueue[RequestOutput], context: grpc.ServicerContext) -> RequestOutput | None:
+    while context.is_active():
+        try:
+            return outputs.get(timeout=0.05)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _queue_s(req: Request) -> float:
+    t = req.times
+    return (t.first_scheduled_s - t.arrival_s) if t.first_scheduled_s is not None else 0.0
+
+
+def _first_token_s(req: Request) -> float:
+    t = req.times
+    return (t.first_token_s - t.arrival_s) if t.first_token_s is not None else 0.0
+
+
+class DecodeServicer(WorkerServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        super().__init__(worker.runtime)
+        self.worker = worker
+
+    def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.ServicerContext):
+        return self.worker.generate(request, context)
+
+    def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.ServicerContext):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")

@@ -1,0 +1,194 @@
+"""The prefill worker. Role policy only: the engine, its loop and the gRPC server come from WorkerRuntime.
+
+One `Prefill` call, from a decode worker that has already reserved blocks for the prompt:
+
+    queue the prompt (remote_decode) ──▶ continuous batching of prompts, chunked prefill ──▶ first token sampled
+      ├─ the first token ends the request (EOS, stop, max_tokens=1): reply with it; no KV moves
+      └─ otherwise the engine holds the request's blocks (PREFILLED) ──▶ KVSender.send to the decode worker
+           ──▶ receiver confirms (or the send fails / times out) ──▶ release the blocks (full ones stay as
+           prefix cache) ──▶ reply with the first token and the stage timings
+
+Ownership passes explicitly: the blocks are freed only after `send` returned or raised, and `send` returns only
+once the receiver verified every block; a send never outlives `kv_transfer_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import uuid
+
+import grpc
+import torch
+
+from engine.loader.checkpoint import Checkpoint
+from engine.outputs import RequestOutput
+from engine.serving.convert import logprobs_to_proto, sampling_params_from_proto
+from engine.serving.worker_config import WorkerConfig
+from engine.serving.worker_runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
+from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
+from kv_transfer.registry import make_sender
+from protos import serving_pb2, serving_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# Fault injection for the cluster tests (like the conformance suite's TransferFault, but reachable through
+# `splitserve serve`): the first N handoffs of two or more blocks are cut half-way, the source failing mid-send.
+FAULT_KV_CUTS_ENV = "SPLITSERVE_FAULT_KV_CUTS"
+
+
+class HeldBlocks:
+    """A KVBlockSource over a prefilled request's held blocks (read-only while held)."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], block_ids: list[int], layout: KVLayout) -> None:
+        self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.block_ids = block_ids
+        self.layout = layout
+
+    def read_block(self, index: int) -> torch.Tensor:
+        block_id = self.block_ids[index]
+        return torch.stack([kv[:, block_id] for kv in self.kv_caches])  # [layers, 2, block_size, kv_heads, head_dim]
+
+
+class CutHalfWay:
+    """A KVBlockSource that fails after half of its blocks: the sender gives up and the receiver must fail the
+    handoff with half the blocks written."""
+
+    def __init__(self, source: HeldBlocks, num_blocks: int) -> None:
+        self.source = source
+        self.cut_at = num_blocks // 2
+
+    def read_block(self, index: int) -> torch.Tensor:
+        if index >= self.cut_at:
+            raise KVTransferError(f"{FAULT_KV_CUTS_ENV}: handoff cut after {self.cut_at} blocks")
+        return self.source.read_block(index)
+
+
+class PrefillWorker(RuntimeWorker):
+    def __init__(self, config: WorkerConfig, checkpoint: Checkpoint | None = None) -> None:
+        if config.role != "prefill":
+            raise ValueError(f"PrefillWorker needs role 'prefill', got {config.role!r}")
+        self.config = config
+        self.runtime = WorkerRuntime(config, checkpoint)
+        self.sender = make_sender(config.kv_transport, worker_id=config.worker_id, device=torch.device(config.device))
+        self._cuts_left = int(os.environ.get(FAULT_KV_CUTS_ENV, "0") or 0)
+        self._cuts_lock = threading.Lock()
+        serving_pb2_grpc.add_WorkerServicer_to_server(PrefillServicer(self), self.runtime.server)
+
+    def stop(self) -> None:
+        self.runtime.stop()
+        self.sender.close()
+
+    def prefill(self, request: serving_pb2.PrefillRequest, context: grpc.ServicerContext) -> serving_pb2.PrefillResponse:
+        gen = request.request
+        request_id = gen.request_id
+        loop = self.runtime.loop
+        try:
+            req = loop.engine.make_request(
+                request_id, list(gen.prompt_token_ids), sampling_params_from_proto(gen.params), remote_decode=True
+            )
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        loop.listen(request_id, outputs.put)
+        try:
+            loop.call(lambda e: e.enqueue(req))
+        except ValueError as exc:
+            loop.unlisten(request_id)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # The decode worker gave up (its client left, or it timed out): abort here too, held blocks included.
+        context.add_callback(lambda: loop.submit(lambda e: e.abort_request([request_id])))
+
+        out = _wait_finished(outputs, context)
+        if out is None:  # cancelled; the callback aborts
+            context.abort(grpc.StatusCode.CANCELLED, f"request {request_id} was cancelled")
+        stats = out.stats
+        timings = serving_pb2.StageTimings(
+            prefill_queue_s=stats.queue_time_s if stats else 0.0,
+            prefill_s=(stats.ttft_s - stats.queue_time_s) if stats else 0.0,
+        )
+        reply = serving_pb2.PrefillResponse(
+            request_id=request_id,
+            num_cached_tokens=stats.num_cached_tokens if stats else 0,
+            timings=timings,
+        )
+        if out.token_ids:
+            reply.first_token_id = out.token_ids[0]
+        if out.logprobs:
+            reply.first_logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+        if out.finish_reason != "prefilled":  # ended on its first token, or failed: nothing to hand off
+            reply.finish_reason = out.finish_reason or "error"
+            reply.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
+            reply.text = out.text
+            reply.error = out.error or ""
+            return reply
+        try:
+            result = self._hand_off(req, request, timings)
+        except (KVTransferError, KeyError) as exc:  # KeyError: aborted meanwhile, its blocks already released
+            self.runtime.transfers.record_failure()
+            logger.warning("KV handoff of %s to %s failed: %s", request_id, request.decode_endpoint, exc)
+            reply.finish_reason = "error"
+            reply.error = f"KV transfer to the decode worker failed: {exc}"
+            return reply
+        finally:
+            loop.submit(lambda e: e.release_held(request_id))
+        timings.kv_transfer_s = result.seconds
+        timings.kv_transfer_bytes = result.num_bytes
+        reply.timings.CopyFrom(timings)
+        return reply
+
+    def _hand_off(self, req, request: serving_pb2.PrefillRequest, timings: serving_pb2.StageTimings):
+        runtime = self.runtime
+        block_ids = runtime.loop.call(lambda e: e.held_block_ids(req.request_id))
+        layout = runtime.layout
+        handoff = KVHandoff(
+            request_id=req.request_id,
+            transfer_id=request.transfer_id or uuid.uuid4().hex,
+            num_tokens=req.num_prompt_tokens,
+            layout=layout,
+            block_hashes=tuple(req.block_hashes[: req.num_prompt_tokens // layout.block_size]),
+            source_endpoint=runtime.endpoint,
+            source_worker_id=self.config.worker_id,
+            transport=self.config.kv_transport,
+        )
+        source = HeldBlocks(runtime.engine.runner.kv_caches, block_ids, layout)
+        if handoff.num_blocks >= 2 and self._take_cut():
+            source = CutHalfWay(source, handoff.num_blocks)
+        result = self.sender.send(
+            handoff, source, endpoint=request.decode_endpoint, timeout_s=self.config.kv_transfer_timeout_s
+        )
+        runtime.transfers.record(result.num_bytes, result.seconds)
+        return result
+
+    def _take_cut(self) -> bool:
+        with self._cuts_lock:
+            if self._cuts_left <= 0:
+                return False
+            self._cuts_left -= 1
+            return True
+
+
+def _wait_finished(outputs: queue.SimpleQueue[RequestOutput], context: grpc.ServicerContext) -> RequestOutput | None:
+    """The request's finished output (prefill yields one output: its first token), or None if the call ended."""
+    while context.is_active():
+        try:
+            out = outputs.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if out.finished:
+            return out
+    return None
+
+
+class PrefillServicer(WorkerServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        super().__init__(worker.runtime)
+        self.worker = worker
+
+    def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.ServicerContext) -> serving_pb2.PrefillResponse:
+        return self.worker.prefill(request, context)
+
+    def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.ServicerContext):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker does not generate; send Generate to a decode worker")

@@ -1,0 +1,89 @@
+"""Start real prefill / decode / colocated workers in this process (real gRPC servers, real transports) and talk
+to them over gRPC the way the router does."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.serving.convert import sampling_params_to_proto
+from engine.serving.worker_config import WorkerConfig
+from protos import serving_pb2, serving_pb2_grpc
+
+ENGINE = dict(num_kv_blocks=192, max_model_len=1024, max_num_batched_tokens=1024)
+
+
+def engine_config(**overrides: object) -> EngineConfig:
+    return EngineConfig(**{**ENGINE, **overrides})  # type: ignore[arg-type]
+
+
+def start_worker(role: str, checkpoint, *, transport: str = "grpc", worker_id: str | None = None,
+                 timeout_s: float = 10.0, **engine_overrides: object):
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+
+    config = WorkerConfig(
+        worker_id=worker_id or role,
+        role=role,
+        engine=engine_config(**engine_overrides),
+        kv_transport=transport,
+        kv_transfer_timeout_s=timeout_s,
+    )
+    worker = PrefillWorker(config, checkpoint) if role == "prefill" else DecodeWorker(config, checkpoint)
+    worker.start()
+    return worker
+
+
+def stub(worker) -> serving_pb2_grpc.WorkerStub:
+    return serving_pb2_grpc.WorkerStub(grpc.insecure_channel(worker.endpoint))
+
+
+@dataclass
+class StreamResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    error: str = ""
+    messages: list[serving_pb2.GenerateResponse] = field(default_factory=list)
+
+
+def generate(
+    decode_stub: serving_pb2_grpc.WorkerStub,
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    prefill_endpoint: str = "",
+    timeout_s: float = 120.0,
+) -> StreamResult:
+    request = serving_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        params=sampling_params_to_proto(params),
+        prefill_endpoint=prefill_endpoint,
+    )
+    result = StreamResult()
+    for msg in decode_stub.Generate(request, timeout=timeout_s):
+        result.messages.append(msg)
+        result.token_ids.extend(msg.token_ids)
+        result.text += msg.text_delta
+        if msg.finish_reason:
+            result.finish_reason = msg.finish_reason
+            result.error = msg.error
+    return result
+
+
+def wait_blocks_free(*workers, timeout_s: float = 10.0) -> None:
+    """Every worker's KV blocks back in its pool (prefix-cached blocks count as free), read over gRPC."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = [stub(w).GetLoad(serving_pb2.LoadRequest(), timeout=10) for w in workers]
+        if all(load.kv_blocks_used == 0 and load.kv_blocks_free == load.kv_blocks_total for load in loads):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("KV blocks still in use: " + "; ".join(
+                f"{load.worker_id}: {load.kv_blocks_used} used" for load in loads))
+        time.sleep(0.05)
