@@ -1,0 +1,16 @@
+"""The gateway: an OpenAI-compatible HTTP API (FastAPI) that dispatches requests to workers over gRPC.
+
+Imports nothing heavy, and the whole package never imports torch or ray: the router runs on any machine.
+
+    config.py           RouterConfig: served model names, max_model_len, mode, timeouts
+    protocol.py         OpenAI request bodies and their conversion to the workers' SamplingParams
+    prompt.py           prompt / chat messages -> token ids; max_tokens against the context length
+    responses.py        OpenAI response and stream-chunk shapes, logprobs shapes
+    errors.py           ApiError and OpenAI's JSON error shape
+    routing.py          the routing policy: pure functions over worker load snapshots
+    worker_registry.py  the workers: gRPC channels, periodic GetLoad polling, health
+    dispatcher.py       one request's Generate call: route, dispatch, retry, cancel + Abort
+    metrics.py          Prometheus metrics on a private registry (`splitserve:` names)
+    app.py              create_app: the FastAPI routes
+    server.py           serving an app with uvicorn (blocking, or in a background thread)
+"""

@@ -1,0 +1,221 @@
+"""The router's HTTP app: OpenAI's completions and chat completions, models, health and metrics.
+
+    POST /v1/completions, /v1/chat/completions   validate -> tokenize -> route -> worker Generate -> JSON | SSE
+    GET  /v1/models                              the served model names, in OpenAI's list shape
+    GET  /health                                 200 when each role the mode needs has a healthy worker, else 503
+    GET  /metrics                                Prometheus text; refreshes worker loads first
+
+`create_app` owns the registry's lifecycle: the app's lifespan starts it (inside the serving event loop, where
+its gRPC channels must live) and closes it on shutdown.
+
+Cancellation: a client that disconnects while the router waits on a worker — a non-streaming request, or a
+streaming one before its first token — cancels the wait; during a stream, Starlette cancels the body iterator.
+Either way the GenerationStream is closed, which cancels the gRPC call and sends Abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
+
+from router.config import RouterConfig
+from router.dispatcher import Dispatcher, GenerationJob, GenerationStream, PrefixOverlapFn
+from router.errors import error_body, install_error_handlers
+from router.metrics import RequestTracker, RouterMetrics
+from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_chat_request,
+    check_completion_request,
+    check_model,
+    num_logprobs,
+    stop_strings,
+    to_sampling_params,
+)
+from router.responses import ResponseHeader
+from router.streaming import OutputSpec, collect_response, sse_events
+from router.worker_registry import WorkerRegistry
+
+if TYPE_CHECKING:
+    from engine.tokenizer.tokenizer import Tokenizer
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
+
+
+def create_app(
+    config: RouterConfig,
+    registry: WorkerRegistry,
+    tokenizer: Tokenizer,
+    *,
+    prefix_overlap: PrefixOverlapFn | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `config.served_model_names` through the workers `registry` knows.
+
+    `prefix_overlap` (optional, async): prompt token ids -> {prefill worker id: cached leading blocks}, e.g. a
+    lookup in the Redis prefix index; without it prefill workers are chosen by load alone.
+    """
+    metrics = RouterMetrics(registry.snapshots)
+    dispatcher = Dispatcher(config=config, registry=registry, prefix_overlap=prefix_overlap)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await registry.start()
+        try:
+            yield
+        finally:
+            await registry.close()
+
+    app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    app.state.metrics = metrics
+    app.state.registry = registry
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        arrival_s = time.perf_counter()
+        check_model(body.model, config.served_model_names)
+        check_completion_request(body)
+        token_ids = await asyncio.to_thread(completion_prompt_token_ids, body, tokenizer)
+        max_tokens = fit_max_tokens(
+            body.max_tokens, default=config.default_completion_max_tokens, num_prompt_tokens=len(token_ids),
+            max_model_len=config.max_model_len, prompt_param="prompt", max_tokens_param="max_tokens")
+        job = GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
+                            params=to_sampling_params(body, max_tokens=max_tokens))
+        return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=False), body.stream,
+                               metrics.tracker(arrival_s))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        arrival_s = time.perf_counter()
+        check_model(body.model, config.served_model_names)
+        check_chat_request(body)
+        token_ids = await asyncio.to_thread(chat_prompt_token_ids, body, tokenizer)
+        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = fit_max_tokens(
+            body.requested_max_tokens, default=None, num_prompt_tokens=len(token_ids),
+            max_model_len=config.max_model_len, prompt_param="messages", max_tokens_param=max_tokens_param)
+        job = GenerationJob(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
+                            params=to_sampling_params(body, max_tokens=max_tokens))
+        return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=True), body.stream,
+                               metrics.tracker(arrival_s))
+
+    async def _generate(
+        raw: Request, job: GenerationJob, spec: OutputSpec, stream: bool, tracker: RequestTracker
+    ) -> Response:
+        if not stream:
+
+            async def collect() -> dict[str, object]:
+                return await collect_response(await dispatcher.open(job, tracker), spec)
+
+            result = await _unless_disconnected(raw, collect())
+            if result is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return JSONResponse(result)
+        opened = await _unless_disconnected(raw, dispatcher.open(job, tracker), on_orphan=GenerationStream.close)
+        if opened is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return _StreamResponse(opened, sse_events(opened, spec))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": created, "owned_by": "splitserve", "root": name,
+                 "parent": None, "max_model_len": config.max_model_len}
+                for name in config.served_model_names
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = registry.healthy_roles()
+        missing = [role for role in config.roles_needed if role not in healthy]
+        if missing:
+            message = f"no healthy {' or '.join(missing)} worker"
+            return JSONResponse(error_body(503, message), status_code=503)
+        workers = [{"worker_id": s.info.worker_id, "role": s.info.role, "healthy": s.healthy}
+                   for s in registry.snapshots()]
+        return JSONResponse({"status": "ok", "mode": config.mode, "workers": workers})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        await registry.poll_loads()  # so a scrape right after a workload shows the current block counts
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _output_spec(
+    body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer, *, chat: bool
+) -> OutputSpec:
+    return OutputSpec(
+        header=ResponseHeader(request_id=job.request_id, created=int(time.time()), model=body.model, chat=chat),
+        tokenizer=tokenizer,
+        num_logprobs=num_logprobs(body),
+        stop=tuple(stop_strings(body)),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        include_usage=body.include_usage,
+    )
+
+
+async def _unless_disconnected(
+    request: Request, work: Awaitable[T], *, on_orphan: Callable[[T], object] | None = None
+) -> T | None:
+    """`await work`, unless the client disconnects first: then cancel it and return None.
+
+    The request body has been read by now, so the next ASGI message can only be http.disconnect.
+    `on_orphan` gets a result that arrived in the same instant as the disconnect (no one will use it).
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself was cancelled (server shutting down)
+        task.cancel()
+        watcher.cancel()
+        raise
+    if not watcher.done():
+        watcher.cancel()
+        return task.result()  # raises the work's ApiError, if any
+    task.cancel()
+    try:
+        result = await task
+    except (asyncio.CancelledError, Exception):  # the client is gone; nobody to tell
+        return None
+    if on_orphan is not None:
+        on_orphan(result)
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _StreamResponse(StreamingResponse):
+    """SSE over an open GenerationStream, closing the stream however the response ends — including when the
+    client is gone before the body iterator ever starts (then the generator's own `finally` never runs)."""
+
+    def __init__(self, stream: GenerationStream, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()

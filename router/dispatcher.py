@@ -1,0 +1,291 @@
+"""One request's trip to the workers: route it, call the target's Generate, hand back the open stream.
+
+    Dispatcher.open(job) ──plan_route──▶ GenerateRequest(prefill_endpoint: the prefill worker; "" colocated)
+                         ──stub.Generate──▶ first message arrived? ── yes ──▶ GenerationStream
+                                                │ UNAVAILABLE before any message: mark the worker unhealthy,
+                                                │ try another worker; ABORTED (the KV handoff failed): try
+                                                └─ again, another prefill worker if any (max_dispatch_attempts)
+
+Opening waits for the first message so that a request failing before any token (bad argument, no capacity,
+worker down) still gets a proper HTTP status, even when streaming.
+
+GenerationStream lifecycle: `read()` until a message carries a finish_reason; then, always, `close()`. Closing a
+stream that did not finish (the client went away, the handler was cancelled, an error) cancels the gRPC call —
+the decode worker aborts on cancellation and tells its prefill worker — and also sends `Abort(request_id)` to
+the worker as a belt-and-braces, in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from protos import serving_pb2
+from router.config import RouterConfig
+from router.errors import ApiError
+from router.metrics import RequestTracker
+from router.routing import NoWorkerError, Route, WorkerLoad, num_blocks_needed, plan_route
+from router.worker_registry import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+# Worker id -> how many leading blocks of these prompt tokens its prefix cache holds (the Redis index's answer).
+PrefixOverlapFn = Callable[[Sequence[int]], Awaitable[Mapping[str, int]]]
+
+FINISHED = ("stop", "length")  # finish reasons of a request that succeeded
+
+# gRPC status -> (HTTP status, failure reason for metrics)
+_RPC_ERRORS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "bad_request"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "bad_request"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "unavailable"),
+    grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
+    grpc.StatusCode.CANCELLED: (503, "unavailable"),
+    grpc.StatusCode.ABORTED: (503, "kv_transfer"),  # the prefill side failed the request on every attempt
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+# Failures before any token that another attempt may not meet: UNAVAILABLE (the target worker is unreachable)
+# and ABORTED (the decode worker got no KV from the prefill side: prefill worker down, handoff cut or timed out).
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+
+
+def _blamed_worker(code: grpc.StatusCode, route: Route, loads: Sequence[WorkerLoad]) -> str | None:
+    """The worker the next attempt avoids: the unreachable target, or after a failed handoff the prefill worker
+    if another one can take its place (with a single prefill worker, the retry goes to the same pair)."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return route.target.worker_id
+    if route.prefill is None:
+        return None
+    others = [load for load in loads if load.role == "prefill" and load.worker_id != route.prefill.worker_id]
+    return route.prefill.worker_id if others else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: serving_pb2.SamplingParams
+
+
+def api_error_from_rpc(error: grpc.aio.AioRpcError) -> tuple[ApiError, str]:
+    """The HTTP error for a failed Generate call, and the failure reason to count."""
+    status, reason = _RPC_ERRORS.get(error.code(), (500, "worker_error"))
+    details = error.details() or error.code().name
+    return ApiError(status_code=status, message=f"worker: {details}"), reason
+
+
+def message_failure(message: serving_pb2.GenerateResponse) -> ApiError | None:
+    """The error a message reports, if any: `error` set, or finish_reason "error" / "abort"."""
+    if message.finish_reason == "abort":
+        detail = f": {message.error}" if message.error else ""
+        return ApiError(status_code=503, message=f"the worker aborted the request{detail}")
+    if message.error or message.finish_reason == "error":
+        return ApiError(status_code=500, message=f"the worker failed the request: {message.error or 'error'}")
+    return None
+
+
+class GenerationStream:
+    """An open Generate call whose first message has arrived; see the module docstring for its lifecycle."""
+
+    def __init__(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        *,
+        job: GenerationJob,
+        route: Route,
+        registry: WorkerRegistry,
+        tracker: RequestTracker,
+        abort_timeout_s: float,
+    ) -> None:
+        self.route = route
+        self._call = call
+        self._job = job
+        self._registry = registry
+        self._tracker = tracker
+        self._abort_timeout_s = abort_timeout_s
+        self._buffered: list[serving_pb2.GenerateResponse] = []
+        self.num_generated_tokens = 0
+        self.usage: serving_pb2.Usage | None = None
+        self.finished = False  # ended: with a finish_reason, an error, or end of stream
+        self._closed = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.route.target.worker_id
+
+    async def read(self) -> serving_pb2.GenerateResponse | None:
+        """The next message; None at the end of the stream. Raises grpc.aio.AioRpcError when the call fails."""
+        if self._buffered:
+            return self._buffered.pop(0)
+        return await self._read_call()
+
+    async def read_first(self) -> None:
+        """Wait for the first message (the Dispatcher's part). A failed call is not counted as a failed request
+        here: the Dispatcher may retry it elsewhere."""
+        message = await self._read_call(count_rpc_failure=False)
+        if message is not None:
+            self._buffered.append(message)
+
+    def first_failure(self) -> ApiError | None:
+        """After `read_first`: the error when the stream failed before producing anything."""
+        if not self._buffered:
+            return ApiError(status_code=500, message="the worker ended the stream without a finish reason")
+        return message_failure(self._buffered[0])
+
+    async def _read_call(self, count_rpc_failure: bool = True) -> serving_pb2.GenerateResponse | None:
+        try:
+            message = await self._call.read()
+        except grpc.aio.AioRpcError as error:
+            self.finished = True
+            if count_rpc_failure:
+                self._tracker.failed(api_error_from_rpc(error)[1])
+            raise
+        if message is grpc.aio.EOF:
+            self.finished = True
+            self._tracker.failed("worker_error")
+            return None
+        self._tracker.on_message(message)
+        self.num_generated_tokens += len(message.token_ids)
+        if message.finish_reason == "abort":
+            self.finished = True  # counted as vLLM does: a finished request, reason abort
+            self._tracker.finished("abort", num_prompt_tokens=self.num_prompt_tokens,
+                                   num_generated_tokens=self.num_completion_tokens)
+        elif message_failure(message) is not None:
+            self.finished = True
+            self._tracker.failed("worker_error")
+        elif message.finish_reason:
+            self.finished = True
+            if message.HasField("usage"):
+                self.usage = message.usage
+            self._tracker.finished(message.finish_reason, num_prompt_tokens=self.num_prompt_tokens,
+                                   num_generated_tokens=self.num_completion_tokens)
+        return message
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        if self.usage is not None and self.usage.prompt_tokens:
+            return self.usage.prompt_tokens
+        return len(self._job.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        if self.usage is not None and self.usage.completion_tokens:
+            return self.usage.completion_tokens
+        return self.num_generated_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.usage.cached_tokens if self.usage is not None else 0
+
+    def close(self) -> None:
+        """Idempotent. Cancels the call and sends Abort unless the stream finished. Safe under cancellation:
+        nothing here awaits."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finished:
+            return
+        self._tracker.finished("abort", num_prompt_tokens=self.num_prompt_tokens,
+                               num_generated_tokens=self.num_completion_tokens)
+        self._call.cancel()
+        try:
+            stub = self._registry.stub(self.worker_id)
+        except KeyError:
+            return  # the worker left; the cancellation is all we can do
+        abort = stub.Abort(serving_pb2.AbortRequest(request_id=self._job.request_id), timeout=self._abort_timeout_s)
+        self._registry.spawn(_quietly(abort, self._job.request_id), name=f"abort-{self._job.request_id}")
+
+
+class Dispatcher:
+    """Routes and opens Generate calls. `prefix_overlap`, when given, scores prefill workers by cached prefix."""
+
+    def __init__(
+        self, *, config: RouterConfig, registry: WorkerRegistry, prefix_overlap: PrefixOverlapFn | None = None
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._prefix_overlap = prefix_overlap
+
+    async def open(self, job: GenerationJob, tracker: RequestTracker) -> GenerationStream:
+        """Dispatch `job` and wait for its first message. ApiError: 503 when no worker can take it, or the
+        worker's error mapped to HTTP. If cancelled meanwhile, the call is cancelled and aborted."""
+        num_blocks = num_blocks_needed(len(job.prompt_token_ids), self._config.block_size)
+        overlap = await self._overlap(job.prompt_token_ids)
+        excluded: set[str] = set()
+        last_error: grpc.aio.AioRpcError | None = None
+        for attempt in range(1, self._config.max_dispatch_attempts + 1):
+            loads = [load for load in self._registry.loads() if load.worker_id not in excluded]
+            try:
+                route = plan_route(self._config.mode, loads, num_blocks=num_blocks, prefix_overlap_blocks=overlap)
+            except NoWorkerError as error:
+                if last_error is not None:  # nowhere left to retry: the worker's own error says more
+                    api_error, reason = api_error_from_rpc(last_error)
+                    tracker.failed(reason)
+                    raise api_error from last_error
+                tracker.failed("no_worker")
+                raise ApiError(status_code=503, message=f"no worker can take the request: {error}") from error
+            stream = self._start(job, route, tracker, num_blocks)
+            try:
+                await stream.read_first()
+            except grpc.aio.AioRpcError as error:
+                code = error.code()
+                retry = code in _RETRYABLE and attempt < self._config.max_dispatch_attempts
+                if code == grpc.StatusCode.UNAVAILABLE:  # the target itself is unreachable
+                    self._registry.mark_unhealthy(route.target.worker_id, f"Generate: {error.details()}")
+                if retry:
+                    blamed = _blamed_worker(code, route, loads)
+                    logger.warning("%s failed on %s (%s: %s); retrying", job.request_id, route.target.worker_id,
+                                   code.name, error.details())
+                    if blamed is not None:
+                        excluded.add(blamed)
+                    tracker.retried(code.name.lower())
+                    last_error = error
+                    continue
+                api_error, reason = api_error_from_rpc(error)
+                tracker.failed(reason)
+                raise api_error from error
+            except BaseException:  # cancelled while waiting (client gone): tell the worker
+                stream.close()
+                raise
+            failure = stream.first_failure()
+            if failure is not None:  # failed before any token: still time for a proper HTTP status
+                raise failure
+            return stream
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _start(self, job: GenerationJob, route: Route, tracker: RequestTracker, num_blocks: int) -> GenerationStream:
+        request = serving_pb2.GenerateRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_token_ids,
+            params=job.params,
+            prefill_endpoint=route.prefill.endpoint if route.prefill is not None else "",
+            router_queue_s=tracker.dispatched(),
+        )
+        self._registry.note_dispatch(route.target.worker_id, num_blocks)
+        if route.prefill is not None:
+            self._registry.note_dispatch(route.prefill.worker_id, num_blocks)
+        call = self._registry.stub(route.target.worker_id).Generate(request, timeout=self._config.request_timeout_s)
+        return GenerationStream(call, job=job, route=route, registry=self._registry, tracker=tracker,
+                                abort_timeout_s=self._config.abort_timeout_s)
+
+    async def _overlap(self, token_ids: Sequence[int]) -> Mapping[str, int] | None:
+        if self._prefix_overlap is None:
+            return None
+        try:
+            return await self._prefix_overlap(token_ids)
+        except Exception:  # the index is an optimisation; route by load without it
+            logger.exception("prefix overlap lookup failed; routing by load only")
+            return None
+
+
+async def _quietly(abort: Awaitable[serving_pb2.AbortResponse], request_id: str) -> None:
+    try:
+        await abort
+    except grpc.aio.AioRpcError as error:
+        logger.debug("Abort(%s) failed: %s", request_id, error.code().name)

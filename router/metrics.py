@@ -1,0 +1,201 @@
+"""The router's Prometheus metrics: vLLM's names with a `splitserve:` prefix, on a private registry.
+
+Measured here, per request (router clock):
+    splitserve:time_to_first_token_seconds      histogram  arrival -> first token received from the worker
+    splitserve:inter_token_latency_seconds      histogram  between token messages of one stream
+    splitserve:e2e_request_latency_seconds      histogram  arrival -> last message
+    splitserve:ttft_stage_seconds{stage}        histogram  the TTFT breakdown, one label value per stage:
+        router_queue (this router: arrival -> dispatched), decode_queue, prefill_queue, prefill, kv_transfer
+        (from the StageTimings of the stream's first message; kv_transfer only when KV bytes moved)
+    splitserve:kv_transfer_seconds              histogram  per request, when KV moved (= the kv_transfer stage)
+    splitserve:request_success_total{finished_reason}  counter  stop | length | abort (client went away, or
+                                                          the worker aborted it)
+    splitserve:request_failure_total{reason}    counter    no_worker | unavailable | timeout | bad_request
+                                                           (the worker refused it) | kv_transfer | worker_error
+    splitserve:request_retries_total{reason}    counter    dispatches retried before any token: unavailable
+                                                           (target unreachable) | aborted (KV handoff failed)
+    splitserve:prompt_tokens_total, splitserve:generation_tokens_total   counters
+
+Read from each worker's latest LoadStats at scrape time (label `worker` = worker_id):
+    gauges   splitserve:num_requests_running, splitserve:num_requests_waiting, splitserve:kv_blocks_used,
+             splitserve:kv_blocks_total, splitserve:kv_cache_usage_perc (a 0-1 fraction, as in vLLM),
+             splitserve:worker_healthy (1/0)
+    counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total (tokens),
+             splitserve:kv_transfer_bytes_total, splitserve:num_preemptions_total,
+             splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from protos import serving_pb2
+
+if TYPE_CHECKING:
+    from router.worker_registry import WorkerSnapshot
+
+PREFIX = "splitserve:"
+STAGES = ("router_queue", "decode_queue", "prefill_queue", "prefill", "kv_transfer")
+
+# vLLM's buckets, so dashboards built for vLLM read these the same way.
+_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0)
+_E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                  240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class RouterMetrics:
+    """Owns the registry. `render()` is the /metrics body; refresh worker loads before calling it."""
+
+    def __init__(self, snapshots: Callable[[], Sequence[WorkerSnapshot]]) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}time_to_first_token_seconds", "Time to first token, seen by the router.",
+            buckets=_TTFT_BUCKETS_S, registry=registry)
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}inter_token_latency_seconds", "Time between token messages of one stream.",
+            buckets=_ITL_BUCKETS_S, registry=registry)
+        self.e2e_request_latency = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds", "Arrival to last token, seen by the router.",
+            buckets=_E2E_BUCKETS_S, registry=registry)
+        self.kv_transfer_seconds = Histogram(
+            f"{PREFIX}kv_transfer_seconds", "Per request: prefill worker's KV transfer, opened to acked.",
+            buckets=_STAGE_BUCKETS_S, registry=registry)
+        self.ttft_stage_seconds = Histogram(
+            f"{PREFIX}ttft_stage_seconds", "Time to first token, by stage.", ["stage"],
+            buckets=_STAGE_BUCKETS_S, registry=registry)
+        self.request_success = Counter(
+            f"{PREFIX}request_success", "Requests finished, by finish reason.", ["finished_reason"],
+            registry=registry)
+        self.request_failure = Counter(
+            f"{PREFIX}request_failure", "Requests that failed, by reason.", ["reason"], registry=registry)
+        self.request_retries = Counter(
+            f"{PREFIX}request_retries", "Dispatches retried before any token, by the failed attempt's status.",
+            ["reason"], registry=registry)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=registry)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=registry)
+        for stage in STAGES:  # every stage shows up at once, with zero counts, so dashboards need no guards
+            self.ttft_stage_seconds.labels(stage=stage)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(finished_reason=reason)
+        registry.register(WorkerLoadCollector(snapshots))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self, arrival_s: float) -> RequestTracker:
+        return RequestTracker(self, arrival_s)
+
+
+class RequestTracker:
+    """One request's timeline, on `time.perf_counter()` seconds. Feed it every message of the stream."""
+
+    def __init__(self, metrics: RouterMetrics, arrival_s: float) -> None:
+        self._metrics = metrics
+        self.arrival_s = arrival_s
+        self.router_queue_s = 0.0
+        self._last_token_s: float | None = None
+        self._timings_seen = False
+        self._done = False
+
+    def dispatched(self) -> float:
+        """Mark the request as sent to a worker; returns the router_queue_s to send along."""
+        self.router_queue_s = time.perf_counter() - self.arrival_s
+        return self.router_queue_s
+
+    def on_message(self, message: serving_pb2.GenerateResponse) -> None:
+        now = time.perf_counter()
+        if not self._timings_seen and message.HasField("timings"):
+            self._timings_seen = True
+            self._observe_stages(message.timings)
+        if message.token_ids:
+            if self._last_token_s is None:
+                self._metrics.time_to_first_token.observe(now - self.arrival_s)
+            else:
+                self._metrics.inter_token_latency.observe(now - self._last_token_s)
+            self._last_token_s = now
+
+    def finished(self, finish_reason: str, *, num_prompt_tokens: int, num_generated_tokens: int) -> None:
+        """The request ended with `finish_reason` (stop | length | abort); counted once."""
+        if self._done:
+            return
+        self._done = True
+        metrics = self._metrics
+        metrics.e2e_request_latency.observe(time.perf_counter() - self.arrival_s)
+        metrics.request_success.labels(finished_reason=finish_reason).inc()
+        metrics.prompt_tokens.inc(num_prompt_tokens)
+        metrics.generation_tokens.inc(num_generated_tokens)
+
+    def retried(self, reason: str) -> None:
+        """One attempt failed before any token and the request goes out again."""
+        self._metrics.request_retries.labels(reason=reason).inc()
+
+    def failed(self, reason: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._metrics.request_failure.labels(reason=reason).inc()
+
+    def _observe_stages(self, timings: serving_pb2.StageTimings) -> None:
+        stage = self._metrics.ttft_stage_seconds
+        stage.labels(stage="router_queue").observe(self.router_queue_s)
+        stage.labels(stage="decode_queue").observe(timings.decode_queue_s)
+        stage.labels(stage="prefill_queue").observe(timings.prefill_queue_s)
+        stage.labels(stage="prefill").observe(timings.prefill_s)
+        if timings.kv_transfer_bytes > 0:  # a request that ended on its first token moved no KV
+            stage.labels(stage="kv_transfer").observe(timings.kv_transfer_s)
+            self._metrics.kv_transfer_seconds.observe(timings.kv_transfer_s)
+
+
+class WorkerLoadCollector(Collector):
+    """Worker gauges and counters from the registry's latest LoadStats, read at scrape time."""
+
+    def __init__(self, snapshots: Callable[[], Sequence[WorkerSnapshot]]) -> None:
+        self._snapshots = snapshots
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = self._snapshots()
+        gauges = {
+            "num_requests_running": ("Requests running on the worker.", lambda s: s.num_requests_running),
+            "num_requests_waiting": ("Requests waiting on the worker.", lambda s: s.num_requests_waiting),
+            "kv_cache_usage_perc": ("KV-cache usage, 0-1 (1 = all blocks in use).", lambda s: s.kv_cache_usage),
+            "kv_blocks_used": ("KV blocks referenced by requests.", lambda s: s.kv_blocks_used),
+            "kv_blocks_total": ("KV blocks the worker has.", lambda s: s.kv_blocks_total),
+        }
+        counters = {
+            "prefix_cache_queries": ("Prefix-cache queries, in tokens.", lambda s: s.prefix_cache_queries),
+            "prefix_cache_hits": ("Prefix-cache hits, in tokens.", lambda s: s.prefix_cache_hits),
+            "kv_transfer_bytes": ("KV bytes sent (prefill) or received (decode).", lambda s: s.kv_transfer_bytes),
+            "num_preemptions": ("Requests preempted.", lambda s: s.num_preemptions),
+            "kv_transfers": ("KV transfers completed.", lambda s: s.num_kv_transfers),
+            "kv_transfer_failures": ("KV transfers failed.", lambda s: s.num_kv_transfer_failures),
+        }
+        for name, (documentation, read) in gauges.items():
+            family = GaugeMetricFamily(f"{PREFIX}{name}", documentation, labels=["worker"])
+            for snapshot in snapshots:
+                if snapshot.stats is not None:
+                    family.add_metric([snapshot.info.worker_id], float(read(snapshot.stats)))
+            yield family
+        for name, (documentation, read) in counters.items():
+            family = CounterMetricFamily(f"{PREFIX}{name}", documentation, labels=["worker"])
+            for snapshot in snapshots:
+                if snapshot.stats is not None:
+                    family.add_metric([snapshot.info.worker_id], float(read(snapshot.stats)))
+            yield family
+        healthy = GaugeMetricFamily(f"{PREFIX}worker_healthy", "1 when the worker's last GetLoad answered.",
+                                    labels=["worker", "role"])
+        for snapshot in snapshots:
+            healthy.add_metric([snapshot.info.worker_id, snapshot.info.role], 1.0 if snapshot.healthy else 0.0)
+        yield healthy

@@ -1,0 +1,101 @@
+"""A request's prompt as token ids, and its max_tokens fitted to the model's context length.
+
+Completions take text (tokenized with the model's own special-token policy, e.g. a BOS) or token ids as given.
+Chat renders the model's chat template and tokenizes the result with `add_special_tokens=False`: the template
+writes any BOS itself. Every problem is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from router.errors import bad_request
+from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+if TYPE_CHECKING:
+    from engine.tokenizer.tokenizer import Tokenizer
+
+
+def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """The token ids of a /v1/completions prompt: one text or one token-id list (a batch of one is unwrapped)."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise bad_request(f"batched prompts are not supported: send 1 prompt per request, got {len(prompt)}",
+                              "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt)
+    else:
+        token_ids = [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
+        bad = [token_id for token_id in token_ids if not 0 <= token_id < tokenizer.vocab_size]
+        if bad:
+            raise bad_request(
+                f"prompt token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "prompt"
+            )
+    if not token_ids:
+        raise bad_request("prompt must not be empty", "prompt")
+    return token_ids
+
+
+def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """The token ids of the chat template rendered over `request.messages`."""
+    messages = [{"role": message.role, "content": _text_of(message, index)}
+                for index, message in enumerate(request.messages)]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
+    except ValueError as error:
+        raise bad_request(str(error), "messages") from error
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    if not token_ids:
+        raise bad_request("the rendered chat prompt is empty", "messages")
+    return token_ids
+
+
+def fit_max_tokens(
+    requested: int | None,
+    *,
+    default: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    prompt_param: str,
+    max_tokens_param: str,
+) -> int:
+    """How many tokens to generate at most; a 400 when the prompt, or prompt + requested, exceeds the context.
+
+    `requested` None takes `default` clipped to the room left (None: all of it). An explicit request that does
+    not fit is refused rather than silently shortened, as in vLLM. Values below 1 pass through for
+    `SamplingParams.validate()` to reject with its own message.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, leaving no room for the completion. Please shorten the prompt.",
+            prompt_param,
+        )
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
+            f"completion). Please reduce the prompt or {max_tokens_param}.",
+            max_tokens_param,
+        )
+    return requested
+
+
+def _text_of(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{index}].content: only text parts are supported, got {part.get('type')!r}",
+                              "messages")
+        texts.append(part["text"])  # type: ignore[arg-type]
+    return "\n".join(texts)

@@ -1,0 +1,204 @@
+"""OpenAI response bodies and stream chunks, in OpenAI's exact shapes, built from the workers' messages.
+
+    completions  {"id": "cmpl-…", "object": "text_completion", "created", "model",
+                  "choices": [{"index": 0, "text", "logprobs", "finish_reason", "stop_reason"}], "usage"}
+    chat         {"id": "chatcmpl-…", "object": "chat.completion", …,
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content"}, "logprobs",
+                               "finish_reason", "stop_reason"}], "usage"}
+    chunks       the same with "object": "text_completion" / "chat.completion.chunk", "text" / "delta", and
+                 "usage": null on every chunk when the client asked for stream_options.include_usage, whose
+                 final chunk then has "choices": [] and the usage.
+
+`stop_reason` is vLLM's extension: the stop string (str) or stop token id (int) that ended the request, null
+for EOS or length. Logprobs below -9999 (and -inf) are written as -9999.0, as vLLM does, since JSON has no -inf.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from protos import serving_pb2
+
+if TYPE_CHECKING:
+    from engine.tokenizer.tokenizer import Tokenizer
+
+LOGPROB_FLOOR = -9999.0
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseHeader:
+    """What every body and chunk of one request repeats."""
+
+    request_id: str  # "cmpl-<hex>" or "chatcmpl-<hex>"
+    created: int  # unix seconds
+    model: str  # the name the request used
+    chat: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def sse_event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def openai_stop_reason(
+    finish_reason: str, stop_reason: str, stop: Sequence[str], stop_token_ids: Sequence[int]
+) -> str | int | None:
+    """The proto's stop_reason (a stop string, or a token id in decimal) as vLLM reports it.
+
+    The request's own stop lists disambiguate: a stop string "7" stays a str, stop token 7 becomes an int; EOS
+    and anything unrecognised become None.
+    """
+    if finish_reason != "stop" or not stop_reason:
+        return None
+    if stop_reason in stop:
+        return stop_reason
+    if stop_reason.isdigit() and int(stop_reason) in stop_token_ids:
+        return int(stop_reason)
+    return None
+
+
+# -- bodies --------------------------------------------------------------------------------------------------
+
+
+def response_body(
+    header: ResponseHeader,
+    *,
+    text: str,
+    finish_reason: str,
+    stop_reason: str | int | None,
+    logprobs: dict[str, Any] | None,
+    usage: Usage,
+) -> dict[str, Any]:
+    """The non-streaming body of a completion or chat completion."""
+    choice: dict[str, Any] = {"index": 0}
+    if header.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+    return {
+        "id": header.request_id,
+        "object": "chat.completion" if header.chat else "text_completion",
+        "created": header.created,
+        "model": header.model,
+        "choices": [choice],
+        "usage": usage.body(),
+    }
+
+
+def chunk_body(
+    header: ResponseHeader,
+    *,
+    text: str | None,
+    finish_reason: str | None = None,
+    stop_reason: str | int | None = None,
+    logprobs: dict[str, Any] | None = None,
+    include_usage: bool = False,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One stream chunk. Chat: `role` makes the opening delta {"role": "assistant", "content": ""}."""
+    choice: dict[str, Any] = {"index": 0}
+    if header.chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+    body = _chunk_head(header)
+    body["choices"] = [choice]
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk_body(header: ResponseHeader, usage: Usage) -> dict[str, Any]:
+    """The last chunk when stream_options.include_usage: no choices, the request's usage."""
+    body = _chunk_head(header)
+    body["choices"] = []
+    body["usage"] = usage.body()
+    return body
+
+
+def _chunk_head(header: ResponseHeader) -> dict[str, Any]:
+    return {
+        "id": header.request_id,
+        "object": "chat.completion.chunk" if header.chat else "text_completion",
+        "created": header.created,
+        "model": header.model,
+    }
+
+
+# -- logprobs ------------------------------------------------------------------------------------------------
+
+
+def completion_logprobs(
+    entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Tokenizer, *, text_offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """Completions' logprobs shape for `entries`, and the text offset after them (for the next chunk).
+
+        {"tokens": [str], "token_logprobs": [float], "top_logprobs": [{token: logprob}], "text_offset": [int]}
+
+    Each top_logprobs dict holds the top alternatives plus the sampled token, as in vLLM (so up to n + 1 keys).
+    """
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for entry in entries:
+        token = token_text(tokenizer, entry.token_id)
+        tokens.append(token)
+        token_logprobs.append(_finite(entry.logprob))
+        top = {token_text(tokenizer, alt.token_id): _finite(alt.logprob) for alt in entry.top}
+        top.setdefault(token, _finite(entry.logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+    return body, text_offset
+
+
+def chat_logprobs(entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Tokenizer) -> dict[str, Any]:
+    """Chat's logprobs shape: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}]}], "refusal": null}."""
+    content = []
+    for entry in entries:
+        item = _chat_token(tokenizer, entry.token_id, entry.logprob)
+        item["top_logprobs"] = [_chat_token(tokenizer, alt.token_id, alt.logprob) for alt in entry.top]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token's text, special tokens spelled out (an EOS shows as its name, not as nothing)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.decode_bytes([token_id], skip_special_tokens=False)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob), "bytes": list(raw)}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) and logprob > LOGPROB_FLOOR else LOGPROB_FLOOR

@@ -1,0 +1,141 @@
+"""Serving the router with uvicorn in this process: in the foreground, or from a background thread that a
+caller (the `splitserve serve` command, tests) shuts down programmatically.
+
+    app = build_router_app(model="smollm2-135m", worker_provider=controller_workers)    # loads the tokenizer
+    run_router(app, host="0.0.0.0", port=8000)       # blocks until SIGINT / SIGTERM
+
+    server = RouterServer(app, host="127.0.0.1", port=0).start()    # returns once it listens
+    ... server.url ...
+    server.stop()                                    # graceful: the lifespan closes the worker registry
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from router.app import create_app
+from router.config import RouterConfig
+from router.worker_registry import WorkerProvider, WorkerRegistry
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from engine.tokenizer.tokenizer import Tokenizer
+    from router.dispatcher import PrefixOverlapFn
+
+
+# grpc.aio is built for asyncio's own loop; uvicorn would pick uvloop whenever it happens to be installed.
+_LOOP = "asyncio"
+
+
+def build_router_app(
+    *,
+    model: str,
+    worker_provider: WorkerProvider,
+    served_model_names: tuple[str, ...] | None = None,
+    max_model_len: int | None = None,
+    mode: str = "disaggregated",
+    block_size: int = 16,
+    request_timeout_s: float = 600.0,
+    refresh_interval_s: float = 1.0,
+    prefix_overlap: PrefixOverlapFn | None = None,
+) -> FastAPI:
+    """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
+
+    A factory, so it does I/O: resolves the model (fetching a registered one on first use) and loads its
+    tokenizer. `served_model_names` defaults to `(model,)`; `max_model_len` to the checkpoint's context length
+    (pass the workers' own value when they are configured shorter).
+    """
+    tokenizer, context_length = load_tokenizer(model)
+    config = RouterConfig(
+        served_model_names=served_model_names or (model,),
+        max_model_len=max_model_len if max_model_len is not None else context_length,
+        mode=mode,
+        block_size=block_size,
+        request_timeout_s=request_timeout_s,
+    )
+    registry = WorkerRegistry(worker_provider, refresh_interval_s=refresh_interval_s)
+    return create_app(config, registry, tokenizer, prefix_overlap=prefix_overlap)
+
+
+def load_tokenizer(model: str) -> tuple[Tokenizer, int]:
+    """The model's tokenizer and its context length, from a GGUF file or an HF directory (torch-free)."""
+    from engine.loader.model_registry import resolve_model
+    from engine.tokenizer.tokenizer import Tokenizer
+
+    path = resolve_model(model)
+    if path.is_dir():
+        config = json.loads((Path(path) / "config.json").read_text())
+        return Tokenizer.from_hf_dir(path), int(config["max_position_embeddings"])
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)  # parsed once for both: parsing dominates the cost
+    architecture = reader.get_field("general.architecture").contents()
+    context_length = int(reader.get_field(f"{architecture}.context_length").contents())
+    return Tokenizer.from_gguf(reader), context_length
+
+
+def run_router(app: FastAPI, host: str, port: int, *, log_level: str = "info") -> None:
+    """Serve `app` in the foreground until SIGINT or SIGTERM (uvicorn installs the handlers)."""
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, loop=_LOOP)
+
+
+class RouterServer:
+    """uvicorn serving one app from a daemon thread of this process, with its own event loop.
+
+    `port=0` binds any free port; `port` holds the bound one once constructed. `stop()` asks uvicorn to exit
+    (open streams get `graceful_shutdown_s` to finish), waits for the lifespan shutdown, and joins the thread.
+    """
+
+    def __init__(
+        self, app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+        graceful_shutdown_s: float = 5.0,
+    ) -> None:
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host = host
+        self.port: int = self._socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s,
+                                lifespan="on", loop=_LOOP)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name=f"router-{self.port}", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> RouterServer:
+        """Start serving; returns once uvicorn has started (lifespan done, socket listening)."""
+        self._thread.start()
+        deadline_s = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"router server failed to start: {self._error!r}")
+            if time.monotonic() > deadline_s:
+                self.stop()
+                raise TimeoutError(f"router server did not start within {timeout_s} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Shut down gracefully and join the thread; idempotent."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._socket.close()
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket])
+        except BaseException as error:  # reported by start()
+            self._error = error

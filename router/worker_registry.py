@@ -1,0 +1,254 @@
+"""The workers the router knows: who they are (from a provider), how to reach them, and how loaded they are.
+
+Lifecycle, all inside the serving event loop (grpc.aio channels belong to the loop that uses them):
+
+    WorkerRegistry(provider)      no I/O
+    await start()                 one refresh, then a background task refreshing every refresh_interval_s
+        refresh() = provider() -> reconcile channels (one grpc.aio channel + stub per endpoint)
+                    -> poll_loads(): GetLoad on every worker at once; a failed call marks the worker unhealthy
+    await close()                 stops the task, closes the channels
+
+The provider is the Ray controller's list in a cluster and a static list in tests: a plain callable (run in a
+thread, since it may block) or an async one, returning `WorkerInfo`s. A provider failure keeps the last list.
+
+Between polls the router counts what it dispatched itself (`note_dispatch`), so a burst of requests arriving
+within one poll interval spreads over the workers instead of piling onto the one that looked idlest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from protos import serving_pb2, serving_pb2_grpc
+from router.routing import ROLES, WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+WorkerProvider = Callable[[], Sequence["WorkerInfo"] | Awaitable[Sequence["WorkerInfo"]]]
+
+# A restarted worker should be reachable again within a poll or two, not after gRPC's default backoff (≤120 s).
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+_CHANNEL_CLOSE_GRACE_S = 30.0  # in-flight calls on a worker that left the list may finish within this
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """One worker as the controller describes it. `incarnation` changes when the worker restarts."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    endpoint: str  # "host:port" of its gRPC Worker service
+    incarnation: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.worker_id or not self.endpoint:
+            raise ValueError(f"worker_id and endpoint must be non-empty, got {self.worker_id!r}, {self.endpoint!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSnapshot:
+    """A worker's latest known state, for /metrics and /health."""
+
+    info: WorkerInfo
+    healthy: bool
+    stats: serving_pb2.LoadStats | None  # the latest successful GetLoad; None before the first
+    error: str = ""  # why it is unhealthy
+
+
+class _Worker:
+    """Mutable per-worker state; only the registry touches it, from the event loop."""
+
+    def __init__(self, info: WorkerInfo, stub: serving_pb2_grpc.WorkerStub) -> None:
+        self.info = info
+        self.stub = stub
+        self.stats: serving_pb2.LoadStats | None = None
+        self.healthy = False  # until the first GetLoad answers
+        self.error = "not polled yet"
+        self.num_pending = 0
+        self.num_pending_blocks = 0
+
+
+class WorkerRegistry:
+    def __init__(
+        self, provider: WorkerProvider, *, refresh_interval_s: float = 1.0, load_timeout_s: float = 2.0
+    ) -> None:
+        if refresh_interval_s <= 0 or load_timeout_s <= 0:
+            raise ValueError(f"intervals must be positive, got {refresh_interval_s}, {load_timeout_s}")
+        self._provider = provider
+        self._refresh_interval_s = refresh_interval_s
+        self._load_timeout_s = load_timeout_s
+        self._workers: dict[str, _Worker] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, serving_pb2_grpc.WorkerStub] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[object]] = set()
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Refresh once, then keep refreshing in the background until `close()`."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_forever(), name="worker-registry-refresh")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(channel.close() for channel in self._channels.values()), return_exceptions=True)
+        self._channels.clear()
+        self._stubs.clear()
+        self._workers.clear()
+
+    async def refresh(self) -> None:
+        """Re-read the worker list from the provider, then poll every worker's load."""
+        try:
+            infos = await self._call_provider()
+        except Exception:  # a flaky controller must not take routing down
+            logger.exception("worker provider failed; keeping the last worker list")
+        else:
+            self._reconcile(infos)
+        await self.poll_loads()
+
+    async def poll_loads(self) -> None:
+        """GetLoad on every worker concurrently; success makes it healthy, failure unhealthy."""
+        await asyncio.gather(*(self._poll(worker) for worker in list(self._workers.values())))
+
+    # -- reads --------------------------------------------------------------------------------------------------
+
+    def snapshots(self) -> list[WorkerSnapshot]:
+        return [
+            WorkerSnapshot(info=w.info, healthy=w.healthy, stats=w.stats, error=w.error)
+            for w in self._workers.values()
+        ]
+
+    def loads(self) -> list[WorkerLoad]:
+        """Routing's view: the polled counts plus what this router dispatched since."""
+        return [_load_of(worker) for worker in self._workers.values()]
+
+    def stub(self, worker_id: str) -> serving_pb2_grpc.WorkerStub:
+        """The stub of a known worker; KeyError when it left the list."""
+        return self._workers[worker_id].stub
+
+    def healthy_roles(self) -> set[str]:
+        return {w.info.role for w in self._workers.values() if w.healthy}
+
+    # -- writes from dispatch -----------------------------------------------------------------------------------
+
+    def note_dispatch(self, worker_id: str, num_blocks: int) -> None:
+        """Count a request sent to `worker_id` until the next poll reflects it."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.num_pending += 1
+            worker.num_pending_blocks += num_blocks
+
+    def mark_unhealthy(self, worker_id: str, reason: str) -> None:
+        """Take a worker out of routing until its next successful poll (e.g. its Generate was UNAVAILABLE)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.healthy = False
+            worker.error = reason
+
+    def spawn(self, coroutine: Awaitable[object], name: str) -> None:
+        """Run a fire-and-forget call (an Abort) that `close()` cancels if it is still running."""
+        task: asyncio.Task[object] = asyncio.ensure_future(coroutine)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep polling whatever one round did
+                logger.exception("worker registry refresh failed")
+
+    async def _call_provider(self) -> list[WorkerInfo]:
+        if inspect.iscoroutinefunction(self._provider):
+            result = await self._provider()
+        else:
+            result = await asyncio.to_thread(self._provider)
+            if inspect.isawaitable(result):
+                result = await result
+        return list(result)  # type: ignore[arg-type]
+
+    def _reconcile(self, infos: Sequence[WorkerInfo]) -> None:
+        wanted = {info.worker_id: info for info in infos}
+        for worker_id in [w for w in self._workers if w not in wanted]:
+            logger.info("worker %s left the list", worker_id)
+            del self._workers[worker_id]
+        for worker_id, info in wanted.items():
+            current = self._workers.get(worker_id)
+            if current is not None and current.info == info:
+                continue
+            if current is not None:
+                logger.info("worker %s changed: %s -> %s", worker_id, current.info, info)
+            self._workers[worker_id] = _Worker(info, self._stub_for(info.endpoint))
+        live = {w.info.endpoint for w in self._workers.values()}
+        for endpoint in [e for e in self._channels if e not in live]:
+            channel = self._channels.pop(endpoint)
+            del self._stubs[endpoint]
+            self.spawn(channel.close(grace=_CHANNEL_CLOSE_GRACE_S), name=f"close-channel-{endpoint}")
+
+    def _stub_for(self, endpoint: str) -> serving_pb2_grpc.WorkerStub:
+        if endpoint not in self._stubs:
+            channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            self._channels[endpoint] = channel
+            self._stubs[endpoint] = serving_pb2_grpc.WorkerStub(channel)
+        return self._stubs[endpoint]
+
+    async def _poll(self, worker: _Worker) -> None:
+        num_pending, num_pending_blocks = worker.num_pending, worker.num_pending_blocks
+        try:
+            stats = await worker.stub.GetLoad(serving_pb2.LoadRequest(), timeout=self._load_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if worker.healthy:
+                logger.warning("worker %s unhealthy: GetLoad %s", worker.info.worker_id, error.code().name)
+            worker.healthy = False
+            worker.error = f"GetLoad failed: {error.code().name} {error.details() or ''}".strip()
+            return
+        worker.stats = stats
+        worker.healthy = True
+        worker.error = ""
+        # What was dispatched before the call is in these counts now; what came during it may not be.
+        worker.num_pending = max(worker.num_pending - num_pending, 0)
+        worker.num_pending_blocks = max(worker.num_pending_blocks - num_pending_blocks, 0)
+
+
+def _load_of(worker: _Worker) -> WorkerLoad:
+    stats = worker.stats
+    if stats is None:
+        return WorkerLoad(worker_id=worker.info.worker_id, role=worker.info.role, endpoint=worker.info.endpoint,
+                          healthy=worker.healthy, num_pending=worker.num_pending)
+    return WorkerLoad(
+        worker_id=worker.info.worker_id,
+        role=worker.info.role,
+        endpoint=worker.info.endpoint,
+        healthy=worker.healthy,
+        num_running=stats.num_requests_running,
+        num_waiting=stats.num_requests_waiting,
+        num_pending=worker.num_pending,
+        kv_blocks_free=max(stats.kv_blocks_free - worker.num_pending_blocks, 0),
+        kv_blocks_total=stats.kv_blocks_total,
+    )

@@ -1,0 +1,64 @@
+"""The official `openai` client, unmodified, against the router served by uvicorn (fake workers behind it)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.router.conftest import MODEL, Cluster
+from tests.router.fake_worker import Script
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=30.0)
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    completion = client.completions.create(model=MODEL, prompt="Say hi", max_tokens=5, logprobs=1)
+    assert completion.id.startswith("cmpl-") and completion.object == "text_completion"
+    choice = completion.choices[0]
+    assert choice.text == "Hello" and choice.finish_reason == "length"
+    assert choice.logprobs is not None and choice.logprobs.tokens == list("Hello")
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+
+
+def test_completion_stream(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(model=MODEL, prompt="Say hi", max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == "Hello world"
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 6 + 11
+
+
+def test_chat(client: openai.OpenAI, cluster: Cluster) -> None:
+    cluster.decode.script = Script(text="Hi there!", finish_reason="stop", stop_reason="!")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                          max_completion_tokens=20, temperature=0.0, stop=["!"], logprobs=True,
+                                          top_logprobs=1)
+    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion"
+    message = chat.choices[0].message
+    assert message.role == "assistant" and message.content == "Hi there!"
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content[0].token == "H"
+    assert cluster.decode.requests[0].params.temperature == 0.0
+
+
+def test_chat_stream(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=5, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == "Hello"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_errors_raise_the_clients_exceptions(client: openai.OpenAI, cluster: Cluster) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert "temperature" in str(bad.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    cluster.decode.script = Script(error_after=2)
+    with pytest.raises(openai.APIError):  # an error event mid-stream
+        list(client.completions.create(model=MODEL, prompt="x", stream=True))

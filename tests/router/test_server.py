@@ -1,0 +1,51 @@
+"""Serving the app: RouterServer's start/stop, and build_router_app over the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from engine.loader.model_registry import KNOWN_MODELS, cache_dir
+from router.server import RouterServer, build_router_app
+from tests.router.conftest import MODEL, info_of
+from tests.router.fake_worker import FakeWorker
+
+
+def _cached_smollm2() -> bool:
+    entry = KNOWN_MODELS[MODEL]
+    from pathlib import Path
+
+    return (cache_dir() / "models" / f"{entry.package}-{entry.version}" / Path(entry.member).name).is_file()
+
+
+def test_router_server_starts_and_stops(fakes: dict[str, FakeWorker], tokenizer) -> None:
+    from tests.router.conftest import serve_router
+
+    server = serve_router([info_of(fakes["colocated-0"])], tokenizer, mode="colocated")
+    assert server.port > 0 and server.url == f"http://127.0.0.1:{server.port}"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    server.stop()
+    server.stop()  # idempotent
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health", timeout=2)
+
+
+@pytest.mark.skipif(not _cached_smollm2(), reason="SmolLM2 is not in the model cache (tests/conftest.py fetches it)")
+def test_build_router_app_with_the_real_tokenizer(fakes: dict[str, FakeWorker]) -> None:
+    for fake in fakes.values():
+        fake.reset()
+    decode = fakes["decode-0"]
+    app = build_router_app(model=MODEL, worker_provider=lambda: [info_of(fakes["prefill-0"]), info_of(decode)],
+                           max_model_len=2048)
+    server = RouterServer(app).start()
+    try:
+        with httpx.Client(base_url=server.url) as client:
+            assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 2048
+            response = client.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 4})
+            assert response.status_code == 200, response.text
+    finally:
+        server.stop()
+    prompt = list(decode.requests[0].prompt_token_ids)
+    # SmolLM2's ChatML: <|im_start|> is id 1, and the template adds its default system prompt.
+    assert prompt[0] == 1 and prompt.count(1) == 3 and len(prompt) > 20
