@@ -11,9 +11,11 @@ from engine.loader.errors import ModelLoadError  # torch-free, like everything i
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    from deploy import serve_command
     from engine import generate_command
 
     generate_command.add_parser(sub)
+    serve_command.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,421 @@
+"""The cluster controller: starts the prefill, decode and colocated pools as Ray actors, publishes where their
+workers are, health-checks them, restarts the dead and scales each pool on its own.
+
+    ClusterController ──creates──▶ host actor (WorkerHost) ──runs──▶ worker(s) ──gRPC──▶ router, other workers
+          │  list_workers() ◀── the router's provider polls this
+          └─ watch thread: health() on every host; dead or unhealthy → new process, new incarnation, new endpoint
+
+The unit of restart is the host process: a worker that stops answering is replaced together with its process,
+since whatever wedged it (a stuck thread, a leaked lock) lives there too. Every new worker gets a fresh
+incarnation, so the router and the prefix index can tell the new worker from its predecessor.
+
+`ClusterController` is a plain class (tests drive it directly from the driver); `RemoteClusterController` is
+its Ray actor. Ray is confined to this module and `deploy.serve_command`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
+
+from deploy.worker_host import WorkerFactory, WorkerHost, WorkerInfo
+from engine.config import EngineConfig
+from engine.serving.worker_config import ROLES, WorkerConfig
+from kv_transfer.registry import TRANSPORTS
+
+logger = logging.getLogger(__name__)
+
+# One actor per worker process; num_cpus=0 so that a 2-core machine fits them all (Ray's CPU accounting would
+# otherwise allow one per core). max_restarts=0: Ray's own restart would rerun the old config with the old
+# incarnation, so the controller restarts hosts itself.
+WorkerHostActor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(WorkerHost)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    """The pools to start and how workers are configured and watched. No I/O."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    num_colocated_workers: int = 0
+    kv_transport: str = "grpc"
+    kv_transfer_timeout_s: float = 30.0
+    worker_host: str = "127.0.0.1"  # the address workers bind and advertise
+    device: str = "cpu"
+    worker_env: Mapping[str, str] = field(default_factory=dict)  # environment of every worker process
+    health_interval_s: float = 2.0  # between watch passes; 0 disables the watch thread (tests call check_health)
+    health_timeout_s: float = 2.0  # one worker's Health RPC
+    num_failed_checks_to_restart: int = 3  # consecutive failed checks of a live process before it is replaced
+    start_timeout_s: float = 600.0  # one host: process start, model load, servers up
+    stop_timeout_s: float = 10.0  # graceful stop of one host before its process is killed
+    max_restart_backoff_s: float = 30.0  # a host that fails to restart is retried after 1, 2, 4 ... s, up to this
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill_workers", "num_decode_workers", "num_colocated_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
+        for name in ("kv_transfer_timeout_s", "health_timeout_s", "start_timeout_s", "stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.health_interval_s < 0:
+            raise ValueError(f"health_interval_s must be >= 0, got {self.health_interval_s}")
+        if self.num_failed_checks_to_restart < 1:
+            raise ValueError(f"num_failed_checks_to_restart must be >= 1, got {self.num_failed_checks_to_restart}")
+
+    @property
+    def shares_one_process(self) -> bool:
+        """The in-process KV transport copies between workers of one process, so all of them live in one host."""
+        return self.kv_transport == "inproc"
+
+
+@dataclass(kw_only=True)
+class _Host:
+    """The controller's record of one host actor. `actor is None` while the host is down awaiting a restart."""
+
+    configs: dict[str, WorkerConfig]  # worker_id -> config of its current incarnation
+    actor: Any = None  # ray ActorHandle
+    infos: list[WorkerInfo] = field(default_factory=list)  # published; empty while down
+    num_failed_checks: int = 0
+    restart_backoff_s: float = 0.0
+    next_restart_at: float = 0.0  # time.monotonic()
+
+
+class ClusterController:
+    """Starts, watches, scales and stops the worker pools.
+
+    Lifecycle: `start()` once (raises if any initial worker fails to come up, leaving nothing running), then any
+    of `list_workers`, `check_health`, `scale` from any thread, then `shutdown()` (idempotent). Mutations (start,
+    health passes, scale, shutdown) are serialized; `list_workers` never waits for them.
+    """
+
+    def __init__(self, config: ControllerConfig, *, factory: WorkerFactory | None = None) -> None:
+        self._config = config
+        self._factory = factory
+        self._hosts: list[_Host] = []
+        self._table_lock = threading.Lock()  # guards _hosts and the infos in it
+        self._op_lock = threading.Lock()  # serializes the slow mutations
+        self._num_created: dict[str, int] = dict.fromkeys(ROLES, 0)  # worker ids are never reused
+        self._last_incarnation = 0
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> list[WorkerInfo]:
+        """Start the initial pools and wait until every worker is up; return the published workers."""
+        c = self._config
+        with self._op_lock:
+            configs = (
+                self._new_configs("prefill", c.num_prefill_workers)
+                + self._new_configs("decode", c.num_decode_workers)
+                + self._new_configs("colocated", c.num_colocated_workers)
+            )
+            self._launch_new_hosts(configs)
+        if c.health_interval_s > 0:
+            self._watcher = threading.Thread(target=self._watch, name="controller-watch", daemon=True)
+            self._watcher.start()
+        return self.list_workers()
+
+    def shutdown(self) -> None:
+        """Stop every worker (gracefully, then by killing its process) and the watch thread. Idempotent."""
+        self._stopping.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
+        with self._op_lock:
+            with self._table_lock:
+                hosts, self._hosts = self._hosts, []
+            self._stop_hosts(hosts)
+
+    # -- queries ---------------------------------------------------------------------------------------------
+    def list_workers(self) -> list[WorkerInfo]:
+        """The workers that are up now, in creation order. A restarting worker is absent until it is healthy."""
+        with self._table_lock:
+            return [info for host in self._hosts for info in host.infos]
+
+    # -- health ----------------------------------------------------------------------------------------------
+    def check_health(self) -> list[str]:
+        """One watch pass: probe every live host at once, restart the dead, the persistently unhealthy and the
+        down ones whose backoff has passed. Returns the ids of the workers restarted."""
+        with self._op_lock:
+            if self._stopping.is_set():
+                return []
+            with self._table_lock:
+                hosts = list(self._hosts)
+            probes = {id(h): h.actor.health.remote(self._config.health_timeout_s) for h in hosts if h.actor}
+            to_restart: list[_Host] = []
+            for host in hosts:
+                if host.actor is None:
+                    if time.monotonic() >= host.next_restart_at:
+                        to_restart.append(host)
+                elif self._probe_says_restart(host, probes[id(host)]):
+                    to_restart.append(host)
+            restarted: list[str] = []
+            for host in to_restart:
+                if self._stopping.is_set():
+                    break
+                if self._restart(host):
+                    restarted.extend(host.configs)
+            return restarted
+
+    def _probe_says_restart(self, host: _Host, probe: Any) -> bool:
+        timeout_s = self._config.health_timeout_s * len(host.configs) + 5.0  # the host checks its workers in turn
+        try:
+            healthy = ray.get(probe, timeout=timeout_s)
+        except ActorDiedError as exc:
+            logger.warning("host of %s died: %s", sorted(host.configs), _first_line(exc))
+            return True
+        except (GetTimeoutError, RayTaskError, RayActorError) as exc:  # RayActorError: unreachable for now
+            healthy = {}
+            logger.warning("health check of %s failed: %s", sorted(host.configs), _first_line(exc))
+        if healthy and all(healthy.get(w, False) for w in host.configs):
+            host.num_failed_checks = 0
+            return False
+        host.num_failed_checks += 1
+        return host.num_failed_checks >= self._config.num_failed_checks_to_restart
+
+    def _restart(self, host: _Host) -> bool:
+        """Replace the host's process and its workers (new incarnations). On failure the host stays down and is
+        retried after a growing backoff. Runs under the op lock."""
+        with self._table_lock:
+            host.infos = []  # unpublish first: the router must stop sending to the old endpoints now
+        if host.actor is not None:
+            _kill(host.actor)
+            host.actor = None
+        host.configs = {w: replace(c, incarnation=self._new_incarnation()) for w, c in host.configs.items()}
+        host.num_failed_checks = 0
+        try:
+            self._launch_all([host])
+        except Exception as exc:
+            host.restart_backoff_s = min(max(1.0, 2 * host.restart_backoff_s), self._config.max_restart_backoff_s)
+            host.next_restart_at = time.monotonic() + host.restart_backoff_s
+            logger.error(
+                "restart of %s failed (next try in %.0f s): %s", sorted(host.configs), host.restart_backoff_s, exc
+            )
+            return False
+        host.restart_backoff_s = 0.0
+        logger.warning("restarted %s", ", ".join(f"{i.worker_id}@{i.endpoint}" for i in host.infos))
+        return True
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self._config.health_interval_s):
+            try:
+                self.check_health()
+            except Exception:  # the watcher must outlive any one bad pass
+                logger.exception("health pass failed")
+
+    # -- scaling ---------------------------------------------------------------------------------------------
+    def scale(self, role: str, num_workers: int) -> list[WorkerInfo]:
+        """Grow or shrink the pool of `role` to `num_workers`; the other pools are untouched. Shrinking stops the
+        newest workers first, after unpublishing them. Returns the published workers afterwards."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        with self._op_lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the controller is shutting down")
+            with self._table_lock:
+                current = [(h, w) for h in self._hosts for w, c in h.configs.items() if c.role == role]
+            if num_workers > len(current):
+                self._grow(self._new_configs(role, num_workers - len(current)))
+            elif num_workers < len(current):
+                self._shrink(current[num_workers:])
+        return self.list_workers()
+
+    def _grow(self, configs: list[WorkerConfig]) -> None:
+        shared = self._shared_host()
+        if shared is None:
+            self._launch_new_hosts(configs)
+            return
+        if shared.actor is None:
+            raise RuntimeError("the shared worker process is down; retry once it has restarted")
+        infos = self._get(shared.actor.add.remote(configs), self._config.start_timeout_s)
+        with self._table_lock:
+            shared.configs.update({c.worker_id: c for c in configs})
+            shared.infos.extend(infos)
+
+    def _shrink(self, victims: list[tuple[_Host, str]]) -> None:
+        victim_ids = {w for _, w in victims}
+        emptied: list[_Host] = []
+        with self._table_lock:
+            for host in {id(h): h for h, _ in victims}.values():
+                host.infos = [i for i in host.infos if i.worker_id not in victim_ids]
+                for worker_id in victim_ids & host.configs.keys():
+                    del host.configs[worker_id]
+                if not host.configs and not self._config.shares_one_process:
+                    self._hosts.remove(host)
+                    emptied.append(host)
+        self._stop_hosts(emptied)
+        shared = self._shared_host()
+        if shared is not None and shared.actor is not None:
+            self._get(shared.actor.remove.remote(sorted(victim_ids)), self._config.stop_timeout_s)
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _new_configs(self, role: str, num_workers: int) -> list[WorkerConfig]:
+        c = self._config
+        configs = []
+        for _ in range(num_workers):
+            worker_id = f"{role}-{self._num_created[role]}"
+            self._num_created[role] += 1
+            configs.append(
+                WorkerConfig(
+                    worker_id=worker_id,
+                    role=role,
+                    engine=c.engine,
+                    host=c.worker_host,
+                    kv_transport=c.kv_transport,
+                    kv_transfer_timeout_s=c.kv_transfer_timeout_s,
+                    incarnation=self._new_incarnation(),
+                    device=c.device,
+                )
+            )
+        return configs
+
+    def _new_incarnation(self) -> int:
+        # Wall-clock milliseconds, kept strictly increasing: unique across restarts of the whole cluster too, so
+        # index entries a previous run left in Redis never match a worker of this run.
+        self._last_incarnation = max(self._last_incarnation + 1, time.time_ns() // 1_000_000)
+        return self._last_incarnation
+
+    def _group_into_hosts(self, configs: Sequence[WorkerConfig]) -> list[_Host]:
+        if self._config.shares_one_process:
+            return [_Host(configs={c.worker_id: c for c in configs})] if configs else []
+        return [_Host(configs={c.worker_id: c}) for c in configs]
+
+    def _shared_host(self) -> _Host | None:
+        if not self._config.shares_one_process:
+            return None
+        with self._table_lock:
+            return self._hosts[0] if self._hosts else None
+
+    def _launch_new_hosts(self, configs: Sequence[WorkerConfig]) -> None:
+        """Start `configs` in new host processes and publish them; all or nothing (runs under the op lock)."""
+        hosts = self._group_into_hosts(configs)
+        try:
+            self._launch_all(hosts)
+        except BaseException:
+            self._stop_hosts(hosts)
+            raise
+        with self._table_lock:
+            self._hosts.extend(hosts)
+
+    def _launch_all(self, hosts: list[_Host]) -> None:
+        """Create the hosts' actors and start their workers concurrently; wait for all. On any failure raise
+        `RuntimeError` naming the workers; the hosts that did start keep their actors (the caller stops them)."""
+        env = dict(self._config.worker_env)
+        options: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
+        refs = []
+        for host in hosts:
+            host.actor = WorkerHostActor.options(**options).remote(list(host.configs.values()), factory=self._factory)
+            refs.append(host.actor.start.remote())
+        deadline = time.monotonic() + self._config.start_timeout_s
+        errors = []
+        for host, ref in zip(hosts, refs):
+            try:
+                infos = self._get_unless_stopping(ref, deadline)
+            except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+                _kill(host.actor)
+                host.actor = None
+                errors.append(f"{', '.join(host.configs)}: {_describe(exc)}")
+                continue
+            with self._table_lock:
+                host.infos = infos
+        if errors:
+            raise RuntimeError("workers failed to start: " + "; ".join(errors))
+
+    def _get_unless_stopping(self, ref: Any, deadline: float) -> Any:
+        """ray.get until `deadline` (time.monotonic()); a shutdown cuts the wait short (a model load can take
+        minutes, and shutdown() waits for the op lock held meanwhile)."""
+        while not self._stopping.is_set():
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise GetTimeoutError("timed out")
+            ready, _ = ray.wait([ref], timeout=min(0.5, remaining_s))
+            if ready:
+                return ray.get(ref)
+        raise GetTimeoutError("the controller is shutting down")
+
+    def _stop_hosts(self, hosts: Sequence[_Host]) -> None:
+        """Stop every host's workers at once, wait up to stop_timeout_s, then kill the processes."""
+        live = [h for h in hosts if h.actor is not None]
+        refs = [h.actor.stop.remote() for h in live]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self._config.stop_timeout_s)
+        for host in live:
+            _kill(host.actor)
+            host.actor = None
+            host.infos = []
+
+    @staticmethod
+    def _get(ref: Any, timeout_s: float) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            raise RuntimeError(_describe(exc)) from None
+
+
+# A threaded actor: list_workers answers while a health pass or a scale is restarting processes.
+RemoteClusterController = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(ClusterController)
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
+def _describe(exc: BaseException) -> str:
+    """The worker's own error, without Ray's wrapping traceback."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, RayTaskError) and cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    return _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def init_local_ray(*, address: str | None = None) -> None:
+    """Start (or, given `address`, join) the Ray cluster the controller runs on, quietly and small.
+
+    - address="local" unless given: always a fresh private cluster, never one another user started with
+      `ray start` on this machine (ray.init() would otherwise attach to it, and our shutdown would not be ours).
+    - include_dashboard=False, usage stats off: nothing to serve and nothing to phone home.
+    - token authentication, Ray's default for a new local cluster, left on; only its notice on every start is
+      filtered out (setting RAY_AUTH_MODE here instead would be too late: Ray reads it when first imported).
+    - no worker prestart: the host actors need their own environment, so the idle workers Ray would prestart
+      (one per core, ~90 MB each) would never be used.
+    - object_store_memory=128 MiB: only small control messages pass through the object store.
+    - logging_level=WARNING; worker output still reaches the terminal, prefixed by Ray with the actor and pid.
+    """
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if _drop_auth_notice not in auth_logger.filters:
+        auth_logger.addFilter(_drop_auth_notice)
+    if address is not None:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        object_store_memory=128 << 20,
+        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+    )
+
+
+def _drop_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")

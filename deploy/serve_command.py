@@ -1,0 +1,334 @@
+"""`splitserve serve`: the whole cluster from one command.
+
+    flags ──▶ ServeConfig ──▶ router app, its socket bound ──▶ local Ray ──▶ ClusterController actor
+                                                                                 │ starts, waits healthy
+                                                                                 ▼
+                              router (uvicorn thread, this process)       worker actors (WorkerHost)
+                                  └─ registry ── WorkerDirectory ── list_workers() ─┘
+    prints "splitserve: serving <model> on http://host:port (...)" once all of it is up
+
+Shutdown (SIGINT or SIGTERM; a second one forces the exit): router stops accepting and drains briefly, the
+controller stops every worker, then its actor and Ray itself go. Exit status 0 after a clean shutdown, 1 when
+the cluster failed (workers that do not start, a dead controller, a router that cannot serve), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from deploy.worker_host import WorkerInfo
+from engine.engine_args import add_engine_args, engine_config_from_args
+from kv_transfer.registry import TRANSPORTS
+
+if TYPE_CHECKING:
+    from deploy.controller import ControllerConfig
+    from deploy.worker_host import WorkerFactory
+
+_CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    controller: ControllerConfig
+    host: str = "127.0.0.1"  # the router's HTTP address
+    port: int = 8000  # 0: any free port (the ready line names it)
+    ray_address: str | None = None  # None: a private local Ray cluster, started and stopped with the command
+
+
+# -- flags ---------------------------------------------------------------------------------------------------
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the router and the prefill/decode worker pools on Ray")
+    p.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the router's port; 0 picks a free one")
+    p.add_argument("--prefill-workers", type=int, default=None, help="prefill pool size (default 1)")
+    p.add_argument("--decode-workers", type=int, default=None, help="decode pool size (default 1)")
+    p.add_argument("--colocated", action="store_true", help="no disaggregation: each worker runs both phases")
+    p.add_argument("--colocated-workers", type=int, default=None, help="colocated pool size (default 1)")
+    p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV blocks go prefill→decode")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a KV handoff fails")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Validate the flags and build the config. Raises ValueError naming the bad flag."""
+    from deploy.controller import ControllerConfig
+
+    colocated = args.colocated or args.colocated_workers is not None
+    if colocated:
+        if args.prefill_workers is not None or args.decode_workers is not None:
+            raise ValueError("--colocated runs no prefill or decode workers: drop --prefill-workers/--decode-workers")
+        num_prefill, num_decode, num_colocated = 0, 0, 1 if args.colocated_workers is None else args.colocated_workers
+        if num_colocated < 1:
+            raise ValueError(f"--colocated-workers must be at least 1, got {num_colocated}")
+    else:
+        num_prefill = 1 if args.prefill_workers is None else args.prefill_workers
+        num_decode = 1 if args.decode_workers is None else args.decode_workers
+        num_colocated = 0
+        for flag, n in (("--prefill-workers", num_prefill), ("--decode-workers", num_decode)):
+            if n < 1:
+                raise ValueError(f"{flag} must be at least 1, got {n} (or use --colocated)")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.kv_transfer_timeout <= 0:
+        raise ValueError(f"--kv-transfer-timeout must be positive, got {args.kv_transfer_timeout}")
+
+    engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
+    # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
+    # they do not oversubscribe them; --num-threads overrides.
+    num_processes = 1 if args.kv_transport == "inproc" else num_prefill + num_decode + num_colocated
+    num_threads = engine.num_threads or max(1, len(os.sched_getaffinity(0)) // num_processes)
+    engine = dataclasses.replace(engine, num_threads=num_threads)
+    worker_env = {
+        "OMP_NUM_THREADS": str(num_threads),
+        "MKL_NUM_THREADS": str(num_threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        # our own settings reach the workers even when Ray runs them in an environment of its own
+        **{name: value for name, value in os.environ.items() if name.startswith("SPLITSERVE_")},
+    }
+    controller = ControllerConfig(
+        engine=engine,
+        num_prefill_workers=num_prefill,
+        num_decode_workers=num_decode,
+        num_colocated_workers=num_colocated,
+        kv_transport=args.kv_transport,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        worker_env=worker_env,
+    )
+    return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = serve_config_from_args(args)
+    from engine.loader.model_registry import resolve_model
+
+    # Here, once: a bad --model fails before Ray starts (exit 2), and the first use's download happens in one
+    # process instead of racing in every worker.
+    resolve_model(config.controller.engine.model)
+    return serve(config)
+
+
+# -- the router's view of the cluster -------------------------------------------------------------------------
+class WorkerDirectory:
+    """The router's worker provider: `controller.list_workers()` in the router's own `WorkerInfo`s.
+
+    The router's registry calls it from a thread every refresh interval, so it may block on Ray. Before
+    `attach()`, and when the controller is slow, it returns the last list; once the controller actor is gone,
+    `lost` turns true and the list stays frozen.
+    """
+
+    def __init__(self, *, timeout_s: float = 10.0) -> None:
+        self._controller: Any = None
+        self._workers: list[Any] = []
+        self._timeout_s = timeout_s
+        self.lost = False
+
+    def attach(self, controller: Any, workers: list[WorkerInfo]) -> None:
+        self._workers = _router_infos(workers)
+        self._controller = controller
+
+    def __call__(self) -> list[Any]:
+        if self._controller is None or self.lost:
+            return list(self._workers)
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            self._workers = _router_infos(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+        except GetTimeoutError:
+            pass  # a busy controller: keep the last list
+        except RayActorError:
+            self.lost = True
+        return list(self._workers)
+
+
+def _router_infos(workers: list[WorkerInfo]) -> list[Any]:
+    from router.worker_registry import WorkerInfo as RouterWorkerInfo
+
+    return [
+        RouterWorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint, incarnation=w.incarnation)
+        for w in workers
+    ]
+
+
+# -- signals -------------------------------------------------------------------------------------------------
+class _ShutdownSignals:
+    """SIGINT and SIGTERM: the first asks for a clean shutdown, a second forces the exit at once, killing every
+    process this one started (Ray ties raylet and GCS to their parent's life, but not the agents raylet starts)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested.is_set():
+            os.write(2, b"splitserve: forced exit\n")
+            _kill_descendants()
+            os._exit(128 + signum)
+        self.requested.set()
+        os.write(2, b"splitserve: shutting down (signal again to force)\n")
+
+
+# -- the lifecycle -------------------------------------------------------------------------------------------
+def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
+    """Run the cluster until a shutdown signal; return the exit status. Must run in the main thread.
+
+    `factory` builds the workers (default: the real prefill and decode workers); tests pass stand-ins.
+    """
+    import ray
+
+    from deploy.controller import RemoteClusterController, init_local_ray
+    from router.server import RouterServer, build_router_app
+
+    c = config.controller
+    directory = WorkerDirectory()
+    # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
+    # before any worker loads the model.
+    app = build_router_app(
+        model=c.engine.model,
+        worker_provider=directory,
+        mode="colocated" if c.num_colocated_workers else "disaggregated",
+        block_size=c.engine.block_size,
+        max_model_len=c.engine.max_model_len,
+    )
+    try:
+        server = RouterServer(app, host=config.host, port=config.port)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    signals = _ShutdownSignals()
+    signals.install()
+    controller = None
+    try:
+        init_local_ray(address=config.ray_address)
+        signals.install()  # ray.init installs its own SIGTERM handler; ours goes back on top
+        controller = RemoteClusterController.remote(c, factory=factory)
+        workers = _wait_for(controller.start.remote(), signals.requested)
+        if workers is None:
+            return 0  # asked to stop while starting
+        directory.attach(controller, workers)
+        try:
+            server.start(timeout_s=60.0)
+        except (RuntimeError, TimeoutError) as exc:
+            raise _StartFailed(str(exc)) from None
+        print(f"splitserve: serving {c.engine.model} on {server.url} ({_describe_pools(workers)}); Ctrl-C to stop",
+              flush=True)  # fmt: skip
+        while not signals.requested.wait(0.5):
+            if directory.lost:
+                print("splitserve: error: the cluster controller died", file=sys.stderr)
+                return 1
+        return 0
+    except _StartFailed as exc:
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        server.stop()  # stop taking requests first; in-flight ones get the router's grace period
+        if controller is not None:
+            _stop_controller(controller)
+        if ray.is_initialized():
+            ray.shutdown()
+        _reap_descendants(grace_s=5.0)  # a safety net: ray.shutdown() normally leaves nothing
+        signals.restore()
+
+
+class _StartFailed(Exception):
+    pass
+
+
+def _wait_for(ref: Any, stop: threading.Event) -> Any:
+    """ray.get that gives up (returning None) when a shutdown is requested; start errors become _StartFailed."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    while not stop.is_set():
+        ready, _ = ray.wait([ref], timeout=0.2)
+        if ready:
+            try:
+                return ray.get(ref)
+            except RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                raise _StartFailed(str(cause) if cause is not None else str(exc)) from None
+            except RayActorError as exc:
+                raise _StartFailed(f"the cluster controller died while starting: {exc}") from None
+    return None
+
+
+def _stop_controller(controller: Any) -> None:
+    import ray
+
+    try:
+        ray.get(controller.shutdown.remote(), timeout=_CONTROLLER_SHUTDOWN_GRACE_S)
+    except Exception:  # timed out or already dead: killing it takes its worker actors along (Ray owner fate)
+        pass
+    try:
+        ray.kill(controller, no_restart=True)
+    except Exception:
+        pass
+
+
+def _describe_pools(workers: list[WorkerInfo]) -> str:
+    counts: dict[str, int] = {}
+    for w in workers:
+        counts[w.role] = counts.get(w.role, 0) + 1
+    return ", ".join(f"{n} {role}" for role, n in counts.items()) + " worker" + ("s" if len(workers) != 1 else "")
+
+
+def _descendants() -> list[int]:
+    """Every live process below this one (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ", comm may hold spaces
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(name))
+    found, stack = [], [os.getpid()]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_descendants() -> None:
+    for pid in _descendants():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _reap_descendants(*, grace_s: float) -> None:
+    """Give the processes below this one `grace_s` to exit on their own, then kill those left."""
+    deadline = time.monotonic() + grace_s
+    while _descendants() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _kill_descendants()

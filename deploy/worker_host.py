@@ -1,0 +1,211 @@
+"""One process's workers: build them by role, share one loaded checkpoint between them, start, check, stop.
+
+Normally a host runs one worker and is the body of one Ray actor (`deploy.controller` wraps it). With the
+in-process KV transport every prefill and decode worker must live in one process, so the controller gives one
+host all of them; they then share a single copy of the weights.
+
+    WorkerHost(configs) ──start()──▶ [WorkerInfo] ──health()──▶ {worker_id: ok} ──stop()
+                        ──add(configs)──▶ [WorkerInfo]     ──remove(worker_ids)
+
+This module is plain Python (no Ray) and imports neither torch nor the worker packages until a worker is built,
+so the controller and tests import it anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+
+from engine.config import EngineConfig
+from engine.serving.worker_config import WorkerConfig
+
+if TYPE_CHECKING:
+    from engine.loader.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """What the router needs to reach a worker, plus where it runs (for operators and tests)."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    endpoint: str  # "host:port" of its gRPC `Worker` service
+    incarnation: int  # changes on every restart: index entries and channels of an older one are stale
+    pid: int  # the process hosting it
+
+
+class Worker(Protocol):
+    """What `prefill_worker.worker.PrefillWorker` and `decode_worker.worker.DecodeWorker` provide."""
+
+    worker_id: str
+    role: str
+    incarnation: int
+
+    def start(self) -> str:
+        """Start the engine loop and the gRPC server; return the bound endpoint "host:port"."""
+        ...
+
+    def stop(self) -> None:
+        """Stop serving and free everything. Idempotent."""
+        ...
+
+
+class WorkerFactory(Protocol):
+    """How a host gets its workers. Must pickle: the controller ships it to each host's process."""
+
+    def load_checkpoint(self, engine: EngineConfig) -> Any:
+        """Load what the workers of this engine config share (weights, tokenizer). Called once per
+        (model, dtype) per host."""
+        ...
+
+    def build(self, config: WorkerConfig, checkpoint: Any) -> Worker:
+        """A not yet started worker for `config`."""
+        ...
+
+
+class RoleWorkerFactory:
+    """The real workers: `PrefillWorker` for role "prefill", `DecodeWorker` for "decode" and "colocated"."""
+
+    def load_checkpoint(self, engine: EngineConfig) -> Checkpoint:
+        from engine.llm_engine import TORCH_DTYPES  # torch loads here, in the worker's process
+        from engine.loader.checkpoint import load_checkpoint
+
+        return load_checkpoint(engine.model, dtype=TORCH_DTYPES[engine.dtype])
+
+    def build(self, config: WorkerConfig, checkpoint: Checkpoint) -> Worker:
+        if config.role == "prefill":
+            from prefill_worker.worker import PrefillWorker
+
+            return PrefillWorker(config, checkpoint=checkpoint)
+        from decode_worker.worker import DecodeWorker
+
+        return DecodeWorker(config, checkpoint=checkpoint)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Running:
+    worker: Worker
+    info: WorkerInfo
+    channel: grpc.Channel  # to its own gRPC server, for health checks
+
+
+class WorkerHost:
+    """Owns the workers of one process. Not thread-safe: its Ray actor runs one method at a time.
+
+    Lifecycle: `start()` builds and starts the constructor's configs (all or nothing: if one fails, those
+    already started are stopped and the error propagates); `add`/`remove` change the set later; `stop()` stops
+    everything and may be called any number of times.
+    """
+
+    def __init__(self, configs: Sequence[WorkerConfig] = (), *, factory: WorkerFactory | None = None) -> None:
+        ids = [c.worker_id for c in configs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate worker ids: {ids}")
+        self._pending = list(configs)
+        self._factory: WorkerFactory = factory or RoleWorkerFactory()
+        self._checkpoints: dict[tuple[str, str], Any] = {}  # (model, dtype) -> shared checkpoint
+        self._running: dict[str, _Running] = {}
+        self._lock = threading.Lock()  # cheap insurance for in-process (non-actor) use from several threads
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> list[WorkerInfo]:
+        """Build and start the workers given to the constructor; return their infos."""
+        configs, self._pending = self._pending, []
+        return self.add(configs)
+
+    def add(self, configs: Iterable[WorkerConfig]) -> list[WorkerInfo]:
+        """Build and start more workers in this process. All or nothing, like `start()`."""
+        configs = list(configs)
+        with self._lock:
+            clash = [c.worker_id for c in configs if c.worker_id in self._running]
+            if clash:
+                raise ValueError(f"workers already running here: {clash}")
+            started: list[str] = []
+            try:
+                for config in configs:
+                    self._running[config.worker_id] = self._start_one(config)
+                    started.append(config.worker_id)
+            except BaseException:
+                for worker_id in started:
+                    self._stop_one(self._running.pop(worker_id))
+                raise
+            return [self._running[w].info for w in started]
+
+    def remove(self, worker_ids: Iterable[str]) -> None:
+        """Stop these workers; unknown ids are ignored (a retried remove is harmless)."""
+        with self._lock:
+            for worker_id in worker_ids:
+                running = self._running.pop(worker_id, None)
+                if running is not None:
+                    self._stop_one(running)
+
+    def stop(self) -> None:
+        """Stop every worker here. Idempotent; never raises for a worker that fails to stop."""
+        self.remove(list(self._running))
+
+    # -- queries ---------------------------------------------------------------------------------------------
+    def infos(self) -> list[WorkerInfo]:
+        return [r.info for r in self._running.values()]
+
+    def health(self, timeout_s: float = 2.0) -> dict[str, bool]:
+        """Ask each worker's own gRPC server for `Health`. A worker is healthy when it answers in time with
+        ok, its id and this incarnation (a stale server on a reused port fails the last two)."""
+        from protos import serving_pb2, serving_pb2_grpc
+
+        result: dict[str, bool] = {}
+        for worker_id, running in list(self._running.items()):
+            try:
+                reply = serving_pb2_grpc.WorkerStub(running.channel).Health(
+                    serving_pb2.HealthRequest(), timeout=timeout_s
+                )
+            except grpc.RpcError as exc:
+                logger.warning("worker %s failed its health check: %s", worker_id, exc.code())
+                result[worker_id] = False
+                continue
+            result[worker_id] = (
+                reply.ok and reply.worker_id == worker_id and reply.incarnation == running.info.incarnation
+            )
+        return result
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _checkpoint_for(self, engine: EngineConfig) -> Any:
+        key = (engine.model, engine.dtype)
+        if key not in self._checkpoints:
+            self._checkpoints[key] = self._factory.load_checkpoint(engine)
+        return self._checkpoints[key]
+
+    def _start_one(self, config: WorkerConfig) -> _Running:
+        worker = self._factory.build(config, self._checkpoint_for(config.engine))
+        try:
+            endpoint = worker.start()
+        except BaseException:
+            worker.stop()
+            raise
+        info = WorkerInfo(
+            worker_id=config.worker_id,
+            role=config.role,
+            endpoint=endpoint,
+            incarnation=config.incarnation,
+            pid=os.getpid(),
+        )
+        logger.info("started %s (incarnation %d) at %s", info.worker_id, info.incarnation, endpoint)
+        return _Running(worker=worker, info=info, channel=grpc.insecure_channel(endpoint))
+
+    @staticmethod
+    def _stop_one(running: _Running) -> None:
+        running.channel.close()
+        try:
+            running.worker.stop()
+        except Exception:  # a failing stop must not keep the other workers running
+            logger.exception("worker %s failed to stop cleanly", running.info.worker_id)

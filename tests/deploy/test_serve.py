@@ -1,0 +1,146 @@
+"""`splitserve serve`: flag errors, and the whole lifecycle as a subprocess (ready line, /health, a signal, exit 0,
+no process left behind), first with stub workers (fast, no model), then with the real ones (slow)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy import cli
+from tests.deploy.processes import (
+    READY,
+    ServeProcess,
+    descendants,
+    get_status,
+    processes_titled,
+    stop_and_check,
+    wait_until_gone,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# `serve` with the stub workers: the flags after -c are the command's, then the factory's fields as JSON.
+STUB_SERVE = """
+import json, sys
+from deploy.cli import build_parser
+from deploy.serve_command import serve, serve_config_from_args
+from tests.deploy.stub_worker import StubWorkerFactory
+args = build_parser().parse_args(["serve", *sys.argv[2:]])
+factory = StubWorkerFactory(**json.loads(sys.argv[1]))
+sys.exit(serve(serve_config_from_args(args), factory=factory))
+"""
+STUB_FLAGS = ["--port", "0", "--prefill-workers", "1", "--decode-workers", "2"]
+
+
+def stub_serve_argv(**factory: object) -> list[str]:
+    return [sys.executable, "-c", STUB_SERVE, json.dumps(factory), *STUB_FLAGS]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prefill-workers", "0"], "--prefill-workers must be at least 1"),
+        (["--decode-workers", "-2"], "--decode-workers must be at least 1"),
+        (["--colocated", "--decode-workers", "2"], "--colocated runs no prefill or decode workers"),
+        (["--colocated-workers", "0"], "--colocated-workers must be at least 1"),
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--kv-transfer-timeout", "0"], "--kv-transfer-timeout must be positive"),
+        (["--block-size", "3"], "block_size must be a positive power of two"),
+        (["--model", "no-such-model"], "no-such-model"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_clear_message(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitserve: error: ") and message in err
+
+
+def test_unknown_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--kv-transport", "carrier-pigeon"])
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> Iterator[list[ServeProcess]]:
+    started: list[ServeProcess] = []
+    yield started
+    for p in started:
+        p.close()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("signals", "expect_code"),
+    [([signal.SIGINT], 0), ([signal.SIGTERM, signal.SIGINT], 128 + signal.SIGINT)],
+    ids=["SIGINT", "second-signal-forces"],
+)
+def test_serve_stub_cluster_stops_on_a_signal(
+    signals: list[int], expect_code: int, serve_process: list[ServeProcess], tmp_path: Path
+) -> None:
+    serve = ServeProcess(stub_serve_argv(), stderr_path=tmp_path / "stderr.txt")
+    serve_process.append(serve)
+    url = serve.wait_ready(90)
+    ready = next(line for line in serve.lines if READY.match(line))
+    assert "1 prefill, 2 decode workers" in ready
+    assert get_status(f"{url}/health") == 200
+    stop_and_check(serve, signals, expect_code=expect_code)
+    assert "splitserve: shutting down" in serve.output()  # our handler ran, not Ray's or Python's default
+
+
+@pytest.mark.ray
+def test_sigterm_while_workers_start_exits_0_promptly(serve_process: list[ServeProcess], tmp_path: Path) -> None:
+    serve = ServeProcess(stub_serve_argv(load_delay_s=300), stderr_path=tmp_path / "stderr.txt")
+    serve_process.append(serve)
+    deadline = time.monotonic() + 90
+    while not processes_titled("ray::WorkerHost", under=serve.proc.pid):
+        assert serve.proc.poll() is None and time.monotonic() < deadline, serve.output()
+        time.sleep(0.2)
+    time.sleep(1.0)  # well into the (300 s) "model load"
+    began = time.monotonic()
+    stop_and_check(serve, [signal.SIGTERM], expect_code=0)
+    assert time.monotonic() - began < 30
+    assert serve.url is None
+
+
+@pytest.mark.ray
+def test_workers_that_fail_to_start_exit_1_with_the_reason(
+    serve_process: list[ServeProcess], tmp_path: Path
+) -> None:
+    serve = ServeProcess(stub_serve_argv(fail_roles=["decode"]), stderr_path=tmp_path / "stderr.txt")
+    serve_process.append(serve)
+    tree: dict[int, int] = {}
+    while serve.proc.poll() is None:  # collect its processes while it runs, to check none outlives it
+        tree.update(descendants(serve.proc.pid))
+        time.sleep(0.2)
+    assert serve.proc.returncode == 1
+    assert "splitserve: error: workers failed to start: decode-0: RuntimeError: stub refuses" in serve.output()
+    assert not wait_until_gone(tree, session=serve.proc.pid, timeout_s=15)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_real_model_end_to_end(smollm2_gguf: str, serve_process: list[ServeProcess], tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
+            "--prefill-workers", "1", "--decode-workers", "1"]  # fmt: skip
+    serve = ServeProcess(argv, stderr_path=tmp_path / "stderr.txt")
+    serve_process.append(serve)
+    url = serve.wait_ready(300)
+    assert get_status(f"{url}/health") == 200
+    body = json.dumps({"model": smollm2_gguf, "prompt": "The capital of France is", "max_tokens": 4,
+                       "temperature": 0}).encode()  # fmt: skip
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        completion = json.load(response)
+    assert completion["usage"]["completion_tokens"] == 4 and completion["choices"][0]["text"].strip()
+    stop_and_check(serve, [signal.SIGINT], expect_code=0)
