@@ -1,0 +1,154 @@
+"""Disaggregated vs colocated serving on one machine, same workload, one run; then KV transfer throughput.
+
+    python bench/disagg_overhead.py [--num-requests 20] [--prompt-tokens 1000] [--max-tokens 32]
+
+Part 1 starts real worker processes (`python -m prefill_worker`, `python -m decode_worker`) and sends the same
+requests, one at a time, to (a) one colocated worker and (b) a decode worker that pulls each prompt's KV from a
+prefill worker, for each cross-process transport, interleaved: request i goes to each configuration in turn. TTFT is measured at the client from sending the request to the
+first streamed token; TPOT is (last token - first token) / (tokens - 1). Each worker process gets the same torch
+thread count: with one request in flight at a time, the two phases never compete for the cores.
+
+Part 2 is `bench/kv_transfer_throughput.py`: each transport against a raw TCP socket copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from protos import serving_pb2, serving_pb2_grpc  # noqa: E402
+
+
+def start_worker(module: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *flags], cwd=REPO, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("ENDPOINT "):
+        proc.kill()
+        raise RuntimeError(f"{module} did not start (got {line!r})")
+    return proc, line.split()[1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def run_request(stub: serving_pb2_grpc.WorkerStub, ids: list[int], max_tokens: int, prefill_endpoint: str) -> tuple[float, float]:
+    """(TTFT, TPOT) of one greedy request that generates exactly `max_tokens` tokens."""
+    params = serving_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    req = serving_pb2.GenerateRequest(
+        request_id=f"bench-{time.monotonic_ns()}", prompt_token_ids=ids, params=params,
+        prefill_endpoint=prefill_endpoint,
+    )
+    start = time.perf_counter()
+    first = last = None
+    num_tokens = 0
+    for msg in stub.Generate(req, timeout=600):
+        if msg.error:
+            raise RuntimeError(msg.error)
+        now = time.perf_counter()
+        if msg.token_ids and first is None:
+            first = now
+        num_tokens += len(msg.token_ids)
+        last = now
+    assert first is not None and last is not None and num_tokens == max_tokens
+    return first - start, (last - first) / (num_tokens - 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(name: str, results: list[tuple[float, float]]) -> dict[str, float]:
+    ttft = [r[0] for r in results]
+    tpot = [r[1] for r in results]
+    row = {
+        "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+        "tpot_p50": percentile(tpot, 0.5), "tpot_p99": percentile(tpot, 0.99),
+    }
+    print(f"{name:<22} TTFT p50 {row['ttft_p50'] * 1e3:8.1f} ms  p99 {row['ttft_p99'] * 1e3:8.1f} ms   "
+          f"TPOT p50 {row['tpot_p50'] * 1e3:7.1f} ms  p99 {row['tpot_p99'] * 1e3:7.1f} ms", flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-requests", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1, help="torch threads per worker")
+    parser.add_argument("--transports", default="grpc,torch", help="cross-process transports to compare")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+
+    rng = random.Random(0)
+    # Distinct random prompts: no prefix-cache hit anywhere, so every request pays its full prefill.
+    prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
+               for _ in range(args.warmup + args.num_requests)]
+    common = ["--model", args.model, "--num-threads", str(args.num_threads), "--max-model-len", "2048",
+              "--kv-cache-memory", "512MiB"]
+    print(f"workload: {args.num_requests} requests (+{args.warmup} warm-up), {args.prompt_tokens} prompt tokens, "
+          f"{args.max_tokens} output tokens, one at a time; {args.num_threads} torch threads per worker")
+    with ExitStack() as stack:
+        # Every configuration up at once, requests interleaved (request i on each in turn): slow drift of the
+        # machine hits all of them alike. Idle workers sleep; one request runs at a time.
+        targets: dict[str, tuple[serving_pb2_grpc.WorkerStub, str]] = {}
+        proc, colocated = start_worker("decode_worker", "--role", "colocated", *common)
+        stack.callback(stop, proc)
+        targets["colocated"] = (serving_pb2_grpc.WorkerStub(grpc.insecure_channel(colocated)), "")
+        for transport in [t for t in args.transports.split(",") if t]:
+            p_proc, prefill = start_worker("prefill_worker", "--kv-transport", transport, *common)
+            stack.callback(stop, p_proc)
+            d_proc, decode = start_worker("decode_worker", "--role", "decode", "--kv-transport", transport, *common)
+            stack.callback(stop, d_proc)
+            targets[transport] = (serving_pb2_grpc.WorkerStub(grpc.insecure_channel(decode)), prefill)
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
+        for i, ids in enumerate(prompts):
+            for name, (stub, prefill_endpoint) in targets.items():
+                timing = run_request(stub, ids, args.max_tokens, prefill_endpoint)
+                if i >= args.warmup:
+                    results[name].append(timing)
+    rows = {name: summarize(name if name == "colocated" else f"disaggregated ({name})", timings)
+            for name, timings in results.items()}
+    base = rows["colocated"]
+    for transport in rows:
+        if transport == "colocated":
+            continue
+        r = rows[transport]
+        print(f"disaggregated ({transport}) / colocated: TTFT p50 {r['ttft_p50'] / base['ttft_p50']:.3f}x  "
+              f"p99 {r['ttft_p99'] / base['ttft_p99']:.3f}x   TPOT p50 {r['tpot_p50'] / base['tpot_p50']:.3f}x  "
+              f"p99 {r['tpot_p99'] / base['tpot_p99']:.3f}x")
+
+    if not args.skip_throughput:
+        print()
+        import kv_transfer_throughput  # bench/, next to this file
+
+        kv_transfer_throughput.main([])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""KV transfer throughput of each transport against a raw TCP socket copy of the same bytes, in one run.
+
+    .venv/bin/python bench/kv_transfer_throughput.py [--num-bytes 134217728] [--num-tokens 1000] [--trials 3]
+
+Each transport moves the same handoffs: `num_tokens` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads, head
+dim 64, block size 16, float32: 63 blocks, 46 MB per 1,000 tokens), repeated until `num_bytes` have moved. The
+receiver runs in a separate process (a real gRPC server with the transport's receiver, and a sink that copies
+every block into a preallocated cache, as the decode worker does), except for `inproc`, whose receiver lives in the
+sender's process by definition. The baseline `tcp` is a sender `sendall`-ing each handoff's bytes over loopback
+to a receiver process that `recv_into`s a preallocated buffer and acks each handoff with one byte.
+
+Timings are the best of `trials` passes after one warm-up handoff (which opens channels and pair groups). Import
+`measure` and `format_table` to reuse them (the disaggregation benchmark does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kv_transfer.layout import KVHandoff, KVLayout  # noqa: E402
+
+SMOLLM2_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+TRANSPORTS = ("tcp", "grpc", "torch", "inproc")
+BASELINE = "tcp"
+TIMEOUT_S = 120.0
+
+
+class _CopySink:
+    """The benchmark's decode side: a preallocated cache of one handoff's blocks, overwritten by each handoff."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.device = torch.device("cpu")
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.cache = torch.empty((num_blocks, *layout.block_shape), dtype=getattr(torch, layout.dtype))
+
+    def open(self, handoff: KVHandoff) -> _CopySink:
+        return self
+
+    def write_block(self, index: int, data: torch.Tensor) -> None:
+        self.cache[index].copy_(data)
+
+    def commit(self) -> None:
+        pass
+
+    def fail(self, reason: str) -> None:
+        print(f"receiver: handoff failed: {reason}", file=sys.stderr, flush=True)
+
+
+class _Source:
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.layout = layout
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.blocks = torch.randn((num_blocks, *layout.block_shape), generator=torch.Generator().manual_seed(0)).to(
+            getattr(torch, layout.dtype)
+        )
+
+    def read_block(self, index: int) -> torch.Tensor:
+        return self.blocks[index]
+
+
+def _layout_arg(layout: KVLayout) -> str:
+    return f"{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.block_size},{layout.dtype}"
+
+
+def _parse_layout(text: str) -> KVLayout:
+    num_layers, num_kv_heads, head_dim, block_size, dtype = text.split(",")
+    return KVLayout(num_layers=int(num_layers), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+                    block_size=int(block_size), dtype=dtype)
+
+
+# ── the receiver process ─────────────────────────────────────────────────────────────────────────────────────
+
+
+def _serve_transport(transport: str, layout: KVLayout, num_blocks: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from kv_transfer.registry import make_receiver
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    port = server.add_insecure_port("127.0.0.1:0")
+    endpoint = f"127.0.0.1:{port}"
+    receiver = make_receiver(transport, _CopySink(layout, num_blocks))
+    receiver.attach(server, endpoint)
+    server.start()
+    print(f"READY {endpoint}", flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    receiver.close()
+    server.stop(grace=None)
+
+
+def _serve_tcp(handoff_bytes: int) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"READY 127.0.0.1:{listener.getsockname()[1]}", flush=True)
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffer = bytearray(handoff_bytes)
+    view = memoryview(buffer)
+    while True:
+        filled = 0
+        while filled < handoff_bytes:
+            n = conn.recv_into(view[filled:], handoff_bytes - filled)
+            if n == 0:
+                return
+            filled += n
+        conn.sendall(b"\x01")  # the handoff arrived whole: ack, as the transports' receivers do
+
+
+class _ReceiverProcess:
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *args], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        if not line or line[0] != "READY":
+            self.close()
+            raise RuntimeError(f"receiver process failed to start: {line}")
+        self.endpoint = line[1]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ── the sender side ──────────────────────────────────────────────────────────────────────────────────────────
+
+
+def _best_pass_s(send_one, num_handoffs: int, trials: int) -> float:
+    send_one()  # warm-up: connections, pair groups, first-touch of the receiver's buffers
+    best_s = float("inf")
+    for _ in range(trials):
+        start_s = time.perf_counter()
+        for _ in range(num_handoffs):
+            send_one()
+        best_s = min(best_s, time.perf_counter() - start_s)
+    return best_s
+
+
+def measure(transport: str, num_bytes: int, *, layout: KVLayout = SMOLLM2_LAYOUT, num_tokens: int = 1000,
+            trials: int = 3) -> dict:
+    """Move at least `num_bytes` as handoffs of `num_tokens` tokens over `transport` ("tcp" is the raw-socket
+    baseline) and time it. Returns transport, num_bytes (moved per pass), num_handoffs, seconds (best pass),
+    gb_per_s (1e9 bytes per second), cross_process."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+    handoff = KVHandoff(request_id="bench", transfer_id="", num_tokens=num_tokens, layout=layout)
+    num_handoffs = max(1, -(-num_bytes // handoff.num_bytes))
+    source = _Source(layout, handoff.num_blocks)
+    if transport == "tcp":
+        seconds = _measure_tcp(source, handoff.num_bytes, num_handoffs, trials)
+    elif transport == "inproc":
+        seconds = _measure_inproc(source, handoff, num_handoffs, trials)
+    else:
+        seconds = _measure_transport(transport, source, handoff, num_handoffs, trials)
+    moved = num_handoffs * handoff.num_bytes
+    return {"transport": transport, "num_bytes": moved, "num_handoffs": num_handoffs, "seconds": seconds,
+            "gb_per_s": moved / seconds / 1e9, "cross_process": transport != "inproc"}
+
+
+def _sender_and_send(transport: str, source: _Source, handoff: KVHandoff, endpoint: str):
+    from kv_transfer.registry import make_sender
+
+    sender = make_sender(transport, worker_id="bench-prefill", device=torch.device("cpu"))
+
+    def send_one() -> None:
+        attempt = KVHandoff(request_id=handoff.request_id, transfer_id=uuid.uuid4().hex,
+                            num_tokens=handoff.num_tokens, layout=handoff.layout)
+        sender.send(attempt, source, endpoint=endpoint, timeout_s=TIMEOUT_S)
+
+    return sender, send_one
+
+
+def _measure_transport(transport: str, source: _Source, handoff: KVHandoff, num_handoffs: int, trials: int) -> float:
+    receiver = _ReceiverProcess(transport, _layout_arg(handoff.layout), str(handoff.num_blocks))
+    try:
+        sender, send_one = _sender_and_send(transport, source, handoff, receiver.endpoint)
+        try:
+            return _best_pass_s(send_one, num_handoffs, trials)
+        finally:
+            sender.close()
+    finally:
+        receiver.close()
+
+
+def _measure_inproc(source: _Source, handoff: KVHandoff, num_handoffs: int, trials: int) -> float:
+    from kv_transfer.registry import make_receiver
+
+    endpoint = f"inproc://bench-{uuid.uuid4().hex}"
+    receiver = make_receiver("inproc", _CopySink(handoff.layout, handoff.num_blocks))
+    receiver.attach(None, endpoint)  # type: ignore[arg-type]  # inproc needs no gRPC server
+    try:
+        sender, send_one = _sender_and_send("inproc", source, handoff, endpoint)
+        return _best_pass_s(send_one, num_handoffs, trials)
+    finally:
+        receiver.close()
+
+
+def _measure_tcp(source: _Source, handoff_bytes: int, num_handoffs: int, trials: int) -> float:
+    receiver = _ReceiverProcess("tcp", str(handoff_bytes))
+    host, port = receiver.endpoint.rsplit(":", 1)
+    data = memoryview(source.blocks.view(-1).view(torch.uint8).numpy())
+    try:
+        with socket.create_connection((host, int(port))) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def send_one() -> None:
+                conn.sendall(data)
+                if conn.recv(1) != b"\x01":
+                    raise RuntimeError("tcp baseline receiver went away")
+
+            return _best_pass_s(send_one, num_handoffs, trials)
+    finally:
+        receiver.close()
+
+
+def format_table(results: list[dict]) -> str:
+    """One row per transport: GB/s and the ratio to the raw TCP socket row (when there is one)."""
+    baseline = next((r["gb_per_s"] for r in results if r["transport"] == BASELINE), None)
+    lines = [f"{'transport':10s} {'MB moved':>9s} {'handoffs':>8s} {'seconds':>8s} {'GB/s':>7s} {'vs tcp':>7s}"]
+    for r in results:
+        ratio = f"{r['gb_per_s'] / baseline:6.2f}x" if baseline else "      -"
+        note = "" if r["cross_process"] else "  (same process)"
+        lines.append(f"{r['transport']:10s} {r['num_bytes'] / 1e6:9.1f} {r['num_handoffs']:8d} {r['seconds']:8.3f} "
+                     f"{r['gb_per_s']:7.3f} {ratio}{note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:  # the receiver process
+        torch.set_num_threads(1)
+        if argv[1] == "tcp":
+            _serve_tcp(int(argv[2]))
+        else:
+            _serve_transport(argv[1], _parse_layout(argv[2]), int(argv[3]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-bytes", type=int, default=128 << 20, help="bytes to move per pass and transport")
+    p.add_argument("--num-tokens", type=int, default=1000, help="tokens per handoff")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--transports", default=",".join(TRANSPORTS))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    layout = SMOLLM2_LAYOUT
+    handoff = KVHandoff(request_id="bench", transfer_id="", num_tokens=args.num_tokens, layout=layout)
+    print(f"SmolLM2-135M KV, {args.num_tokens} tokens per handoff = {handoff.num_blocks} blocks of "
+          f"{layout.block_bytes} bytes = {handoff.num_bytes / 1e6:.1f} MB; best of {args.trials} passes")
+    results = [measure(t, args.num_bytes, layout=layout, num_tokens=args.num_tokens, trials=args.trials)
+               for t in args.transports.split(",")]
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
