@@ -62,6 +62,12 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
+def _teardown(group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL, backend: str) -> None:
+    # gloo's sockets close when the last reference goes; NCCL communicators must be aborted explicitly.
+    if backend == "nccl":
+        group.abort()
+
+
 class PairGroup:
     """One end of a 2-rank process group with one peer, and the lock that keeps it to one transfer at a time."""
 
@@ -74,6 +80,7 @@ class PairGroup:
         self.broken = False
         self.last_used_s = time.monotonic()
         self._staging: torch.Tensor | None = None  # receiver: bytes reused by each handoff (grown on demand)
+        self._build_lock = threading.Lock()  # orders a late rendezvous against drop()
 
     def staging_for(self, handoff: KVHandoff, device: torch.device) -> torch.Tensor:
         """[num_blocks, *block_shape] of the handoff's dtype over the pair's reused staging bytes. Reuse matters:
@@ -86,31 +93,66 @@ class PairGroup:
 
     def build(self, *, store_host: str, store_port: int, rank: int, local_host: str, device: torch.device,
               deadline_s: float) -> None:
-        """Rendezvous with the peer under this pair's key; raises (after at most the time left) if it never comes.
+        """Rendezvous with the peer under this pair's key; raises KVTransferError by the deadline if it never comes.
 
         Each group gets its own store client: TCPStore serializes a client's blocking waits, so sharing one would
-        let a pair whose peer never shows up stall every other pair's rendezvous."""
+        let a pair whose peer never shows up stall every other pair's rendezvous.
+
+        The rendezvous runs on a helper thread that we wait for only until the deadline: a peer that is frozen
+        (SIGSTOPped, swapped out) still has its kernel accept our connection, and TCPStore's connect handshake
+        then blocks in recv without honouring its own timeout. If we give up, the pair is dropped; a rendezvous
+        that completes later finds it dropped and tears its group down itself."""
         timeout = _timedelta(remaining_s(deadline_s))
-        self._store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
-        prefix = dist.PrefixStore(self.key, self._store)
-        if self.backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
-            self.group = dist.ProcessGroupGloo(prefix, rank, 2, options)
-        else:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = datetime.timedelta(seconds=NCCL_WATCHDOG_S)
-            group = dist.ProcessGroupNCCL(prefix, rank, 2, options)
-            group.eager_connect_single_device(device)  # rendezvous now, so a missing peer fails here
-            self.group = group
+
+        def rendezvous() -> None:
+            store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
+            prefix = dist.PrefixStore(self.key, store)
+            group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
+            if self.backend == "gloo":
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = timeout
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+                group = dist.ProcessGroupGloo(prefix, rank, 2, options)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = datetime.timedelta(seconds=NCCL_WATCHDOG_S)
+                group = dist.ProcessGroupNCCL(prefix, rank, 2, options)
+                group.eager_connect_single_device(device)  # rendezvous now, so a missing peer fails here
+            with self._build_lock:
+                if not self.broken:
+                    self.group, self._store = group, store
+                    return
+            _teardown(group, self.backend)  # given up on (dropped) while we waited for the peer
+
+        outcome: list[BaseException | None] = []
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                rendezvous()
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                outcome.append(exc)
+            finally:
+                finished.set()
+
+        threading.Thread(target=run, name=f"kv-pair-rendezvous-{self.key}", daemon=True).start()
+        if not finished.wait(max(remaining_s(deadline_s), 0)):
+            self.drop()
+            raise KVTransferError(f"pair group {self.key or '(new)'}: the peer did not complete the rendezvous "
+                                  "before the deadline (dead or frozen)")
+        if outcome[0] is not None:
+            raise outcome[0]
+        if self.group is None:
+            raise KVTransferError(f"pair group {self.key}: dropped during its rendezvous")
 
     def drop(self) -> None:
         """Tear the group down (gloo closes its sockets, so a peer waiting on it fails at once); never reused."""
-        self.broken = True
-        group, self.group, self._store, self._staging = self.group, None, None, None
-        if group is not None and self.backend == "nccl":
-            group.abort()
+        with self._build_lock:
+            self.broken = True
+            group, self.group, self._store, self._staging = self.group, None, None, None
+        if group is not None:
+            _teardown(group, self.backend)
 
     def wait(self, work: dist.Work, deadline_s: float, what: str) -> None:
         """Wait for one send/recv until the deadline; raise KVTransferError when it fails or the deadline passes."""
