@@ -1,16 +1,19 @@
 """KV transfer throughput of each transport against a raw TCP socket copy of the same bytes, in one run.
 
-    .venv/bin/python bench/kv_transfer_throughput.py [--num-bytes 134217728] [--num-tokens 1000] [--trials 3]
+    .venv/bin/python bench/kv_transfer_throughput.py [--num-bytes 134217728] [--num-tokens 1000] [--trials 10] [--transports tcp,grpc,torch,inproc]
 
 Each transport moves the same handoffs: `num_tokens` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads, head
 dim 64, block size 16, float32: 63 blocks, 46 MB per 1,000 tokens), repeated until `num_bytes` have moved. The
-receiver runs in a separate process (a real gRPC server with the transport's receiver, and a sink that copies
+receiver runs in a separate process (a real gRPC server with the transport's receiver and a worker's gRPC options
+and malloc settings, see engine/serving/malloc_tuning.py, and a sink that copies
 every block into a preallocated cache, as the decode worker does), except for `inproc`, whose receiver lives in the
 sender's process by definition. The baseline `tcp` is a sender `sendall`-ing each handoff's bytes over loopback
 to a receiver process that `recv_into`s a preallocated buffer and acks each handoff with one byte.
 
-Timings are the best of `trials` passes after one warm-up handoff (which opens channels and pair groups). Import
-`measure` and `format_table` to reuse them (the disaggregation benchmark does).
+Every transport is set up first (one warm-up handoff each opens channels and pair groups); then the passes are
+interleaved, pass 1 of every transport, then pass 2, and so on, so that the shared machine's drift hits all of
+them alike. The table gives each transport's best pass and its median pass, both against the raw socket's.
+Import `measure_all` and `format_table` to reuse them (the disaggregation benchmark does).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from engine.serving.malloc_tuning import tune_malloc  # noqa: E402
 from kv_transfer.layout import KVHandoff, KVLayout  # noqa: E402
 
 SMOLLM2_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
@@ -36,19 +41,22 @@ TIMEOUT_S = 120.0
 
 
 class _CopySink:
-    """The benchmark's decode side: a preallocated cache of one handoff's blocks, overwritten by each handoff."""
+    """The benchmark's decode side: a paged cache laid out as the decode worker's (every layer in one tensor), into
+    which each block is written with the same single strided copy `decode_worker.reservation` makes."""
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         self.layout = layout
         self.device = torch.device("cpu")
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.cache = torch.empty((num_blocks, *layout.block_shape), dtype=getattr(torch, layout.dtype))
+        num_layers, two, block_size, num_kv_heads, head_dim = layout.block_shape
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.cache = torch.empty((num_layers, two, num_blocks, block_size, num_kv_heads, head_dim),
+                                 dtype=getattr(torch, layout.dtype))
 
     def open(self, handoff: KVHandoff) -> _CopySink:
         return self
 
     def write_block(self, index: int, data: torch.Tensor) -> None:
-        self.cache[index].copy_(data)
+        self.cache[:, :, index].copy_(data)
 
     def commit(self) -> None:
         pass
@@ -89,7 +97,9 @@ def _serve_transport(transport: str, layout: KVLayout, num_blocks: int) -> None:
 
     from kv_transfer.registry import make_receiver
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)  # as a worker's server
     port = server.add_insecure_port("127.0.0.1:0")
     endpoint = f"127.0.0.1:{port}"
     receiver = make_receiver(transport, _CopySink(layout, num_blocks))
@@ -143,108 +153,117 @@ class _ReceiverProcess:
 # ── the sender side ──────────────────────────────────────────────────────────────────────────────────────────
 
 
-def _best_pass_s(send_one, num_handoffs: int, trials: int) -> float:
-    send_one()  # warm-up: connections, pair groups, first-touch of the receiver's buffers
-    best_s = float("inf")
-    for _ in range(trials):
+class _Runner:
+    """One transport, set up once: `send_one()` moves one handoff and returns when the receiver confirmed it."""
+
+    def __init__(self, transport: str, source: _Source, handoff: KVHandoff) -> None:
+        self.transport = transport
+        self._closers: list = []
+        if transport == "tcp":
+            self._setup_tcp(source, handoff.num_bytes)
+        elif transport == "inproc":
+            from kv_transfer.registry import make_receiver
+
+            endpoint = f"inproc://bench-{uuid.uuid4().hex}"
+            receiver = make_receiver("inproc", _CopySink(handoff.layout, handoff.num_blocks))
+            receiver.attach(None, endpoint)  # type: ignore[arg-type]  # inproc needs no gRPC server
+            self._closers.append(receiver.close)
+            self._setup_sender(source, handoff, endpoint)
+        else:
+            process = _ReceiverProcess(transport, _layout_arg(handoff.layout), str(handoff.num_blocks))
+            self._closers.append(process.close)
+            self._setup_sender(source, handoff, process.endpoint)
+        self.send_one()  # warm-up: connections, pair groups, first-touch of the receiver's buffers
+
+    def _setup_sender(self, source: _Source, handoff: KVHandoff, endpoint: str) -> None:
+        from kv_transfer.registry import make_sender
+
+        sender = make_sender(self.transport, worker_id="bench-prefill", device=torch.device("cpu"))
+        self._closers.append(sender.close)
+
+        def send_one() -> None:
+            attempt = KVHandoff(request_id=handoff.request_id, transfer_id=uuid.uuid4().hex,
+                                num_tokens=handoff.num_tokens, layout=handoff.layout)
+            sender.send(attempt, source, endpoint=endpoint, timeout_s=TIMEOUT_S)
+
+        self.send_one = send_one
+
+    def _setup_tcp(self, source: _Source, handoff_bytes: int) -> None:
+        process = _ReceiverProcess("tcp", str(handoff_bytes))
+        self._closers.append(process.close)
+        host, port = process.endpoint.rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)))
+        self._closers.append(conn.close)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        data = memoryview(source.blocks.view(-1).view(torch.uint8).numpy())
+
+        def send_one() -> None:
+            conn.sendall(data)
+            if conn.recv(1) != b"\x01":
+                raise RuntimeError("tcp baseline receiver went away")
+
+        self.send_one = send_one
+
+    def timed_pass(self, num_handoffs: int) -> float:
         start_s = time.perf_counter()
         for _ in range(num_handoffs):
-            send_one()
-        best_s = min(best_s, time.perf_counter() - start_s)
-    return best_s
+            self.send_one()
+        return time.perf_counter() - start_s
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            close()
 
 
-def measure(transport: str, num_bytes: int, *, layout: KVLayout = SMOLLM2_LAYOUT, num_tokens: int = 1000,
-            trials: int = 3) -> dict:
-    """Move at least `num_bytes` as handoffs of `num_tokens` tokens over `transport` ("tcp" is the raw-socket
-    baseline) and time it. Returns transport, num_bytes (moved per pass), num_handoffs, seconds (best pass),
-    gb_per_s (1e9 bytes per second), cross_process."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+def measure_all(transports: list[str], num_bytes: int, *, layout: KVLayout = SMOLLM2_LAYOUT,
+                num_tokens: int = 1000, trials: int = 10) -> list[dict]:
+    """Move at least `num_bytes` per pass, as handoffs of `num_tokens` tokens, over each transport ("tcp" is the
+    raw-socket baseline). Passes are interleaved (pass 1 of every transport, then pass 2, ...) so that the
+    machine's drift hits every transport alike; each transport's figure is its best pass. Returns one dict per
+    transport: transport, num_bytes (moved per pass), num_handoffs, seconds (best pass), median_s, gb_per_s
+    (1e9 bytes per second, best pass), cross_process."""
+    for transport in transports:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
     handoff = KVHandoff(request_id="bench", transfer_id="", num_tokens=num_tokens, layout=layout)
     num_handoffs = max(1, -(-num_bytes // handoff.num_bytes))
     source = _Source(layout, handoff.num_blocks)
-    if transport == "tcp":
-        seconds = _measure_tcp(source, handoff.num_bytes, num_handoffs, trials)
-    elif transport == "inproc":
-        seconds = _measure_inproc(source, handoff, num_handoffs, trials)
-    else:
-        seconds = _measure_transport(transport, source, handoff, num_handoffs, trials)
+    runners: list[_Runner] = []
+    try:
+        for transport in transports:
+            runners.append(_Runner(transport, source, handoff))
+        passes: dict[str, list[float]] = {t: [] for t in transports}
+        for _ in range(trials):
+            for runner in runners:
+                passes[runner.transport].append(runner.timed_pass(num_handoffs))
+    finally:
+        for runner in runners:
+            runner.close()
     moved = num_handoffs * handoff.num_bytes
-    return {"transport": transport, "num_bytes": moved, "num_handoffs": num_handoffs, "seconds": seconds,
-            "gb_per_s": moved / seconds / 1e9, "cross_process": transport != "inproc"}
-
-
-def _sender_and_send(transport: str, source: _Source, handoff: KVHandoff, endpoint: str):
-    from kv_transfer.registry import make_sender
-
-    sender = make_sender(transport, worker_id="bench-prefill", device=torch.device("cpu"))
-
-    def send_one() -> None:
-        attempt = KVHandoff(request_id=handoff.request_id, transfer_id=uuid.uuid4().hex,
-                            num_tokens=handoff.num_tokens, layout=handoff.layout)
-        sender.send(attempt, source, endpoint=endpoint, timeout_s=TIMEOUT_S)
-
-    return sender, send_one
-
-
-def _measure_transport(transport: str, source: _Source, handoff: KVHandoff, num_handoffs: int, trials: int) -> float:
-    receiver = _ReceiverProcess(transport, _layout_arg(handoff.layout), str(handoff.num_blocks))
-    try:
-        sender, send_one = _sender_and_send(transport, source, handoff, receiver.endpoint)
-        try:
-            return _best_pass_s(send_one, num_handoffs, trials)
-        finally:
-            sender.close()
-    finally:
-        receiver.close()
-
-
-def _measure_inproc(source: _Source, handoff: KVHandoff, num_handoffs: int, trials: int) -> float:
-    from kv_transfer.registry import make_receiver
-
-    endpoint = f"inproc://bench-{uuid.uuid4().hex}"
-    receiver = make_receiver("inproc", _CopySink(handoff.layout, handoff.num_blocks))
-    receiver.attach(None, endpoint)  # type: ignore[arg-type]  # inproc needs no gRPC server
-    try:
-        sender, send_one = _sender_and_send("inproc", source, handoff, endpoint)
-        return _best_pass_s(send_one, num_handoffs, trials)
-    finally:
-        receiver.close()
-
-
-def _measure_tcp(source: _Source, handoff_bytes: int, num_handoffs: int, trials: int) -> float:
-    receiver = _ReceiverProcess("tcp", str(handoff_bytes))
-    host, port = receiver.endpoint.rsplit(":", 1)
-    data = memoryview(source.blocks.view(-1).view(torch.uint8).numpy())
-    try:
-        with socket.create_connection((host, int(port))) as conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-            def send_one() -> None:
-                conn.sendall(data)
-                if conn.recv(1) != b"\x01":
-                    raise RuntimeError("tcp baseline receiver went away")
-
-            return _best_pass_s(send_one, num_handoffs, trials)
-    finally:
-        receiver.close()
+    return [{"transport": t, "num_bytes": moved, "num_handoffs": num_handoffs, "seconds": min(passes[t]),
+             "median_s": statistics.median(passes[t]), "gb_per_s": moved / min(passes[t]) / 1e9,
+             "cross_process": t != "inproc"} for t in transports]
 
 
 def format_table(results: list[dict]) -> str:
     """One row per transport: GB/s and the ratio to the raw TCP socket row (when there is one)."""
     baseline = next((r["gb_per_s"] for r in results if r["transport"] == BASELINE), None)
-    lines = [f"{'transport':10s} {'MB moved':>9s} {'handoffs':>8s} {'seconds':>8s} {'GB/s':>7s} {'vs tcp':>7s}"]
+    median_baseline = next((r["num_bytes"] / r["median_s"] / 1e9 for r in results if r["transport"] == BASELINE), None)
+    lines = [f"{'transport':10s} {'MB moved':>9s} {'handoffs':>8s} {'best s':>8s} {'GB/s':>7s} {'vs tcp':>7s} "
+             f"{'median GB/s':>12s} {'vs tcp':>7s}"]
     for r in results:
+        median_gb_per_s = r["num_bytes"] / r["median_s"] / 1e9
         ratio = f"{r['gb_per_s'] / baseline:6.2f}x" if baseline else "      -"
+        median_ratio = f"{median_gb_per_s / median_baseline:6.2f}x" if median_baseline else "      -"
         note = "" if r["cross_process"] else "  (same process)"
         lines.append(f"{r['transport']:10s} {r['num_bytes'] / 1e6:9.1f} {r['num_handoffs']:8d} {r['seconds']:8.3f} "
-                     f"{r['gb_per_s']:7.3f} {ratio}{note}")
+                     f"{r['gb_per_s']:7.3f} {ratio} {median_gb_per_s:12.3f} {median_ratio}{note}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    tune_malloc()  # as every worker process does (both ends: the receiver here, the sender below)
     if argv[:1] == ["--serve"]:  # the receiver process
         torch.set_num_threads(1)
         if argv[1] == "tcp":
@@ -255,16 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-bytes", type=int, default=128 << 20, help="bytes to move per pass and transport")
     p.add_argument("--num-tokens", type=int, default=1000, help="tokens per handoff")
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--trials", type=int, default=10, help="passes per transport, interleaved across transports")
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     layout = SMOLLM2_LAYOUT
     handoff = KVHandoff(request_id="bench", transfer_id="", num_tokens=args.num_tokens, layout=layout)
     print(f"SmolLM2-135M KV, {args.num_tokens} tokens per handoff = {handoff.num_blocks} blocks of "
-          f"{layout.block_bytes} bytes = {handoff.num_bytes / 1e6:.1f} MB; best of {args.trials} passes")
-    results = [measure(t, args.num_bytes, layout=layout, num_tokens=args.num_tokens, trials=args.trials)
-               for t in args.transports.split(",")]
+          f"{layout.block_bytes} bytes = {handoff.num_bytes / 1e6:.1f} MB; {args.trials} interleaved passes each")
+    results = measure_all(args.transports.split(","), args.num_bytes, layout=layout, num_tokens=args.num_tokens,
+                          trials=args.trials)
     print(format_table(results))
     return 0
 

@@ -31,12 +31,12 @@ class Reservation:
     """A KVDestination over reserved blocks of the decode worker's paged cache."""
 
     def __init__(
-        self, request_id: str, num_tokens: int, block_ids: list[int], kv_caches: list[torch.Tensor], layout: KVLayout
+        self, request_id: str, num_tokens: int, block_ids: list[int], kv_cache: torch.Tensor, layout: KVLayout
     ) -> None:
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.block_ids = block_ids
-        self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = kv_cache  # the runner's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.layout = layout
         self.state = ReservationState.RESERVED
         self.error: str | None = None
@@ -59,9 +59,8 @@ class Reservation:
         with self._lock:
             if self.state is not ReservationState.RECEIVING:
                 raise KVTransferError(f"request {self.request_id}: transfer is {self.state.value}, block dropped")
-            block_id = self.block_ids[index]
-            for layer, kv in enumerate(self.kv_caches):
-                kv[:, block_id].copy_(data[layer])
+            # data: [num_layers, 2, block_size, num_kv_heads, head_dim]; one strided copy across the layers
+            self.kv_cache[:, :, self.block_ids[index]].copy_(data)
             self.num_bytes += data.numel() * data.element_size()
 
     def commit(self) -> None:

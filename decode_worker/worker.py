@@ -149,7 +149,7 @@ class DecodeWorker(RuntimeWorker):
                 )
             time.sleep(RESERVE_POLL_S)
         reservation = Reservation(
-            req.request_id, req.num_prompt_tokens, block_ids, self.runtime.engine.runner.kv_caches, self.runtime.layout
+            req.request_id, req.num_prompt_tokens, block_ids, self.runtime.engine.runner.kv_cache, self.runtime.layout
         )
         self.sink.add(reservation)
         return reservation

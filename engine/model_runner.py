@@ -19,11 +19,13 @@ class ModelRunner:
         c = model.config
         self.model = model
         self.block_size = block_size
-        # [2, num_blocks, block_size, Hkv, D] per layer
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
-            for _ in range(c.num_layers)
-        ]
+        # Every layer's KV in one tensor, so that one block across all layers (what a KV handoff moves) is read
+        # or written in a single strided copy: kv_cache[:, :, block_id] is [num_layers, 2, block_size, Hkv, D].
+        # [num_layers, 2, num_blocks, block_size, Hkv, D]
+        self.kv_cache = torch.zeros(
+            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))  # per layer [2, num_blocks, block_size, Hkv, D], contiguous
         self.sampler = Sampler(seed=seed)
         self._generators: dict[str, torch.Generator] = {}
 

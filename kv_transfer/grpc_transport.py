@@ -3,7 +3,7 @@
     sender                                                 receiver (KVReceiver.Transfer on the worker's server)
     ──────                                                 ────────
     descriptor ──────────────────────────────────────────▶ check layout, sink.open(handoff) ─▶ dest
-    block 0: chunk(≤1 MiB) … chunk(last, crc32) ─────────▶ assemble in one block buffer, verify CRC, write_block(0)
+    block 0: chunk(≤1 MiB) … chunk(last, crc32c) ─────────▶ assemble in one block buffer, verify CRC, write_block(0)
     …                                                      …
     half-close ──────────────────────────────────────────▶ every block arrived: dest.commit()
     ◀──────────────────────────────────────────────────── KVTransferAck(ok) | ack(error, error_kind)
@@ -52,9 +52,13 @@ from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 CHUNK_BYTES = 1 << 20  # a block larger than this is split; keeps every message far below gRPC's 4 MB default
 MAX_MESSAGE_BYTES = 64 << 20  # raised on our channels all the same, for the descriptor of a very long prompt
+# HTTP/2 frames up to 4 MiB instead of 16 KiB: a 0.7 MiB block goes in one DATA frame, not 45. The setting is the
+# largest frame an endpoint accepts, so it matters on the receiving server (whose options these also are).
+MAX_FRAME_BYTES = 4 << 20
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
 )
 STOP_SLACK_S = 5.0  # how long past its deadline the sender waits for gRPC to report the deadline itself
 SERVICE = "splitserve.kv.v1.KVReceiver"  # protos/kv_transfer.proto's package and service
@@ -272,8 +276,8 @@ class Receiver(KVReceiver):
             else:
                 view[filled:end] = msg.data
                 data, block = view, assembled
-            if block_checksum(data) != msg.crc32:
-                raise KVChecksumError(f"handoff {handoff.transfer_id}: block {index} failed its CRC-32 check")
+            if block_checksum(data) != msg.crc32c:
+                raise KVChecksumError(f"handoff {handoff.transfer_id}: block {index} failed its CRC-32C check")
             dest.write_block(index, block)
             index, filled = index + 1, 0
         if index != handoff.num_blocks or filled:
@@ -339,11 +343,11 @@ class Sender(KVSender):
     def _chunks(self, index: int, block: torch.Tensor) -> Iterator[bytes]:
         """Block `index` as encoded KVTransferMessage chunks (kv_transfer.grpc_wire): one copy of its bytes."""
         host = block.cpu()  # one device-to-host copy serves the checksum and the bytes (a no-op on CPU)
-        crc32 = tensor_checksum(host)
+        crc32c = tensor_checksum(host)
         data = block_bytes(self.fault.apply(index, host))
         num_bytes = len(data)
         for offset in range(0, num_bytes, CHUNK_BYTES):
             end = min(offset + CHUNK_BYTES, num_bytes)
             last = end == num_bytes
             yield encode_chunk(block_index=index, offset=offset, data=data[offset:end], last=last,
-                               crc32=crc32 if last else 0)
+                               crc32c=crc32c if last else 0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from protos import kv_transfer_pb2
 
-# KVTransferMessage.chunk is field 2; KVBlockChunk: block_index 1, offset 2, data 3, last 4, crc32 5.
+# KVTransferMessage.chunk is field 2; KVBlockChunk: block_index 1, offset 2, data 3, last 4, crc32c 5.
 _CHUNK_TAG = (2 << 3) | 2
 _VARINT, _LEN = 0, 2
 
@@ -29,7 +29,7 @@ class Chunk:
     offset: int
     data: memoryview
     last: bool
-    crc32: int
+    crc32c: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,12 +54,12 @@ def _field(number: int, value: int) -> bytes:
     return _varint((number << 3) | _VARINT) + _varint(value) if value else b""
 
 
-def encode_chunk(*, block_index: int, offset: int, data: memoryview | bytes, last: bool, crc32: int) -> bytes:
+def encode_chunk(*, block_index: int, offset: int, data: memoryview | bytes, last: bool, crc32c: int) -> bytes:
     """`KVTransferMessage(chunk=KVBlockChunk(...)).SerializeToString()`, with one copy of `data`."""
     head = _field(1, block_index) + _field(2, offset)
     if len(data):
         head += _varint((3 << 3) | _LEN) + _varint(len(data))
-    tail = _field(4, int(last)) + _field(5, crc32)
+    tail = _field(4, int(last)) + _field(5, crc32c)
     inner_len = len(head) + len(data) + len(tail)
     return b"".join((_varint(_CHUNK_TAG) + _varint(inner_len) + head, data, tail))
 
@@ -107,7 +107,7 @@ def _fast_chunk(raw: bytes) -> Chunk | None:
             data, pos = buf[pos : pos + size], pos + size
         else:
             return None  # an unknown field: let the generated parser decide
-    return Chunk(block_index=fields[1], offset=fields[2], data=data, last=bool(fields[4]), crc32=fields[5] & 0xFFFFFFFF)
+    return Chunk(block_index=fields[1], offset=fields[2], data=data, last=bool(fields[4]), crc32c=fields[5] & 0xFFFFFFFF)
 
 
 def decode_message(raw: bytes) -> kv_transfer_pb2.KVTransferMessage | Chunk | Malformed:
@@ -121,5 +121,5 @@ def decode_message(raw: bytes) -> kv_transfer_pb2.KVTransferMessage | Chunk | Ma
         return Malformed(f"undecodable KV transfer message: {exc}")
     if message.WhichOneof("kind") == "chunk":
         c = message.chunk
-        return Chunk(block_index=c.block_index, offset=c.offset, data=memoryview(c.data), last=c.last, crc32=c.crc32)
+        return Chunk(block_index=c.block_index, offset=c.offset, data=memoryview(c.data), last=c.last, crc32c=c.crc32c)
     return message

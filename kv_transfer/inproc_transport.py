@@ -48,7 +48,7 @@ class _Incoming:
         self.dest = dest
         self.num_written = 0
 
-    def write(self, index: int, block: torch.Tensor, crc32: int) -> None:
+    def write(self, index: int, block: torch.Tensor, crc32c: int) -> None:
         if index != self.num_written:
             raise KVTransferError(
                 f"handoff {self.handoff.transfer_id}: block {index} arrived, block {self.num_written} expected"
@@ -58,8 +58,8 @@ class _Incoming:
                 f"handoff {self.handoff.transfer_id}: block {index} has shape {tuple(block.shape)}, "
                 f"expected {self.handoff.layout.block_shape}"
             )
-        if tensor_checksum(block) != crc32:
-            raise KVChecksumError(f"handoff {self.handoff.transfer_id}: block {index} failed its CRC-32 check")
+        if tensor_checksum(block) != crc32c:
+            raise KVChecksumError(f"handoff {self.handoff.transfer_id}: block {index} failed its CRC-32C check")
         self.dest.write_block(index, block)
         self.num_written += 1
 
@@ -124,8 +124,8 @@ class Sender(KVSender):
                 if time.monotonic() > deadline_s:
                     raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} timed out after {timeout_s}s")
                 block = source.read_block(index)
-                crc32 = tensor_checksum(block)
-                incoming.write(index, self.fault.apply(index, block), crc32)
+                crc32c = tensor_checksum(block)
+                incoming.write(index, self.fault.apply(index, block), crc32c)
             incoming.commit()
         except BaseException as exc:
             incoming.dest.fail(f"in-process KV transfer failed: {exc}")

@@ -11,7 +11,7 @@ through a TCPStore the receiver hosts, under a pair key the receiver hands out:
     ◀──────────────────────────────────────────────────────── KVOpenAck(store_endpoint, pair_key)
     new key? build the group over PrefixStore(key, store)      (thread) build the group if new; recv every block
     send(block i, tag=i) for every block ─────gloo|NCCL─────▶           into a staging tensor
-    Commit(transfer_id, crc32 of every block) ───gRPC───────▶  verify every block's CRC-32, write_block each, commit
+    Commit(transfer_id, crc32c of every block) ───gRPC───────▶  verify every block's CRC-32C, write_block each, commit
     ◀──────────────────────────────────────────────────────── KVTransferAck(ok) | ack(error, error_kind)
 
 One transfer at a time per pair (a lock on each end); pairs run concurrently. The receiver learns the sender's
@@ -218,7 +218,7 @@ class Receiver(KVReceiver):
                     )
                 for index, expected in enumerate(checksums):
                     if tensor_checksum(staging[index]) != expected:
-                        raise KVChecksumError(f"handoff {handoff.transfer_id}: block {index} failed its CRC-32 check")
+                        raise KVChecksumError(f"handoff {handoff.transfer_id}: block {index} failed its CRC-32C check")
                 for index in range(handoff.num_blocks):
                     dest.write_block(index, staging[index])
                 dest.commit()
@@ -266,7 +266,7 @@ class Receiver(KVReceiver):
             item = self._incoming.get(request.transfer_id)
         if item is None:
             return error_ack(KVTransferError(f"commit of unknown handoff {request.transfer_id}"))
-        item.checksums = list(request.crc32)
+        item.checksums = list(request.crc32c)
         item.commit_arrived.set()
         time_left_s = context.time_remaining()
         wait_s = remaining_s(item.deadline_s) if time_left_s is None else time_left_s
@@ -319,7 +319,7 @@ class Sender(KVSender):
             raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s waiting for the previous transfer")
         try:
             used, checksums = self._transfer(handoff, source, endpoint, pair, deadline_s, timeout_s, what)
-            commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.transfer_id, crc32=checksums)
+            commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.transfer_id, crc32c=checksums)
             try:
                 ack = self._call(lambda stub, t: stub.Commit(commit, timeout=t), endpoint, deadline_s, timeout_s, what)
             except KVTransferError:

@@ -42,14 +42,14 @@ FAULT_KV_CUTS_ENV = "SPLITSERVE_FAULT_KV_CUTS"
 class HeldBlocks:
     """A KVBlockSource over a prefilled request's held blocks (read-only while held)."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], block_ids: list[int], layout: KVLayout) -> None:
-        self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], layout: KVLayout) -> None:
+        self.kv_cache = kv_cache  # the runner's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.block_ids = block_ids
         self.layout = layout
 
     def read_block(self, index: int) -> torch.Tensor:
-        block_id = self.block_ids[index]
-        return torch.stack([kv[:, block_id] for kv in self.kv_caches])  # [layers, 2, block_size, kv_heads, head_dim]
+        # one strided gather across the layers: [num_layers, 2, block_size, num_kv_heads, head_dim]
+        return self.kv_cache[:, :, self.block_ids[index]].contiguous()
 
 
 class CutHalfWay:
@@ -153,7 +153,7 @@ class PrefillWorker(RuntimeWorker):
             source_worker_id=self.config.worker_id,
             transport=self.config.kv_transport,
         )
-        source = HeldBlocks(runtime.engine.runner.kv_caches, block_ids, layout)
+        source = HeldBlocks(runtime.engine.runner.kv_cache, block_ids, layout)
         if handoff.num_blocks >= 2 and self._take_cut():
             source = CutHalfWay(source, handoff.num_blocks)
         result = self.sender.send(

@@ -57,18 +57,18 @@ class KVHandoffDescriptor(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., source_endpoint: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., pair_key: _Optional[str] = ..., torch_backend: _Optional[str] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
-    __slots__ = ("block_index", "offset", "data", "last", "crc32")
+    __slots__ = ("block_index", "offset", "data", "last", "crc32c")
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     block_index: int
     offset: int
     data: bytes
     last: bool
-    crc32: int
-    def __init__(self, block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., crc32: _Optional[int] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class KVTransferMessage(_message.Message):
     __slots__ = ("descriptor", "chunk")
@@ -79,12 +79,12 @@ class KVTransferMessage(_message.Message):
     def __init__(self, descriptor: _Optional[_Union[KVHandoffDescriptor, _Mapping]] = ..., chunk: _Optional[_Union[KVBlockChunk, _Mapping]] = ...) -> None: ...
 
 class KVCommit(_message.Message):
-    __slots__ = ("transfer_id", "crc32")
+    __slots__ = ("transfer_id", "crc32c")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    crc32: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferAck(_message.Message):
     __slots__ = ("ok", "error", "num_bytes", "error_kind")

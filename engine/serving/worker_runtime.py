@@ -22,14 +22,17 @@ import grpc
 from engine.llm_engine import TORCH_DTYPES, LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_checkpoint
 from engine.serving.engine_loop import EngineLoop
+from engine.serving.malloc_tuning import tune_malloc
 from engine.serving.worker_config import WorkerConfig
+from kv_transfer.grpc_transport import CHANNEL_OPTIONS
 from kv_transfer.layout import KVLayout
 from protos import serving_pb2, serving_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# KV chunks are bounded by the transport, but a long prompt's token ids and logprobs can exceed gRPC's 4 MB default.
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+# The worker's server takes KV blocks (gRPC transport) and long prompts' token ids and logprobs: big messages and
+# large HTTP/2 frames (kv_transfer.grpc_transport.CHANNEL_OPTIONS).
+GRPC_OPTIONS = CHANNEL_OPTIONS
 
 
 @dataclass
@@ -71,6 +74,7 @@ class RuntimeWorker:
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint | None = None) -> None:
         self.config = config
+        tune_malloc()  # before the gRPC server's threads exist: they then share one arena
         if checkpoint is None:
             checkpoint = load_checkpoint(config.engine.model, dtype=TORCH_DTYPES[config.engine.dtype])
         self.engine = LLMEngine(config.engine, checkpoint)

@@ -19,10 +19,10 @@ from protos import kv_transfer_pb2
 from tests.kv_transfer.transfer_peer import RecordingSink
 
 CASES = [
-    dict(block_index=0, offset=0, data=b"", last=False, crc32=0),  # every field at its default
-    dict(block_index=0, offset=0, data=b"x", last=True, crc32=1),
-    dict(block_index=7, offset=1 << 20, data=os.urandom(1000), last=False, crc32=0),
-    dict(block_index=(1 << 32) - 1, offset=(1 << 64) - 1, data=os.urandom(300_000), last=True, crc32=(1 << 32) - 1),
+    dict(block_index=0, offset=0, data=b"", last=False, crc32c=0),  # every field at its default
+    dict(block_index=0, offset=0, data=b"x", last=True, crc32c=1),
+    dict(block_index=7, offset=1 << 20, data=os.urandom(1000), last=False, crc32c=0),
+    dict(block_index=(1 << 32) - 1, offset=(1 << 64) - 1, data=os.urandom(300_000), last=True, crc32c=(1 << 32) - 1),
 ]
 
 
@@ -32,8 +32,8 @@ def test_encoding_is_byte_identical_to_protobuf(fields: dict) -> None:
     assert encode_chunk(**{**fields, "data": memoryview(fields["data"])}) == expected
     decoded = decode_message(expected)
     assert isinstance(decoded, Chunk)
-    assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32) == (
-        fields["block_index"], fields["offset"], fields["data"], fields["last"], fields["crc32"])
+    assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32c) == (
+        fields["block_index"], fields["offset"], fields["data"], fields["last"], fields["crc32c"])
 
 
 def test_valid_but_unusual_encodings_decode_as_protobuf_does() -> None:
@@ -44,8 +44,8 @@ def test_valid_but_unusual_encodings_decode_as_protobuf_does() -> None:
     reference = kv_transfer_pb2.KVTransferMessage.FromString(raw).chunk
     decoded = decode_message(raw)
     assert isinstance(decoded, Chunk)
-    assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32) == (
-        reference.block_index, reference.offset, reference.data, reference.last, reference.crc32) == (4, 0, b"abc",
+    assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32c) == (
+        reference.block_index, reference.offset, reference.data, reference.last, reference.crc32c) == (4, 0, b"abc",
                                                                                                        True, 99)
 
 

@@ -83,9 +83,10 @@ def test_descriptor_with_invalid_layout_is_a_layout_mismatch() -> None:
         KVHandoff.from_proto(wire)
 
 
-def test_block_checksum_is_crc32() -> None:
-    assert block_checksum(b"123456789") == 0xCBF43926  # the CRC-32 check value
-    assert block_checksum(memoryview(bytearray(b"123456789"))) == 0xCBF43926
+def test_block_checksum_is_crc32c() -> None:
+    assert block_checksum(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
+    assert block_checksum(memoryview(b"123456789")) == 0xE3069283
+    assert block_checksum(memoryview(bytearray(b"123456789"))) == 0xE3069283
 
 
 @pytest.mark.parametrize("exc", [KVTransferError("x"), KVLayoutMismatch("x"), KVChecksumError("x")])

@@ -5,17 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.loader.model_registry import KNOWN_MODELS, cache_dir
 from router.server import RouterServer, build_router_app
 from tests.router.conftest import MODEL, info_of
 from tests.router.fake_worker import FakeWorker
-
-
-def _cached_smollm2() -> bool:
-    entry = KNOWN_MODELS[MODEL]
-    from pathlib import Path
-
-    return (cache_dir() / "models" / f"{entry.package}-{entry.version}" / Path(entry.member).name).is_file()
 
 
 def test_router_server_starts_and_stops(fakes: dict[str, FakeWorker], tokenizer) -> None:
@@ -30,8 +22,9 @@ def test_router_server_starts_and_stops(fakes: dict[str, FakeWorker], tokenizer)
         httpx.get(f"{server.url}/health", timeout=2)
 
 
-@pytest.mark.skipif(not _cached_smollm2(), reason="SmolLM2 is not in the model cache (tests/conftest.py fetches it)")
-def test_build_router_app_with_the_real_tokenizer(fakes: dict[str, FakeWorker]) -> None:
+@pytest.mark.slow
+def test_build_router_app_with_the_real_tokenizer(fakes: dict[str, FakeWorker], smollm2_gguf: str) -> None:
+    """build_router_app resolves the model name itself; the fixture only makes sure the file is fetched."""
     for fake in fakes.values():
         fake.reset()
     decode = fakes["decode-0"]
