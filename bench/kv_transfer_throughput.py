@@ -8,7 +8,9 @@ receiver runs in a separate process (a real gRPC server with the transport's rec
 and malloc settings, see engine/serving/malloc_tuning.py, and a sink that copies
 every block into a preallocated cache, as the decode worker does), except for `inproc`, whose receiver lives in the
 sender's process by definition. The baseline `tcp` is a sender `sendall`-ing each handoff's bytes over loopback
-to a receiver process that `recv_into`s a preallocated buffer and acks each handoff with one byte.
+to a receiver process that `recv_into`s a preallocated buffer and acks each handoff with one byte. The reference
+`grpc-bare` sends the same blocks as bare gRPC messages (no protobuf framing, no checksum, received into a
+preallocated buffer): what Python gRPC itself costs, the ceiling for the `grpc` transport.
 
 Every transport is set up first (one warm-up handoff each opens channels and pair groups); then the passes are
 interleaved, pass 1 of every transport, then pass 2, and so on, so that the shared machine's drift hits all of
@@ -35,7 +37,9 @@ from engine.serving.malloc_tuning import tune_malloc  # noqa: E402
 from kv_transfer.layout import KVHandoff, KVLayout  # noqa: E402
 
 SMOLLM2_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
-TRANSPORTS = ("tcp", "grpc", "torch", "inproc")
+# "grpc-bare" is a reference, not a transport: the same blocks as bare gRPC messages (no protobuf framing, no
+# checksum, no paged-cache layout) through one client stream into a preallocated buffer: Python gRPC's ceiling.
+TRANSPORTS = ("tcp", "grpc-bare", "grpc", "torch", "inproc")
 BASELINE = "tcp"
 TIMEOUT_S = 120.0
 
@@ -111,6 +115,33 @@ def _serve_transport(transport: str, layout: KVLayout, num_blocks: int) -> None:
     server.stop(grace=None)
 
 
+def _serve_grpc_bare(handoff_bytes: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+
+    buffer = bytearray(handoff_bytes)
+    view = memoryview(buffer)
+
+    def transfer(messages, context) -> bytes:
+        filled = 0
+        for message in messages:
+            view[filled : filled + len(message)] = message
+            filled += len(message)
+        return b"\x01" if filled == handoff_bytes else b"\x00"
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    handler = grpc.stream_unary_rpc_method_handler(transfer)  # no (de)serializers: bytes in, bytes out
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", {"Transfer": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"READY 127.0.0.1:{port}", flush=True)
+    sys.stdin.read()
+    server.stop(grace=None)
+
+
 def _serve_tcp(handoff_bytes: int) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"READY 127.0.0.1:{listener.getsockname()[1]}", flush=True)
@@ -161,6 +192,8 @@ class _Runner:
         self._closers: list = []
         if transport == "tcp":
             self._setup_tcp(source, handoff.num_bytes)
+        elif transport == "grpc-bare":
+            self._setup_grpc_bare(source, handoff.num_bytes)
         elif transport == "inproc":
             from kv_transfer.registry import make_receiver
 
@@ -201,6 +234,24 @@ class _Runner:
             conn.sendall(data)
             if conn.recv(1) != b"\x01":
                 raise RuntimeError("tcp baseline receiver went away")
+
+        self.send_one = send_one
+
+    def _setup_grpc_bare(self, source: _Source, handoff_bytes: int) -> None:
+        import grpc
+
+        from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+
+        process = _ReceiverProcess("grpc-bare", str(handoff_bytes))
+        self._closers.append(process.close)
+        channel = grpc.insecure_channel(process.endpoint, options=CHANNEL_OPTIONS)
+        self._closers.append(channel.close)
+        transfer = channel.stream_unary("/bench.Bare/Transfer")
+        blocks = [bytes(memoryview(block.view(-1).view(torch.uint8).numpy())) for block in source.blocks]
+
+        def send_one() -> None:
+            if transfer(iter(blocks), timeout=TIMEOUT_S) != b"\x01":
+                raise RuntimeError("grpc-bare receiver got a short handoff")
 
         self.send_one = send_one
 
@@ -268,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         if argv[1] == "tcp":
             _serve_tcp(int(argv[2]))
+        elif argv[1] == "grpc-bare":
+            _serve_grpc_bare(int(argv[2]))
         else:
             _serve_transport(argv[1], _parse_layout(argv[2]), int(argv[3]))
         return 0
