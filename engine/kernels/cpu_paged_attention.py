@@ -42,9 +42,21 @@ static void decode_attention(const T* q, const T* k_cache, const T* v_cache, con
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;
   const int64_t qsize = num_heads * head_dim;
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  // The work of a sequence is its length, and the runner hands them over sorted by length: equal-count slices
+  // (what parallel_for makes of [0, num_seqs)) would give the last thread all the long ones. Cut the sequences
+  // into one contiguous part per thread at equal shares of the total context instead.
+  const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
+  std::vector<int64_t> bounds(num_parts + 1, num_seqs);
+  bounds[0] = 0;
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
+  for (int64_t s = 0, done = 0, part = 1; s < num_seqs && part < num_parts; ++s) {
+    done += seq_lens[s];
+    while (part < num_parts && done * num_parts >= total * part) bounds[part++] = s + 1;
+  }
+  at::parallel_for(0, num_parts, 1, [&](int64_t first_part, int64_t last_part) {
     std::vector<float> scores, acc(qsize), qf(qsize), inv_sum(num_heads);
-    for (int64_t s = begin; s < end; ++s) {
+    for (int64_t s = bounds[first_part]; s < bounds[last_part]; ++s) {
       const int64_t len = seq_lens[s];
       const int64_t* table = tables + s * table_width;
       const T* qs = q + s * qsize;
@@ -121,7 +133,7 @@ def load_kernel():  # noqa: ANN201 - the compiled extension module, or None
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="splitserve_cpu_paged_attention_v3",
+            name="splitserve_cpu_paged_attention_v4",
             cpp_sources=[_SOURCE],
             functions=["paged_decode_attention"],
             # -fopenmp: at::parallel_for is header code that only runs in parallel when compiled with OpenMP.

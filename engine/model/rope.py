@@ -42,12 +42,15 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(dtype)
         self.half = head_dim // 2
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of the tables for `positions`: looked up once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, head_dim] each
+
     def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = cos_sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
     def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,21 @@ def test_kernel_ignores_blocks_past_the_sequence(kernel):
     assert torch.equal(before, after)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 7])
+def test_work_split_across_threads_covers_every_sequence_once(kernel, num_threads):
+    """The kernel splits the sequences (sorted by length) at equal shares of context per thread: every thread
+    count, including more threads than the split can use, gives each sequence exactly its own result."""
+    q, k, v, tables, lens = make_case(12, 9, 3, 64, 16, dtype=torch.float32, seed=3)  # lengths ascending
+    want = paged_decode_attention_reference(q, k, v, tables, lens, 0.125)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = paged_decode_attention(q, k, v, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_torch_backend_decode_matches_reference(shape):
     q, k, v, tables, lens = make_case(*shape, dtype=torch.float32)
