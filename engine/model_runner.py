@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.huge_pages import zeros_with_huge_pages
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.model.llama import LlamaModel
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
@@ -22,7 +23,7 @@ class ModelRunner:
         # Every layer's KV in one tensor, so that one block across all layers (what a KV handoff moves) is read
         # or written in a single strided copy: kv_cache[:, :, block_id] is [num_layers, 2, block_size, Hkv, D].
         # [num_layers, 2, num_blocks, block_size, Hkv, D]
-        self.kv_cache = torch.zeros(
+        self.kv_cache = zeros_with_huge_pages(
             c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype
         )
         self.kv_caches = list(self.kv_cache.unbind(0))  # per layer [2, num_blocks, block_size, Hkv, D], contiguous

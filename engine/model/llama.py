@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding
 
@@ -20,8 +21,25 @@ from engine.model.rope import RotaryEmbedding
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # The same op order as HF's LlamaRMSNorm (float32 statistics, weight applied after the cast back).
     xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    mean_square = xf.pow(2).mean(-1, keepdim=True)
+    kernel = load_elementwise() if x.dim() == 2 and _fusable(x, weight) else None
+    if kernel is not None:  # the rest in one pass, the same bits
+        return kernel.rms_norm_scale(x, mean_square, weight, eps)
+    xf = xf * torch.rsqrt(mean_square + eps)
     return weight * xf.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> silu(gate) * up, [T, I] (HF's LlamaMLP activation)."""
+    kernel = load_elementwise() if gate_up.dim() == 2 and _fusable(gate_up) else None
+    if kernel is not None:  # one pass, the same bits
+        return kernel.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def _fusable(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 @dataclass
@@ -116,8 +134,7 @@ class LlamaModel:
             # arithmetic, two fewer multi-MB allocations per layer.
             hidden.add_(F.linear(attn.view(num_tokens, self.q_size), layer.o))
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden.add_(F.linear(F.silu(gate).mul_(up), layer.down))
+            hidden.add_(F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down))
         return rms_norm(hidden, self.final_norm, c.rms_norm_eps)
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import RopeScaling
 
 
@@ -44,13 +45,22 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of the tables for `positions`: looked up once per step, shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, head_dim] each
+        return self.cos[positions], self.sin[positions]  # [T, head_dim] each
 
     def __call__(
         self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] -> rotated copies."""
+        """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] -> rotated.
+
+        float32 on CPU is rotated in place by the fused kernel (the same bits as the torch expression below, in one
+        pass instead of five): the caller's q and k must be its own to overwrite. Otherwise rotated copies."""
         cos, sin = cos_sin
+        kernel = load_elementwise() if q.dtype == torch.float32 and q.device.type == "cpu" else None
+        if kernel is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            kernel.rope_(q, cos, sin)
+            kernel.rope_(k, cos, sin)
+            return q, k
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
     def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
