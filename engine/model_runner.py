@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
-from engine.huge_pages import zeros_with_huge_pages
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.huge_pages import zeros_with_huge_pages
 from engine.model.llama import LlamaModel
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
 
