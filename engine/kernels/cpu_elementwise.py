@@ -16,13 +16,11 @@ run the torch expressions.
 
 from __future__ import annotations
 
-import logging
-import os
 from functools import cache
 
 import torch
 
-logger = logging.getLogger(__name__)
+from engine.kernels.build import build_cpu_extension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -132,23 +130,12 @@ def _capability_flags() -> list[str]:
 
 @cache
 def load_elementwise():  # noqa: ANN201 - the compiled extension module, or None
-    """Compile (once per machine; torch caches the build) and load the ops; None if they cannot be built."""
-    if os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            name="splitserve_cpu_elementwise_v3_" + torch.backends.cpu.get_cpu_capability().replace(" ", "_"),
-            cpp_sources=[_SOURCE],
-            functions=["rope_", "rms_norm_scale", "silu_and_mul"],
-            # No -ffast-math: every operation must round exactly as torch's does. Vectorized<float> is built for
-            # the capability torch itself dispatches to here (AVX512, AVX2, ...), so its exp is torch's.
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
-            + _capability_flags(),
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja: the torch expressions run instead
-        logger.warning("CPU elementwise kernels unavailable (%s); using torch ops", exc)
-        return None
+    """The compiled ops, or None (see engine/kernels/build.py)."""
+    # No -ffast-math: every operation must round exactly as torch's does. Vectorized<float> is built for the
+    # capability torch itself dispatches to here (AVX512, AVX2, ...), so its exp is torch's.
+    return build_cpu_extension(
+        "splitserve_cpu_elementwise_v3_" + torch.backends.cpu.get_cpu_capability().replace(" ", "_"),
+        _SOURCE,
+        ["rope_", "rms_norm_scale", "silu_and_mul"],
+        ["-ffp-contract=off", "-fno-fast-math", *_capability_flags()],
+    )

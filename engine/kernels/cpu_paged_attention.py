@@ -15,13 +15,11 @@ The build needs a C++ compiler and ninja; `load_kernel()` returns None (and logs
 
 from __future__ import annotations
 
-import logging
-import os
 from functools import cache
 
 import torch
 
-logger = logging.getLogger(__name__)
+from engine.kernels.build import build_cpu_extension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -126,24 +124,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 @cache
 def load_kernel():  # noqa: ANN201 - the compiled extension module, or None
-    """Compile (once per machine; torch caches the build) and load the kernel; None if it cannot be built."""
-    if os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            name="splitserve_cpu_paged_attention_v4",
-            cpp_sources=[_SOURCE],
-            functions=["paged_decode_attention"],
-            # -fopenmp: at::parallel_for is header code that only runs in parallel when compiled with OpenMP.
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a sandbox without /tmp: fall back to the torch backend
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch attention backend", exc)
-        return None
+    """The compiled kernel, or None (see engine/kernels/build.py)."""
+    return build_cpu_extension(
+        "splitserve_cpu_paged_attention_v4",
+        _SOURCE,
+        ["paged_decode_attention"],
+        ["-ffast-math", "-fno-finite-math-only"],
+    )
 
 
 def paged_decode_attention(

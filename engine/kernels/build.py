@@ -1,0 +1,31 @@
+"""Building the C++ CPU kernels: one place for the kill switch, the OpenMP flags and the fallback."""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+
+def build_cpu_extension(name: str, source: str, functions: list[str], cflags: list[str]) -> ModuleType | None:
+    """Compile (once per machine; torch caches the build) and load `source`; None when
+    SPLITSERVE_DISABLE_CPU_KERNELS is set or it cannot be built (callers then run plain torch)."""
+    if os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            name=name,
+            cpp_sources=[source],
+            functions=functions,
+            # -fopenmp: at::parallel_for is header code that only runs in parallel when compiled with OpenMP.
+            extra_cflags=["-O3", "-march=native", *cflags, "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a sandbox without /tmp
+        logger.warning("C++ CPU kernels %s unavailable (%s); using torch ops", name, exc)
+        return None
