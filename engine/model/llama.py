@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flattened, paged batch.
 
 Weights come in with HF names and layouts ([out_features, in_features]). At load, q/k/v and gate/up are fused
-into one matrix each, so a layer runs four GEMMs instead of seven. Inference only: no autograd, no modules.
+into one matrix each, so a layer runs four GEMMs instead of seven (`linear.py`: how they run). Inference only: no
+autograd, no modules.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
+from engine.model.linear import Linear
 from engine.model.rope import RotaryEmbedding
 
 
@@ -45,12 +47,11 @@ def _fusable(*tensors: torch.Tensor) -> bool:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None  # [(H + 2*Hkv) * D]
-    o: torch.Tensor  # [hidden, H * D]
+    qkv: Linear  # [(H + 2*Hkv) * D, hidden], with the q/k/v bias where the model has one
+    o: Linear  # [hidden, H * D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
 
 
 class MissingWeightError(KeyError):
@@ -79,7 +80,7 @@ class LlamaModel:
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.final_norm = take("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = Linear(self.embed if c.tie_word_embeddings else take("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -89,12 +90,11 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-                    qkv_bias=qkv_bias,
-                    o=take(p + "self_attn.o_proj.weight"),
+                    qkv=Linear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias),
+                    o=Linear(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                    down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
         self.rope = RotaryEmbedding(
@@ -123,7 +123,7 @@ class LlamaModel:
         cos_sin = self.rope.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, c.num_heads, c.head_dim)
             k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -132,12 +132,12 @@ class LlamaModel:
             attn = self.attention.forward(q, k, v, kv_cache, meta)
             # In place where the tensor is ours alone (`hidden` is a fresh embedding lookup, never aliased): the same
             # arithmetic, two fewer multi-MB allocations per layer.
-            hidden.add_(F.linear(attn.view(num_tokens, self.q_size), layer.o))
+            hidden.add_(layer.o(attn.view(num_tokens, self.q_size)))
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            hidden.add_(F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down))
+            hidden.add_(layer.down(silu_and_mul(layer.gate_up(x))))
         return rms_norm(hidden, self.final_norm, c.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
