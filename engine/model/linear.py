@@ -48,7 +48,8 @@ class Linear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
             except RuntimeError as exc:  # an ISA or build oneDNN turns down: MKL still works
                 logger.warning("oneDNN weight packing unavailable (%s); using F.linear", exc)
-        # The packed copy replaces the dense one (same bytes); a tied LM head's dense copy lives on as the embeddings.
+        # The packed copy replaces the dense one (same bytes). A tied LM head's dense weight lives on as the embedding
+        # table, so tying costs one extra vocab x hidden matrix here.
         self.weight: torch.Tensor | None = None if self.packed is not None else weight
 
     def dense_weight(self) -> torch.Tensor:
