@@ -9,10 +9,15 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 
+def cpu_kernels_disabled() -> bool:
+    """SPLITSERVE_DISABLE_CPU_KERNELS: plain torch ops for everything (our C++ kernels and the oneDNN GEMMs)."""
+    return bool(os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS"))
+
+
 def build_cpu_extension(name: str, source: str, functions: list[str], cflags: list[str]) -> ModuleType | None:
     """Compile (once per machine; torch caches the build) and load `source`; None when
     SPLITSERVE_DISABLE_CPU_KERNELS is set or it cannot be built (callers then run plain torch)."""
-    if os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS"):
+    if cpu_kernels_disabled():
         return None
     try:
         from torch.utils.cpp_extension import load_inline

@@ -11,10 +11,11 @@ check it).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.build import cpu_kernels_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ _PACK_ROWS_HINT = 256
 
 def onednn_usable(weight: torch.Tensor) -> bool:
     """Whether `weight` can run through packed oneDNN here (CPU, float32/bfloat16, oneDNN built in, no kill switch)."""
-    if os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS"):
+    if cpu_kernels_disabled():
         return False
     return (
         weight.device.type == "cpu"
