@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from engine.serving.malloc_tuning import tune_malloc  # noqa: E402
+from kv_transfer.block_copy import copy_checked  # noqa: E402
 from kv_transfer.layout import KVHandoff, KVLayout  # noqa: E402
 
 SMOLLM2_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
@@ -59,8 +60,8 @@ class _CopySink:
     def open(self, handoff: KVHandoff) -> _CopySink:
         return self
 
-    def write_block(self, index: int, data: torch.Tensor) -> None:
-        self.cache[:, :, index].copy_(data)
+    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
+        copy_checked(self.cache[:, :, index], data, crc32c)
 
     def commit(self) -> None:
         pass
@@ -70,15 +71,21 @@ class _CopySink:
 
 
 class _Source:
+    """The benchmark's prefill side: a paged cache laid out as the prefill worker's, read as `HeldBlocks` reads it
+    (a strided view of one block across the layers, which the transport gathers as it sends)."""
+
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         self.layout = layout
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.blocks = torch.randn((num_blocks, *layout.block_shape), generator=torch.Generator().manual_seed(0)).to(
-            getattr(torch, layout.dtype)
-        )
+        num_layers, two, block_size, num_kv_heads, head_dim = layout.block_shape
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.cache = torch.randn((num_layers, two, num_blocks, block_size, num_kv_heads, head_dim),
+                                 generator=torch.Generator().manual_seed(0)).to(getattr(torch, layout.dtype))
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: the same bytes, gathered once, for the
+        # raw-socket baseline and the bare gRPC reference, which send them as they are
+        self.blocks = self.cache.permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def read_block(self, index: int) -> torch.Tensor:
-        return self.blocks[index]
+        return self.cache[:, :, index]
 
 
 def _layout_arg(layout: KVLayout) -> str:

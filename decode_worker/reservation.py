@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from kv_transfer.block_copy import copy_checked
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 
 
@@ -55,12 +56,13 @@ class Reservation:
                 )
             self.state = ReservationState.RECEIVING
 
-    def write_block(self, index: int, data: torch.Tensor) -> None:
+    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
         with self._lock:
             if self.state is not ReservationState.RECEIVING:
                 raise KVTransferError(f"request {self.request_id}: transfer is {self.state.value}, block dropped")
-            # data: [num_layers, 2, block_size, num_kv_heads, head_dim]; one strided copy across the layers
-            self.kv_cache[:, :, self.block_ids[index]].copy_(data)
+            # data: [num_layers, 2, block_size, num_kv_heads, head_dim]; one strided copy across the layers that
+            # also checks the CRC. On a mismatch the reserved block holds junk until the failed handoff frees it.
+            copy_checked(self.kv_cache[:, :, self.block_ids[index]], data, crc32c)
             self.num_bytes += data.numel() * data.element_size()
 
     def commit(self) -> None:

@@ -4,8 +4,9 @@
     ──────────────                                             ─────────────
     KVBlockSource ──▶ KVSender.send(handoff, source, endpoint) ──wire──▶ KVReceiver ──▶ KVSink.open(handoff)
       (reads held blocks)        raises KVTransferError                                   └▶ KVDestination
-                                 on refusal, timeout, dead peer,                             .write_block(i, data)
-                                 bad checksum                                                .commit() | .fail(why)
+                                 on refusal, timeout, dead peer,                             .write_block(i, data, crc)
+                                 bad checksum                                                  (verified as copied)
+                                                                                             .commit() | .fail(why)
 
 Ownership: the sender's blocks stay held until `send` returns (the receiver confirmed every block) or raises
 (the receiver failed the destination, or the timeout passed); the caller frees them either way. On the receiving
@@ -32,15 +33,18 @@ class KVBlockSource(Protocol):
     layout: KVLayout
 
     def read_block(self, index: int) -> torch.Tensor:
-        """Block `index` of the handoff: a contiguous tensor of `layout.block_shape`, on the source's device."""
+        """Block `index` of the handoff: a tensor of `layout.block_shape` on the source's device, possibly a strided
+        view of the paged cache (transports gather it as they copy it out; it must not change while held)."""
         ...
 
 
 class KVDestination(Protocol):
     """Where one handoff's blocks land on the receiver: reserved blocks of its paged cache."""
 
-    def write_block(self, index: int, data: torch.Tensor) -> None:
-        """Store block `index` (a tensor of `layout.block_shape`, verified against its checksum)."""
+    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
+        """Store block `index` (a tensor of `layout.block_shape`) with `kv_transfer.block_copy.copy_checked`, which
+        verifies `data` against the sender's `crc32c` as it copies and raises KVChecksumError on a mismatch (the
+        receiver then fails the handoff, so the block's bytes are never read). None: `data` needs no check."""
         ...
 
     def commit(self) -> None:
@@ -63,10 +67,10 @@ class SettleOnce:
         self._lock = threading.Lock()
         self.outcome: str | None = None  # None (open), "committed" or "failed"
 
-    def write_block(self, index: int, data: torch.Tensor) -> None:
+    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
         if self.outcome is not None:
             raise KVTransferError(f"write to a destination already {self.outcome}")
-        self._dest.write_block(index, data)
+        self._dest.write_block(index, data, crc32c)
 
     def commit(self) -> None:
         """Commit, or raise KVTransferError when the handoff was failed first (by `close`, a timeout)."""

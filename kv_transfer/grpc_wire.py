@@ -2,8 +2,10 @@
 
 `KVTransferMessage{chunk: KVBlockChunk}` carries the KV bytes. Through the generated classes every chunk's data
 is copied four times on the sender (tensor → bytes → message → serialized) and twice on the receiver; that, not
-the socket, bounded the transport's throughput. Here the sender writes one buffer (header, data, trailer) and the
-receiver gets a `Chunk` whose `data` is a view into the received message, checked and copied once into the cache.
+the socket, bounded the transport's throughput. Here the sender writes one buffer (header, data, trailer) in one
+pass that also computes the block's CRC-32C (kv_transfer.block_copy.frame; the checksum is a fixed32 after the
+data, so the header can be written before it is known), and the receiver gets a `Chunk` whose `data` is a view
+into the received message, checked and copied once into the cache.
 
 The bytes on the wire are exactly what `KVTransferMessage.SerializeToString()` would produce (a test checks), so
 the .proto stays the contract and any protobuf implementation can talk to us. Messages the fast decoder does not
@@ -16,9 +18,10 @@ from dataclasses import dataclass
 
 from protos import kv_transfer_pb2
 
-# KVTransferMessage.chunk is field 2; KVBlockChunk: block_index 1, offset 2, data 3, last 4, crc32c 5.
+# KVTransferMessage.chunk is field 2; KVBlockChunk: block_index 1, offset 2, data 3, last 4, crc32c 5 (fixed32).
 _CHUNK_TAG = (2 << 3) | 2
-_VARINT, _LEN = 0, 2
+_VARINT, _I32, _LEN = 0, 5, 2
+_CRC_KEY = bytes([(5 << 3) | _I32])
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,7 +32,7 @@ class Chunk:
     offset: int
     data: memoryview
     last: bool
-    crc32c: int
+    crc32c: int | None  # None when the chunk carries none (only a block's last chunk does)
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,14 +57,23 @@ def _field(number: int, value: int) -> bytes:
     return _varint((number << 3) | _VARINT) + _varint(value) if value else b""
 
 
-def encode_chunk(*, block_index: int, offset: int, data: memoryview | bytes, last: bool, crc32c: int) -> bytes:
-    """`KVTransferMessage(chunk=KVBlockChunk(...)).SerializeToString()`, with one copy of `data`."""
+def chunk_frame(*, block_index: int, offset: int, data_len: int, last: bool, crc32c: bool) -> tuple[bytes, bytes]:
+    """The bytes around a chunk's data: `head ‖ data ‖ tail`, followed, when `crc32c`, by the checksum's 4 bytes
+    (little-endian), is the serialized `KVTransferMessage{chunk}` whose crc32c field is set."""
     head = _field(1, block_index) + _field(2, offset)
-    if len(data):
-        head += _varint((3 << 3) | _LEN) + _varint(len(data))
-    tail = _field(4, int(last)) + _field(5, crc32c)
-    inner_len = len(head) + len(data) + len(tail)
-    return b"".join((_varint(_CHUNK_TAG) + _varint(inner_len) + head, data, tail))
+    if data_len:
+        head += _varint((3 << 3) | _LEN) + _varint(data_len)
+    tail = _field(4, int(last)) + (_CRC_KEY if crc32c else b"")
+    inner_len = len(head) + data_len + len(tail) + (4 if crc32c else 0)
+    return _varint(_CHUNK_TAG) + _varint(inner_len) + head, tail
+
+
+def encode_chunk(*, block_index: int, offset: int, data: memoryview | bytes, last: bool, crc32c: int | None) -> bytes:
+    """`KVTransferMessage(chunk=KVBlockChunk(...)).SerializeToString()` (crc32c None: the field unset)."""
+    head, tail = chunk_frame(block_index=block_index, offset=offset, data_len=len(data), last=last,
+                             crc32c=crc32c is not None)
+    checksum = b"" if crc32c is None else crc32c.to_bytes(4, "little")
+    return b"".join((head, data, tail, checksum))
 
 
 def encode_message(message: kv_transfer_pb2.KVTransferMessage) -> bytes:
@@ -93,7 +105,8 @@ def _fast_chunk(raw: bytes) -> Chunk | None:
     inner_len, pos = _read_varint(buf, 1, end)
     if pos + inner_len != end:
         return None
-    fields = {1: 0, 2: 0, 4: 0, 5: 0}
+    fields = {1: 0, 2: 0, 4: 0}
+    crc32c: int | None = None
     data = buf[0:0]
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
@@ -105,9 +118,13 @@ def _fast_chunk(raw: bytes) -> Chunk | None:
             if pos + size > end:
                 raise ValueError("chunk data runs past the message")
             data, pos = buf[pos : pos + size], pos + size
+        elif wire_type == _I32 and number == 5:
+            if pos + 4 > end:
+                raise ValueError("truncated fixed32")
+            crc32c, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
         else:
             return None  # an unknown field: let the generated parser decide
-    return Chunk(block_index=fields[1], offset=fields[2], data=data, last=bool(fields[4]), crc32c=fields[5] & 0xFFFFFFFF)
+    return Chunk(block_index=fields[1], offset=fields[2], data=data, last=bool(fields[4]), crc32c=crc32c)
 
 
 def decode_message(raw: bytes) -> kv_transfer_pb2.KVTransferMessage | Chunk | Malformed:
@@ -121,5 +138,6 @@ def decode_message(raw: bytes) -> kv_transfer_pb2.KVTransferMessage | Chunk | Ma
         return Malformed(f"undecodable KV transfer message: {exc}")
     if message.WhichOneof("kind") == "chunk":
         c = message.chunk
-        return Chunk(block_index=c.block_index, offset=c.offset, data=memoryview(c.data), last=c.last, crc32c=c.crc32c)
+        return Chunk(block_index=c.block_index, offset=c.offset, data=memoryview(c.data), last=c.last,
+                     crc32c=c.crc32c if c.HasField("crc32c") else None)
     return message

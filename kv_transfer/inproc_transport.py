@@ -1,7 +1,7 @@
 """The in-process KV transport: sender and receiver live in one process and blocks move by a tensor copy.
 
     Sender.send ──lookup(endpoint)──▶ Receiver (process-global registry, filled by `attach`)
-        for each block: checksum on the sender side ──▶ verify on the receiver side ──▶ dest.write_block (copies)
+        for each block: checksum on the sender side ──▶ dest.write_block(i, block, crc) copies it and verifies
         then dest.commit
 
 It still checksums on both sides, like the wire transports, so the conformance suite's corrupted-block case
@@ -41,7 +41,8 @@ def _key(endpoint: str) -> str:
 
 
 class _Incoming:
-    """One open handoff on the receiver: verifies each block before it reaches the destination."""
+    """One open handoff on the receiver: checks each block's order and shape; the destination verifies its
+    checksum as it copies it."""
 
     def __init__(self, handoff: KVHandoff, dest: KVDestination) -> None:
         self.handoff = handoff
@@ -58,9 +59,12 @@ class _Incoming:
                 f"handoff {self.handoff.transfer_id}: block {index} has shape {tuple(block.shape)}, "
                 f"expected {self.handoff.layout.block_shape}"
             )
-        if tensor_checksum(block) != crc32c:
-            raise KVChecksumError(f"handoff {self.handoff.transfer_id}: block {index} failed its CRC-32C check")
-        self.dest.write_block(index, block)
+        try:
+            self.dest.write_block(index, block, crc32c)  # verified as it is copied
+        except KVChecksumError as exc:
+            raise KVChecksumError(
+                f"handoff {self.handoff.transfer_id}: block {index} failed its CRC-32C check ({exc})"
+            ) from None
         self.num_written += 1
 
     def commit(self) -> None:
@@ -123,7 +127,7 @@ class Sender(KVSender):
                     raise KVTransferError(f"handoff {handoff.transfer_id}: sender stopped after {index} blocks (fault)")
                 if time.monotonic() > deadline_s:
                     raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} timed out after {timeout_s}s")
-                block = source.read_block(index)
+                block = source.read_block(index).contiguous()  # a strided view of the sender's cache, gathered
                 crc32c = tensor_checksum(block)
                 incoming.write(index, self.fault.apply(index, block), crc32c)
             incoming.commit()

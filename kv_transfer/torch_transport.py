@@ -352,7 +352,7 @@ class Sender(KVSender):
                     for work, _ in in_flight:
                         pair.wait(work, deadline_s, f"{what}: sending")
                     raise KVTransferError(f"{what}: sender stopped after {index} blocks (fault)")
-                block = source.read_block(index)
+                block = source.read_block(index).contiguous()  # a strided view of the sender's cache, gathered
                 checksums.append(tensor_checksum(block))
                 wire = self.fault.apply(index, block)
                 in_flight.append((pair.group.send([wire], 1, index), wire))

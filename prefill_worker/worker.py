@@ -48,8 +48,9 @@ class HeldBlocks:
         self.layout = layout
 
     def read_block(self, index: int) -> torch.Tensor:
-        # one strided gather across the layers: [num_layers, 2, block_size, num_kv_heads, head_dim]
-        return self.kv_cache[:, :, self.block_ids[index]].contiguous()
+        # [num_layers, 2, block_size, num_kv_heads, head_dim]: a strided view across the layers, gathered by the
+        # transport as it copies the block out (the gRPC sender in the same pass that checksums and frames it)
+        return self.kv_cache[:, :, self.block_ids[index]]
 
 
 class CutHalfWay:

@@ -20,7 +20,7 @@ from functools import cache
 
 import torch
 
-from engine.kernels.build import build_cpu_extension
+from kv_transfer.native_build import build_cpu_extension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -130,7 +130,7 @@ def _capability_flags() -> list[str]:
 
 @cache
 def load_elementwise():  # noqa: ANN201 - the compiled extension module, or None
-    """The compiled ops, or None (see engine/kernels/build.py)."""
+    """The compiled ops, or None (see kv_transfer/native_build.py)."""
     # No -ffast-math: every operation must round exactly as torch's does. Vectorized<float> is built for the
     # capability torch itself dispatches to here (AVX512, AVX2, ...), so its exp is torch's.
     return build_cpu_extension(

@@ -19,7 +19,7 @@ from functools import cache
 
 import torch
 
-from engine.kernels.build import build_cpu_extension
+from kv_transfer.native_build import build_cpu_extension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -124,7 +124,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 @cache
 def load_kernel():  # noqa: ANN201 - the compiled extension module, or None
-    """The compiled kernel, or None (see engine/kernels/build.py)."""
+    """The compiled kernel, or None (see kv_transfer/native_build.py)."""
     return build_cpu_extension(
         "splitserve_cpu_paged_attention_v4",
         _SOURCE,

@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.build import cpu_kernels_disabled
+from kv_transfer.native_build import cpu_kernels_disabled
 
 logger = logging.getLogger(__name__)
 

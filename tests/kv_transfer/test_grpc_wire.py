@@ -9,27 +9,40 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from kv_transfer.grpc_transport import TRANSFER_METHOD
-from kv_transfer.grpc_wire import Chunk, Malformed, decode_message, encode_chunk, encode_message
+from kv_transfer.block_copy import frame
+from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_chunk, encode_message
 from kv_transfer.grpc_wire import _varint  # noqa: PLC2701 - the same varint builds the odd encodings here
-from kv_transfer.layout import KVHandoff, KVLayout
+from kv_transfer.layout import KVHandoff, KVLayout, block_checksum
 from kv_transfer.registry import make_receiver
 from protos import kv_transfer_pb2
 from tests.kv_transfer.transfer_peer import RecordingSink
 
 CASES = [
-    dict(block_index=0, offset=0, data=b"", last=False, crc32c=0),  # every field at its default
+    dict(block_index=0, offset=0, data=b"", last=False, crc32c=None),  # every field at its default
     dict(block_index=0, offset=0, data=b"x", last=True, crc32c=1),
-    dict(block_index=7, offset=1 << 20, data=os.urandom(1000), last=False, crc32c=0),
+    dict(block_index=0, offset=0, data=b"x", last=True, crc32c=0),  # a zero checksum is still sent
+    dict(block_index=7, offset=1 << 20, data=os.urandom(1000), last=False, crc32c=None),
     dict(block_index=(1 << 32) - 1, offset=(1 << 64) - 1, data=os.urandom(300_000), last=True, crc32c=(1 << 32) - 1),
 ]
 
 
 @pytest.mark.parametrize("fields", CASES, ids=range(len(CASES)))
-def test_encoding_is_byte_identical_to_protobuf(fields: dict) -> None:
-    expected = kv_transfer_pb2.KVTransferMessage(chunk=kv_transfer_pb2.KVBlockChunk(**fields)).SerializeToString()
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+def test_encoding_is_byte_identical_to_protobuf(fields: dict, native: bool) -> None:
+    kwargs = {k: v for k, v in fields.items() if v is not None}
+    expected = kv_transfer_pb2.KVTransferMessage(chunk=kv_transfer_pb2.KVBlockChunk(**kwargs)).SerializeToString()
     assert encode_chunk(**{**fields, "data": memoryview(fields["data"])}) == expected
+    # the sender's one-pass framing: header, data and trailer around the data, the checksum computed on the way
+    head, tail = chunk_frame(block_index=fields["block_index"], offset=fields["offset"], data_len=len(fields["data"]),
+                             last=fields["last"], crc32c=fields["crc32c"] is not None)
+    data = torch.frombuffer(bytearray(fields["data"]) or bytearray(1), dtype=torch.uint8)[: len(fields["data"])]
+    framed, crc = frame(head, data, tail, append_crc=fields["crc32c"] is not None, native=native)
+    assert crc == block_checksum(fields["data"])
+    with_crc = {**kwargs, "crc32c": crc} if fields["crc32c"] is not None else kwargs
+    assert framed == kv_transfer_pb2.KVTransferMessage(chunk=kv_transfer_pb2.KVBlockChunk(**with_crc)).SerializeToString()
     decoded = decode_message(expected)
     assert isinstance(decoded, Chunk)
     assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32c) == (
@@ -38,7 +51,8 @@ def test_encoding_is_byte_identical_to_protobuf(fields: dict) -> None:
 
 def test_valid_but_unusual_encodings_decode_as_protobuf_does() -> None:
     # Fields in reverse order, a zero written out explicitly, an unknown field: valid protobuf, not our shape.
-    inner = (_varint(5 << 3) + _varint(99) + _varint(4 << 3) + _varint(1) + _varint((3 << 3) | 2) + _varint(3) + b"abc"
+    inner = (_varint((5 << 3) | 5) + (99).to_bytes(4, "little") + _varint(4 << 3) + _varint(1)
+             + _varint((3 << 3) | 2) + _varint(3) + b"abc"
              + _varint(2 << 3) + _varint(0) + _varint(1 << 3) + _varint(4) + _varint(15 << 3) + _varint(1))
     raw = _varint((2 << 3) | 2) + _varint(len(inner)) + inner
     reference = kv_transfer_pb2.KVTransferMessage.FromString(raw).chunk
@@ -62,8 +76,8 @@ def test_garbage_is_reported_not_raised(raw: bytes) -> None:
     assert isinstance(decode_message(raw), Malformed)
 
 
-def test_a_malformed_chunk_fails_the_handoff_with_a_clear_error() -> None:
-    """A peer speaking garbage after a valid descriptor: the receiver fails the opened handoff and says why."""
+def _send_raw(messages: list[bytes]) -> tuple[kv_transfer_pb2.KVTransferAck, RecordingSink]:
+    """A descriptor for 8 tokens (2 blocks), then `messages` as they are, to a real receiver; its ack and sink."""
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
     sink = RecordingSink(layout)
     server = grpc.server(ThreadPoolExecutor(max_workers=4))
@@ -77,10 +91,23 @@ def test_a_malformed_chunk_fails_the_handoff_with_a_clear_error() -> None:
         with grpc.insecure_channel(endpoint) as channel:
             transfer = channel.stream_unary(TRANSFER_METHOD, request_serializer=lambda b: b,
                                             response_deserializer=kv_transfer_pb2.KVTransferAck.FromString)
-            ack = transfer(iter([descriptor, b"\x12\x80"]), timeout=10)
-        assert not ack.ok and "undecodable KV transfer message" in ack.error
-        assert sink.only().outcome == "failed"
+            ack = transfer(iter([descriptor, *messages]), timeout=10)
     finally:
         receiver.close()
         server.stop(grace=None)
     sink.assert_each_settled_once()
+    return ack, sink
+
+
+def test_a_malformed_chunk_fails_the_handoff_with_a_clear_error() -> None:
+    """A peer speaking garbage after a valid descriptor: the receiver fails the opened handoff and says why."""
+    ack, sink = _send_raw([b"\x12\x80"])
+    assert not ack.ok and "undecodable KV transfer message" in ack.error
+    assert sink.only().outcome == "failed"
+
+
+def test_a_block_without_its_checksum_fails_the_handoff() -> None:
+    block = bytes(2 * 2 * 4 * 2 * 8 * 4)  # one block of the layout above
+    ack, sink = _send_raw([encode_chunk(block_index=0, offset=0, data=block, last=True, crc32c=None)])
+    assert not ack.ok and "block 0 came without its CRC-32C" in ack.error
+    assert sink.only().outcome == "failed" and not sink.only().written

@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from kv_transfer.base import KVDestination
+from kv_transfer.block_copy import copy_checked
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_receiver, make_sender
 
@@ -40,10 +41,10 @@ class RecordingDestination:
         self.settled = threading.Event()
         self.settled_at_s: float | None = None
 
-    def write_block(self, index: int, data: torch.Tensor) -> None:
+    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
         assert tuple(data.shape) == self.handoff.layout.block_shape, data.shape
         assert not self.settled.is_set(), "write after commit or fail"
-        self.sink.cache[self.slots[index]].copy_(data)
+        copy_checked(self.sink.cache[self.slots[index]], data, crc32c)  # raises before recording a bad block
         self.written.append(index)
         self.sink.on_write(self, index)
 
@@ -142,7 +143,8 @@ class RecordingSink:
 
 
 class PatternSource:
-    """A KVBlockSource of seeded random blocks (the tails of a partly filled last block included)."""
+    """A KVBlockSource of seeded random blocks (the tails of a partly filled last block included), held in a paged
+    cache laid out as the prefill worker's and read as it reads them: strided views across the layers."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, seed: int = 0, device: torch.device | str = "cpu",
                  stall_at_block: int | None = None) -> None:
@@ -152,13 +154,15 @@ class PatternSource:
         self.blocks = torch.randn((num_blocks, *layout.block_shape), generator=generator).to(
             dtype=getattr(torch, layout.dtype), device=device
         )
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: the same values, paged
+        self.cache = self.blocks.permute(1, 2, 0, 3, 4, 5).contiguous()
         self.stall_at_block = stall_at_block
 
     def read_block(self, index: int) -> torch.Tensor:
         if index == self.stall_at_block:
             print(f"STALL {index}", flush=True)
             time.sleep(3600)
-        return self.blocks[index]
+        return self.cache[:, :, index]
 
 
 def make_handoff(layout: KVLayout, num_tokens: int, *, request_id: str = "req") -> KVHandoff:

@@ -1,4 +1,6 @@
-"""Building the C++ CPU kernels: one place for the kill switch, the OpenMP flags and the fallback."""
+"""Building our C++ CPU code (the engine's kernels, the KV transport's fused copy): one place for the kill switch,
+the compiler flags and the fallback. It lives in kv_transfer, the lowest layer that uses torch, so that both can
+reach it."""
 
 from __future__ import annotations
 

@@ -1,0 +1,41 @@
+"""The decode worker's KV destination: a block lands in its reserved slot of the paged cache only through the
+checked copy, a bad checksum raises, and a failed reservation refuses later writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_worker.reservation import Reservation, ReservationState
+from kv_transfer.base import tensor_checksum
+from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVTransferError
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+
+
+def _reservation() -> tuple[Reservation, torch.Tensor]:
+    # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache = torch.zeros((3, 2, 6, 4, 2, 8))
+    reservation = Reservation("r", num_tokens=8, block_ids=[4, 1], kv_cache=kv_cache, layout=LAYOUT)
+    reservation.open(KVHandoff(request_id="r", transfer_id="t", num_tokens=8, layout=LAYOUT))
+    return reservation, kv_cache
+
+
+def test_a_verified_block_lands_in_its_reserved_slot() -> None:
+    reservation, kv_cache = _reservation()
+    block = torch.randn(LAYOUT.block_shape)
+    reservation.write_block(0, block, tensor_checksum(block))
+    assert torch.equal(kv_cache[:, :, 4], block) and reservation.num_bytes == LAYOUT.block_bytes
+    assert not kv_cache[:, :, [0, 1, 2, 3, 5]].any()
+
+
+def test_a_bad_checksum_raises_and_the_failed_reservation_takes_no_more_blocks() -> None:
+    reservation, kv_cache = _reservation()
+    block = torch.randn(LAYOUT.block_shape)
+    with pytest.raises(KVChecksumError):
+        reservation.write_block(1, block, tensor_checksum(block) ^ 1)
+    assert reservation.num_bytes == 0
+    reservation.fail("block 1 failed its CRC-32C check")  # what the receiver does next
+    assert reservation.state is ReservationState.FAILED and reservation.done.is_set()
+    with pytest.raises(KVTransferError, match="block dropped"):
+        reservation.write_block(0, block, tensor_checksum(block))
