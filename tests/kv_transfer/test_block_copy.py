@@ -38,8 +38,8 @@ def test_frame_gathers_a_strided_block_and_checksums_it(native: bool, dtype: tor
 
 
 @pytest.mark.parametrize("native", PATHS)
-@pytest.mark.parametrize("num_bytes", [0, 1, 7, 8, 9, 23, 24, 25, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 5, 12345 * 8 + 3,
-                                       737_280])
+@pytest.mark.parametrize("num_bytes", [0, 1, 7, 8, 9, 23, 24, 25, 255, 256, 257, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 5,
+                                       12345 * 8 + 3, 737_280, 737_280 + 77])
 def test_frame_matches_crc32c_at_every_size_and_continues_a_checksum(native: bool, num_bytes: int) -> None:
     data = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(num_bytes))
     raw = bytes(data.numpy())

@@ -42,7 +42,8 @@ def test_encoding_is_byte_identical_to_protobuf(fields: dict, native: bool) -> N
     framed, crc = frame(head, data, tail, append_crc=fields["crc32c"] is not None, native=native)
     assert crc == block_checksum(fields["data"])
     with_crc = {**kwargs, "crc32c": crc} if fields["crc32c"] is not None else kwargs
-    assert framed == kv_transfer_pb2.KVTransferMessage(chunk=kv_transfer_pb2.KVBlockChunk(**with_crc)).SerializeToString()
+    chunk = kv_transfer_pb2.KVBlockChunk(**with_crc)
+    assert framed == kv_transfer_pb2.KVTransferMessage(chunk=chunk).SerializeToString()
     decoded = decode_message(expected)
     assert isinstance(decoded, Chunk)
     assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32c) == (
