@@ -1,16 +1,20 @@
 """KV transfer throughput of each transport against a raw TCP socket copy of the same bytes, in one run.
 
-    .venv/bin/python bench/kv_transfer_throughput.py [--num-bytes 134217728] [--num-tokens 1000] [--trials 10] [--transports tcp,grpc,torch,inproc]
+    .venv/bin/python bench/kv_transfer_throughput.py [--num-bytes 134217728] [--num-tokens 1000] [--trials 10]
+        [--transports tcp,grpc-bare,grpc,torch,inproc]
 
 Each transport moves the same handoffs: `num_tokens` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads, head
-dim 64, block size 16, float32: 63 blocks, 46 MB per 1,000 tokens), repeated until `num_bytes` have moved. The
-receiver runs in a separate process (a real gRPC server with the transport's receiver and a worker's gRPC options
-and malloc settings, see engine/serving/malloc_tuning.py, and a sink that copies
-every block into a preallocated cache, as the decode worker does), except for `inproc`, whose receiver lives in the
-sender's process by definition. The baseline `tcp` is a sender `sendall`-ing each handoff's bytes over loopback
-to a receiver process that `recv_into`s a preallocated buffer and acks each handoff with one byte. The reference
-`grpc-bare` sends the same blocks as bare gRPC messages (no protobuf framing, no checksum, received into a
-preallocated buffer): what Python gRPC itself costs, the ceiling for the `grpc` transport.
+dim 64, block size 16, float32: 63 blocks, 46 MB per 1,000 tokens), repeated until `num_bytes` have moved. Both
+ends are laid out as the workers': the sender reads each block as a strided view of a paged cache (as the
+prefill worker's `HeldBlocks` does) and the receiver's sink writes it into another (as the decode worker's
+reservation does, verifying the checksum as it copies); both caches, like the workers', are in huge pages
+(engine/huge_pages.py), and so are the baselines' buffers. The receiver runs in a separate process (a real gRPC
+server with the transport's receiver and a worker's gRPC options and malloc settings, see
+engine/serving/malloc_tuning.py), except for `inproc`, whose receiver lives in the sender's process by
+definition. The baseline `tcp` is a sender `sendall`-ing each handoff's bytes (gathered once, before timing) over
+loopback to a receiver process that `recv_into`s a preallocated buffer and acks each handoff with one byte. The
+reference `grpc-bare` sends the same pre-gathered blocks as bare gRPC messages (no protobuf framing, no checksum,
+received into a preallocated buffer): what Python gRPC itself costs, the ceiling for the `grpc` transport.
 
 Every transport is set up first (one warm-up handoff each opens channels and pair groups); then the passes are
 interleaved, pass 1 of every transport, then pass 2, and so on, so that the shared machine's drift hits all of
@@ -33,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from engine.huge_pages import zeros_with_huge_pages  # noqa: E402
 from engine.serving.malloc_tuning import tune_malloc  # noqa: E402
 from kv_transfer.block_copy import copy_checked  # noqa: E402
 from kv_transfer.layout import KVHandoff, KVLayout  # noqa: E402
@@ -54,8 +59,8 @@ class _CopySink:
         self.device = torch.device("cpu")
         num_layers, two, block_size, num_kv_heads, head_dim = layout.block_shape
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.cache = torch.empty((num_layers, two, num_blocks, block_size, num_kv_heads, head_dim),
-                                 dtype=getattr(torch, layout.dtype))
+        self.cache = zeros_with_huge_pages(num_layers, two, num_blocks, block_size, num_kv_heads, head_dim,
+                                           dtype=getattr(torch, layout.dtype))
 
     def open(self, handoff: KVHandoff) -> _CopySink:
         return self
@@ -78,11 +83,13 @@ class _Source:
         self.layout = layout
         num_layers, two, block_size, num_kv_heads, head_dim = layout.block_shape
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.cache = torch.randn((num_layers, two, num_blocks, block_size, num_kv_heads, head_dim),
-                                 generator=torch.Generator().manual_seed(0)).to(getattr(torch, layout.dtype))
+        dtype = getattr(torch, layout.dtype)
+        self.cache = zeros_with_huge_pages(num_layers, two, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+        self.cache.copy_(torch.randn(self.cache.shape, generator=torch.Generator().manual_seed(0)))
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: the same bytes, gathered once, for the
         # raw-socket baseline and the bare gRPC reference, which send them as they are
-        self.blocks = self.cache.permute(2, 0, 1, 3, 4, 5).contiguous()
+        self.blocks = zeros_with_huge_pages(num_blocks, *layout.block_shape, dtype=dtype)
+        self.blocks.copy_(self.cache.permute(2, 0, 1, 3, 4, 5))
 
     def read_block(self, index: int) -> torch.Tensor:
         return self.cache[:, :, index]
@@ -129,8 +136,7 @@ def _serve_grpc_bare(handoff_bytes: int) -> None:
 
     from kv_transfer.grpc_transport import CHANNEL_OPTIONS
 
-    buffer = bytearray(handoff_bytes)
-    view = memoryview(buffer)
+    view = memoryview(zeros_with_huge_pages(handoff_bytes, dtype=torch.uint8).numpy())
 
     def transfer(messages, context) -> bytes:
         filled = 0
@@ -154,8 +160,7 @@ def _serve_tcp(handoff_bytes: int) -> None:
     print(f"READY 127.0.0.1:{listener.getsockname()[1]}", flush=True)
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buffer = bytearray(handoff_bytes)
-    view = memoryview(buffer)
+    view = memoryview(zeros_with_huge_pages(handoff_bytes, dtype=torch.uint8).numpy())
     while True:
         filled = 0
         while filled < handoff_bytes:
