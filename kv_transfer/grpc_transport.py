@@ -9,9 +9,9 @@
     ◀──────────────────────────────────────────────────── KVTransferAck(ok) | ack(error, error_kind)
 
 Memory stays bounded on both ends: the sender frames one block when gRPC flow control asks for more, the
-receiver holds one block's buffer. The call carries the sender's `timeout_s` as its deadline, so a sender that
-stalls or dies cancels the call on the receiver (which fails the destination), and a receiver that stalls or
-dies ends the call on the sender with DEADLINE_EXCEEDED or UNAVAILABLE.
+receiver holds READ_AHEAD + 1 messages and one block's buffer. The call carries the sender's `timeout_s` as its
+deadline, so a sender that stalls or dies cancels the call on the receiver (which fails the destination), and a
+receiver that stalls or dies ends the call on the sender with DEADLINE_EXCEEDED or UNAVAILABLE.
 
 This module also holds the gRPC plumbing the torch transport reuses for its control messages: the channel
 cache and the mapping from gRPC status and receiver acks to KVTransferError.
@@ -24,6 +24,8 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from queue import Full, Queue
+from typing import TypeVar
 
 import grpc
 import torch
@@ -54,12 +56,14 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
 )
+READ_AHEAD = 2  # messages the receiver pulls ahead of the one it is writing into the cache
 STOP_SLACK_S = 5.0  # how long past its deadline the sender waits for gRPC to report the deadline itself
 SERVICE = "splitserve.kv.v1.KVReceiver"  # protos/kv_transfer.proto's package and service
 TRANSFER_METHOD = f"/{SERVICE}/Transfer"
 # A block that came in one chunk is viewed, not copied, out of the received message (read-only bytes) until the
 # sink copies it into the cache; torch warns that such a tensor must not be written, which nothing here does.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
+T = TypeVar("T")
 
 
 # ── plumbing shared with the torch transport ─────────────────────────────────────────────────────────────────
@@ -149,6 +153,52 @@ def with_source(handoff: KVHandoff, *, worker_id: str, transport: str) -> KVHand
 # ── receiver ─────────────────────────────────────────────────────────────────────────────────────────────────
 
 
+def _read_ahead(messages: Iterator[T], depth: int) -> Iterator[T]:
+    """`messages`, pulled on a thread of its own up to `depth` ahead of the consumer.
+
+    Python gRPC starts receiving a stream's next message only when the handler asks for it, and then copies it
+    out of the socket's buffers on its own thread; without this, that copy and the handler's copy of the block into
+    the cache take turns. A failure of the stream (the sender cancelled, the deadline) reaches the consumer in
+    order, as the exception `next` raised. When the consumer stops early, the thread stops at its next message (or
+    when gRPC ends the call, which ends the stream)."""
+    queue: Queue[T | _StreamEnd | BaseException] = Queue(maxsize=depth)
+    stopped = threading.Event()
+
+    def put(item: T | _StreamEnd | BaseException) -> bool:
+        while not stopped.is_set():
+            try:
+                queue.put(item, timeout=0.5)
+                return True
+            except Full:
+                continue
+        return False
+
+    def pull() -> None:
+        try:
+            for message in messages:
+                if not put(message):
+                    return
+            put(_StreamEnd())
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            put(exc)
+
+    threading.Thread(target=pull, name="kv-grpc-read-ahead", daemon=True).start()
+    try:
+        while True:
+            item = queue.get()
+            if isinstance(item, _StreamEnd):
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stopped.set()
+
+
+class _StreamEnd:
+    """The marker `_read_ahead` queues after the last message."""
+
+
 class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
     def __init__(self, receiver: Receiver) -> None:
         self._receiver = receiver
@@ -171,7 +221,7 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         except Exception as exc:  # refused before any byte was accepted; the sink opened nothing (or refused)
             return error_ack(exc)
         try:
-            self._receiver.receive(handoff, dest, request_iterator)
+            self._receiver.receive(handoff, dest, _read_ahead(request_iterator, READ_AHEAD))
             dest.commit()
         except Exception as exc:  # a broken stream (grpc.RpcError on cancel or deadline) included
             reason = str(refusal(exc)) if not isinstance(exc, grpc.RpcError) else "sender cancelled or timed out"
