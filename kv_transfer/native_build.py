@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 
 
 def cpu_kernels_disabled() -> bool:
-    """SPLITSERVE_DISABLE_CPU_KERNELS: plain torch ops for everything (our C++ kernels and the oneDNN GEMMs)."""
+    """SPLITSERVE_DISABLE_CPU_KERNELS: plain torch ops for everything (our C++ kernels, the KV transports' fused copy
+    and the oneDNN GEMMs)."""
     return bool(os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS"))
 
 
