@@ -23,7 +23,7 @@ import dataclasses
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from queue import Full, Queue
 from typing import TypeVar
 
@@ -153,7 +153,7 @@ def with_source(handoff: KVHandoff, *, worker_id: str, transport: str) -> KVHand
 # ── receiver ─────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-def _read_ahead(messages: Iterator[T], depth: int) -> Iterator[T]:
+def _read_ahead(messages: Iterator[T], depth: int) -> Generator[T, None, None]:
     """`messages`, pulled on a thread of its own up to `depth` ahead of the consumer.
 
     Python gRPC starts receiving a stream's next message only when the handler asks for it, and then copies it
@@ -220,14 +220,16 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
             dest = self._receiver.open(handoff)
         except Exception as exc:  # refused before any byte was accepted; the sink opened nothing (or refused)
             return error_ack(exc)
+        messages = _read_ahead(request_iterator, READ_AHEAD)
         try:
-            self._receiver.receive(handoff, dest, _read_ahead(request_iterator, READ_AHEAD))
+            self._receiver.receive(handoff, dest, messages)
             dest.commit()
         except Exception as exc:  # a broken stream (grpc.RpcError on cancel or deadline) included
             reason = str(refusal(exc)) if not isinstance(exc, grpc.RpcError) else "sender cancelled or timed out"
             dest.fail(f"gRPC KV transfer {handoff.transfer_id} failed: {reason}")
             return error_ack(exc if not isinstance(exc, grpc.RpcError) else KVTransferError(reason))
         finally:
+            messages.close()  # stops the read-ahead thread now, not when the generator is collected
             self._receiver.forget(dest)
         return kv_transfer_pb2.KVTransferAck(ok=True, num_bytes=handoff.num_bytes)
 
