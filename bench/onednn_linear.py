@@ -3,8 +3,8 @@
 1. Each of the model's GEMM shapes at 1 to 2048 rows, both ways alternately: GFLOP/s and the ratio.
 2. The real engine on the offline workload (bench/paired_engine.py), every forward pass and LM head run twice on
    the same inputs (oneDNN and MKL weights swapped in, in alternating order) and only their times summed: a paired
-   comparison that the machine's drift from minute to minute cannot tilt. The two differ in summation order, so the outputs agree to
-   float32 rounding (the largest difference is printed), not bit for bit.
+   comparison that the machine's drift from minute to minute cannot tilt. The two differ in summation order, so
+   the outputs agree to float32 rounding (the largest difference is printed), not bit for bit.
 
     .venv/bin/python bench/onednn_linear.py [--num-prompts 60] [--skip-engine]
 """

@@ -24,7 +24,7 @@ from typing import Protocol
 import grpc
 import torch
 
-from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError, block_checksum
+from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVTransferError, block_checksum
 
 
 class KVBlockSource(Protocol):
@@ -122,6 +122,14 @@ class TransferFault:
         first = corrupted.view(-1).view(torch.uint8)[:1]  # a view: writing it writes the copy
         first.bitwise_xor_(0xFF)
         return corrupted
+
+
+def write_verified(dest: KVDestination, handoff: KVHandoff, index: int, block: torch.Tensor, crc32c: int) -> None:
+    """`dest.write_block(index, block, crc32c)`, a checksum mismatch reported with the handoff and block it hit."""
+    try:
+        dest.write_block(index, block, crc32c)
+    except KVChecksumError as exc:
+        raise KVChecksumError(f"handoff {handoff.transfer_id}: block {index} failed its CRC-32C check ({exc})") from None
 
 
 def block_bytes(block: torch.Tensor) -> memoryview:

@@ -24,14 +24,13 @@ bad block is never decoded.
 
 from __future__ import annotations
 
-import threading
+from functools import cache
 from types import ModuleType
 
-import crc32c as crc32c_lib
 import torch
 
-from kv_transfer.base import block_bytes
-from kv_transfer.layout import KVChecksumError
+from kv_transfer.base import block_bytes, tensor_checksum
+from kv_transfer.layout import KVChecksumError, block_checksum
 from kv_transfer.native_build import build_cpu_extension
 
 _SOURCE = r"""
@@ -269,16 +268,10 @@ py::tuple frame_crc32c(py::bytes head, at::Tensor src, py::bytes tail, int64_t c
 }
 """
 
-_lock = threading.Lock()
-_built: list[ModuleType | None] = []  # empty until the first use tried to build
-
-
+@cache
 def _native() -> ModuleType | None:
-    """The compiled functions, or None (see kv_transfer/native_build.py). Built on first use, once."""
-    with _lock:
-        if not _built:
-            _built.append(build_cpu_extension("splitserve_block_copy", _SOURCE, ["copy_crc32c", "frame_crc32c"], []))
-        return _built[0]
+    """The compiled functions, or None (see kv_transfer/native_build.py). Built on first use."""
+    return build_cpu_extension("splitserve_block_copy", _SOURCE, ["copy_crc32c", "frame_crc32c"], [])
 
 
 def _both_on_cpu(*tensors: torch.Tensor) -> bool:
@@ -295,7 +288,7 @@ def frame(head: bytes, block: torch.Tensor, tail: bytes, *, crc32c: int = 0, app
     if ops is not None and _both_on_cpu(block):
         return ops.frame_crc32c(head, block, tail, crc32c, append_crc)
     data = block_bytes(block.contiguous())
-    crc = crc32c_lib.crc32c(data, crc32c)
+    crc = block_checksum(data, crc32c)
     parts = [head, data, tail, crc.to_bytes(4, "little")] if append_crc else [head, data, tail]
     return b"".join(parts), crc
 
@@ -311,7 +304,7 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, crc32c: int | None, *, na
     if ops is not None and _both_on_cpu(dst, src) and dst.dtype == src.dtype and dst.shape == src.shape:
         computed = ops.copy_crc32c(dst, src, 0)
     else:
-        computed = crc32c_lib.crc32c(block_bytes(src.contiguous()))
+        computed = tensor_checksum(src.contiguous())
         if computed == crc32c:
             dst.copy_(src)
     if computed != crc32c:

@@ -38,12 +38,12 @@ from kv_transfer.base import (
     SettleOnce,
     TransferFault,
     TransferResult,
-    block_bytes,
     tensor_checksum,
+    write_verified,
 )
 from kv_transfer.block_copy import frame
-from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_chunk, encode_message
-from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError, error_from_kind, error_kind
+from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_message
+from kv_transfer.layout import KVHandoff, KVTransferError, error_from_kind, error_kind
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 CHUNK_BYTES = 1 << 20  # a block larger than this is split; keeps every message far below gRPC's 4 MB default
@@ -57,6 +57,7 @@ CHANNEL_OPTIONS = (
     ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
 )
 READ_AHEAD = 2  # messages the receiver pulls ahead of the one it is writing into the cache
+READ_AHEAD_THREAD = "kv-grpc-read-ahead"  # the name of the thread that pulls them
 STOP_SLACK_S = 5.0  # how long past its deadline the sender waits for gRPC to report the deadline itself
 SERVICE = "splitserve.kv.v1.KVReceiver"  # protos/kv_transfer.proto's package and service
 TRANSFER_METHOD = f"/{SERVICE}/Transfer"
@@ -182,7 +183,7 @@ def _read_ahead(messages: Iterator[T], depth: int) -> Generator[T, None, None]:
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             put(exc)
 
-    threading.Thread(target=pull, name="kv-grpc-read-ahead", daemon=True).start()
+    threading.Thread(target=pull, name=READ_AHEAD_THREAD, daemon=True).start()
     try:
         while True:
             item = queue.get()
@@ -324,12 +325,7 @@ class Receiver(KVReceiver):
             else:
                 view[filled:end] = msg.data
                 block = assembled
-            try:
-                dest.write_block(index, block, msg.crc32c)  # verified as it is copied into the cache
-            except KVChecksumError as exc:
-                raise KVChecksumError(
-                    f"handoff {handoff.transfer_id}: block {index} failed its CRC-32C check ({exc})"
-                ) from None
+            write_verified(dest, handoff, index, block, msg.crc32c)  # verified as it is copied into the cache
             index, filled = index + 1, 0
         if index != handoff.num_blocks or filled:
             raise KVTransferError(
@@ -399,13 +395,10 @@ class Sender(KVSender):
         block = source.read_block(index)
         host = block if block.device.type == "cpu" else block.cpu()  # one device-to-host copy
         num_bytes = host.numel() * host.element_size()
-        if index == self.fault.corrupt_block:  # the true bytes' checksum on flipped bytes: the slow way
+        true_crc32c = None
+        if index == self.fault.corrupt_block:  # flipped bytes go out under the true bytes' checksum
             host = host.contiguous()
-            data = block_bytes(self.fault.apply(index, host))
-            crc32c, offsets = tensor_checksum(host), range(0, num_bytes, CHUNK_BYTES)
-            return [encode_chunk(block_index=index, offset=offset, data=data[offset : offset + CHUNK_BYTES],
-                                 last=offset + CHUNK_BYTES >= num_bytes,
-                                 crc32c=crc32c if offset + CHUNK_BYTES >= num_bytes else None) for offset in offsets]
+            true_crc32c, host = tensor_checksum(host), self.fault.apply(index, host)
         if num_bytes > CHUNK_BYTES:  # several chunks: gathered once, then framed slice by slice
             host = host.contiguous().view(-1).view(torch.uint8)
         chunks, crc32c = [], 0
@@ -416,4 +409,6 @@ class Sender(KVSender):
             piece = host if num_bytes <= CHUNK_BYTES else host[offset:end]
             message, crc32c = frame(head, piece, tail, crc32c=crc32c, append_crc=last)
             chunks.append(message)
+        if true_crc32c is not None:
+            chunks[-1] = chunks[-1][:-4] + true_crc32c.to_bytes(4, "little")  # the checksum is the last 4 bytes
         return chunks

@@ -26,8 +26,9 @@ from kv_transfer.base import (
     TransferFault,
     TransferResult,
     tensor_checksum,
+    write_verified,
 )
-from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError
+from kv_transfer.layout import KVHandoff, KVTransferError
 
 SCHEME = "inproc://"
 
@@ -59,12 +60,7 @@ class _Incoming:
                 f"handoff {self.handoff.transfer_id}: block {index} has shape {tuple(block.shape)}, "
                 f"expected {self.handoff.layout.block_shape}"
             )
-        try:
-            self.dest.write_block(index, block, crc32c)  # verified as it is copied
-        except KVChecksumError as exc:
-            raise KVChecksumError(
-                f"handoff {self.handoff.transfer_id}: block {index} failed its CRC-32C check ({exc})"
-            ) from None
+        write_verified(self.dest, self.handoff, index, block, crc32c)  # verified as it is copied
         self.num_written += 1
 
     def commit(self) -> None:

@@ -160,7 +160,8 @@ class KVHandoff:
         return handoff
 
 
-def block_checksum(data: bytes | bytearray | memoryview) -> int:
+def block_checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC-32C (Castagnoli; hardware-accelerated by the `crc32c` package, >10 GB/s where zlib's CRC-32 managed
-    ~2.5) of one block's bytes: what travels with every block and what the receiver verifies."""
-    return crc32c.crc32c(data)
+    ~2.5) of one block's bytes: what travels with every block and what the receiver verifies. `value` continues
+    the CRC of the bytes before `data`."""
+    return crc32c.crc32c(data, value)

@@ -3,13 +3,13 @@ place, and no thread left behind when the consumer stops early."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from kv_transfer.grpc_transport import _read_ahead  # noqa: PLC2701 - the receiver's helper, tested directly
+from tests.kv_transfer.transfer_peer import read_ahead_threads_gone
 
 
 class _Counted:
@@ -26,19 +26,6 @@ class _Counted:
             yield i
 
 
-def _wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
-def _read_ahead_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "kv-grpc-read-ahead"]
-
-
 def test_messages_come_in_order_and_at_most_depth_ahead() -> None:
     source = _Counted(50)
     seen = []
@@ -48,7 +35,7 @@ def test_messages_come_in_order_and_at_most_depth_ahead() -> None:
         assert source.taken <= len(seen) + 1 + 2 + 1
         seen.append(item)
     assert seen == list(range(50))
-    assert _wait_until(lambda: not _read_ahead_threads())
+    assert read_ahead_threads_gone()
 
 
 def test_a_failing_stream_raises_after_the_messages_before_it() -> None:
@@ -57,11 +44,11 @@ def test_a_failing_stream_raises_after_the_messages_before_it() -> None:
         for item in _read_ahead(iter(_Counted(20, fail_at=7)), 2):
             seen.append(item)
     assert seen == list(range(7))
-    assert _wait_until(lambda: not _read_ahead_threads())
+    assert read_ahead_threads_gone()
 
 
 def test_a_consumer_that_stops_early_leaves_no_thread() -> None:
     stream = _read_ahead(iter(_Counted(1000)), 2)
     assert [next(stream) for _ in range(3)] == [0, 1, 2]
     stream.close()  # as when the receiver fails a handoff mid-stream
-    assert _wait_until(lambda: not _read_ahead_threads())
+    assert read_ahead_threads_gone()

@@ -30,6 +30,7 @@ from tests.kv_transfer.transfer_peer import (
     RecordingSink,
     format_layout,
     make_handoff,
+    read_ahead_threads_gone,
     serve_receiver,
 )
 
@@ -113,11 +114,7 @@ def make_harness(case: Case) -> Iterator:
         harness.close()
     for harness in made:  # after close: a destination still open here would be a leak
         harness.sink.assert_each_settled_once()
-    # nor may a receiver's thread outlive its handoffs (the gRPC receiver's read-ahead)
-    deadline_s = time.monotonic() + 5
-    while any(t.name == "kv-grpc-read-ahead" for t in threading.enumerate()) and time.monotonic() < deadline_s:
-        time.sleep(0.01)
-    assert not any(t.name == "kv-grpc-read-ahead" for t in threading.enumerate())
+    assert read_ahead_threads_gone()  # nor may a receiver's thread outlive its handoffs
 
 
 def _wait_settled(sink: RecordingSink, timeout_s: float) -> float:

@@ -24,6 +24,7 @@ import torch
 
 from kv_transfer.base import KVDestination
 from kv_transfer.block_copy import copy_checked
+from kv_transfer.grpc_transport import READ_AHEAD_THREAD
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_receiver, make_sender
 
@@ -163,6 +164,16 @@ class PatternSource:
             print(f"STALL {index}", flush=True)
             time.sleep(3600)
         return self.cache[:, :, index]
+
+
+def read_ahead_threads_gone(timeout_s: float = 5.0) -> bool:
+    """Whether every gRPC receiver read-ahead thread has ended within `timeout_s`."""
+    deadline_s = time.monotonic() + timeout_s
+    while any(t.name == READ_AHEAD_THREAD for t in threading.enumerate()):
+        if time.monotonic() > deadline_s:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def make_handoff(layout: KVLayout, num_tokens: int, *, request_id: str = "req") -> KVHandoff:
