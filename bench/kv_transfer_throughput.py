@@ -1,7 +1,7 @@
 """KV transfer throughput of each transport against a raw TCP socket copy of the same bytes, in one run.
 
     .venv/bin/python bench/kv_transfer_throughput.py [--num-bytes 134217728] [--num-tokens 1000] [--trials 10]
-        [--transports tcp,grpc-bare,grpc,torch,inproc]
+        [--transports tcp,grpc-bare,grpc,torch,inproc] [--pin]
 
 Each transport moves the same handoffs: `num_tokens` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads, head
 dim 64, block size 16, float32: 63 blocks, 46 MB per 1,000 tokens), repeated until `num_bytes` have moved. Both
@@ -18,8 +18,11 @@ received into a preallocated buffer): what Python gRPC itself costs, the ceiling
 
 Every transport is set up first (one warm-up handoff each opens channels and pair groups); then the passes are
 interleaved, pass 1 of every transport, then pass 2, and so on, so that the shared machine's drift hits all of
-them alike. The table gives each transport's best pass and its median pass, both against the raw socket's.
-Import `measure_all` and `format_table` to reuse them (the disaggregation benchmark does).
+them alike. The table gives each transport's best pass and its median pass, both against the raw socket's, and
+the CPU time each side spent per handoff (median pass; the kernel's part included; for `inproc` both sides are one
+process). `--pin` runs the sender on one vCPU and every receiver on another, as if on two hosts (by default the two
+processes share all the machine's vCPUs). Import `measure_all` and `format_table` to reuse them (the disaggregation
+benchmark does).
 """
 
 from __future__ import annotations
@@ -171,11 +174,24 @@ def _serve_tcp(handoff_bytes: int) -> None:
         conn.sendall(b"\x01")  # the handoff arrived whole: ack, as the transports' receivers do
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread, exited ones included) of process `pid` so far: Linux's per-process
+    CPU clock, which any process may read (clock id = MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED))."""
+    return time.clock_gettime(((~pid) << 3) | 2)
+
+
+def _pin_process(cpu: int) -> None:
+    """Every thread of this process (and so every thread it starts later) onto vCPU `cpu`."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
 class _ReceiverProcess:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, cpu: int | None = None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))  # before exec: all its threads
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *args], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().split()
         if not line or line[0] != "READY":
@@ -197,10 +213,13 @@ class _ReceiverProcess:
 
 
 class _Runner:
-    """One transport, set up once: `send_one()` moves one handoff and returns when the receiver confirmed it."""
+    """One transport, set up once: `send_one()` moves one handoff and returns when the receiver confirmed it.
+    `receiver_cpu`: the vCPU to pin the receiver process to (None: not pinned)."""
 
-    def __init__(self, transport: str, source: _Source, handoff: KVHandoff) -> None:
+    def __init__(self, transport: str, source: _Source, handoff: KVHandoff, receiver_cpu: int | None = None) -> None:
         self.transport = transport
+        self.receiver_pid: int | None = None  # None: the receiver runs in this process (inproc)
+        self._receiver_cpu = receiver_cpu
         self._closers: list = []
         if transport == "tcp":
             self._setup_tcp(source, handoff.num_bytes)
@@ -215,10 +234,15 @@ class _Runner:
             self._closers.append(receiver.close)
             self._setup_sender(source, handoff, endpoint)
         else:
-            process = _ReceiverProcess(transport, _layout_arg(handoff.layout), str(handoff.num_blocks))
-            self._closers.append(process.close)
+            process = self._start_receiver(transport, _layout_arg(handoff.layout), str(handoff.num_blocks))
             self._setup_sender(source, handoff, process.endpoint)
         self.send_one()  # warm-up: connections, pair groups, first-touch of the receiver's buffers
+
+    def _start_receiver(self, *args: str) -> _ReceiverProcess:
+        process = _ReceiverProcess(*args, cpu=self._receiver_cpu)
+        self._closers.append(process.close)
+        self.receiver_pid = process.proc.pid
+        return process
 
     def _setup_sender(self, source: _Source, handoff: KVHandoff, endpoint: str) -> None:
         from kv_transfer.registry import make_sender
@@ -234,8 +258,7 @@ class _Runner:
         self.send_one = send_one
 
     def _setup_tcp(self, source: _Source, handoff_bytes: int) -> None:
-        process = _ReceiverProcess("tcp", str(handoff_bytes))
-        self._closers.append(process.close)
+        process = self._start_receiver("tcp", str(handoff_bytes))
         host, port = process.endpoint.rsplit(":", 1)
         conn = socket.create_connection((host, int(port)))
         self._closers.append(conn.close)
@@ -254,8 +277,7 @@ class _Runner:
 
         from kv_transfer.grpc_transport import CHANNEL_OPTIONS
 
-        process = _ReceiverProcess("grpc-bare", str(handoff_bytes))
-        self._closers.append(process.close)
+        process = self._start_receiver("grpc-bare", str(handoff_bytes))
         channel = grpc.insecure_channel(process.endpoint, options=CHANNEL_OPTIONS)
         self._closers.append(channel.close)
         transfer = channel.stream_unary("/bench.Bare/Transfer")
@@ -267,11 +289,17 @@ class _Runner:
 
         self.send_one = send_one
 
-    def timed_pass(self, num_handoffs: int) -> float:
-        start_s = time.perf_counter()
+    def timed_pass(self, num_handoffs: int) -> tuple[float, float, float | None]:
+        """Seconds for `num_handoffs` handoffs, and the CPU seconds this process and the receiver's spent on them
+        (None for a receiver in this process)."""
+        receiver_cpu_s = None if self.receiver_pid is None else _cpu_seconds(self.receiver_pid)
+        sender_cpu_s, start_s = _cpu_seconds(os.getpid()), time.perf_counter()
         for _ in range(num_handoffs):
             self.send_one()
-        return time.perf_counter() - start_s
+        seconds, sender_cpu_s = time.perf_counter() - start_s, _cpu_seconds(os.getpid()) - sender_cpu_s
+        if receiver_cpu_s is not None:
+            receiver_cpu_s = _cpu_seconds(self.receiver_pid) - receiver_cpu_s
+        return seconds, sender_cpu_s, receiver_cpu_s
 
     def close(self) -> None:
         for close in reversed(self._closers):
@@ -279,23 +307,32 @@ class _Runner:
 
 
 def measure_all(transports: list[str], num_bytes: int, *, layout: KVLayout = SMOLLM2_LAYOUT,
-                num_tokens: int = 1000, trials: int = 10) -> list[dict]:
+                num_tokens: int = 1000, trials: int = 10, pin: bool = False) -> list[dict]:
     """Move at least `num_bytes` per pass, as handoffs of `num_tokens` tokens, over each transport ("tcp" is the
     raw-socket baseline). Passes are interleaved (pass 1 of every transport, then pass 2, ...) so that the
-    machine's drift hits every transport alike; each transport's figure is its best pass. Returns one dict per
-    transport: transport, num_bytes (moved per pass), num_handoffs, seconds (best pass), median_s, gb_per_s
-    (1e9 bytes per second, best pass), cross_process."""
+    machine's drift hits every transport alike; each transport's figure is its best pass. `pin`: this process on
+    one vCPU, the receivers on another (the caller's threads stay pinned). Returns one dict per transport:
+    transport, num_bytes (moved per pass), num_handoffs, seconds (best pass), median_s, gb_per_s (1e9 bytes per
+    second, best pass), sender_cpu_ms and receiver_cpu_ms (CPU per handoff, median pass; receiver None when it
+    runs in the sender's process), cross_process."""
     for transport in transports:
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+    receiver_cpu = None
+    if pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise ValueError("--pin needs two vCPUs")
+        _pin_process(cpus[0])
+        receiver_cpu = cpus[1]
     handoff = KVHandoff(request_id="bench", transfer_id="", num_tokens=num_tokens, layout=layout)
     num_handoffs = max(1, -(-num_bytes // handoff.num_bytes))
     source = _Source(layout, handoff.num_blocks)
     runners: list[_Runner] = []
     try:
         for transport in transports:
-            runners.append(_Runner(transport, source, handoff))
-        passes: dict[str, list[float]] = {t: [] for t in transports}
+            runners.append(_Runner(transport, source, handoff, receiver_cpu))
+        passes: dict[str, list[tuple[float, float, float | None]]] = {t: [] for t in transports}
         for _ in range(trials):
             for runner in runners:
                 passes[runner.transport].append(runner.timed_pass(num_handoffs))
@@ -303,24 +340,36 @@ def measure_all(transports: list[str], num_bytes: int, *, layout: KVLayout = SMO
         for runner in runners:
             runner.close()
     moved = num_handoffs * handoff.num_bytes
-    return [{"transport": t, "num_bytes": moved, "num_handoffs": num_handoffs, "seconds": min(passes[t]),
-             "median_s": statistics.median(passes[t]), "gb_per_s": moved / min(passes[t]) / 1e9,
-             "cross_process": t != "inproc"} for t in transports]
+
+    def cpu_ms(cpu_s: list[float | None]) -> float | None:  # per handoff, median pass
+        measured = [c for c in cpu_s if c is not None]
+        return statistics.median(measured) / num_handoffs * 1e3 if len(measured) == len(cpu_s) else None
+
+    results = []
+    for t in transports:
+        seconds = [p[0] for p in passes[t]]
+        results.append({"transport": t, "num_bytes": moved, "num_handoffs": num_handoffs, "seconds": min(seconds),
+                        "median_s": statistics.median(seconds), "gb_per_s": moved / min(seconds) / 1e9,
+                        "sender_cpu_ms": cpu_ms([p[1] for p in passes[t]]),
+                        "receiver_cpu_ms": cpu_ms([p[2] for p in passes[t]]), "cross_process": t != "inproc"})
+    return results
 
 
 def format_table(results: list[dict]) -> str:
-    """One row per transport: GB/s and the ratio to the raw TCP socket row (when there is one)."""
+    """One row per transport: GB/s and the ratio to the raw TCP socket row (when there is one), and the CPU
+    milliseconds each side spent per handoff."""
     baseline = next((r["gb_per_s"] for r in results if r["transport"] == BASELINE), None)
     median_baseline = next((r["num_bytes"] / r["median_s"] / 1e9 for r in results if r["transport"] == BASELINE), None)
     lines = [f"{'transport':10s} {'MB moved':>9s} {'handoffs':>8s} {'best s':>8s} {'GB/s':>7s} {'vs tcp':>7s} "
-             f"{'median GB/s':>12s} {'vs tcp':>7s}"]
+             f"{'median GB/s':>12s} {'vs tcp':>7s} {'send CPU ms':>12s} {'recv CPU ms':>12s}"]
     for r in results:
         median_gb_per_s = r["num_bytes"] / r["median_s"] / 1e9
         ratio = f"{r['gb_per_s'] / baseline:6.2f}x" if baseline else "      -"
         median_ratio = f"{median_gb_per_s / median_baseline:6.2f}x" if median_baseline else "      -"
+        cpu = [f"{ms:12.1f}" if ms is not None else f"{'-':>12s}" for ms in (r["sender_cpu_ms"], r["receiver_cpu_ms"])]
         note = "" if r["cross_process"] else "  (same process)"
         lines.append(f"{r['transport']:10s} {r['num_bytes'] / 1e6:9.1f} {r['num_handoffs']:8d} {r['seconds']:8.3f} "
-                     f"{r['gb_per_s']:7.3f} {ratio} {median_gb_per_s:12.3f} {median_ratio}{note}")
+                     f"{r['gb_per_s']:7.3f} {ratio} {median_gb_per_s:12.3f} {median_ratio} {cpu[0]} {cpu[1]}{note}")
     return "\n".join(lines)
 
 
@@ -341,14 +390,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-tokens", type=int, default=1000, help="tokens per handoff")
     p.add_argument("--trials", type=int, default=10, help="passes per transport, interleaved across transports")
     p.add_argument("--transports", default=",".join(TRANSPORTS))
+    p.add_argument("--pin", action="store_true", help="sender on one vCPU, receivers on another (as on two hosts)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     layout = SMOLLM2_LAYOUT
     handoff = KVHandoff(request_id="bench", transfer_id="", num_tokens=args.num_tokens, layout=layout)
     print(f"SmolLM2-135M KV, {args.num_tokens} tokens per handoff = {handoff.num_blocks} blocks of "
-          f"{layout.block_bytes} bytes = {handoff.num_bytes / 1e6:.1f} MB; {args.trials} interleaved passes each")
+          f"{layout.block_bytes} bytes = {handoff.num_bytes / 1e6:.1f} MB; {args.trials} interleaved passes each"
+          + ("; sender and receivers pinned to a vCPU each" if args.pin else ""))
     results = measure_all(args.transports.split(","), args.num_bytes, layout=layout, num_tokens=args.num_tokens,
-                          trials=args.trials)
+                          trials=args.trials, pin=args.pin)
     print(format_table(results))
     return 0
 
