@@ -3,7 +3,8 @@ vs the torch ops they replace, inside the real engine on the offline workload, s
 
 Both give the same bits, so every forward pass runs twice on the same inputs (writing the same KV to the same
 slots), once each way in alternating order (bench/paired_engine.py), and only the forward times are summed: a
-paired comparison that the machine's drift from minute to minute cannot tilt. The outputs of the two passes are checked equal every step.
+paired comparison that the machine's drift from minute to minute cannot tilt. The outputs of the two passes are
+checked equal every step.
 
     .venv/bin/python bench/fused_elementwise.py [--num-prompts 60]
 """

@@ -129,7 +129,9 @@ def write_verified(dest: KVDestination, handoff: KVHandoff, index: int, block: t
     try:
         dest.write_block(index, block, crc32c)
     except KVChecksumError as exc:
-        raise KVChecksumError(f"handoff {handoff.transfer_id}: block {index} failed its CRC-32C check ({exc})") from None
+        raise KVChecksumError(
+            f"handoff {handoff.transfer_id}: block {index} failed its CRC-32C check ({exc})"
+        ) from None
 
 
 def block_bytes(block: torch.Tensor) -> memoryview:
