@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _pytest.mark import ParameterSet
 
 from kv_transfer.base import KVSender, TransferFault
 from kv_transfer.layout import KVChecksumError, KVLayout, KVLayoutMismatch, KVTransferError
@@ -50,23 +51,30 @@ class Case:
     sink_device: str = "cpu"
 
 
-def _two_gpus() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+def _num_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _on_gpus(case: Case, case_id: str, needed: int, reason: str) -> ParameterSet:
+    return pytest.param(case, id=case_id,
+                        marks=[pytest.mark.gpu, pytest.mark.skipif(_num_gpus() < needed, reason=reason)])
 
 
 TRANSPORTS = [
     pytest.param(Case(transport="inproc"), id="inproc"),
     pytest.param(Case(transport="grpc"), id="grpc"),
     pytest.param(Case(transport="torch"), id="torch-gloo"),
-    pytest.param(
-        Case(transport="torch", sender_device="cuda:0", sink_device="cuda:1"),
-        id="torch-nccl",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="NCCL point-to-point needs 2 GPUs")],
-    ),
+    # KV resident on a GPU at both ends: inproc copies device to device; gRPC stages through the host.
+    _on_gpus(Case(transport="inproc", sender_device="cuda:0", sink_device="cuda:0"), "inproc-cuda", 1,
+             "needs a CUDA GPU"),
+    _on_gpus(Case(transport="grpc", sender_device="cuda:0", sink_device="cuda:0"), "grpc-cuda", 1,
+             "needs a CUDA GPU"),
+    _on_gpus(Case(transport="torch", sender_device="cuda:0", sink_device="cuda:1"), "torch-nccl", 2,
+             "NCCL point-to-point needs 2 GPUs"),
 ]
 # The dead-peer cases need a peer in another process; inproc has none by definition (its sender giving up is
 # test_sender_stopping_mid_transfer_fails_the_destination).
-DEAD_PEER_TRANSPORTS = [p for p in TRANSPORTS if p.id != "inproc"]
+DEAD_PEER_TRANSPORTS = [p for p in TRANSPORTS if not p.id.startswith("inproc")]
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -269,9 +277,12 @@ def test_sender_stopping_mid_transfer_fails_the_destination(make_harness) -> Non
 class Peer:
     """The other end in a subprocess; its stdout lines (READY, OPENED, WROTE, STALL, ERROR, SENT) in a queue."""
 
+    EXITED = "\0exited"  # queued once its stdout closes: no line can follow
+
     def __init__(self, role: str, case: Case, layout: KVLayout, log_path: Path, *extra: str) -> None:
         self._log = log_path.open("w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+        python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.kv_transfer.transfer_peer", role, "--transport", case.transport,
              "--layout", format_layout(layout), *extra],
@@ -285,6 +296,7 @@ class Peer:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.put(line.strip())
+        self.lines.put(self.EXITED)
 
     def expect(self, prefix: str, timeout_s: float = 30) -> str:
         deadline_s = time.monotonic() + timeout_s
@@ -293,6 +305,9 @@ class Peer:
                 line = self.lines.get(timeout=max(deadline_s - time.monotonic(), 0.01))
             except queue.Empty:
                 raise AssertionError(f"peer never printed {prefix!r}; its log:\n{self.log_path.read_text()}") from None
+            if line == self.EXITED:
+                self.lines.put(line)  # for a later expect
+                raise AssertionError(f"peer exited before printing {prefix!r}; its log:\n{self.log_path.read_text()}")
             if line.startswith(prefix):
                 return line
 
