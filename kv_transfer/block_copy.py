@@ -8,6 +8,7 @@ loads the copy makes.
     frame(head, block, tail)       sender:   head ‖ the block's bytes ‖ tail ‖ CRC-32C (4 bytes, little-endian),
                                              as one `bytes`; `block` may be a strided view of the paged cache
     copy_checked(dst, src, crc)    receiver: dst ← src, then KVChecksumError unless CRC-32C(src) == crc
+    gather(block)                  sender, tensor transports: a contiguous copy of `block` and its CRC-32C
 
 The native path (C++, x86-64): the SSE4.2 CRC32 instruction on three interleaved lanes of the block (one lane
 would wait on the instruction's latency), the lanes' CRCs then joined by multiplying in GF(2)[x] mod the CRC-32C
@@ -291,6 +292,17 @@ def frame(head: bytes, block: torch.Tensor, tail: bytes, *, crc32c: int = 0, app
     crc = block_checksum(data, crc32c)
     parts = [head, data, tail, crc.to_bytes(4, "little")] if append_crc else [head, data, tail]
     return b"".join(parts), crc
+
+
+def gather(block: torch.Tensor, *, native: bool = True) -> tuple[torch.Tensor, int]:
+    """A contiguous copy of `block` (a strided view of the paged cache) and the CRC-32C of its bytes, in one pass on
+    the CPU; elsewhere (a GPU block, no native code) `block.contiguous()` and then its checksum."""
+    ops = _native() if native else None
+    if ops is not None and _both_on_cpu(block):
+        out = torch.empty(block.shape, dtype=block.dtype)
+        return out, ops.copy_crc32c(out, block, 0)
+    out = block.contiguous()
+    return out, tensor_checksum(out)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, crc32c: int | None, *, native: bool = True) -> None:

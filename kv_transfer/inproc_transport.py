@@ -1,7 +1,7 @@
 """The in-process KV transport: sender and receiver live in one process and blocks move by a tensor copy.
 
     Sender.send ──lookup(endpoint)──▶ Receiver (process-global registry, filled by `attach`)
-        for each block: checksum on the sender side ──▶ dest.write_block(i, block, crc) copies it and verifies
+        for each block: gather + checksum (one pass) ──▶ dest.write_block(i, block, crc) copies it and verifies
         then dest.commit
 
 It still checksums on both sides, like the wire transports, so the conformance suite's corrupted-block case
@@ -25,9 +25,9 @@ from kv_transfer.base import (
     KVSink,
     TransferFault,
     TransferResult,
-    tensor_checksum,
     write_verified,
 )
+from kv_transfer.block_copy import gather
 from kv_transfer.layout import KVHandoff, KVTransferError
 
 SCHEME = "inproc://"
@@ -123,8 +123,7 @@ class Sender(KVSender):
                     raise KVTransferError(f"handoff {handoff.transfer_id}: sender stopped after {index} blocks (fault)")
                 if time.monotonic() > deadline_s:
                     raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} timed out after {timeout_s}s")
-                block = source.read_block(index).contiguous()  # a strided view of the sender's cache, gathered
-                crc32c = tensor_checksum(block)
+                block, crc32c = gather(source.read_block(index))  # a strided view of the sender's cache
                 incoming.write(index, self.fault.apply(index, block), crc32c)
             incoming.commit()
         except BaseException as exc:

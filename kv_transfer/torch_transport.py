@@ -22,9 +22,10 @@ fresh key next time, and the receiver never reuses a group that failed. Groups a
 
 The group itself (build, wait with a deadline, drop) is `kv_transfer.pair_group.PairGroup`.
 
-Memory: the receiver stages a whole handoff (its blocks' checksums arrive only with Commit, and no block may be
-written before it is verified) in a buffer its pair reuses; the sender reads its blocks in place, copying to host
-only to checksum GPU blocks.
+Memory: the receiver stages a whole handoff in a buffer its pair reuses (its blocks' checksums arrive only with
+Commit), then copies each block into its destination, verifying it in the same pass: a mismatch fails the
+handoff, whose reserved blocks are freed unread. The sender gathers each block out of its cache and checksums it
+in one pass (on the CPU; a GPU block is checksummed through a host copy).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ from kv_transfer.base import (
     SettleOnce,
     TransferFault,
     TransferResult,
-    tensor_checksum,
+    write_verified,
 )
+from kv_transfer.block_copy import gather
 from kv_transfer.grpc_transport import ChannelCache, ack_error, error_ack, refusal, rpc_error, with_source
-from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError, error_kind
+from kv_transfer.layout import KVHandoff, KVTransferError, error_kind
 from kv_transfer.pair_group import (
     WILDCARD_HOSTS,
     PairGroup,
@@ -216,11 +218,8 @@ class Receiver(KVReceiver):
                     raise KVTransferError(
                         f"handoff {handoff.transfer_id}: {len(checksums)} checksums for {handoff.num_blocks} blocks"
                     )
-                for index, expected in enumerate(checksums):
-                    if tensor_checksum(staging[index]) != expected:
-                        raise KVChecksumError(f"handoff {handoff.transfer_id}: block {index} failed its CRC-32C check")
-                for index in range(handoff.num_blocks):
-                    dest.write_block(index, staging[index])
+                for index, expected in enumerate(checksums):  # each verified as it is copied
+                    write_verified(dest, handoff, index, staging[index], expected)
                 dest.commit()
             finally:
                 pair.lock.release()
@@ -352,8 +351,8 @@ class Sender(KVSender):
                     for work, _ in in_flight:
                         pair.wait(work, deadline_s, f"{what}: sending")
                     raise KVTransferError(f"{what}: sender stopped after {index} blocks (fault)")
-                block = source.read_block(index).contiguous()  # a strided view of the sender's cache, gathered
-                checksums.append(tensor_checksum(block))
+                block, crc32c = gather(source.read_block(index))  # a strided view of the sender's cache
+                checksums.append(crc32c)
                 wire = self.fault.apply(index, block)
                 in_flight.append((pair.group.send([wire], 1, index), wire))
             for index, (work, _) in enumerate(in_flight):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kv_transfer.base import block_bytes
-from kv_transfer.block_copy import _native, copy_checked, frame
+from kv_transfer.block_copy import _native, copy_checked, frame, gather
 from kv_transfer.layout import KVChecksumError
 
 # the fallback always; the native path where it builds (x86-64 with a compiler, the kill switch unset)
@@ -105,3 +105,15 @@ def test_copy_checked_falls_back_across_dtypes() -> None:
     assert torch.equal(dst, source.double())
     with pytest.raises(KVChecksumError):
         copy_checked(torch.zeros_like(dst), source, 0x12345678)
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_copies_a_strided_block_out_and_checksums_it(native: bool, dtype: torch.dtype) -> None:
+    cache = _paged_cache(dtype=dtype)
+    block = cache[:, :, 2]
+    gathered, crc = gather(block, native=native)
+    assert gathered.is_contiguous() and torch.equal(gathered, block)
+    assert crc == crc32c.crc32c(_raw(block))
+    cache[:, :, 2].zero_()  # a copy, not a view: the cache's slot can be reused once gathered
+    assert crc == crc32c.crc32c(bytes(block_bytes(gathered)))
