@@ -38,10 +38,9 @@ from kv_transfer.base import (
     SettleOnce,
     TransferFault,
     TransferResult,
-    tensor_checksum,
     write_verified,
 )
-from kv_transfer.block_copy import frame
+from kv_transfer.block_copy import frame, gather
 from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_message
 from kv_transfer.layout import KVHandoff, KVTransferError, error_from_kind, error_kind
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -397,8 +396,8 @@ class Sender(KVSender):
         num_bytes = host.numel() * host.element_size()
         true_crc32c = None
         if index == self.fault.corrupt_block:  # flipped bytes go out under the true bytes' checksum
-            host = host.contiguous()
-            true_crc32c, host = tensor_checksum(host), self.fault.apply(index, host)
+            host, true_crc32c = gather(host)
+            host = self.fault.apply(index, host)
         if num_bytes > CHUNK_BYTES:  # several chunks: gathered once, then framed slice by slice
             host = host.contiguous().view(-1).view(torch.uint8)
         chunks, crc32c = [], 0

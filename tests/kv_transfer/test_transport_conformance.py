@@ -74,7 +74,7 @@ TRANSPORTS = [
 ]
 # The dead-peer cases need a peer in another process; inproc has none by definition (its sender giving up is
 # test_sender_stopping_mid_transfer_fails_the_destination).
-DEAD_PEER_TRANSPORTS = [p for p in TRANSPORTS if not p.id.startswith("inproc")]
+DEAD_PEER_TRANSPORTS = [p for p in TRANSPORTS if p.values[0].transport != "inproc"]
 
 
 @pytest.fixture(params=TRANSPORTS)
