@@ -398,16 +398,29 @@ class Sender(KVSender):
         if index == self.fault.corrupt_block:  # flipped bytes go out under the true bytes' checksum
             host, true_crc32c = gather(host)
             host = self.fault.apply(index, host)
-        if num_bytes > CHUNK_BYTES:  # several chunks: gathered once, then framed slice by slice
-            host = host.contiguous().view(-1).view(torch.uint8)
-        chunks, crc32c = [], 0
-        for offset in range(0, num_bytes, CHUNK_BYTES):
-            end = min(offset + CHUNK_BYTES, num_bytes)
+        chunks, crc32c, offset = [], 0, 0
+        for piece in _chunk_pieces(host, num_bytes):
+            end = offset + piece.numel() * piece.element_size()
             last = end == num_bytes
             head, tail = chunk_frame(block_index=index, offset=offset, data_len=end - offset, last=last, crc32c=last)
-            piece = host if num_bytes <= CHUNK_BYTES else host[offset:end]
             message, crc32c = frame(head, piece, tail, crc32c=crc32c, append_crc=last)
             chunks.append(message)
+            offset = end
         if true_crc32c is not None:
             chunks[-1] = chunks[-1][:-4] + true_crc32c.to_bytes(4, "little")  # the checksum is the last 4 bytes
         return chunks
+
+
+def _chunk_pieces(block: torch.Tensor, num_bytes: int) -> list[torch.Tensor]:
+    """`block` ([num_layers, ...], possibly a strided view of the paged cache) cut into pieces of at most
+    CHUNK_BYTES whose bytes, in order, are the block's: whole, when it fits in one chunk; else runs of whole layers
+    (views, each gathered as it is framed, so the block is read once); else, when one layer alone is over
+    CHUNK_BYTES, byte ranges of one contiguous copy."""
+    if num_bytes <= CHUNK_BYTES:
+        return [block]
+    layer_bytes = num_bytes // block.shape[0]
+    if layer_bytes <= CHUNK_BYTES:
+        step = CHUNK_BYTES // layer_bytes
+        return [block[start:start + step] for start in range(0, block.shape[0], step)]
+    flat = block.contiguous().view(-1).view(torch.uint8)
+    return [flat[start:start + CHUNK_BYTES] for start in range(0, num_bytes, CHUNK_BYTES)]

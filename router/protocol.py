@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.core.sampling_params import SamplingParams
 from protos import serving_pb2
-from router.errors import bad_request
+from router.errors import ApiError, bad_request
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -94,9 +94,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def check_model(model: str, served_model_names: tuple[str, ...]) -> None:
+    """404 for a model this server does not serve, as vLLM and OpenAI answer it (clients raise NotFoundError)."""
     if model not in served_model_names:
-        raise bad_request(
-            f"the model {model!r} does not exist; this server serves {', '.join(served_model_names)}", "model"
+        raise ApiError(
+            status_code=404,
+            message=f"the model {model!r} does not exist; this server serves {', '.join(served_model_names)}",
+            param="model",
         )
 
 

@@ -1,5 +1,6 @@
 """Errors come back in OpenAI's shape with the right status: 400 for bad input (never a 500), 404 for unknown
-routes, 503 when no worker can take the request, and the workers' failures mapped to HTTP or to stream events."""
+routes and models, 503 when no worker can take the request, and the workers' failures mapped to HTTP or to
+stream events."""
 
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"temperature": -0.5}, "temperature", "temperature must be >= 0"),
         ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
         ({"n": 2}, "n", "n must be 1"),
-        ({"model": "gpt-4"}, "model", "'gpt-4' does not exist"),
         ({"prompt": "x" * 64}, "prompt", "maximum context length is 64"),
         ({"prompt": "x" * 60, "max_tokens": 10}, "max_tokens", "you requested 70 tokens"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
@@ -70,6 +70,14 @@ def test_completion_bad_input_is_400(cluster: Cluster, body: dict, param: str, f
 def test_chat_bad_input_is_400(cluster: Cluster, body: dict, param: str, fragment: str) -> None:
     response = cluster.client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, **body})
     assert_error(response, 400, param, fragment)
+    assert cluster.decode.requests == []
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_model_is_404(cluster: Cluster, path: str) -> None:
+    """As vLLM and OpenAI answer it (their clients raise NotFoundError), before any work is dispatched."""
+    body = {"model": "gpt-4", "prompt": "hello", "messages": CHAT}
+    assert_error(cluster.client.post(path, json=body), 404, "model", "'gpt-4' does not exist")
     assert cluster.decode.requests == []
 
 
