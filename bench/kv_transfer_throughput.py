@@ -28,6 +28,7 @@ benchmark does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import statistics
@@ -391,9 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=10, help="passes per transport, interleaved across transports")
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     p.add_argument("--pin", action="store_true", help="sender on one vCPU, receivers on another (as on two hosts)")
+    p.add_argument("--block-size", type=int, default=SMOLLM2_LAYOUT.block_size,
+                   help="tokens per KV block (vLLM's flag); over 22 tokens a SmolLM2 block is sent in several chunks")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    layout = SMOLLM2_LAYOUT
+    layout = dataclasses.replace(SMOLLM2_LAYOUT, block_size=args.block_size)
     handoff = KVHandoff(request_id="bench", transfer_id="", num_tokens=args.num_tokens, layout=layout)
     print(f"SmolLM2-135M KV, {args.num_tokens} tokens per handoff = {handoff.num_blocks} blocks of "
           f"{layout.block_bytes} bytes = {handoff.num_bytes / 1e6:.1f} MB; {args.trials} interleaved passes each"

@@ -1,5 +1,6 @@
 """The gRPC transport's hand-made chunk encoding is protobuf's own: byte-identical to the generated serializer,
-decoded the same as the generated parser (odd but valid encodings included), and garbage is reported, not raised."""
+decoded the same as the generated parser (odd but valid encodings included), and garbage is reported, not raised;
+the sender cuts a block over one chunk into pieces that hold its bytes in order."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kv_transfer.grpc_transport import TRANSFER_METHOD
+from kv_transfer.grpc_transport import _chunk_pieces  # noqa: PLC2701 - the sender's chunking, checked directly
 from kv_transfer.block_copy import frame
 from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_chunk, encode_message
 from kv_transfer.grpc_wire import _varint  # noqa: PLC2701 - the same varint builds the odd encodings here
@@ -112,3 +114,33 @@ def test_a_block_without_its_checksum_fails_the_handoff() -> None:
     ack, sink = _send_raw([encode_chunk(block_index=0, offset=0, data=block, last=True, crc32c=None)])
     assert not ack.ok and "block 0 came without its CRC-32C" in ack.error
     assert sink.only().outcome == "failed" and not sink.only().written
+
+
+@pytest.mark.parametrize(
+    ("layout", "num_pieces", "views"),
+    [
+        pytest.param(KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32"), 1, True,
+                     id="720KiB-whole"),
+        pytest.param(KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32, dtype="float32"), 2, True,
+                     id="1.4MiB-runs-of-21-layers"),
+        pytest.param(KVLayout(num_layers=3, num_kv_heads=4, head_dim=64, block_size=1024, dtype="bfloat16"), 3, True,
+                     id="3MiB-a-layer-a-chunk"),
+        pytest.param(KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=1100, dtype="float32"), 5, False,
+                     id="4.3MiB-layers-over-a-chunk"),
+    ],
+)
+def test_a_block_is_cut_into_chunks_that_hold_its_bytes_in_order(layout: KVLayout, num_pieces: int,
+                                                                   views: bool) -> None:
+    """The sender's chunks of a block read from the paged cache (here of at most 1 MiB): within the limit, their
+    bytes in order the block's; views of the cache (gathered once, as each is framed) unless one layer alone is over
+    a chunk."""
+    chunk_bytes = 1 << 20
+    num_blocks = 3
+    cache = torch.randn((layout.num_layers, 2, num_blocks, *layout.block_shape[2:])).to(getattr(torch, layout.dtype))
+    block = cache[:, :, 1]  # a strided view across the layers, as the prefill worker hands it
+    pieces = _chunk_pieces(block, layout.block_bytes, chunk_bytes)
+    assert len(pieces) == num_pieces
+    assert all(p.numel() * p.element_size() <= chunk_bytes for p in pieces)
+    assert all(p.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr() for p in pieces) == views
+    expected = block.contiguous().view(-1).view(torch.uint8)
+    assert torch.equal(torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in pieces]), expected)

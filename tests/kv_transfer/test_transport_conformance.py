@@ -42,6 +42,9 @@ SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="
 SMALL_BF16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")  # 720 KiB blocks
 SMOLLM2_B32 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32, dtype="float32")  # 1.4 MiB
+# Over the gRPC transport's 3 MiB chunk: a block sent as runs of whole layers, and one whose layers are each too big
+SPLIT_BY_LAYERS = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=1100, dtype="float32")  # 4.3 MiB
+SPLIT_BY_BYTES = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=1600, dtype="float32")  # 6.25 MiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +148,8 @@ def _wait_settled(sink: RecordingSink, timeout_s: float) -> float:
         pytest.param(SMALL_BF16, 37, id="bf16-partial-last"),
         pytest.param(SMOLLM2, 187, id="8.6MB-partial-last"),
         pytest.param(SMOLLM2_B32, 64 * 32 - 3, id="94MB-1.4MB-blocks"),
+        pytest.param(SPLIT_BY_LAYERS, 1100 + 7, id="9MB-4.3MB-blocks-split-by-layers"),
+        pytest.param(SPLIT_BY_BYTES, 1600 + 7, id="13MB-6.3MB-blocks-split-by-bytes"),
     ],
 )
 def test_round_trip_is_byte_exact(make_harness, layout: KVLayout, num_tokens: int) -> None:
@@ -218,9 +223,10 @@ def test_sink_refusal_reaches_the_sender(make_harness, refusal: KVTransferError)
     assert harness.sink.open_calls == 1 and not harness.sink.destinations
 
 
-def test_corrupted_block_fails_and_never_commits(make_harness) -> None:
-    harness = make_harness(SMALL)
-    handoff = make_handoff(SMALL, 4 * 4)
+@pytest.mark.parametrize("layout", [pytest.param(SMALL, id="whole"), pytest.param(SPLIT_BY_LAYERS, id="split")])
+def test_corrupted_block_fails_and_never_commits(make_harness, layout: KVLayout) -> None:
+    harness = make_harness(layout)
+    handoff = make_handoff(layout, layout.block_size * 4)
 
     with pytest.raises(KVChecksumError, match="block 1"):
         harness.sender(TransferFault(corrupt_block=1)).send(
