@@ -1,7 +1,7 @@
 """KV transfer throughput of each transport against a raw TCP socket copy of the same bytes, in one run.
 
     .venv/bin/python bench/kv_transfer_throughput.py [--num-bytes 134217728] [--num-tokens 1000] [--trials 10]
-        [--transports tcp,grpc-bare,grpc,torch,inproc] [--pin]
+        [--transports tcp,tcp-paged,grpc-bare,grpc,torch,inproc] [--pin] [--block-size 16]
 
 Each transport moves the same handoffs: `num_tokens` tokens of SmolLM2-135M's KV (30 layers, 3 KV heads, head
 dim 64, block size 16, float32: 63 blocks, 46 MB per 1,000 tokens), repeated until `num_bytes` have moved. Both
@@ -14,7 +14,10 @@ engine/serving/malloc_tuning.py), except for `inproc`, whose receiver lives in t
 definition. The baseline `tcp` is a sender `sendall`-ing each handoff's bytes (gathered once, before timing) over
 loopback to a receiver process that `recv_into`s a preallocated buffer and acks each handoff with one byte. The
 reference `grpc-bare` sends the same pre-gathered blocks as bare gRPC messages (no protobuf framing, no checksum,
-received into a preallocated buffer): what Python gRPC itself costs, the ceiling for the `grpc` transport.
+received into a preallocated buffer): what Python gRPC itself costs, the ceiling for the `grpc` transport. The
+reference `tcp-paged` is the raw socket doing what any transport must: the sender gathers each block out of the
+paged cache with its CRC-32C in one pass (`block_copy.gather`) and `sendall`s it and the CRC; the receiver
+`recv_into`s one reused block buffer and writes it into its paged cache with the checked copy the sinks use.
 
 Every transport is set up first (one warm-up handoff each opens channels and pair groups); then the passes are
 interleaved, pass 1 of every transport, then pass 2, and so on, so that the shared machine's drift hits all of
@@ -43,13 +46,15 @@ import torch  # noqa: E402
 
 from engine.huge_pages import zeros_with_huge_pages  # noqa: E402
 from engine.serving.malloc_tuning import tune_malloc  # noqa: E402
-from kv_transfer.block_copy import copy_checked  # noqa: E402
+from kv_transfer.block_copy import copy_checked, gather  # noqa: E402
 from kv_transfer.layout import KVHandoff, KVLayout  # noqa: E402
 
 SMOLLM2_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 # "grpc-bare" is a reference, not a transport: the same blocks as bare gRPC messages (no protobuf framing, no
 # checksum, no paged-cache layout) through one client stream into a preallocated buffer: Python gRPC's ceiling.
-TRANSPORTS = ("tcp", "grpc-bare", "grpc", "torch", "inproc")
+# "tcp-paged" is another: the raw socket plus the work every transport does (gather + CRC-32C out of the paged
+# cache, checked copy into it), what a transport with no overhead of its own would reach.
+TRANSPORTS = ("tcp", "tcp-paged", "grpc-bare", "grpc", "torch", "inproc")
 BASELINE = "tcp"
 TIMEOUT_S = 120.0
 
@@ -175,6 +180,27 @@ def _serve_tcp(handoff_bytes: int) -> None:
         conn.sendall(b"\x01")  # the handoff arrived whole: ack, as the transports' receivers do
 
 
+def _serve_tcp_paged(layout: KVLayout, num_blocks: int) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"READY 127.0.0.1:{listener.getsockname()[1]}", flush=True)
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sink = _CopySink(layout, num_blocks)
+    block = zeros_with_huge_pages(layout.block_bytes + 4, dtype=torch.uint8)  # the block's bytes, then its CRC
+    view = memoryview(block.numpy())
+    data = block[: layout.block_bytes].view(getattr(torch, layout.dtype)).view(layout.block_shape)
+    while True:
+        for index in range(num_blocks):
+            filled = 0
+            while filled < len(view):
+                n = conn.recv_into(view[filled:], len(view) - filled)
+                if n == 0:
+                    return
+                filled += n
+            sink.write_block(index, data, int.from_bytes(view[layout.block_bytes:], "little"))
+        conn.sendall(b"\x01")
+
+
 def _cpu_seconds(pid: int) -> float:
     """CPU time (user + system, every thread, exited ones included) of process `pid` so far: Linux's per-process
     CPU clock, which any process may read (clock id = MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED))."""
@@ -224,6 +250,8 @@ class _Runner:
         self._closers: list = []
         if transport == "tcp":
             self._setup_tcp(source, handoff.num_bytes)
+        elif transport == "tcp-paged":
+            self._setup_tcp_paged(source, handoff)
         elif transport == "grpc-bare":
             self._setup_grpc_bare(source, handoff.num_bytes)
         elif transport == "inproc":
@@ -270,6 +298,23 @@ class _Runner:
             conn.sendall(data)
             if conn.recv(1) != b"\x01":
                 raise RuntimeError("tcp baseline receiver went away")
+
+        self.send_one = send_one
+
+    def _setup_tcp_paged(self, source: _Source, handoff: KVHandoff) -> None:
+        process = self._start_receiver("tcp-paged", _layout_arg(handoff.layout), str(handoff.num_blocks))
+        host, port = process.endpoint.rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)))
+        self._closers.append(conn.close)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def send_one() -> None:
+            for index in range(handoff.num_blocks):
+                block, crc32c = gather(source.read_block(index))
+                conn.sendall(memoryview(block.view(-1).view(torch.uint8).numpy()))
+                conn.sendall(crc32c.to_bytes(4, "little"))
+            if conn.recv(1) != b"\x01":
+                raise RuntimeError("tcp-paged receiver went away")
 
         self.send_one = send_one
 
@@ -383,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             _serve_tcp(int(argv[2]))
         elif argv[1] == "grpc-bare":
             _serve_grpc_bare(int(argv[2]))
+        elif argv[1] == "tcp-paged":
+            _serve_tcp_paged(_parse_layout(argv[2]), int(argv[3]))
         else:
             _serve_transport(argv[1], _parse_layout(argv[2]), int(argv[3]))
         return 0
@@ -393,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     p.add_argument("--pin", action="store_true", help="sender on one vCPU, receivers on another (as on two hosts)")
     p.add_argument("--block-size", type=int, default=SMOLLM2_LAYOUT.block_size,
-                   help="tokens per KV block (vLLM's flag); over 22 tokens a SmolLM2 block is sent in several chunks")
+                   help="tokens per KV block (vLLM's flag); over 68 tokens a SmolLM2 block is split into chunks")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     layout = dataclasses.replace(SMOLLM2_LAYOUT, block_size=args.block_size)
