@@ -164,39 +164,43 @@ def _serve_grpc_bare(handoff_bytes: int) -> None:
     server.stop(grace=None)
 
 
-def _serve_tcp(handoff_bytes: int) -> None:
+def _accept_one() -> socket.socket:
+    """The raw-socket receivers' one connection, on a loopback port announced as READY."""
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"READY 127.0.0.1:{listener.getsockname()[1]}", flush=True)
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from `conn`; False when the sender closed the connection first."""
+    filled = 0
+    while filled < len(view):
+        n = conn.recv_into(view[filled:], len(view) - filled)
+        if n == 0:
+            return False
+        filled += n
+    return True
+
+
+def _serve_tcp(handoff_bytes: int) -> None:
+    conn = _accept_one()
     view = memoryview(zeros_with_huge_pages(handoff_bytes, dtype=torch.uint8).numpy())
-    while True:
-        filled = 0
-        while filled < handoff_bytes:
-            n = conn.recv_into(view[filled:], handoff_bytes - filled)
-            if n == 0:
-                return
-            filled += n
+    while _recv_exactly(conn, view):
         conn.sendall(b"\x01")  # the handoff arrived whole: ack, as the transports' receivers do
 
 
 def _serve_tcp_paged(layout: KVLayout, num_blocks: int) -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    print(f"READY 127.0.0.1:{listener.getsockname()[1]}", flush=True)
-    conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = _accept_one()
     sink = _CopySink(layout, num_blocks)
     block = zeros_with_huge_pages(layout.block_bytes + 4, dtype=torch.uint8)  # the block's bytes, then its CRC
     view = memoryview(block.numpy())
     data = block[: layout.block_bytes].view(getattr(torch, layout.dtype)).view(layout.block_shape)
     while True:
         for index in range(num_blocks):
-            filled = 0
-            while filled < len(view):
-                n = conn.recv_into(view[filled:], len(view) - filled)
-                if n == 0:
-                    return
-                filled += n
+            if not _recv_exactly(conn, view):
+                return
             sink.write_block(index, data, int.from_bytes(view[layout.block_bytes:], "little"))
         conn.sendall(b"\x01")
 
@@ -286,12 +290,16 @@ class _Runner:
 
         self.send_one = send_one
 
-    def _setup_tcp(self, source: _Source, handoff_bytes: int) -> None:
-        process = self._start_receiver("tcp", str(handoff_bytes))
-        host, port = process.endpoint.rsplit(":", 1)
+    def _connect(self, *receiver_args: str) -> socket.socket:
+        """A raw-socket receiver process started, and this side's connection to it."""
+        host, port = self._start_receiver(*receiver_args).endpoint.rsplit(":", 1)
         conn = socket.create_connection((host, int(port)))
         self._closers.append(conn.close)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _setup_tcp(self, source: _Source, handoff_bytes: int) -> None:
+        conn = self._connect("tcp", str(handoff_bytes))
         data = memoryview(source.blocks.view(-1).view(torch.uint8).numpy())
 
         def send_one() -> None:
@@ -302,11 +310,7 @@ class _Runner:
         self.send_one = send_one
 
     def _setup_tcp_paged(self, source: _Source, handoff: KVHandoff) -> None:
-        process = self._start_receiver("tcp-paged", _layout_arg(handoff.layout), str(handoff.num_blocks))
-        host, port = process.endpoint.rsplit(":", 1)
-        conn = socket.create_connection((host, int(port)))
-        self._closers.append(conn.close)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = self._connect("tcp-paged", _layout_arg(handoff.layout), str(handoff.num_blocks))
 
         def send_one() -> None:
             for index in range(handoff.num_blocks):
