@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from engine.loader.errors import ModelLoadError  # torch-free, like everything imported here
+from engine.serving.log_config import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,15 +14,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from deploy import serve_command
     from engine import generate_command
+    from engine.kernels import build_command
 
     generate_command.add_parser(sub)
     serve_command.add_parser(sub)
+    build_command.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, ModelLoadError) as exc:  # bad input: a clear message, no traceback

@@ -23,20 +23,34 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
+# Every worker's start-up lines matter (which C++ kernels it loaded, where it serves); Ray folds lines that differ
+# only in numbers across workers into "[repeated Nx]" unless told not to, and reads this when first imported.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+import ray  # noqa: E402
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError  # noqa: E402
 
 from deploy.worker_host import WorkerFactory, WorkerHost, WorkerInfo
 from engine.config import EngineConfig
+from engine.serving.log_config import configure_logging
 from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
 
 logger = logging.getLogger(__name__)
 
+
+class WorkerHostProcess(WorkerHost):
+    """A WorkerHost as the body of its own process: it logs as every splitserve process does (start-up lines
+    such as the C++ kernels each worker loaded reach the `serve` terminal through Ray)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        configure_logging()
+        super().__init__(*args, **kwargs)
+
+
 # One actor per worker process; num_cpus=0 so that a 2-core machine fits them all (Ray's CPU accounting would
 # otherwise allow one per core). max_restarts=0: Ray's own restart would rerun the old config with the old
 # incarnation, so the controller restarts hosts itself.
-WorkerHostActor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(WorkerHost)
+WorkerHostActor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(WorkerHostProcess)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.worker_host import WorkerInfo
 from engine.engine_args import add_engine_args, engine_config_from_args
+from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -114,7 +116,22 @@ def run(args: argparse.Namespace) -> int:
     # Here, once: a bad --model fails before Ray starts (exit 2), and the first use's download happens in one
     # process instead of racing in every worker.
     resolve_model(config.controller.engine.model)
+    build_kernels_ahead()
     return serve(config)
+
+
+def build_kernels_ahead() -> None:
+    """Compile the C++ CPU kernels once, here, before any worker starts: the workers then only load them, and
+    the first request after /health turns 200 costs what any other does. In a child process (this one stays
+    torch-free), its report on stderr. A failed build is reported and serving goes on: the workers' engines run
+    the torch ops instead (see kv_transfer/native_build.py)."""
+    if cpu_kernels_disabled():
+        return
+    command = [sys.executable, "-m", "deploy.cli", "build-kernels"]
+    sys.stderr.flush()
+    if subprocess.run(command, stdin=subprocess.DEVNULL, stdout=2, check=False).returncode:  # its report: stderr
+        print("splitserve: warning: the C++ CPU kernels did not build; the workers run torch ops instead",
+              file=sys.stderr, flush=True)
 
 
 # -- the router's view of the cluster -------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install splitserve with its test extras. Idempotent and quick when done before.
+# Create .venv (if missing), install splitserve with its test extras, and build the C++ CPU kernels for this
+# machine (into ~/.cache/splitserve/kernels). Idempotent and quick when done before.
 # torch==2.13.0 goes in first, alone: it is the CPU wheel, and installing it explicitly keeps pip from choosing
 # a multi-GB CUDA build to satisfy the range in pyproject.toml.
 set -euo pipefail
@@ -15,3 +16,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet -e ".[test]"
   touch "$stamp"
 fi
+# Nothing compiles on the request path: the kernels are built here, once per machine. Without a compiler the
+# engine runs its torch ops instead (slower, same results), so a failed build warns but does not stop set-up.
+.venv/bin/python -m deploy.cli build-kernels \
+  || echo "setup: the C++ CPU kernels did not build (see above); the engine will run its torch ops" >&2

@@ -24,6 +24,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.stats import EngineStats, RequestStats
+from engine.kernels.registry import load_all
 from engine.loader.checkpoint import Checkpoint, load_checkpoint
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
@@ -61,6 +62,9 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} tokens: raise --num-kv-blocks or lower --max-model-len"
             )
 
+        # The C++ kernels load here (and build here only on a machine nobody built them for), never inside the
+        # first request's forward pass.
+        self.cpu_kernels = load_all()
         attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5)
         model = LlamaModel(mc, checkpoint.weights, attention, max_positions=self.max_model_len)
         self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)

@@ -32,7 +32,8 @@ import torch
 
 from kv_transfer.base import block_bytes, tensor_checksum
 from kv_transfer.layout import KVChecksumError, block_checksum
-from kv_transfer.native_build import build_cpu_extension
+from kv_transfer import native_build
+from kv_transfer.native_build import NativeModule
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -269,10 +270,13 @@ py::tuple frame_crc32c(py::bytes head, at::Tensor src, py::bytes tail, int64_t c
 }
 """
 
+NATIVE = NativeModule(name="block_copy", source=_SOURCE, functions=("copy_crc32c", "frame_crc32c"))
+
+
 @cache
-def _native() -> ModuleType | None:
-    """The compiled functions, or None (see kv_transfer/native_build.py). Built on first use."""
-    return build_cpu_extension("splitserve_block_copy", _SOURCE, ["copy_crc32c", "frame_crc32c"], [])
+def native_ops() -> ModuleType | None:
+    """The compiled functions, or None (see kv_transfer/native_build.py)."""
+    return native_build.load(NATIVE)
 
 
 def _both_on_cpu(*tensors: torch.Tensor) -> bool:
@@ -285,7 +289,7 @@ def frame(head: bytes, block: torch.Tensor, tail: bytes, *, crc32c: int = 0, app
     bytes, and that CRC; `crc32c` continues a CRC over earlier bytes (a block sent in several chunks). The block's
     bytes are its elements in logical order: a strided CPU view (a block of the paged cache) is gathered here.
     `native=False` forces the fallback (for tests)."""
-    ops = _native() if native else None
+    ops = native_ops() if native else None
     if ops is not None and _both_on_cpu(block):
         return ops.frame_crc32c(head, block, tail, crc32c, append_crc)
     data = block_bytes(block.contiguous())
@@ -297,7 +301,7 @@ def frame(head: bytes, block: torch.Tensor, tail: bytes, *, crc32c: int = 0, app
 def gather(block: torch.Tensor, *, native: bool = True) -> tuple[torch.Tensor, int]:
     """A contiguous copy of `block` (a strided view of the paged cache) and the CRC-32C of its bytes, in one pass on
     the CPU; elsewhere (a GPU block, no native code) `block.contiguous()` and then its checksum."""
-    ops = _native() if native else None
+    ops = native_ops() if native else None
     if ops is not None and _both_on_cpu(block):
         out = torch.empty(block.shape, dtype=block.dtype)
         return out, ops.copy_crc32c(out, block, 0)
@@ -312,7 +316,7 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, crc32c: int | None, *, na
     if crc32c is None:
         dst.copy_(src)
         return
-    ops = _native() if native else None
+    ops = native_ops() if native else None
     if ops is not None and _both_on_cpu(dst, src) and dst.dtype == src.dtype and dst.shape == src.shape:
         computed = ops.copy_crc32c(dst, src, 0)
     else:

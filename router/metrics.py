@@ -19,7 +19,9 @@ Measured here, per request (router clock):
 Read from each worker's latest LoadStats at scrape time (label `worker` = worker_id):
     gauges   splitserve:num_requests_running, splitserve:num_requests_waiting, splitserve:kv_blocks_used,
              splitserve:kv_blocks_total, splitserve:kv_cache_usage_perc (a 0-1 fraction, as in vLLM),
-             splitserve:worker_healthy (1/0)
+             splitserve:worker_healthy (1/0),
+             splitserve:cpu_kernels_info{worker,kernel,variant} (1: the C++ CPU kernel build the worker runs,
+             variant "x86-64-v4" | "x86-64-v3" | ..., or "torch" where its torch ops run instead)
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total (tokens),
              splitserve:kv_transfer_bytes_total, splitserve:num_preemptions_total,
              splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total
@@ -199,3 +201,11 @@ class WorkerLoadCollector(Collector):
         for snapshot in snapshots:
             healthy.add_metric([snapshot.info.worker_id, snapshot.info.role], 1.0 if snapshot.healthy else 0.0)
         yield healthy
+        kernels = GaugeMetricFamily(f"{PREFIX}cpu_kernels_info", "The C++ CPU kernel build each worker runs "
+                                    "(variant \"torch\": its torch ops run instead).",
+                                    labels=["worker", "kernel", "variant"])
+        for snapshot in snapshots:
+            if snapshot.stats is not None:
+                for kernel in snapshot.stats.cpu_kernels:
+                    kernels.add_metric([snapshot.info.worker_id, kernel.kernel, kernel.variant], 1.0)
+        yield kernels

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from functools import cache
 
-import torch
-
-from kv_transfer.native_build import build_cpu_extension
+from kv_transfer import native_build
+from kv_transfer.native_build import NativeModule
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -121,21 +120,17 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 """
 
 
-def _capability_flags() -> list[str]:
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
-    if capability in ("DEFAULT", "NO AVX"):
-        return []
-    return [f"-DCPU_CAPABILITY_{capability}", f"-DCPU_CAPABILITY={capability}"]
+NATIVE = NativeModule(
+    name="cpu_elementwise",
+    source=_SOURCE,
+    functions=("rope_", "rms_norm_scale", "silu_and_mul"),
+    # No -ffast-math: every operation must round exactly as torch's does. Vectorized<float> is built for the
+    # ATen capability of the variant, which native_build chooses no higher than torch's own, so its exp is torch's.
+    cflags=("-ffp-contract=off", "-fno-fast-math"),
+)
 
 
 @cache
 def load_elementwise():  # noqa: ANN201 - the compiled extension module, or None
     """The compiled ops, or None (see kv_transfer/native_build.py)."""
-    # No -ffast-math: every operation must round exactly as torch's does. Vectorized<float> is built for the
-    # capability torch itself dispatches to here (AVX512, AVX2, ...), so its exp is torch's.
-    return build_cpu_extension(
-        "splitserve_cpu_elementwise_v3_" + torch.backends.cpu.get_cpu_capability().replace(" ", "_"),
-        _SOURCE,
-        ["rope_", "rms_norm_scale", "silu_and_mul"],
-        ["-ffp-contract=off", "-fno-fast-math", *_capability_flags()],
-    )
+    return native_build.load(NATIVE)

@@ -1,4 +1,5 @@
-"""Paged decode attention for CPUs: a small C++ kernel, compiled on first use, with a torch reference.
+"""Paged decode attention for CPUs: a small C++ kernel (built ahead: kv_transfer/native_build.py), with a torch
+reference.
 
 Pure torch has to gather a request's scattered KV blocks into one tensor before it can attend, which reads and
 writes every context byte before the attention reads it again. Decode attention is memory-bound, so this kernel
@@ -19,7 +20,8 @@ from functools import cache
 
 import torch
 
-from kv_transfer.native_build import build_cpu_extension
+from kv_transfer import native_build
+from kv_transfer.native_build import NativeModule
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -122,15 +124,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 """
 
 
+NATIVE = NativeModule(
+    name="cpu_paged_attention",
+    source=_SOURCE,
+    functions=("paged_decode_attention",),
+    cflags=("-ffast-math", "-fno-finite-math-only"),
+)
+
+
 @cache
 def load_kernel():  # noqa: ANN201 - the compiled extension module, or None
     """The compiled kernel, or None (see kv_transfer/native_build.py)."""
-    return build_cpu_extension(
-        "splitserve_cpu_paged_attention_v4",
-        _SOURCE,
-        ["paged_decode_attention"],
-        ["-ffast-math", "-fno-finite-math-only"],
-    )
+    return native_build.load(NATIVE)
 
 
 def paged_decode_attention(

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.serving.log_config import configure_logging
 from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
 
@@ -42,6 +43,7 @@ def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> Wor
 def serve_forever(build: Callable[[WorkerConfig], object], argv: Sequence[str] | None, roles: Sequence[str]) -> int:
     assert set(roles) <= set(ROLES)
     config = parse_worker_config(argv, roles)
+    configure_logging()
     worker = build(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -143,6 +143,9 @@ class WorkerRuntime:
         stats.worker_id = self.config.worker_id
         stats.role = self.config.role
         stats.incarnation = self.config.incarnation
+        stats.cpu_kernels.extend(
+            serving_pb2.CpuKernel(kernel=k.kernel, variant=k.variant) for k in self.engine.cpu_kernels
+        )
         with self.transfers.lock:
             stats.kv_transfer_bytes = self.transfers.num_bytes
             stats.kv_transfer_seconds = self.transfers.seconds

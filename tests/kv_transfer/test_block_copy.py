@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from kv_transfer.base import block_bytes
-from kv_transfer.block_copy import _native, copy_checked, frame, gather
+from kv_transfer.block_copy import native_ops, copy_checked, frame, gather
 from kv_transfer.layout import KVChecksumError
 
 # the fallback always; the native path where it builds (x86-64 with a compiler, the kill switch unset)
 PATHS = [pytest.param(False, id="fallback"),
-         pytest.param(True, id="native", marks=pytest.mark.skipif(_native() is None, reason="no native build here"))]
+         pytest.param(True, id="native", marks=pytest.mark.skipif(native_ops() is None, reason="no native build here"))]
 
 
 def _paged_cache(num_blocks: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:

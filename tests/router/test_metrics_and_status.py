@@ -80,6 +80,20 @@ def test_metrics_after_a_request(cluster: Cluster) -> None:
     assert delta("splitserve:generation_tokens_total") == 4
 
 
+def test_cpu_kernels_info_names_each_workers_kernel_builds(cluster: Cluster) -> None:
+    from protos import serving_pb2
+
+    cluster.prefill.load.cpu_kernels.extend([serving_pb2.CpuKernel(kernel="cpu_elementwise", variant="x86-64-v4"),
+                                             serving_pb2.CpuKernel(kernel="block_copy", variant="x86-64-v4")])
+    cluster.decode.load.cpu_kernels.extend([serving_pb2.CpuKernel(kernel="cpu_elementwise", variant="torch")])
+    samples = scrape(cluster.client)
+    info = {(labels["worker"], labels["kernel"], labels["variant"], value, kind)
+            for labels, value, kind in samples["splitserve:cpu_kernels_info"]}
+    assert info == {("prefill-0", "cpu_elementwise", "x86-64-v4", 1.0, "gauge"),
+                    ("prefill-0", "block_copy", "x86-64-v4", 1.0, "gauge"),
+                    ("decode-0", "cpu_elementwise", "torch", 1.0, "gauge")}
+
+
 def test_failures_and_aborts_are_counted(cluster: Cluster) -> None:
     before = scrape(cluster.client)
     cluster.decode.script = Script(error_after=1)
