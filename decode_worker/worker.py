@@ -19,18 +19,19 @@ late block write can land, then abort the request in the engine).
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
+import grpc.aio
 import torch
 
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
-from engine.outputs import RequestOutput
+from engine.serving.engine_loop import EngineLoopClosed
 from engine.serving.convert import logprobs_from_proto, output_to_response, sampling_params_from_proto
 from engine.serving.worker_config import WorkerConfig
 from engine.serving.worker_runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
@@ -64,33 +65,37 @@ class DecodeWorker(RuntimeWorker):
             self.receiver.attach(self.runtime.server, self.runtime.endpoint)
         serving_pb2_grpc.add_WorkerServicer_to_server(DecodeServicer(self), self.runtime.server)
         self._prefill_stubs: dict[str, serving_pb2_grpc.WorkerStub] = {}
+        self._prefill_channels: list[grpc.aio.Channel] = []
 
     def stop(self) -> None:
-        self.runtime.stop()
+        self.runtime.stop(before_loop_stops=self._close_channels)
         if self.receiver is not None:
             self.receiver.close()
 
     # -- one request -----------------------------------------------------------------------------------------
-    def generate(self, request: serving_pb2.GenerateRequest, context: grpc.ServicerContext) -> Iterator[serving_pb2.GenerateResponse]:
+    async def generate(
+        self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        """The token stream of one request. Cancelled (the client left) at any await: the `finally` frees
+        everything the request holds."""
         arrival_s = time.monotonic()
-        loop = self.runtime.loop
+        runtime = self.runtime
         request_id = request.request_id
         try:
-            req = loop.engine.make_request(
+            req = runtime.engine.make_request(
                 request_id, list(request.prompt_token_ids), sampling_params_from_proto(request.params)
             )
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs = runtime.outputs(request_id)
         timings = serving_pb2.StageTimings(router_queue_s=request.router_queue_s)
         reservation: Reservation | None = None
         finished = False
-        loop.listen(request_id, outputs.put)
         try:
             if request.prefill_endpoint:
-                reservation = self._reserve(req, context)
+                reservation = await self._reserve(req)
                 timings.decode_queue_s = time.monotonic() - arrival_s
-                early = self._prefill_remote(req, request, reservation, timings, context)
+                early = await self._prefill_remote(req, request, reservation, timings)
                 if early is not None:  # the first token ended it on the prefill worker: no KV came
                     self._abandon(req, reservation)
                     finished = True
@@ -99,14 +104,12 @@ class DecodeWorker(RuntimeWorker):
                     return
             else:
                 try:
-                    loop.call(lambda e: e.enqueue(req))
+                    await runtime.call(lambda e: e.enqueue(req))
                 except ValueError as exc:
                     raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             first = True
-            while True:
-                out = _next_output(outputs, context)
-                if out is None:  # the caller went away
-                    return
+            while not finished:
+                out = await outputs.get()
                 msg = output_to_response(out)
                 if first:
                     first = False
@@ -114,76 +117,68 @@ class DecodeWorker(RuntimeWorker):
                         timings.prefill_queue_s = _queue_s(req)
                         timings.prefill_s = max(_first_token_s(req) - _queue_s(req), 0.0)
                     msg.timings.CopyFrom(timings)
-                if out.finished:
-                    finished = True
+                finished = out.finished
                 yield msg
-                if finished:
-                    return
         except GenerateFailed as exc:
             finished = False
-            context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc))
         finally:
-            loop.unlisten(request_id)
+            runtime.loop.unlisten(request_id)
             if not finished:
                 self._abandon(req, reservation)
             self.sink.remove(request_id)
 
-    def _reserve(self, req: Request, context: grpc.ServicerContext) -> Reservation:
-        """Blocks for the prompt, waiting while the pool is full (decode queue). Registers the reservation."""
-        loop = self.runtime.loop
+    async def _reserve(self, req: Request) -> Reservation:
+        """Blocks for the request to start, waiting while the pool is full (decode queue). Registers the
+        reservation."""
+        runtime = self.runtime
         deadline = time.monotonic() + self.config.kv_transfer_timeout_s
         while True:
             try:
-                block_ids = loop.call(lambda e: e.reserve_remote(req))
+                block_ids = await runtime.call(lambda e: e.reserve_remote(req))
             except ValueError as exc:
                 raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if block_ids is not None:
                 break
-            if not context.is_active():
-                raise GenerateFailed(grpc.StatusCode.CANCELLED, "cancelled while waiting for KV blocks")
             if time.monotonic() > deadline:
                 raise GenerateFailed(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"no room in the KV cache for a {req.num_prompt_tokens}-token prompt within "
                     f"{self.config.kv_transfer_timeout_s:.0f}s",
                 )
-            time.sleep(RESERVE_POLL_S)
+            await asyncio.sleep(RESERVE_POLL_S)
         reservation = Reservation(
-            req.request_id, req.num_prompt_tokens, block_ids, self.runtime.engine.runner.kv_cache, self.runtime.layout
+            req.request_id, req.num_prompt_tokens, block_ids, runtime.engine.runner.kv_cache, runtime.layout
         )
         self.sink.add(reservation)
         return reservation
 
-    def _prefill_remote(
+    async def _prefill_remote(
         self,
         req: Request,
         request: serving_pb2.GenerateRequest,
         reservation: Reservation,
         timings: serving_pb2.StageTimings,
-        context: grpc.ServicerContext,
     ) -> serving_pb2.GenerateResponse | None:
         """Ask the prefill worker for the prompt and its KV; commit. Returns a final message if the request ended
-        on its first token; raises GenerateFailed on any failure (the caller frees the reservation)."""
+        on its first token; raises GenerateFailed on any failure (the caller frees the reservation). Cancelling
+        this coroutine (the client left) cancels the Prefill call, and the prefill worker aborts too."""
         stub = self._prefill_stub(request.prefill_endpoint)
-        call = stub.Prefill.future(
-            serving_pb2.PrefillRequest(
-                request=request,
-                decode_endpoint=self.runtime.endpoint,
-                decode_worker_id=self.config.worker_id,
-                transfer_id=uuid.uuid4().hex,
-            ),
-            # The prefill worker's own queue plus the handoff: generous, but never unbounded.
-            timeout=self.config.kv_transfer_timeout_s * 2,
-        )
-        context.add_callback(call.cancel)  # the client left: stop the prefill too
         try:
-            reply: serving_pb2.PrefillResponse = call.result()
-        except grpc.FutureCancelledError:
-            raise GenerateFailed(grpc.StatusCode.CANCELLED, "cancelled during prefill") from None
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+            reply: serving_pb2.PrefillResponse = await stub.Prefill(
+                serving_pb2.PrefillRequest(
+                    request=request,
+                    decode_endpoint=self.runtime.endpoint,
+                    decode_worker_id=self.config.worker_id,
+                    transfer_id=uuid.uuid4().hex,
+                ),
+                # The prefill worker's own queue plus the handoff: generous, but never unbounded.
+                timeout=self.config.kv_transfer_timeout_s * 2,
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise GenerateFailed(code, exc.details()) from None
+                raise GenerateFailed(code, exc.details() or "") from None
             raise GenerateFailed(
                 grpc.StatusCode.ABORTED,
                 f"prefill worker {request.prefill_endpoint} failed ({code.name}): {exc.details()}",
@@ -214,34 +209,32 @@ class DecodeWorker(RuntimeWorker):
             )
         self.runtime.transfers.record(reservation.num_bytes, reply.timings.kv_transfer_s)
         first_logprobs = logprobs_from_proto(reply.first_logprobs) if reply.HasField("first_logprobs") else None
-        self.runtime.loop.call(
+        await self.runtime.call(
             lambda e: e.commit_remote(req.request_id, reply.first_token_id, first_logprobs, reply.num_cached_tokens)
         )
         return None
 
     def _abandon(self, req: Request, reservation: Reservation | None) -> None:
+        """Free what the request holds, without waiting (this runs on the asyncio loop, maybe cancelled)."""
         if reservation is not None:
             reservation.cancel("request abandoned")  # after this no block write is in flight
         try:
-            self.runtime.loop.call(lambda e: e.abort_request([req.request_id]), timeout_s=10.0)
-        except Exception:  # noqa: BLE001 - the loop is gone: its stop() aborted everything already
-            logger.warning("could not abort %s: engine loop unavailable", req.request_id)
+            self.runtime.loop.submit(lambda e: e.abort_request([req.request_id]))
+        except EngineLoopClosed:  # its stop() aborted everything already
+            logger.warning("could not abort %s: engine loop stopped", req.request_id)
 
     def _prefill_stub(self, endpoint: str) -> serving_pb2_grpc.WorkerStub:
+        """An aio stub on this worker's asyncio loop (only called there, so no lock)."""
         stub = self._prefill_stubs.get(endpoint)
-        if stub is None:  # a racing handler may build a second channel; the first one stored wins
-            stub = serving_pb2_grpc.WorkerStub(grpc.insecure_channel(endpoint, options=GRPC_OPTIONS))
-            stub = self._prefill_stubs.setdefault(endpoint, stub)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            self._prefill_channels.append(channel)
+            stub = self._prefill_stubs[endpoint] = serving_pb2_grpc.WorkerStub(channel)
         return stub
 
-
-def _next_output(outputs: queue.SimpleQueue[RequestOutput], context: grpc.ServicerContext) -> RequestOutput | None:
-    while context.is_active():
-        try:
-            return outputs.get(timeout=0.05)
-        except queue.Empty:
-            continue
-    return None
+    async def _close_channels(self) -> None:
+        for channel in self._prefill_channels:
+            await channel.close()
 
 
 def _queue_s(req: Request) -> float:
@@ -259,8 +252,12 @@ class DecodeServicer(WorkerServicer):
         super().__init__(worker.runtime)
         self.worker = worker
 
-    def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.ServicerContext):
-        return self.worker.generate(request, context)
+    async def Generate(
+        self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        # An async generator function itself: that is how grpc.aio tells a streaming handler from a unary one.
+        async for message in self.worker.generate(request, context):
+            yield message
 
-    def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")
+    async def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")

@@ -15,11 +15,12 @@ its Ray actor. Ray is confined to this module and `deploy.serve_command`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,13 +30,19 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import ray  # noqa: E402
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError  # noqa: E402
 
-from deploy.worker_host import WorkerFactory, WorkerHost, WorkerInfo
+from deploy.worker_host import LIVE, STALLED, UNRESPONSIVE, WorkerFactory, WorkerHost, WorkerInfo
 from engine.config import EngineConfig
 from engine.serving.log_config import configure_logging
 from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
 
 logger = logging.getLogger(__name__)
+
+# Why a worker was restarted (the `reason` label of splitserve:worker_restarts_total): its process died; it failed
+# its liveness check N times in a row, answering that its engine loop is stuck or not answering at all; or an
+# earlier restart of it failed and this is the retry.
+PROCESS_DIED, RESTART_FAILED = "process_died", "restart_failed"
+RESTART_REASONS = (PROCESS_DIED, STALLED, UNRESPONSIVE, RESTART_FAILED)
 
 
 class WorkerHostProcess(WorkerHost):
@@ -66,6 +73,7 @@ class ControllerConfig:
     worker_host: str = "127.0.0.1"  # the address workers bind and advertise
     device: str = "cpu"
     worker_env: Mapping[str, str] = field(default_factory=dict)  # environment of every worker process
+    redis_url: str | None = None  # the prefix index the workers publish their KV events to; None: no index
     health_interval_s: float = 2.0  # between watch passes; 0 disables the watch thread (tests call check_health)
     health_timeout_s: float = 2.0  # one worker's Health RPC
     num_failed_checks_to_restart: int = 3  # consecutive failed checks of a live process before it is replaced
@@ -123,6 +131,7 @@ class ClusterController:
         self._last_incarnation = 0
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._restarts: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, reason) -> restarts
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> list[WorkerInfo]:
@@ -158,53 +167,67 @@ class ClusterController:
 
     # -- health ----------------------------------------------------------------------------------------------
     def check_health(self) -> list[str]:
-        """One watch pass: probe every live host at once, restart the dead, the persistently unhealthy and the
-        down ones whose backoff has passed. Returns the ids of the workers restarted."""
+        """One watch pass: probe every live host at once, restart the dead, those that failed their liveness
+        check `num_failed_checks_to_restart` times in a row, and the down ones whose backoff has passed. Load and
+        busy-ness play no part: only `Health`, which a worker answers apart from its request path. Returns the
+        ids of the workers restarted."""
         with self._op_lock:
             if self._stopping.is_set():
                 return []
             with self._table_lock:
                 hosts = list(self._hosts)
             probes = {id(h): h.actor.health.remote(self._config.health_timeout_s) for h in hosts if h.actor}
-            to_restart: list[_Host] = []
+            to_restart: list[tuple[_Host, str]] = []
             for host in hosts:
                 if host.actor is None:
                     if time.monotonic() >= host.next_restart_at:
-                        to_restart.append(host)
-                elif self._probe_says_restart(host, probes[id(host)]):
-                    to_restart.append(host)
+                        to_restart.append((host, RESTART_FAILED))
+                elif (reason := self._probe_says_restart(host, probes[id(host)])) is not None:
+                    to_restart.append((host, reason))
             restarted: list[str] = []
-            for host in to_restart:
+            for host, reason in to_restart:
                 if self._stopping.is_set():
                     break
-                if self._restart(host):
+                if self._restart(host, reason):
                     restarted.extend(host.configs)
             return restarted
 
-    def _probe_says_restart(self, host: _Host, probe: Any) -> bool:
+    def restart_counts(self) -> list[tuple[str, str, int]]:
+        """(role, reason, restarts) since start, one per pair that happened; for `splitserve:worker_restarts_total`."""
+        with self._table_lock:
+            return [(role, reason, n) for (role, reason), n in sorted(self._restarts.items())]
+
+    def _probe_says_restart(self, host: _Host, probe: Any) -> str | None:
+        """The reason to restart `host` now, or None."""
         timeout_s = self._config.health_timeout_s * len(host.configs) + 5.0  # the host checks its workers in turn
         try:
-            healthy = ray.get(probe, timeout=timeout_s)
+            liveness: dict[str, str] = ray.get(probe, timeout=timeout_s)
         except ActorDiedError as exc:
             logger.warning("host of %s died: %s", sorted(host.configs), _first_line(exc))
-            return True
+            return PROCESS_DIED
         except (GetTimeoutError, RayTaskError, RayActorError) as exc:  # RayActorError: unreachable for now
-            healthy = {}
+            liveness = {}
             logger.warning("health check of %s failed: %s", sorted(host.configs), _first_line(exc))
-        if healthy and all(healthy.get(w, False) for w in host.configs):
+        states = {liveness.get(w, UNRESPONSIVE) for w in host.configs}
+        if states == {LIVE}:
             host.num_failed_checks = 0
-            return False
+            return None
         host.num_failed_checks += 1
-        return host.num_failed_checks >= self._config.num_failed_checks_to_restart
+        if host.num_failed_checks < self._config.num_failed_checks_to_restart:
+            return None
+        return STALLED if STALLED in states else UNRESPONSIVE
 
-    def _restart(self, host: _Host) -> bool:
+    def _restart(self, host: _Host, reason: str) -> bool:
         """Replace the host's process and its workers (new incarnations). On failure the host stays down and is
         retried after a growing backoff. Runs under the op lock."""
         with self._table_lock:
             host.infos = []  # unpublish first: the router must stop sending to the old endpoints now
+            for config in host.configs.values():
+                self._restarts[(config.role, reason)] += 1
         if host.actor is not None:
             _kill(host.actor)
             host.actor = None
+        self._purge_index(host.configs)
         host.configs = {w: replace(c, incarnation=self._new_incarnation()) for w, c in host.configs.items()}
         host.num_failed_checks = 0
         try:
@@ -217,8 +240,25 @@ class ClusterController:
             )
             return False
         host.restart_backoff_s = 0.0
-        logger.warning("restarted %s", ", ".join(f"{i.worker_id}@{i.endpoint}" for i in host.infos))
+        logger.warning("restarted (%s) %s", reason, ", ".join(f"{i.worker_id}@{i.endpoint}" for i in host.infos))
         return True
+
+    def _purge_index(self, worker_ids: Iterable[str]) -> None:
+        """A dead worker's prefix index entries go now, not when its next incarnation first publishes (the
+        index is an optimisation: a failure here is logged and restarting goes on)."""
+        if self._config.redis_url is None:
+            return
+        import redis
+
+        from kv_transfer.prefix_index import purge_worker_everywhere
+
+        try:
+            with redis.Redis.from_url(self._config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0) as r:
+                for worker_id in worker_ids:
+                    removed = purge_worker_everywhere(r, worker_id)
+                    logger.info("prefix index: purged %d entries of %s", removed, worker_id)
+        except (redis.RedisError, OSError) as exc:
+            logger.warning("prefix index: could not purge %s: %s", sorted(worker_ids), exc)
 
     def _watch(self) -> None:
         while not self._stopping.wait(self._config.health_interval_s):
@@ -291,6 +331,7 @@ class ClusterController:
                     kv_transfer_timeout_s=c.kv_transfer_timeout_s,
                     incarnation=self._new_incarnation(),
                     device=c.device,
+                    redis_url=c.redis_url,
                 )
             )
         return configs
@@ -414,6 +455,7 @@ def init_local_ray(*, address: str | None = None) -> None:
       (one per core, ~90 MB each) would never be used.
     - object_store_memory=128 MiB: only small control messages pass through the object store.
     - logging_level=WARNING; worker output still reaches the terminal, prefixed by Ray with the actor and pid.
+    - worker_niceness=0 (Ray's default is 15); a cluster joined by address keeps its own setting.
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
@@ -427,7 +469,9 @@ def init_local_ray(*, address: str | None = None) -> None:
         include_dashboard=False,
         logging_level=logging.WARNING,
         object_store_memory=128 << 20,
-        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+        # worker_niceness 0: Ray starts its workers at nice 15 by default, which on a busy machine hands the CPU to
+        # everything else first; our workers are the serving path.
+        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False, "worker_niceness": 0},
     )
 
 

@@ -25,10 +25,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deploy.worker_host import WorkerInfo
+from engine.serving.worker_config import WorkerInfo
 from engine.engine_args import add_engine_args, engine_config_from_args
 from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
+from router.routing import POLICIES as ROUTING_POLICIES
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
@@ -37,12 +38,27 @@ if TYPE_CHECKING:
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 
 
+# Conditional disaggregation's default: the decode worker prefills a prompt itself when it lacks at most this
+# many of its tokens (docs/benchmarks.md, "Conditional disaggregation", says how it was chosen).
+DEFAULT_DISAGG_PREFILL_THRESHOLD = 32
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     controller: ControllerConfig
     host: str = "127.0.0.1"  # the router's HTTP address
     port: int = 8000  # 0: any free port (the ready line names it)
     ray_address: str | None = None  # None: a private local Ray cluster, started and stopped with the command
+    request_timeout_s: float = 600.0  # one request, gateway queue included
+    admission_control: bool = True  # False: every request straight to the workers (vLLM's behaviour)
+    max_queued_requests: int | None = None  # the gateway's admission queue; None: derived from the pool
+    queue_timeout_s: float = 30.0  # longest wait in the gateway's queue before a 503
+    # The prefix index: an embedded redis-server started with the command (the default), a Redis of your own
+    # (`redis_url`), or none (`prefix_index=False`: routing by load only).
+    prefix_index: bool = True
+    redis_url: str | None = None
+    routing_policy: str = "prefix-aware"
+    disagg_prefill_threshold_tokens: int = DEFAULT_DISAGG_PREFILL_THRESHOLD
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
@@ -56,6 +72,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--colocated-workers", type=int, default=None, help="colocated pool size (default 1)")
     p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV blocks go prefill→decode")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a KV handoff fails")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds one request may take end to end, the gateway's queue included")
+    p.add_argument("--admission-control", action=argparse.BooleanOptionalAction, default=True,
+                   help="hold requests at the gateway while the pool is full, refuse (429) beyond the queue; "
+                        "--no-admission-control sends every request to the workers at once, as vLLM does")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests the gateway holds while the pool is full; beyond it answers 429 (default: as "
+                        "many as the pool runs at once, sum of max_num_seqs; queued KV blocks are bounded by the "
+                        "pool's KV cache too)")
+    p.add_argument("--queue-timeout", type=float, default=30.0,
+                   help="seconds a request may wait in the gateway's queue before it gets 503")
+    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
+    p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
+    p.add_argument("--health-check-failure-threshold", type=int, default=3,
+                   help="failed liveness checks in a row before a worker is restarted")
+    p.add_argument("--redis-url", default=None,
+                   help="the prefix index's Redis (default: start an embedded redis-server on a free loopback port)")
+    p.add_argument("--prefix-index", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the cluster-wide prefix index in Redis and route by it; --no-prefix-index: no Redis")
+    p.add_argument("--routing-policy", default="prefix-aware", choices=ROUTING_POLICIES,
+                   help="how the gateway picks workers: by cached prefix and load, by load, or in turn")
+    p.add_argument("--disagg-prefill-threshold", type=int, default=DEFAULT_DISAGG_PREFILL_THRESHOLD,
+                   help="tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled "
+                        "there, with no KV handoff (0: always disaggregate)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -81,8 +121,18 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                 raise ValueError(f"{flag} must be at least 1, got {n} (or use --colocated)")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.kv_transfer_timeout <= 0:
-        raise ValueError(f"--kv-transfer-timeout must be positive, got {args.kv_transfer_timeout}")
+    for flag in ("kv_transfer_timeout", "request_timeout", "queue_timeout", "health_check_interval",
+                 "health_check_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.health_check_failure_threshold < 1:
+        raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.disagg_prefill_threshold < 0:
+        raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
+    if args.redis_url is not None and not args.prefix_index:
+        raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
@@ -105,8 +155,16 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         kv_transport=args.kv_transport,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         worker_env=worker_env,
+        health_interval_s=args.health_check_interval,
+        health_timeout_s=args.health_check_timeout,
+        num_failed_checks_to_restart=args.health_check_failure_threshold,
     )
-    return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address)
+    return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address,
+                       request_timeout_s=args.request_timeout, admission_control=args.admission_control,
+                       max_queued_requests=args.max_queued_requests,
+                       queue_timeout_s=args.queue_timeout, prefix_index=args.prefix_index, redis_url=args.redis_url,
+                       routing_policy=args.routing_policy,
+                       disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,7 +194,7 @@ def build_kernels_ahead() -> None:
 
 # -- the router's view of the cluster -------------------------------------------------------------------------
 class WorkerDirectory:
-    """The router's worker provider: `controller.list_workers()` in the router's own `WorkerInfo`s.
+    """The router's worker provider: `controller.list_workers()`.
 
     The router's registry calls it from a thread every refresh interval, so it may block on Ray. Before
     `attach()`, and when the controller is slow, it returns the last list; once the controller actor is gone,
@@ -146,11 +204,12 @@ class WorkerDirectory:
     def __init__(self, *, timeout_s: float = 10.0) -> None:
         self._controller: Any = None
         self._workers: list[Any] = []
+        self._restarts: list[tuple[str, str, int]] = []
         self._timeout_s = timeout_s
         self.lost = False
 
     def attach(self, controller: Any, workers: list[WorkerInfo]) -> None:
-        self._workers = _router_infos(workers)
+        self._workers = list(workers)
         self._controller = controller
 
     def __call__(self) -> list[Any]:
@@ -160,7 +219,9 @@ class WorkerDirectory:
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            self._workers = _router_infos(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+            workers, restarts = ray.get([self._controller.list_workers.remote(),
+                                         self._controller.restart_counts.remote()], timeout=self._timeout_s)
+            self._workers, self._restarts = list(workers), restarts
         except GetTimeoutError:
             pass  # a busy controller: keep the last list
         except RayActorError:
@@ -168,13 +229,9 @@ class WorkerDirectory:
         return list(self._workers)
 
 
-def _router_infos(workers: list[WorkerInfo]) -> list[Any]:
-    from router.worker_registry import WorkerInfo as RouterWorkerInfo
-
-    return [
-        RouterWorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint, incarnation=w.incarnation)
-        for w in workers
-    ]
+    def restart_counts(self) -> list[tuple[str, str, int]]:
+        """(role, reason, restarts) as of the last refresh, for the router's splitserve:worker_restarts_total."""
+        return list(self._restarts)
 
 
 # -- signals -------------------------------------------------------------------------------------------------
@@ -217,8 +274,9 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     from deploy.controller import RemoteClusterController, init_local_ray
     from router.server import RouterServer, build_router_app
 
-    c = config.controller
     directory = WorkerDirectory()
+    redis, redis_url = _start_prefix_index(config)
+    c = dataclasses.replace(config.controller, redis_url=redis_url)
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
     app = build_router_app(
@@ -227,10 +285,20 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
         mode="colocated" if c.num_colocated_workers else "disaggregated",
         block_size=c.engine.block_size,
         max_model_len=c.engine.max_model_len,
+        request_timeout_s=config.request_timeout_s,
+        admission_control=config.admission_control,
+        max_queued_requests=config.max_queued_requests,
+        queue_timeout_s=config.queue_timeout_s,
+        restart_counts=directory.restart_counts,
+        redis_url=redis_url,
+        routing_policy=config.routing_policy,
+        disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
     )
     try:
         server = RouterServer(app, host=config.host, port=config.port)
     except OSError as exc:
+        if redis is not None:
+            redis.stop()
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     signals = _ShutdownSignals()
     signals.install()
@@ -263,12 +331,29 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
             _stop_controller(controller)
         if ray.is_initialized():
             ray.shutdown()
+        if redis is not None:
+            redis.stop()
         _reap_descendants(grace_s=5.0)  # a safety net: ray.shutdown() normally leaves nothing
         signals.restore()
 
 
 class _StartFailed(Exception):
     pass
+
+
+def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
+    """(the embedded Redis, or None; the index's URL, or None without an index)."""
+    if not config.prefix_index:
+        return None, None
+    if config.redis_url is not None:
+        return None, config.redis_url
+    from deploy.redis_server import EmbeddedRedis, RedisUnavailableError
+
+    try:
+        redis = EmbeddedRedis().start()
+    except RedisUnavailableError as exc:
+        raise ValueError(f"the prefix index needs Redis: {exc} (or --no-prefix-index)") from None
+    return redis, redis.url
 
 
 def _wait_for(ref: Any, stop: threading.Event) -> Any:

@@ -23,23 +23,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from engine.config import EngineConfig
-from engine.serving.worker_config import WorkerConfig
+from engine.serving.worker_config import WorkerConfig, WorkerInfo
 
 if TYPE_CHECKING:
     from engine.loader.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerInfo:
-    """What the router needs to reach a worker, plus where it runs (for operators and tests)."""
-
-    worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
-    endpoint: str  # "host:port" of its gRPC `Worker` service
-    incarnation: int  # changes on every restart: index entries and channels of an older one are stale
-    pid: int  # the process hosting it
+# A worker's liveness, as `WorkerHost.health` reports it (and the controller's restart reasons name it).
+LIVE, STALLED, UNRESPONSIVE = "live", "stalled", "unresponsive"
 
 
 class Worker(Protocol):
@@ -155,12 +147,14 @@ class WorkerHost:
     def infos(self) -> list[WorkerInfo]:
         return [r.info for r in self._running.values()]
 
-    def health(self, timeout_s: float = 2.0) -> dict[str, bool]:
-        """Ask each worker's own gRPC server for `Health`. A worker is healthy when it answers in time with
-        ok, its id and this incarnation (a stale server on a reused port fails the last two)."""
+    def health(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """Liveness of each worker, from its own gRPC server's `Health` (answered apart from the request path):
+        LIVE when it answers in time with ok, its id and this incarnation; STALLED when it answers but its engine
+        loop is dead or stuck in one step; UNRESPONSIVE when it does not answer in time, or a stale server on a
+        reused port answers instead."""
         from protos import serving_pb2, serving_pb2_grpc
 
-        result: dict[str, bool] = {}
+        result: dict[str, str] = {}
         for worker_id, running in list(self._running.items()):
             try:
                 reply = serving_pb2_grpc.WorkerStub(running.channel).Health(
@@ -168,11 +162,12 @@ class WorkerHost:
                 )
             except grpc.RpcError as exc:
                 logger.warning("worker %s failed its health check: %s", worker_id, exc.code())
-                result[worker_id] = False
+                result[worker_id] = UNRESPONSIVE
                 continue
-            result[worker_id] = (
-                reply.ok and reply.worker_id == worker_id and reply.incarnation == running.info.incarnation
-            )
+            if reply.worker_id != worker_id or reply.incarnation != running.info.incarnation:
+                result[worker_id] = UNRESPONSIVE
+            else:
+                result[worker_id] = LIVE if reply.ok else STALLED
         return result
 
     def pid(self) -> int:
@@ -186,7 +181,11 @@ class WorkerHost:
         return self._checkpoints[key]
 
     def _start_one(self, config: WorkerConfig) -> _Running:
-        worker = self._factory.build(config, self._checkpoint_for(config.engine))
+        from engine.serving.fresh_thread import run_on_fresh_thread
+
+        # Weights and engine are built on a thread that then exits: the engine loop's thread must be this
+        # process's only OpenMP master (engine/serving/fresh_thread.py).
+        worker = run_on_fresh_thread(lambda: self._factory.build(config, self._checkpoint_for(config.engine)))
         try:
             endpoint = worker.start()
         except BaseException:

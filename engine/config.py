@@ -21,6 +21,9 @@ class EngineConfig:
     seed: int | None = None  # for requests without their own seed
     attention_backend: str = "auto"  # "cpu" (C++ paged decode kernel) when it builds, else "torch"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # What namespaces KV block hashes (with block size and dtype): None: a digest of the checkpoint's weights
+    # (engine/loader/model_identity.py), so two copies of the same weights share hashes wherever they live.
+    model_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -32,5 +35,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.model_id is not None and not self.model_id.strip():
+            raise ValueError("model_id must be non-empty when given")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

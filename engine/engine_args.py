@@ -38,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "cpu", "torch"))
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--model-id", default=None,
+                   help="identity of the weights for KV block hashes and the prefix index (default: a digest of "
+                        "the checkpoint's files)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -54,4 +57,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
+        model_id=args.model_id,
     )

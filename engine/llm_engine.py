@@ -12,7 +12,7 @@ import logging
 import operator
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,8 +31,11 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
+from engine.loader.model_identity import model_identity
 from kv_transfer.block_hash import BlockHashNamespace
 from kv_transfer.kv_events import KVEvent
+
+KVEventSink = Callable[[Sequence[KVEvent]], None]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +83,15 @@ class LLMEngine:
             self.kv_cache,
         )
         self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed)
-        self.hash_namespace = BlockHashNamespace(model=mc.name, block_size=config.block_size, kv_dtype=config.dtype)
+        self.hash_namespace = BlockHashNamespace(
+            model=config.model_id or model_identity(checkpoint.path), block_size=config.block_size,
+            kv_dtype=config.dtype)
         self.outputs = OutputProcessor(self.tokenizer)
         self._counters = EngineStats()
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
-        self._events: list[KVEvent] = []
+        # Where the block pool's KV events go after each step (a worker's prefix index publisher); None: dropped.
+        self.kv_event_sink: KVEventSink | None = None
+        self.num_scheduled_last_step = 0  # requests the last step() ran; 0: it could run nothing
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
@@ -163,7 +170,7 @@ class LLMEngine:
     def release_held(self, request_id: str) -> bool:
         """End a prefilled request's KV handoff: its blocks go back (full ones stay as prefix cache)."""
         released = self.scheduler.release_held(request_id)
-        self._events.extend(self.block_pool.take_events())
+        self.publish_kv_events()
         return released
 
     def reserve_remote(self, request: Request) -> list[int] | None:
@@ -183,13 +190,14 @@ class LLMEngine:
         request.num_cached_tokens = num_cached_tokens
         self.scheduler.commit_remote(request, first_token_id)
         outs = self._postprocess([(request, first_token_id)], {request_id: logprobs} if logprobs else {}, time.monotonic())
-        self._events.extend(self.block_pool.take_events())
+        self.publish_kv_events()
         return outs[0]
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
+        self.num_scheduled_last_step = len(scheduled.scheduled)
+        if scheduled.is_empty:  # e.g. every waiting request needs blocks that only a finish or an abort frees
             return []
         try:
             sampled, logprobs = self.runner.execute(scheduled)
@@ -206,7 +214,7 @@ class LLMEngine:
         sampled_s = time.monotonic()
         produced = self.scheduler.update_from_output(scheduled, sampled)
         outs = self._postprocess(produced, logprobs, sampled_s)
-        self._events.extend(self.block_pool.take_events())
+        self.publish_kv_events()
         return outs
 
     def _postprocess(
@@ -238,9 +246,13 @@ class LLMEngine:
         return self.outputs.finish(request, stats, error)
 
     # -- observability ---------------------------------------------------------------------------------------
-    def take_kv_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events
+    def publish_kv_events(self) -> None:
+        """The recipe's last step (and after anything that changes the cache outside a step: the serving loop
+        calls it after every command): the block pool's events go to `kv_event_sink`, or are dropped, so that
+        nothing accumulates."""
+        events = self.block_pool.take_events()
+        if events and self.kv_event_sink is not None:
+            self.kv_event_sink(events)
 
     def stats(self) -> EngineStats:
         """Gauges now, counters since start; finished-request stats since the previous call."""

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field, fields
 
 from protos import kv_transfer_pb2
 
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b: e.g. the blocks of `b` tokens that `a` tokens fill. The one copy everyone uses."""
+    return -(-a // b)
+
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -121,7 +126,7 @@ class KVHandoff:
 
     @property
     def num_blocks(self) -> int:
-        return -(-self.num_tokens // self.layout.block_size)
+        return cdiv(self.num_tokens, self.layout.block_size)
 
     @property
     def num_bytes(self) -> int:

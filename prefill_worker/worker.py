@@ -14,20 +14,23 @@ once the receiver verified every block; a send never outlives `kv_transfer_timeo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import queue
 import threading
 import uuid
 
 import grpc
+import grpc.aio
 import torch
 
+from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
 from engine.serving.convert import logprobs_to_proto, sampling_params_from_proto
 from engine.serving.worker_config import WorkerConfig
 from engine.serving.worker_runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
+from kv_transfer.base import TransferResult
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_sender
 from protos import serving_pb2, serving_pb2_grpc
@@ -82,65 +85,77 @@ class PrefillWorker(RuntimeWorker):
         self.runtime.stop()
         self.sender.close()
 
-    def prefill(self, request: serving_pb2.PrefillRequest, context: grpc.ServicerContext) -> serving_pb2.PrefillResponse:
+    async def prefill(
+        self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.PrefillResponse:
         gen = request.request
         request_id = gen.request_id
-        loop = self.runtime.loop
+        runtime = self.runtime
         try:
-            req = loop.engine.make_request(
+            req = runtime.engine.make_request(
                 request_id, list(gen.prompt_token_ids), sampling_params_from_proto(gen.params), remote_decode=True
             )
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        loop.listen(request_id, outputs.put)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs = runtime.outputs(request_id)
+        done = False
         try:
-            loop.call(lambda e: e.enqueue(req))
-        except ValueError as exc:
-            loop.unlisten(request_id)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # The decode worker gave up (its client left, or it timed out): abort here too, held blocks included.
-        context.add_callback(lambda: loop.submit(lambda e: e.abort_request([request_id])))
+            try:
+                await runtime.call(lambda e: e.enqueue(req))
+            except ValueError as exc:
+                done = True  # nothing was queued
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            out = await outputs.get()
+            while not out.finished:  # a prefill's only output is its first token, which finishes it here
+                out = await outputs.get()
+            reply = self._reply(request_id, out)
+            if out.finish_reason != "prefilled":  # ended on its first token, or failed: nothing to hand off
+                done = True
+                return reply
+            try:
+                # The send blocks (its transport's own threads and sockets): on the loop's executor, not on it.
+                result = await asyncio.to_thread(self._hand_off, req, request)
+            except (KVTransferError, KeyError) as exc:  # KeyError: aborted meanwhile, its blocks already released
+                self.runtime.transfers.record_failure()
+                logger.warning("KV handoff of %s to %s failed: %s", request_id, request.decode_endpoint, exc)
+                reply.finish_reason = "error"
+                reply.error = f"KV transfer to the decode worker failed: {exc}"
+                return reply
+            finally:
+                done = True
+                runtime.loop.submit(lambda e: e.release_held(request_id))
+            reply.timings.kv_transfer_s = result.seconds
+            reply.timings.kv_transfer_bytes = result.num_bytes
+            return reply
+        finally:
+            runtime.loop.unlisten(request_id)
+            if not done:  # the decode worker gave up (its client left, or it timed out): abort, held blocks too
+                runtime.loop.submit(lambda e: e.abort_request([request_id]))
 
-        out = _wait_finished(outputs, context)
-        if out is None:  # cancelled; the callback aborts
-            context.abort(grpc.StatusCode.CANCELLED, f"request {request_id} was cancelled")
+    @staticmethod
+    def _reply(request_id: str, out: RequestOutput) -> serving_pb2.PrefillResponse:
         stats = out.stats
-        timings = serving_pb2.StageTimings(
-            prefill_queue_s=stats.queue_time_s if stats else 0.0,
-            prefill_s=(stats.ttft_s - stats.queue_time_s) if stats else 0.0,
-        )
         reply = serving_pb2.PrefillResponse(
             request_id=request_id,
             num_cached_tokens=stats.num_cached_tokens if stats else 0,
-            timings=timings,
+            timings=serving_pb2.StageTimings(
+                prefill_queue_s=stats.queue_time_s if stats else 0.0,
+                prefill_s=(stats.ttft_s - stats.queue_time_s) if stats else 0.0,
+            ),
         )
         if out.token_ids:
             reply.first_token_id = out.token_ids[0]
         if out.logprobs:
             reply.first_logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
-        if out.finish_reason != "prefilled":  # ended on its first token, or failed: nothing to hand off
+        if out.finish_reason != "prefilled":
             reply.finish_reason = out.finish_reason or "error"
             reply.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
             reply.text = out.text
             reply.error = out.error or ""
-            return reply
-        try:
-            result = self._hand_off(req, request, timings)
-        except (KVTransferError, KeyError) as exc:  # KeyError: aborted meanwhile, its blocks already released
-            self.runtime.transfers.record_failure()
-            logger.warning("KV handoff of %s to %s failed: %s", request_id, request.decode_endpoint, exc)
-            reply.finish_reason = "error"
-            reply.error = f"KV transfer to the decode worker failed: {exc}"
-            return reply
-        finally:
-            loop.submit(lambda e: e.release_held(request_id))
-        timings.kv_transfer_s = result.seconds
-        timings.kv_transfer_bytes = result.num_bytes
-        reply.timings.CopyFrom(timings)
         return reply
 
-    def _hand_off(self, req, request: serving_pb2.PrefillRequest, timings: serving_pb2.StageTimings):
+    def _hand_off(self, req: Request, request: serving_pb2.PrefillRequest) -> TransferResult:
+        """Send the held blocks to the decode worker; blocks until the receiver confirmed or the send failed."""
         runtime = self.runtime
         block_ids = runtime.loop.call(lambda e: e.held_block_ids(req.request_id))
         layout = runtime.layout
@@ -171,25 +186,16 @@ class PrefillWorker(RuntimeWorker):
             return True
 
 
-def _wait_finished(outputs: queue.SimpleQueue[RequestOutput], context: grpc.ServicerContext) -> RequestOutput | None:
-    """The request's finished output (prefill yields one output: its first token), or None if the call ended."""
-    while context.is_active():
-        try:
-            out = outputs.get(timeout=0.05)
-        except queue.Empty:
-            continue
-        if out.finished:
-            return out
-    return None
-
-
 class PrefillServicer(WorkerServicer):
     def __init__(self, worker: PrefillWorker) -> None:
         super().__init__(worker.runtime)
         self.worker = worker
 
-    def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.ServicerContext) -> serving_pb2.PrefillResponse:
-        return self.worker.prefill(request, context)
+    async def Prefill(
+        self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.PrefillResponse:
+        return await self.worker.prefill(request, context)
 
-    def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker does not generate; send Generate to a decode worker")
+    async def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "a prefill worker does not generate; send Generate to a decode worker")

@@ -4,9 +4,10 @@
     GET  /v1/models                              the served model names, in OpenAI's list shape
     GET  /health                                 200 when each role the mode needs has a healthy worker, else 503
     GET  /metrics                                Prometheus text; refreshes worker loads first
+    GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
 
-`create_app` owns the registry's lifecycle: the app's lifespan starts it (inside the serving event loop, where
-its gRPC channels must live) and closes it on shutdown.
+`create_app` owns the registry's and the prefix index client's lifecycles: the app's lifespan starts them
+(inside the serving event loop, where their gRPC channels and Redis connections must live) and closes them.
 
 Cancellation: a client that disconnects while the router waits on a worker — a non-streaming request, or a
 streaming one before its first token — cancels the wait; during a stream, Starlette cancels the body iterator.
@@ -27,10 +28,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from router.admission import Admission
+from router.body_limit import BodyLimit
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, GenerationJob, GenerationStream, PrefixOverlapFn
-from router.errors import error_body, install_error_handlers
-from router.metrics import RequestTracker, RouterMetrics
+from router.dispatcher import Dispatcher, GenerationJob, GenerationStream
+from router.errors import GENERATION_ERRORS, error_body, install_error_handlers, without_validation_errors
+from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
+from router.prefix_routing import PrefixIndex
 from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens
 from router.protocol import (
     ChatCompletionRequest,
@@ -58,31 +62,51 @@ def create_app(
     registry: WorkerRegistry,
     tokenizer: Tokenizer,
     *,
-    prefix_overlap: PrefixOverlapFn | None = None,
+    prefix_index: PrefixIndex | None = None,
+    restart_counts: RestartCounts | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `config.served_model_names` through the workers `registry` knows.
 
-    `prefix_overlap` (optional, async): prompt token ids -> {prefill worker id: cached leading blocks}, e.g. a
-    lookup in the Redis prefix index; without it prefill workers are chosen by load alone.
+    `prefix_index` (optional): the Redis prefix index; without it (or with Redis down) workers are chosen by load.
+    `restart_counts` (optional): the cluster controller's worker restarts, for /metrics.
     """
-    metrics = RouterMetrics(registry.snapshots)
-    dispatcher = Dispatcher(config=config, registry=registry, prefix_overlap=prefix_overlap)
+    metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts)
+    if prefix_index is not None:
+        metrics.registry.register(PrefixIndexCollector(prefix_index.client))
+    admission = Admission(
+        role=config.target_role, enabled=config.admission_control, max_queued_requests=config.max_queued_requests,
+        queue_timeout_s=config.queue_timeout_s,
+        on_refused=lambda reason: metrics.admission_rejections.labels(reason=reason).inc(),
+        on_admitted=metrics.admission_queue_time.observe,
+    )
+    metrics.admission_queue_requests.set_function(lambda: admission.num_queued)
+    metrics.admission_in_flight_requests.set_function(lambda: admission.in_flight.num_requests)
+    registry.add_listener(lambda: admission.update(registry.loads()))
+    dispatcher = Dispatcher(config=config, registry=registry, admission=admission, prefix_index=prefix_index,
+                            on_route=metrics.count_route)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await registry.start()
+        if prefix_index is not None:
+            await prefix_index.client.start()
         try:
             yield
         finally:
+            if prefix_index is not None:
+                await prefix_index.close()
             await registry.close()
 
-    app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json: the request models' schema, for schema-driven clients and fuzzers; no HTML docs pages.
+    app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.add_middleware(BodyLimit, max_body_bytes=config.max_request_body_bytes)  # 413 before any parsing
     install_error_handlers(app)
     app.state.metrics = metrics
     app.state.registry = registry
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         arrival_s = time.perf_counter()
         check_model(body.model, config.served_model_names)
@@ -96,7 +120,7 @@ def create_app(
         return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=False), body.stream,
                                metrics.tracker(arrival_s))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_s = time.perf_counter()
         check_model(body.model, config.served_model_names)
@@ -128,6 +152,8 @@ def create_app(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return _StreamResponse(opened, sse_events(opened, spec))
 
+    app.openapi = without_validation_errors(app)  # type: ignore[method-assign]
+
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
         return {
@@ -149,6 +175,29 @@ def create_app(
         workers = [{"worker_id": s.info.worker_id, "role": s.info.role, "healthy": s.healthy}
                    for s in registry.snapshots()]
         return JSONResponse({"status": "ok", "mode": config.mode, "workers": workers})
+
+    @app.get("/v1/prefix_index")
+    async def prefix_index_stats() -> JSONResponse:
+        """The prefix index as operators see it: up or down, and blocks indexed per worker and incarnation."""
+        namespace = registry.hash_namespace()
+        body: dict[str, object] = {"enabled": prefix_index is not None, "routing_policy": config.routing_policy,
+                                   "up": bool(prefix_index is not None and prefix_index.client.up),
+                                   "namespace": None, "workers": []}
+        if prefix_index is None or namespace is None:
+            return JSONResponse(body)
+        body["namespace"] = {"model": namespace.model, "block_size": namespace.block_size,
+                             "kv_dtype": namespace.kv_dtype}
+        try:
+            stats = await prefix_index.client.worker_stats(namespace)
+        except Exception as exc:  # noqa: BLE001 - Redis down: say so, with what is known
+            body["up"] = False
+            body["error"] = f"{type(exc).__name__}: {exc}"
+            return JSONResponse(body, status_code=503)
+        live = registry.incarnations()
+        body["workers"] = [{"worker_id": s.worker_id, "incarnation": s.incarnation, "role": s.role,
+                            "num_blocks": s.num_blocks, "batches_applied": s.seq,
+                            "live": live.get(s.worker_id) == s.incarnation} for s in stats]
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.routing import POLICIES as ROUTING_POLICIES
+
 MODES = ("disaggregated", "colocated")
 
 
@@ -26,6 +28,21 @@ class RouterConfig:
     # the next attempt goes to another worker.
     max_dispatch_attempts: int = 2
     default_completion_max_tokens: int = 16  # /v1/completions without max_tokens, as in OpenAI and vLLM
+    # A request body over this is a 413 before it is parsed (router/body_limit.py). vLLM's server sets no limit
+    # and SGLang's gateway 512 MiB, for base64 images; this gateway takes text only. 32 MiB holds a 1M-token
+    # prompt (~4M characters) even were every character a 6-byte JSON \u escape, and bounds the memory and the
+    # parsing one request can cost.
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    # Admission control (router/admission.py): off dispatches everything at once (the engines queue it, as in
+    # vLLM); requests held while the pool is full, None: as many as the pool runs at once; and how long one may
+    # wait there before a 503.
+    admission_control: bool = True
+    max_queued_requests: int | None = None
+    queue_timeout_s: float = 30.0
+    # Routing (router/routing.py): the policy, and conditional disaggregation: a prompt of which the chosen
+    # decode worker lacks at most this many tokens is prefilled there, with no KV handoff (0: never).
+    routing_policy: str = "prefix-aware"
+    disagg_prefill_threshold_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not name for name in self.served_model_names):
@@ -36,15 +53,28 @@ class RouterConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        for name in ("request_timeout_s", "abort_timeout_s"):
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}")
+        if self.disagg_prefill_threshold_tokens < 0:
+            raise ValueError(f"disagg_prefill_threshold_tokens must be >= 0, got {self.disagg_prefill_threshold_tokens}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("request_timeout_s", "abort_timeout_s", "queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
         if self.max_dispatch_attempts < 1:
             raise ValueError(f"max_dispatch_attempts must be at least 1, got {self.max_dispatch_attempts}")
         if self.default_completion_max_tokens < 1:
             raise ValueError(
                 f"default_completion_max_tokens must be at least 1, got {self.default_completion_max_tokens}"
             )
+
+    @property
+    def target_role(self) -> str:
+        """The pool Generate calls go to, whose room admission counts."""
+        return "decode" if self.mode == "disaggregated" else "colocated"
 
     @property
     def roles_needed(self) -> tuple[str, ...]:

@@ -1,6 +1,9 @@
-"""One request's trip to the workers: route it, call the target's Generate, hand back the open stream.
+"""One request's trip to the workers: admit it, route it, call the target's Generate, hand back the open stream.
 
-    Dispatcher.open(job) ──plan_route──▶ GenerateRequest(prefill_endpoint: the prefill worker; "" colocated)
+    Dispatcher.open(job) ──admission (router/admission.py: wait in the queue, or 429)──▶ ticket
+                         ──prefix index lookup (prefix-aware policy; one Redis round trip)──▶ overlaps
+                         ──plan_route──▶ GenerateRequest(prefill_endpoint: the prefill worker; "" colocated, or a
+                                         local prefill on the decode worker) ──▶ provisional index entries
                          ──stub.Generate──▶ first message arrived? ── yes ──▶ GenerationStream
                                                 │ UNAVAILABLE before any message: mark the worker unhealthy,
                                                 │ try another worker; ABORTED (the KV handoff failed): try
@@ -9,8 +12,8 @@
 Opening waits for the first message so that a request failing before any token (bad argument, no capacity,
 worker down) still gets a proper HTTP status, even when streaming.
 
-GenerationStream lifecycle: `read()` until a message carries a finish_reason; then, always, `close()`. Closing a
-stream that did not finish (the client went away, the handler was cancelled, an error) cancels the gRPC call —
+GenerationStream lifecycle: `read()` until a message carries a finish_reason; then, always, `close()`, which also
+gives the request's admission ticket back (so the next queued request may go). Closing a stream that did not finish (the client went away, the handler was cancelled, an error) cancels the gRPC call —
 the decode worker aborts on cancellation and tells its prefill worker — and also sends `Abort(request_id)` to
 the worker as a belt-and-braces, in the background.
 """
@@ -18,23 +21,23 @@ the worker as a belt-and-braces, in the background.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 import grpc.aio
 
 from protos import serving_pb2
+from router.admission import Admission, AdmissionRefused, Ticket
 from router.config import RouterConfig
 from router.errors import ApiError
 from router.metrics import RequestTracker
+from router.prefix_routing import PrefixIndex, PrefixLookup
 from router.routing import NoWorkerError, Route, WorkerLoad, num_blocks_needed, plan_route
 from router.worker_registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
-
-# Worker id -> how many leading blocks of these prompt tokens its prefix cache holds (the Redis index's answer).
-PrefixOverlapFn = Callable[[Sequence[int]], Awaitable[Mapping[str, int]]]
 
 FINISHED = ("stop", "length")  # finish reasons of a request that succeeded
 
@@ -114,6 +117,8 @@ class GenerationStream:
         self.usage: serving_pb2.Usage | None = None
         self.finished = False  # ended: with a finish_reason, an error, or end of stream
         self._closed = False
+        self.ticket: Ticket | None = None  # the admission ticket, given back on close
+        self.on_finished: list[Callable[[GenerationStream], None]] = []  # called once, on a successful finish
 
     @property
     def worker_id(self) -> str:
@@ -165,6 +170,8 @@ class GenerationStream:
                 self.usage = message.usage
             self._tracker.finished(message.finish_reason, num_prompt_tokens=self.num_prompt_tokens,
                                    num_generated_tokens=self.num_completion_tokens)
+            for callback in self.on_finished:
+                callback(self)
         return message
 
     @property
@@ -189,6 +196,8 @@ class GenerationStream:
         if self._closed:
             return
         self._closed = True
+        if self.ticket is not None:
+            self.ticket.release()
         if self.finished:
             return
         self._tracker.finished("abort", num_prompt_tokens=self.num_prompt_tokens,
@@ -203,26 +212,53 @@ class GenerationStream:
 
 
 class Dispatcher:
-    """Routes and opens Generate calls. `prefix_overlap`, when given, scores prefill workers by cached prefix."""
+    """Routes and opens Generate calls under `config.routing_policy`. `prefix_index`, when given (and the policy
+    is prefix-aware), scores workers by the prefix they hold; `on_route(route)` counts each route taken."""
 
     def __init__(
-        self, *, config: RouterConfig, registry: WorkerRegistry, prefix_overlap: PrefixOverlapFn | None = None
+        self, *, config: RouterConfig, registry: WorkerRegistry, admission: Admission,
+        prefix_index: PrefixIndex | None = None, on_route: Callable[[Route], None] | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
-        self._prefix_overlap = prefix_overlap
+        self._admission = admission
+        self._prefix_index = prefix_index if config.routing_policy == "prefix-aware" else None
+        self._on_route = on_route or (lambda route: None)
+        self._turns = itertools.count()  # round-robin's turn; per gateway, as any round-robin balancer's
 
     async def open(self, job: GenerationJob, tracker: RequestTracker) -> GenerationStream:
-        """Dispatch `job` and wait for its first message. ApiError: 503 when no worker can take it, or the
-        worker's error mapped to HTTP. If cancelled meanwhile, the call is cancelled and aborted."""
+        """Admit `job`, dispatch it and wait for its first message. ApiError: 429 (queue full) or 503 (queued
+        too long) with Retry-After, 503 when no worker can take it, or the worker's error mapped to HTTP. If
+        cancelled meanwhile, it leaves the queue, or the call is cancelled and aborted."""
         num_blocks = num_blocks_needed(len(job.prompt_token_ids), self._config.block_size)
-        overlap = await self._overlap(job.prompt_token_ids)
+        try:
+            ticket = await self._admission.acquire(num_blocks)
+        except AdmissionRefused as refused:
+            tracker.failed(refused.reason)
+            raise ApiError(status_code=refused.status_code, message=str(refused),
+                           headers={"Retry-After": str(refused.retry_after_s)}) from None
+        try:
+            stream = await self._dispatch(job, tracker, num_blocks)
+        except BaseException:
+            ticket.release()
+            raise
+        stream.ticket = ticket
+        return stream
+
+    async def _dispatch(self, job: GenerationJob, tracker: RequestTracker, num_blocks: int) -> GenerationStream:
+        """Route and open the call, retrying elsewhere as the module docstring says."""
+        lookup = await self._lookup(job.prompt_token_ids)
+        turn = next(self._turns)
         excluded: set[str] = set()
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(1, self._config.max_dispatch_attempts + 1):
             loads = [load for load in self._registry.loads() if load.worker_id not in excluded]
             try:
-                route = plan_route(self._config.mode, loads, num_blocks=num_blocks, prefix_overlap_blocks=overlap)
+                route = plan_route(
+                    self._config.mode, loads, num_blocks=num_blocks, policy=self._config.routing_policy,
+                    prefix_overlap_blocks=lookup.overlap if lookup is not None else None, turn=turn,
+                    num_prompt_tokens=len(job.prompt_token_ids), block_size=self._config.block_size,
+                    local_prefill_threshold_tokens=self._config.disagg_prefill_threshold_tokens)
             except NoWorkerError as error:
                 if last_error is not None:  # nowhere left to retry: the worker's own error says more
                     api_error, reason = api_error_from_rpc(last_error)
@@ -231,6 +267,9 @@ class Dispatcher:
                 tracker.failed("no_worker")
                 raise ApiError(status_code=503, message=f"no worker can take the request: {error}") from error
             stream = self._start(job, route, tracker, num_blocks)
+            if self._prefix_index is not None:
+                self._prefix_index.record(lookup, route)
+                stream.on_finished.append(self._prediction_checker(lookup, route))
             try:
                 await stream.read_first()
             except grpc.aio.AioRpcError as error:
@@ -256,6 +295,7 @@ class Dispatcher:
             failure = stream.first_failure()
             if failure is not None:  # failed before any token: still time for a proper HTTP status
                 raise failure
+            self._on_route(route)
             return stream
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -274,14 +314,23 @@ class Dispatcher:
         return GenerationStream(call, job=job, route=route, registry=self._registry, tracker=tracker,
                                 abort_timeout_s=self._config.abort_timeout_s)
 
-    async def _overlap(self, token_ids: Sequence[int]) -> Mapping[str, int] | None:
-        if self._prefix_overlap is None:
+    async def _lookup(self, token_ids: Sequence[int]) -> PrefixLookup | None:
+        if self._prefix_index is None:
             return None
         try:
-            return await self._prefix_overlap(token_ids)
+            return await self._prefix_index.lookup(token_ids)
         except Exception:  # the index is an optimisation; route by load without it
-            logger.exception("prefix overlap lookup failed; routing by load only")
+            logger.exception("prefix index lookup failed; routing by load only")
             return None
+
+    def _prediction_checker(self, lookup: PrefixLookup | None, route: Route) -> Callable[[GenerationStream], None]:
+        def check(stream: GenerationStream) -> None:
+            assert self._prefix_index is not None
+            if stream.usage is not None:
+                self._prefix_index.check_prediction(lookup, route, stream.num_prompt_tokens,
+                                                    stream.num_cached_tokens)
+
+        return check
 
 
 async def _quietly(abort: Awaitable[serving_pb2.AbortResponse], request_id: str) -> None:

@@ -16,6 +16,27 @@ Measured here, per request (router clock):
                                                            (target unreachable) | aborted (KV handoff failed)
     splitserve:prompt_tokens_total, splitserve:generation_tokens_total   counters
 
+Admission (router/admission.py):
+    splitserve:admission_queue_requests         gauge      requests waiting in this gateway's queue
+    splitserve:admission_in_flight_requests     gauge      requests this gateway dispatched and not yet ended
+    splitserve:admission_queue_time_seconds     histogram  arrival in the queue -> dispatched (0 when not queued)
+    splitserve:admission_rejections_total{reason}  counter queue_full (429) | queue_timeout (503)
+
+Routing and the prefix index (router/prefix_routing.py):
+    splitserve:requests_by_prefill_path_total{path}  counter  remote (a prefill worker ran the prompt and its KV
+                                                     moved) | local (the decode worker prefilled it: conditional
+                                                     disaggregation) | colocated
+    splitserve:prefix_index_up                  gauge      1 while Redis answers
+    splitserve:prefix_index_lookups_total{outcome}  counter  ok | error | down (skipped: Redis unreachable)
+    splitserve:prefix_index_lookup_seconds      histogram  one lookup's round trip
+    splitserve:prefix_index_predictions_total{outcome}  counter  match | mismatch: the index's overlap for the
+                                                     worker that prefilled, against the prefix hit it reported
+    splitserve:prefix_cache_hit_rate{worker}    gauge      the worker's prefix-cache hits / queries (tokens)
+
+From the cluster controller (`restart_counts`), label values for every pool in the mode:
+    splitserve:worker_restarts_total{role,reason}  counter  process_died | stalled | unresponsive |
+                                                            restart_failed (see deploy/controller.py)
+
 Read from each worker's latest LoadStats at scrape time (label `worker` = worker_id):
     gauges   splitserve:num_requests_running, splitserve:num_requests_waiting, splitserve:kv_blocks_used,
              splitserve:kv_blocks_total, splitserve:kv_cache_usage_perc (a 0-1 fraction, as in vLLM),
@@ -33,16 +54,19 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protos import serving_pb2
 
 if TYPE_CHECKING:
+    from router.prefix_index_client import PrefixIndexClient
+    from router.routing import Route
     from router.worker_registry import WorkerSnapshot
 
 PREFIX = "splitserve:"
+PREFILL_PATHS = ("remote", "local", "colocated")
 STAGES = ("router_queue", "decode_queue", "prefill_queue", "prefill", "kv_transfer")
 
 # vLLM's buckets, so dashboards built for vLLM read these the same way.
@@ -56,10 +80,15 @@ _STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,
                     5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+RestartCounts = Callable[[], Sequence[tuple[str, str, int]]]  # (role, reason, restarts)
+RESTART_REASONS = ("process_died", "stalled", "unresponsive", "restart_failed")  # deploy/controller.py's
+
+
 class RouterMetrics:
     """Owns the registry. `render()` is the /metrics body; refresh worker loads before calling it."""
 
-    def __init__(self, snapshots: Callable[[], Sequence[WorkerSnapshot]]) -> None:
+    def __init__(self, snapshots: Callable[[], Sequence[WorkerSnapshot]], *, roles: Sequence[str] = (),
+                 restart_counts: RestartCounts | None = None) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.time_to_first_token = Histogram(
@@ -88,14 +117,41 @@ class RouterMetrics:
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=registry)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=registry)
+        self.admission_queue_requests = Gauge(
+            f"{PREFIX}admission_queue_requests", "Requests waiting in this gateway's admission queue.",
+            registry=registry)
+        self.admission_in_flight_requests = Gauge(
+            f"{PREFIX}admission_in_flight_requests", "Requests this gateway dispatched that have not ended.",
+            registry=registry)
+        self.admission_queue_time = Histogram(
+            f"{PREFIX}admission_queue_time_seconds", "Time a request waited in the admission queue.",
+            buckets=_STAGE_BUCKETS_S, registry=registry)
+        self.admission_rejections = Counter(
+            f"{PREFIX}admission_rejections", "Requests refused by admission control, by reason.", ["reason"],
+            registry=registry)
+        for reason in ("queue_full", "queue_timeout"):
+            self.admission_rejections.labels(reason=reason)
         for stage in STAGES:  # every stage shows up at once, with zero counts, so dashboards need no guards
             self.ttft_stage_seconds.labels(stage=stage)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)
+        self.prefill_path = Counter(
+            f"{PREFIX}requests_by_prefill_path", "Requests dispatched, by where their prompt is prefilled.",
+            ["path"], registry=registry)
+        for path in PREFILL_PATHS:
+            self.prefill_path.labels(path=path)
         registry.register(WorkerLoadCollector(snapshots))
+        registry.register(RestartCollector(roles, restart_counts or (lambda: ())))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def count_route(self, route: Route) -> None:
+        if route.prefill is not None:
+            path = "remote"
+        else:
+            path = "colocated" if route.target.role == "colocated" else "local"
+        self.prefill_path.labels(path=path).inc()
 
     def tracker(self, arrival_s: float) -> RequestTracker:
         return RequestTracker(self, arrival_s)
@@ -196,6 +252,14 @@ class WorkerLoadCollector(Collector):
                 if snapshot.stats is not None:
                     family.add_metric([snapshot.info.worker_id], float(read(snapshot.stats)))
             yield family
+        hit_rate = GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_rate",
+                                     "Prefix-cache hits / queries, in tokens, since the worker started.",
+                                     labels=["worker"])
+        for snapshot in snapshots:
+            if snapshot.stats is not None and snapshot.stats.prefix_cache_queries:
+                hit_rate.add_metric([snapshot.info.worker_id],
+                                    snapshot.stats.prefix_cache_hits / snapshot.stats.prefix_cache_queries)
+        yield hit_rate
         healthy = GaugeMetricFamily(f"{PREFIX}worker_healthy", "1 when the worker's last GetLoad answered.",
                                     labels=["worker", "role"])
         for snapshot in snapshots:
@@ -209,3 +273,51 @@ class WorkerLoadCollector(Collector):
                 for kernel in snapshot.stats.cpu_kernels:
                     kernels.add_metric([snapshot.info.worker_id, kernel.kernel, kernel.variant], 1.0)
         yield kernels
+
+
+class RestartCollector(Collector):
+    """splitserve:worker_restarts_total{role,reason}: the controller's counts, every (pool, reason) present at 0."""
+
+    def __init__(self, roles: Sequence[str], restart_counts: RestartCounts) -> None:
+        self._roles = tuple(roles)
+        self._restart_counts = restart_counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = {(role, reason): 0 for role in self._roles for reason in RESTART_REASONS}
+        for role, reason, n in self._restart_counts():
+            counts[(role, reason)] = n
+        family = CounterMetricFamily(f"{PREFIX}worker_restarts", "Workers restarted by the controller, by reason.",
+                                     labels=["role", "reason"])
+        for (role, reason), n in sorted(counts.items()):
+            family.add_metric([role, reason], float(n))
+        yield family
+
+
+class PrefixIndexCollector(Collector):
+    """The prefix index client's state and counters, read at scrape time."""
+
+    def __init__(self, client: PrefixIndexClient) -> None:
+        self._client = client
+        self._lookup_seconds = Histogram(f"{PREFIX}prefix_index_lookup_seconds", "One prefix index lookup.",
+                                         buckets=_STAGE_BUCKETS_S, registry=None)
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self._client.counters
+        pending, counters.lookup_seconds = counters.lookup_seconds, []
+        for seconds in pending:
+            self._lookup_seconds.observe(seconds)
+        up = GaugeMetricFamily(f"{PREFIX}prefix_index_up", "1 while the prefix index (Redis) answers.")
+        up.add_metric([], 1.0 if self._client.up else 0.0)
+        yield up
+        lookups = CounterMetricFamily(f"{PREFIX}prefix_index_lookups", "Prefix index lookups, by outcome.",
+                                      labels=["outcome"])
+        for outcome, n in sorted(counters.lookups.items()):
+            lookups.add_metric([outcome], float(n))
+        yield lookups
+        predictions = CounterMetricFamily(
+            f"{PREFIX}prefix_index_predictions", "Whether the index predicted the prefill worker's prefix hit.",
+            labels=["outcome"])
+        for outcome, n in sorted(counters.predictions.items()):
+            predictions.add_metric([outcome], float(n))
+        yield predictions
+        yield from self._lookup_seconds.collect()

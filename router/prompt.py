@@ -3,6 +3,10 @@
 Completions take text (tokenized with the model's own special-token policy, e.g. a BOS) or token ids as given.
 Chat renders the model's chat template and tokenizes the result with `add_special_tokens=False`: the template
 writes any BOS itself. Every problem is a 400 naming the field.
+
+Token ids a client writes (a prompt of ids, stop_token_ids) must lie in [0, vocab_size): the router holds the
+tokenizer, so it refuses them here rather than letting a worker fail the request. The text was checked by
+`check_*_request` (router/protocol.py) before it gets here: it encodes as UTF-8.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ if TYPE_CHECKING:
 
 
 def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The token ids of a /v1/completions prompt: one text or one token-id list (a batch of one is unwrapped)."""
+    """The token ids of a /v1/completions prompt: one text or one token-id list (a batch of one is unwrapped).
+
+    A 400 for ids outside the vocabulary, in the prompt or in `stop_token_ids`.
+    """
+    _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -28,18 +36,16 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer
         token_ids = tokenizer.encode(prompt)
     else:
         token_ids = [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
-        bad = [token_id for token_id in token_ids if not 0 <= token_id < tokenizer.vocab_size]
-        if bad:
-            raise bad_request(
-                f"prompt token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "prompt"
-            )
+        _check_in_vocab(token_ids, tokenizer, "prompt", what="prompt token ids")
     if not token_ids:
         raise bad_request("prompt must not be empty", "prompt")
     return token_ids
 
 
 def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The token ids of the chat template rendered over `request.messages`."""
+    """The token ids of the chat template rendered over `request.messages`; a 400 for `stop_token_ids` outside
+    the vocabulary."""
+    _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
     messages = [{"role": message.role, "content": _text_of(message, index)}
                 for index, message in enumerate(request.messages)]
     try:
@@ -86,6 +92,14 @@ def fit_max_tokens(
     return requested
 
 
+def _check_in_vocab(
+    token_ids: list[int] | None, tokenizer: Tokenizer, param: str, *, what: str | None = None
+) -> None:
+    bad = next((token_id for token_id in token_ids or () if not 0 <= token_id < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{what or param} must be in [0, {tokenizer.vocab_size}), got {bad}", param)
+
+
 def _text_of(message: ChatMessage, index: int) -> str:
     content = message.content
     if content is None:
@@ -94,8 +108,8 @@ def _text_of(message: ChatMessage, index: int) -> str:
         return content
     texts: list[str] = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"messages[{index}].content: only text parts are supported, got {part.get('type')!r}",
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{index}].content: only text parts are supported, got {part.type!r}",
                               "messages")
-        texts.append(part["text"])  # type: ignore[arg-type]
+        texts.append(part.text)
     return "\n".join(texts)

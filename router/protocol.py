@@ -4,18 +4,33 @@ Field names and defaults follow OpenAI's API plus vLLM's extensions (top_k, min_
 stop_token_ids, ignore_eos, min_tokens, ...). Unknown fields are ignored, as vLLM does. Values are checked by
 the engine's own `SamplingParams.validate()`, so the router rejects exactly what a worker would, before any
 worker sees the request.
+
+Bad input stays a 4xx: the models take the shapes and the list sizes (they are what /openapi.json publishes),
+`check_*_request` the text (valid Unicode, no NUL in what becomes the prompt), and `to_sampling_params` the
+values, including those `validate()` accepts but the protobuf fields of protos/serving.proto cannot carry.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.core.sampling_params import SamplingParams
+from engine.serving.convert import sampling_params_to_proto
 from protos import serving_pb2
 from router.errors import ApiError, bad_request
 
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38  # a larger float becomes inf in a protobuf `float` field
+
+# Caps on the stop conditions a request carries to a worker. Within the body-size limit alone, a stop list could
+# make the Generate message pass the workers' 4 MiB gRPC receive limit, a 503 for what is bad input; capped, it
+# adds at most 1 MiB (64 x 4096 characters) and 5 KiB of ids. OpenAI allows 4 stop strings, TGI 4 by default;
+# vLLM sets no cap.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class StreamOptions(BaseModel):
@@ -34,8 +49,10 @@ class _SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    # The list caps are in the schema; a stop string's length is checked by check_*_request: a length
+    # constraint here would make pydantic refuse a lone surrogate itself, with a message naming no cause.
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
@@ -65,13 +82,23 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content. Only {"type": "text", "text": ...} is served; other types (image_url,
+    input_audio, ...) parse, for a clear 400 naming them rather than a schema error."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     """One chat message; `content` is text or a list of text parts (other part types are rejected)."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str | list[dict[str, object]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
@@ -104,8 +131,16 @@ def check_model(model: str, served_model_names: tuple[str, ...]) -> None:
 
 
 def check_completion_request(request: CompletionRequest) -> None:
-    """400 for the fields the router does not support (before any tokenization)."""
+    """400 for the fields the router does not support and for text that is not valid Unicode (before any
+    tokenization): see `check_text`."""
     _check_common(request)
+    if isinstance(request.prompt, str):
+        check_text(request.prompt, param="prompt", allow_nul=False)
+    elif request.prompt and isinstance(request.prompt[0], str):
+        for index, text in enumerate(request.prompt):
+            check_text(text, param="prompt", where=f"prompt[{index}]", allow_nul=False)  # type: ignore[arg-type]
+    if request.suffix is not None:
+        check_text(request.suffix, param="suffix")
     if request.echo:
         raise bad_request("echo is not supported", "echo")
     if request.best_of not in (None, 1):
@@ -115,13 +150,41 @@ def check_completion_request(request: CompletionRequest) -> None:
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
+    """400 for the fields the router does not support and for text that is not valid Unicode (before the chat
+    template renders it): see `check_text`."""
     _check_common(request)
+    for index, message in enumerate(request.messages):
+        _check_message_text(message, f"messages[{index}]")
+    if isinstance(request.tool_choice, str):
+        check_text(request.tool_choice, param="tool_choice")
     if request.tools:
         raise bad_request("tools are not supported", "tools")
     if request.response_format is not None and request.response_format.get("type", "text") != "text":
         raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+
+
+def check_text(text: str, *, param: str, where: str | None = None, allow_nul: bool = True) -> None:
+    """400 naming `param` when `text` is not valid Unicode text or, unless `allow_nul`, holds a NUL.
+
+    JSON may escape a lone surrogate ("\\ud800"), and Python's json decodes the raw bytes ED A0 80 to one as
+    well; such a string cannot be encoded as UTF-8, so it can reach neither the tokenizer nor a protobuf
+    `string` field. The check_*_request functions hold every declared string field to this, used or not, so
+    that one rule answers for all of them. NUL is no character of any prompt; refusing it in the text that
+    becomes the prompt (prompt, messages) keeps it from meaning something else to each C-string consumer
+    downstream (tokenizers in C, logs). `where` says where the text sits (e.g. "messages[2].content"), default
+    `param`. The fields of a free-form object (tools, response_format, logit_bias) are not walked: the router
+    refuses those objects or reads nothing but response_format's "type" from them.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code_point = ord(text[error.start])
+        raise bad_request(f"{where or param} holds a lone surrogate (U+{code_point:04X} at index {error.start}), "
+                          "which is not valid Unicode text", param) from None
+    if not allow_nul and "\x00" in text:
+        raise bad_request(f"{where or param} holds a NUL character (at index {text.index(chr(0))})", param)
 
 
 def num_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -164,30 +227,9 @@ def to_sampling_params(
         engine_params.validate()
     except ValueError as error:
         raise bad_request(str(error), _param_of(str(error), request)) from error
-    if engine_params.stop_token_ids and max(engine_params.stop_token_ids) >= 2**32:
-        raise bad_request("stop_token_ids must be below 2**32", "stop_token_ids")
+    _check_wire_ranges(engine_params)
 
-    params = serving_pb2.SamplingParams(
-        temperature=engine_params.temperature,
-        top_p=engine_params.top_p,
-        top_k=engine_params.top_k,
-        min_p=engine_params.min_p,
-        repetition_penalty=engine_params.repetition_penalty,
-        presence_penalty=engine_params.presence_penalty,
-        frequency_penalty=engine_params.frequency_penalty,
-        max_tokens=max_tokens,
-        min_tokens=engine_params.min_tokens,
-        stop=engine_params.stop,
-        stop_token_ids=engine_params.stop_token_ids,
-        ignore_eos=engine_params.ignore_eos,
-        include_stop_str_in_output=engine_params.include_stop_str_in_output,
-        skip_special_tokens=engine_params.skip_special_tokens,
-    )
-    if engine_params.seed is not None:
-        params.seed = _as_int64(engine_params.seed)
-    if engine_params.logprobs is not None:
-        params.logprobs = engine_params.logprobs
-    return params
+    return sampling_params_to_proto(engine_params)
 
 
 def stop_strings(request: CompletionRequest | ChatCompletionRequest) -> list[str]:
@@ -201,16 +243,49 @@ def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
         raise bad_request(f"n must be 1 (one choice per request), got {request.n}", "n")
     if request.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if request.user is not None:
+        check_text(request.user, param="user")
+    for index, stop in enumerate(stop_strings(request)):
+        where = "stop" if isinstance(request.stop, str) else f"stop[{index}]"
+        check_text(stop, param="stop", where=where)
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise bad_request(f"{where} must be at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}", "stop")
+
+
+def _check_message_text(message: ChatMessage, where: str) -> None:
+    """Role, name and text become the chat prompt: valid Unicode, no NUL; a part's type: valid Unicode."""
+    check_text(message.role, param="messages", where=f"{where}.role", allow_nul=False)
+    if message.name is not None:
+        check_text(message.name, param="messages", where=f"{where}.name", allow_nul=False)
+    if isinstance(message.content, str):
+        check_text(message.content, param="messages", where=f"{where}.content", allow_nul=False)
+    for index, part in enumerate(message.content if isinstance(message.content, list) else ()):
+        check_text(part.type, param="messages", where=f"{where}.content[{index}].type")
+        if part.text is not None:
+            check_text(part.text, param="messages", where=f"{where}.content[{index}].text", allow_nul=False)
+
+
+def _check_wire_ranges(params: SamplingParams) -> None:
+    """400 for the values `validate()` accepts that the protobuf fields cannot carry: a float32 overflows to
+    inf, an int32 or uint32 raises. The others are bounded already: min_tokens <= max_tokens <= max_model_len,
+    logprobs <= 20, seed by validate(); top_p, min_p and the presence and frequency penalties by their ranges.
+
+    Python's json reads NaN, Infinity and 1e400 (as inf), none a JSON number: validate() refuses NaN
+    everywhere, and +inf passes only the two open-ended floats, which the float32 bound refuses.
+    """
+    for name in ("temperature", "repetition_penalty"):
+        value = getattr(params, name)
+        if value > _FLOAT32_MAX:
+            raise bad_request(f"{name} must be finite and at most {_FLOAT32_MAX:.7g} (a 32-bit float), got {value}",
+                              name)
+    if params.top_k > _INT32_MAX:
+        raise bad_request(f"top_k must be at most {_INT32_MAX}, got {params.top_k}", "top_k")
+    if params.stop_token_ids and max(params.stop_token_ids) >= 2**32:
+        raise bad_request("stop_token_ids must be below 2**32", "stop_token_ids")
 
 
 def _or(value: float | int | None, default: float | int) -> float | int:
     return default if value is None else value
-
-
-def _as_int64(seed: int) -> int:
-    """The proto field is int64; seeds in [2**63, 2**64) travel as their two's complement, which seeds a
-    torch.Generator identically (manual_seed maps negative seeds onto the same uint64)."""
-    return seed - 2**64 if seed > _INT64_MAX else seed
 
 
 def _param_of(message: str, request: CompletionRequest | ChatCompletionRequest) -> str | None:

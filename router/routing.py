@@ -1,12 +1,20 @@
-"""The routing policy: pure functions from worker load snapshots to the workers one request goes to.
+"""The routing policy: pure functions from worker load snapshots (and, for `prefix-aware`, the prefix index's
+overlaps) to the workers one request goes to.
 
-No I/O, no clocks: the worker registry supplies `WorkerLoad` snapshots, a prefix index may supply overlap
-scores, and these functions choose. Ties are broken by worker id, so a choice is reproducible.
+No I/O, no clocks: the worker registry supplies `WorkerLoad` snapshots, the Redis prefix index supplies overlaps
+(worker id -> leading blocks of this prompt it holds), and these functions choose. Ties are broken by worker id, so
+a choice is reproducible.
 
-    disaggregated:  decode worker   = fewest queued (running + waiting + pending), then most free KV blocks
-                    prefill worker  = least prefill cost: blocks it would compute (prompt blocks minus the
-                                      blocks its prefix cache already holds) + a load penalty per queued request
-    colocated:      one "colocated" worker, by the prefill cost (it runs the prefill too)
+    policy          prefill (or colocated) worker                     decode worker
+    prefix-aware    least cost: blocks to compute (prompt blocks      least cost: blocks it lacks (to receive or
+                    minus its cached prefix) + penalty x queued,      compute) + num_blocks x queued, then most
+                    penalty = the least blocks to compute anywhere    free blocks: load first, the overlap breaks
+                    (a queue of requests routed as well as this one)  near-ties (decode steps are shared)
+    least-loaded    fewest queued, then most free blocks              fewest queued, then most free blocks
+    round-robin     the n-th candidate by id, n = a counter the caller advances per request
+
+Conditional disaggregation (any policy): when the part of the prompt the chosen decode worker does not hold is at
+most `local_prefill_threshold_tokens`, the decode worker prefills it itself and no KV moves (`Route.prefill` None).
 
 Room: a worker whose whole KV cache cannot hold the request's blocks is skipped; among the rest, workers with
 enough free blocks right now are preferred. When none has room now, the least loaded still gets the request
@@ -16,10 +24,13 @@ later turns every burst into 503s.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-ROLES = ("prefill", "decode", "colocated")
+from engine.serving.worker_config import ROLES  # noqa: F401 - the one definition, re-exported for the router
+from kv_transfer.layout import cdiv
+
+POLICIES = ("prefix-aware", "least-loaded", "round-robin")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +46,8 @@ class WorkerLoad:
     num_pending: int = 0  # requests this router sent it since the load was read (not in the counts yet)
     kv_blocks_free: int = 0  # net of the blocks the pending requests will take
     kv_blocks_total: int = 0  # 0: not reported, so room is not checked
+    max_num_seqs: int = 0  # requests one engine step runs; 0: not reported
+    incarnation: int = 0  # index entries of another incarnation are not this worker's
 
     @property
     def num_queued(self) -> int:
@@ -52,7 +65,12 @@ class Route:
     """Where one request goes: `target` gets the Generate call; `prefill` (disaggregated only) runs the prompt."""
 
     target: WorkerLoad
-    prefill: WorkerLoad | None = None
+    prefill: WorkerLoad | None = None  # None in colocated mode, and for a local prefill on the decode worker
+
+    @property
+    def prefill_worker(self) -> WorkerLoad:
+        """The worker that runs the prompt: the prefill worker, or the target itself."""
+        return self.prefill if self.prefill is not None else self.target
 
 
 class NoWorkerError(Exception):
@@ -61,13 +79,26 @@ class NoWorkerError(Exception):
 
 def num_blocks_needed(num_prompt_tokens: int, block_size: int) -> int:
     """KV blocks a request needs to be admitted: its prompt plus its first generated token."""
-    return -(-(num_prompt_tokens + 1) // block_size)
+    return cdiv(num_prompt_tokens + 1, block_size)
 
 
-def pick_decode_worker(loads: Sequence[WorkerLoad], *, num_blocks: int, role: str = "decode") -> WorkerLoad:
-    """The decode worker for a request needing `num_blocks`: fewest queued, then most free blocks."""
+def pick_decode_worker(
+    loads: Sequence[WorkerLoad],
+    *,
+    num_blocks: int,
+    prefix_overlap_blocks: Mapping[str, int] | None = None,
+    role: str = "decode",
+) -> WorkerLoad:
+    """The decode worker for a request needing `num_blocks`: without overlaps, fewest queued then most free
+    blocks; with them, least (blocks it lacks + num_blocks x queued), then most free blocks."""
+    overlap = prefix_overlap_blocks or {}
     candidates = _candidates(loads, role=role, num_blocks=num_blocks)
-    return min(candidates, key=lambda load: (load.num_queued, -load.kv_blocks_free, load.worker_id))
+
+    def cost(load: WorkerLoad) -> tuple[int, int, str]:
+        lacking = num_blocks - min(max(overlap.get(load.worker_id, 0), 0), num_blocks)
+        return (lacking + num_blocks * load.num_queued, -load.kv_blocks_free, load.worker_id)
+
+    return min(candidates, key=cost)
 
 
 def pick_prefill_worker(
@@ -78,23 +109,38 @@ def pick_prefill_worker(
     load_penalty_blocks: int | None = None,
     role: str = "prefill",
 ) -> WorkerLoad:
-    """The prefill worker with the least cost, in blocks:
+    """The prefill worker with the least cost, in blocks to compute:
 
         cost = (num_blocks - cached prefix blocks) + load_penalty_blocks * num_queued
 
     `prefix_overlap_blocks` (worker id -> leading blocks of this prompt its prefix cache holds) comes from the
     prefix index; without it every worker has the same compute cost and the least loaded wins.
-    `load_penalty_blocks` prices one queued request; by default as much as this request (`num_blocks`).
+    `load_penalty_blocks` prices one queued request. By default, what this request costs where it costs least
+    (at least one block): a worker's queue is taken to hold requests as well routed as this one. A request whose
+    prefix is cached on a busy worker then stays there until the worker's queue costs more than computing the
+    prompt elsewhere, instead of leaving it as soon as its queue is one request longer.
     """
     overlap = prefix_overlap_blocks or {}
-    penalty = num_blocks if load_penalty_blocks is None else load_penalty_blocks
     candidates = _candidates(loads, role=role, num_blocks=num_blocks)
 
+    def to_compute(load: WorkerLoad) -> int:
+        return num_blocks - min(max(overlap.get(load.worker_id, 0), 0), num_blocks)
+
+    penalty = load_penalty_blocks
+    if penalty is None:
+        penalty = max(1, min(to_compute(load) for load in candidates))
+
     def cost(load: WorkerLoad) -> tuple[int, int, int, str]:
-        to_compute = num_blocks - min(max(overlap.get(load.worker_id, 0), 0), num_blocks)
-        return (to_compute + penalty * load.num_queued, load.num_queued, -load.kv_blocks_free, load.worker_id)
+        return (to_compute(load) + penalty * load.num_queued, load.num_queued, -load.kv_blocks_free, load.worker_id)
 
     return min(candidates, key=cost)
+
+
+def pick_round_robin(loads: Sequence[WorkerLoad], *, num_blocks: int, turn: int, role: str) -> WorkerLoad:
+    """The `turn`-th healthy worker of `role` that could ever hold the request, cycling in id order."""
+    candidates = sorted(_candidates(loads, role=role, num_blocks=num_blocks, prefer_room=False),
+                        key=lambda load: load.worker_id)
+    return candidates[turn % len(candidates)]
 
 
 def plan_route(
@@ -102,23 +148,42 @@ def plan_route(
     loads: Sequence[WorkerLoad],
     *,
     num_blocks: int,
+    policy: str = "prefix-aware",
     prefix_overlap_blocks: Mapping[str, int] | None = None,
+    turn: int = 0,
+    num_prompt_tokens: int | None = None,
+    block_size: int = 16,
+    local_prefill_threshold_tokens: int = 0,
 ) -> Route:
-    """The route for one request in `mode` ("disaggregated" | "colocated"). NoWorkerError when there is none."""
+    """The route for one request in `mode` ("disaggregated" | "colocated") under `policy`. NoWorkerError when
+    there is none. `turn` advances round-robin; `num_prompt_tokens` (with `block_size`) decides a local prefill
+    on the decode worker when at most `local_prefill_threshold_tokens` of the prompt are not cached there."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    overlap = prefix_overlap_blocks if policy == "prefix-aware" else None
+
+    def pick(role: str, pick_by_cost: Callable[..., WorkerLoad]) -> WorkerLoad:
+        if policy == "round-robin":
+            return pick_round_robin(loads, num_blocks=num_blocks, turn=turn, role=role)
+        return pick_by_cost(loads, num_blocks=num_blocks, prefix_overlap_blocks=overlap, role=role)
+
     if mode == "colocated":
-        target = pick_prefill_worker(
-            loads, num_blocks=num_blocks, prefix_overlap_blocks=prefix_overlap_blocks, role="colocated"
-        )
-        return Route(target=target)
+        return Route(target=pick("colocated", pick_prefill_worker))
     if mode != "disaggregated":
         raise ValueError(f"unknown routing mode {mode!r}")
-    decode = pick_decode_worker(loads, num_blocks=num_blocks)
-    prefill = pick_prefill_worker(loads, num_blocks=num_blocks, prefix_overlap_blocks=prefix_overlap_blocks)
-    return Route(target=decode, prefill=prefill)
+    decode = pick("decode", pick_decode_worker)
+    if num_prompt_tokens is not None and local_prefill_threshold_tokens > 0:
+        cached_tokens = min((overlap or {}).get(decode.worker_id, 0) * block_size, num_prompt_tokens)
+        if num_prompt_tokens - cached_tokens <= local_prefill_threshold_tokens:
+            return Route(target=decode)
+    return Route(target=decode, prefill=pick("prefill", pick_prefill_worker))
 
 
-def _candidates(loads: Sequence[WorkerLoad], *, role: str, num_blocks: int) -> list[WorkerLoad]:
-    """Healthy workers of `role` that could ever hold the request; those with room now if there are any."""
+def _candidates(
+    loads: Sequence[WorkerLoad], *, role: str, num_blocks: int, prefer_room: bool = True
+) -> list[WorkerLoad]:
+    """Healthy workers of `role` that could ever hold the request; those with room now if there are any (and
+    `prefer_room`)."""
     healthy = [load for load in loads if load.role == role and load.healthy]
     if not healthy:
         raise NoWorkerError(f"no healthy {role} worker")
@@ -126,5 +191,7 @@ def _candidates(loads: Sequence[WorkerLoad], *, role: str, num_blocks: int) -> l
     if not fitting:
         largest = max(load.kv_blocks_total for load in healthy)
         raise NoWorkerError(f"no {role} worker can hold {num_blocks} KV blocks (the largest holds {largest})")
+    if not prefer_room:
+        return fitting
     with_room = [load for load in fitting if load.has_room_now(num_blocks)]
     return with_room or fitting

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from engine.tokenizer.tokenizer import Tokenizer
-    from router.dispatcher import PrefixOverlapFn
+    from router.metrics import RestartCounts
 
 
 # grpc.aio is built for asyncio's own loop; uvicorn would pick uvloop whenever it happens to be installed.
@@ -45,13 +45,20 @@ def build_router_app(
     block_size: int = 16,
     request_timeout_s: float = 600.0,
     refresh_interval_s: float = 1.0,
-    prefix_overlap: PrefixOverlapFn | None = None,
+    redis_url: str | None = None,
+    routing_policy: str = "prefix-aware",
+    disagg_prefill_threshold_tokens: int = 0,
+    admission_control: bool = True,
+    max_queued_requests: int | None = None,
+    queue_timeout_s: float = 30.0,
+    restart_counts: RestartCounts | None = None,
 ) -> FastAPI:
     """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
 
     A factory, so it does I/O: resolves the model (fetching a registered one on first use) and loads its
     tokenizer. `served_model_names` defaults to `(model,)`; `max_model_len` to the checkpoint's context length
-    (pass the workers' own value when they are configured shorter).
+    (pass the workers' own value when they are configured shorter). `redis_url`: the prefix index (None: route
+    by load only).
     """
     tokenizer, context_length = load_tokenizer(model)
     config = RouterConfig(
@@ -60,9 +67,21 @@ def build_router_app(
         mode=mode,
         block_size=block_size,
         request_timeout_s=request_timeout_s,
+        admission_control=admission_control,
+        max_queued_requests=max_queued_requests,
+        queue_timeout_s=queue_timeout_s,
+        routing_policy=routing_policy,
+        disagg_prefill_threshold_tokens=disagg_prefill_threshold_tokens,
     )
     registry = WorkerRegistry(worker_provider, refresh_interval_s=refresh_interval_s)
-    return create_app(config, registry, tokenizer, prefix_overlap=prefix_overlap)
+    prefix_index = None
+    if redis_url is not None:
+        from router.prefix_index_client import PrefixIndexClient
+        from router.prefix_routing import PrefixIndex
+
+        prefix_index = PrefixIndex(PrefixIndexClient(redis_url), namespace=registry.hash_namespace,
+                                   live_workers=registry.incarnations)
+    return create_app(config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts)
 
 
 def load_tokenizer(model: str) -> tuple[Tokenizer, int]:

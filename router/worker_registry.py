@@ -5,7 +5,9 @@ Lifecycle, all inside the serving event loop (grpc.aio channels belong to the lo
     WorkerRegistry(provider)      no I/O
     await start()                 one refresh, then a background task refreshing every refresh_interval_s
         refresh() = provider() -> reconcile channels (one grpc.aio channel + stub per endpoint)
-                    -> poll_loads(): GetLoad on every worker at once; a failed call marks the worker unhealthy
+                    -> poll_loads(): GetLoad on every worker at once; an unreachable worker is marked unhealthy, one
+                       that answers too late keeps its last load, marked stale (busy is not dead: only the
+                       controller's liveness checks decide a worker is gone)
     await close()                 stops the task, closes the channels
 
 The provider is the Ray controller's list in a cluster and a static list in tests: a plain callable (run in a
@@ -28,7 +30,9 @@ import grpc
 import grpc.aio
 
 from protos import serving_pb2, serving_pb2_grpc
-from router.routing import ROLES, WorkerLoad
+from engine.serving.worker_config import WorkerInfo
+from kv_transfer.block_hash import BlockHashNamespace
+from router.routing import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +47,6 @@ _CHANNEL_OPTIONS = (
 _CHANNEL_CLOSE_GRACE_S = 30.0  # in-flight calls on a worker that left the list may finish within this
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerInfo:
-    """One worker as the controller describes it. `incarnation` changes when the worker restarts."""
-
-    worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
-    endpoint: str  # "host:port" of its gRPC Worker service
-    incarnation: int = 0
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if not self.worker_id or not self.endpoint:
-            raise ValueError(f"worker_id and endpoint must be non-empty, got {self.worker_id!r}, {self.endpoint!r}")
-
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSnapshot:
@@ -66,7 +55,8 @@ class WorkerSnapshot:
     info: WorkerInfo
     healthy: bool
     stats: serving_pb2.LoadStats | None  # the latest successful GetLoad; None before the first
-    error: str = ""  # why it is unhealthy
+    error: str = ""  # why it is unhealthy, or why its load is stale
+    stale: bool = False  # the last GetLoad timed out: `stats` is older than one poll
 
 
 class _Worker:
@@ -77,6 +67,7 @@ class _Worker:
         self.stub = stub
         self.stats: serving_pb2.LoadStats | None = None
         self.healthy = False  # until the first GetLoad answers
+        self.stale = False
         self.error = "not polled yet"
         self.num_pending = 0
         self.num_pending_blocks = 0
@@ -96,6 +87,7 @@ class WorkerRegistry:
         self._stubs: dict[str, serving_pb2_grpc.WorkerStub] = {}
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[object]] = set()
+        self._listeners: list[Callable[[], None]] = []
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -129,14 +121,20 @@ class WorkerRegistry:
         await self.poll_loads()
 
     async def poll_loads(self) -> None:
-        """GetLoad on every worker concurrently; success makes it healthy, failure unhealthy."""
+        """GetLoad on every worker concurrently; then tell the listeners."""
         await asyncio.gather(*(self._poll(worker) for worker in list(self._workers.values())))
+        for listener in self._listeners:
+            listener()
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` after every load poll (on the event loop): the loads may have changed."""
+        self._listeners.append(listener)
 
     # -- reads --------------------------------------------------------------------------------------------------
 
     def snapshots(self) -> list[WorkerSnapshot]:
         return [
-            WorkerSnapshot(info=w.info, healthy=w.healthy, stats=w.stats, error=w.error)
+            WorkerSnapshot(info=w.info, healthy=w.healthy, stats=w.stats, error=w.error, stale=w.stale)
             for w in self._workers.values()
         ]
 
@@ -147,6 +145,19 @@ class WorkerRegistry:
     def stub(self, worker_id: str) -> serving_pb2_grpc.WorkerStub:
         """The stub of a known worker; KeyError when it left the list."""
         return self._workers[worker_id].stub
+
+    def hash_namespace(self) -> BlockHashNamespace | None:
+        """The KV block hash namespace the workers report (they share one: the same model identity, block size
+        and KV dtype); None until a healthy worker reported it."""
+        for worker in self._workers.values():
+            if worker.healthy and worker.stats is not None and worker.stats.HasField("kv_namespace"):
+                ns = worker.stats.kv_namespace
+                return BlockHashNamespace(model=ns.model, block_size=ns.block_size, kv_dtype=ns.kv_dtype)
+        return None
+
+    def incarnations(self) -> dict[str, int]:
+        """Worker id -> incarnation of the healthy workers (as each reports it)."""
+        return {w.info.worker_id: _incarnation(w) for w in self._workers.values() if w.healthy}
 
     def healthy_roles(self) -> set[str]:
         return {w.info.role for w in self._workers.values() if w.healthy}
@@ -223,24 +234,35 @@ class WorkerRegistry:
         try:
             stats = await worker.stub.GetLoad(serving_pb2.LoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as error:
+            worker.error = f"GetLoad failed: {error.code().name} {error.details() or ''}".strip()
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.stats is not None:
+                if not worker.stale:
+                    logger.warning("worker %s: load poll timed out; routing on its last load", worker.info.worker_id)
+                worker.stale = True  # busy, not dead
+                return
             if worker.healthy:
                 logger.warning("worker %s unhealthy: GetLoad %s", worker.info.worker_id, error.code().name)
             worker.healthy = False
-            worker.error = f"GetLoad failed: {error.code().name} {error.details() or ''}".strip()
             return
         worker.stats = stats
         worker.healthy = True
+        worker.stale = False
         worker.error = ""
         # What was dispatched before the call is in these counts now; what came during it may not be.
         worker.num_pending = max(worker.num_pending - num_pending, 0)
         worker.num_pending_blocks = max(worker.num_pending_blocks - num_pending_blocks, 0)
 
 
+def _incarnation(worker: _Worker) -> int:
+    return worker.stats.incarnation if worker.stats is not None else worker.info.incarnation
+
+
 def _load_of(worker: _Worker) -> WorkerLoad:
     stats = worker.stats
     if stats is None:
         return WorkerLoad(worker_id=worker.info.worker_id, role=worker.info.role, endpoint=worker.info.endpoint,
-                          healthy=worker.healthy, num_pending=worker.num_pending)
+                          healthy=worker.healthy, num_pending=worker.num_pending,
+                          incarnation=worker.info.incarnation)
     return WorkerLoad(
         worker_id=worker.info.worker_id,
         role=worker.info.role,
@@ -251,4 +273,6 @@ def _load_of(worker: _Worker) -> WorkerLoad:
         num_pending=worker.num_pending,
         kv_blocks_free=max(stats.kv_blocks_free - worker.num_pending_blocks, 0),
         kv_blocks_total=stats.kv_blocks_total,
+        max_num_seqs=stats.max_num_seqs,
+        incarnation=stats.incarnation,
     )

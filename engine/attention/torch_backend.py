@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from kv_transfer.layout import cdiv
 
 # A decode group starts anew when padding to the group's longest context would waste more than this fraction of
 # the gathered rows: fewer groups mean fewer calls, tighter ones fewer bytes copied.
@@ -52,7 +53,7 @@ def build_decode_groups(meta: AttentionMetadata, block_size: int) -> tuple[Decod
 
 def _decode_group(tables: list[list[int]], seq_lens: list[int], block_size: int, first_row: int) -> DecodeGroup:
     max_len = max(seq_lens)
-    width = -(-max_len // block_size)
+    width = cdiv(max_len, block_size)
     flat = [b for t in tables for b in (t[:width] + [0] * (width - len(t[:width])))]
     lens = torch.tensor(seq_lens)
     mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]

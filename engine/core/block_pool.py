@@ -74,6 +74,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now (a snapshot for the prefix index)."""
+        return list(self._cached)
+
     # -- allocation ------------------------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Take `num_blocks` from the front of the free list, evicting any prefix cache they hold."""

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kv_transfer.layout import cdiv
 
 
 class KVCacheManager:

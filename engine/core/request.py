@@ -88,6 +88,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Its blocks already hold the KV of its computed tokens while it waits (a decode worker's committed remote
+        # prompt): admitted without a prefix lookup. Cleared when it is admitted or preempted.
+        self.kv_in_place = False
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on first scheduling
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

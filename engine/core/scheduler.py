@@ -10,9 +10,19 @@ go back and it returns to the front of the waiting queue with its tokens intact.
 Disaggregation adds two side doors, both outside the step loop:
 - `hold`: a prefill worker's `remote_decode` request that produced its first token (and did not stop) leaves the
   queues but keeps its blocks, now owned by the KV handoff, until `release_held`.
-- `reserve_remote` → `commit_remote`: a decode worker allocates blocks for a prompt whose KV another worker computes;
-  once the KV has arrived the request joins the waiting queue with the prompt already computed, so the one rule
-  schedules it straight into decode.
+- `reserve_remote` → `commit_remote`: a decode worker allocates blocks for a prompt whose KV another worker computes,
+  and for the first token it will decode (prompt + 1 slots: what the request needs to start, as the router
+  counts); once the KV has arrived the request joins the waiting queue with the prompt already computed
+  (`kv_in_place`), so the one rule schedules it straight into decode, with no new block.
+
+Progress, always: a full pool can never leave requests holding blocks while no step runs.
+- Running requests that need blocks preempt the newest running request, as above.
+- A waiting request with its KV in place is preemptable like any other: when nothing is running and the head of
+  the waiting queue cannot get its blocks, the requests behind it that hold blocks give them up (newest first;
+  each recomputes later, here), until the head fits. Arrival order is kept.
+- While the head of the waiting queue is blocked on blocks, `reserve_remote` refuses: new remote prompts cannot take
+  the blocks that would free up for it.
+The blocks then still held are a reservation's, whose handoff commits (and so joins the queue) or is aborted.
 """
 
 from __future__ import annotations
@@ -72,6 +82,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefilled, blocks held for the KV handoff
         self.num_preemptions = 0
+        self.head_blocked = False  # the last schedule could not get blocks for the head of the waiting queue
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -118,11 +129,14 @@ class Scheduler:
         return True
 
     def reserve_remote(self, request: Request) -> bool:
-        """Allocate blocks for `request`'s prompt, whose KV will arrive from a prefill worker. False (and nothing
-        changed) if the pool cannot hold it now."""
+        """Allocate blocks for `request`'s prompt, whose KV will arrive from a prefill worker, and for the first token
+        it decodes. False (and nothing changed) if the pool cannot hold it now, or a waiting request is blocked on
+        blocks (it goes first)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens):
+        if self.head_blocked and self.waiting:
+            return False
+        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens + 1):
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
@@ -137,6 +151,7 @@ class Scheduler:
         self.kv_cache.cache_blocks(request)
         request.append_output_token(first_token_id)
         request.status = RequestStatus.WAITING
+        request.kv_in_place = True
         self.waiting.append(request)
         status = self._token_stop_status(request, first_token_id)
         if status is not None:
@@ -178,26 +193,40 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self.head_blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            remote = request.num_computed_tokens > 0  # its prompt KV came from a prefill worker: blocks in place
-            if remote:
+            if request.kv_in_place:  # its prompt KV came from a prefill worker: blocks in place, no lookup
                 hits, num_hit_tokens = [], request.num_computed_tokens
             else:
                 hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
+            if not self._allocate_for_head(request, num_new, hits):
+                self.head_blocked = True
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             if request.times.first_scheduled_s is None:
                 request.times.first_scheduled_s = time.monotonic()
-                if not remote:
+                if not request.kv_in_place:
                     request.num_cached_tokens = num_hit_tokens
+            request.kv_in_place = False
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    def _allocate_for_head(self, request: Request, num_new: int, hits: list) -> bool:
+        """Blocks for the head of the waiting queue. When nothing runs (nothing will finish and free blocks), the
+        waiting requests behind it that hold blocks give them up, newest first, until it fits."""
+        while not self.kv_cache.allocate_slots(request, num_new, hits):
+            if self.running:
+                return False
+            holders = [r for r in self.waiting if r is not request and r.kv_in_place]
+            if not holders:
+                return False
+            self._preempt_waiting(holders[-1])
+        return True
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(
@@ -210,12 +239,20 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._release_for_recompute(request)
+        self.waiting.appendleft(request)
+
+    def _preempt_waiting(self, request: Request) -> None:
+        """A waiting request with its KV in place gives its blocks up and keeps its place in the queue."""
+        self._release_for_recompute(request)
+
+    def _release_for_recompute(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.kv_in_place = False
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
 
     # -- after the step --------------------------------------------------------------------------------------
     def update_from_output(

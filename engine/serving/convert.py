@@ -47,7 +47,9 @@ def sampling_params_to_proto(params: SamplingParams) -> serving_pb2.SamplingPara
     if params.max_tokens is not None:
         msg.max_tokens = params.max_tokens
     if params.seed is not None:
-        msg.seed = params.seed
+        # The field is int64; seeds in [2**63, 2**64) travel as their two's complement, which seeds a
+        # torch.Generator identically (manual_seed maps negative seeds onto the same uint64).
+        msg.seed = params.seed - 2**64 if params.seed >= 2**63 else params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     return msg

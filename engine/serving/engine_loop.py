@@ -6,6 +6,10 @@
 The engine is single-threaded: everything that touches it (add, abort, reserve, commit, stats) runs on the loop
 thread through `call`, between steps. Listeners are called on the loop thread and must not block (hand outputs to
 a queue). A request's listener is dropped after its finished output.
+
+The loop sleeps on its wake event (set by every command) when there is nothing to schedule, and also when a step
+could schedule nothing (requests waiting for blocks that only a command, an abort or a commit, frees): it never
+spins. `progress()` is its heartbeat for liveness checks: alive, and how long the current step has been running.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -22,6 +27,7 @@ from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_IDLE_WAIT_S = 0.05
 Listener = Callable[[RequestOutput], None]
 
 
@@ -36,6 +42,7 @@ class EngineLoop:
         self._listeners: dict[str, Listener] = {}
         self._wake = threading.Event()
         self._stopped = threading.Event()
+        self._step_started_s: float | None = None  # time.monotonic() at the start of the running step, if any
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -59,6 +66,11 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
+
+    def step_running_s(self) -> float:
+        """How long the step now running has been running; 0 between steps. Read from any thread."""
+        started_s = self._step_started_s
+        return 0.0 if started_s is None else time.monotonic() - started_s
 
     # -- talking to the engine -------------------------------------------------------------------------------
     def call(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0) -> T:
@@ -85,15 +97,19 @@ class EngineLoop:
         while not self._stopped.is_set():
             self._run_commands()
             if self.engine.has_schedulable_requests():
+                self._step_started_s = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception:  # the engine already failed the step's requests; keep serving the others
                     logger.exception("engine step raised")
                     continue
+                finally:
+                    self._step_started_s = None
                 self._dispatch(outputs)
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
+                if self.engine.num_scheduled_last_step:
+                    continue
+            self._wake.wait(_IDLE_WAIT_S)  # nothing ran: until a command (or, as a safety net, a short while)
+            self._wake.clear()
         self._fail_pending()
 
     def _run_commands(self) -> None:
@@ -106,6 +122,7 @@ class EngineLoop:
                 continue
             try:
                 result = fn(self.engine)
+                self.engine.publish_kv_events()  # an admission or an abort can evict cached blocks
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
             else:

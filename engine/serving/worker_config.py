@@ -1,4 +1,5 @@
-"""A worker's configuration. Frozen, no I/O: entry points build it from flags."""
+"""A worker's configuration, and what the rest of the cluster knows of a running worker. Frozen, no I/O, no torch:
+the controller, the router and the workers all import it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,23 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 
 ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """A running worker as the controller publishes it and the router reaches it."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    endpoint: str  # "host:port" of its gRPC `Worker` service
+    incarnation: int = 0  # changes on every restart: index entries and channels of an older one are stale
+    pid: int = 0  # the process hosting it (for operators and tests; 0: not known)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.worker_id or not self.endpoint:
+            raise ValueError(f"worker_id and endpoint must be non-empty, got {self.worker_id!r}, {self.endpoint!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,6 +38,10 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 30.0  # a handoff not confirmed by then fails and its blocks are freed
     incarnation: int = 0  # bumped by the controller on every restart
     device: str = "cpu"
+    # Liveness: an engine step running longer than this means the engine is stuck, and Health says so (a long
+    # prefill chunk on a busy CPU takes seconds; nothing legitimate takes minutes).
+    stall_timeout_s: float = 120.0
+    redis_url: str | None = None  # the prefix index this worker publishes its KV events to; None: none
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

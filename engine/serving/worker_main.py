@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.serving.fresh_thread import run_on_fresh_thread
 from engine.serving.log_config import configure_logging
 from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
@@ -27,6 +28,7 @@ def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> Wor
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
     parser.add_argument("--kv-transport", choices=TRANSPORTS, default="grpc")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
+    parser.add_argument("--redis-url", default=None, help="publish KV events to this prefix index (default: none)")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     return WorkerConfig(
@@ -37,6 +39,7 @@ def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> Wor
         port=args.port,
         kv_transport=args.kv_transport,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
+        redis_url=args.redis_url,
     )
 
 
@@ -44,7 +47,7 @@ def serve_forever(build: Callable[[WorkerConfig], object], argv: Sequence[str] |
     assert set(roles) <= set(ROLES)
     config = parse_worker_config(argv, roles)
     configure_logging()
-    worker = build(config)
+    worker = run_on_fresh_thread(lambda: build(config))  # the engine loop's thread: the only OpenMP master
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

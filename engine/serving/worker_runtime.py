@@ -1,9 +1,19 @@
-"""What every worker process runs: the engine on its loop thread, a gRPC server, the common RPCs.
+"""What every worker process runs: the engine on its loop thread, a grpc.aio server, the common RPCs.
 
     WorkerRuntime(config, checkpoint)
       .engine / .loop        the LLMEngine and the thread that owns it
-      .server / .endpoint    grpc.Server bound at construction ("host:port"); role servicers register on it
+      .aio                   the asyncio loop (its own thread) the server and every handler run on
+      .server / .endpoint    grpc.aio.Server bound at construction ("host:port"); role servicers register on it
       .start() / .stop()     loop and server up / down (stop aborts every request, freeing its blocks)
+      await .call(fn)        fn(engine) on the engine thread, awaited from a handler without blocking the loop
+      .outputs(request_id)   an asyncio.Queue fed with the request's RequestOutputs from the engine thread
+
+    engine thread ──outputs──▶ call_soon_threadsafe ──▶ asyncio.Queue ──▶ handler coroutine ──▶ stream
+    handler coroutine ──call(fn)──▶ EngineLoop.submit ──▶ engine thread (between steps) ──▶ future ──▶ handler
+
+An open Generate stream is a coroutine waiting on its queue: thousands cost memory, not threads, and Health and
+GetLoad are answered on the same loop at once, whatever the streams do. Handlers that must block (a KV send, a
+transport's sync servicer) run on the loop's small executor or the server's migration pool.
 
 The role classes (`prefill_worker.PrefillWorker`, `decode_worker.DecodeWorker`) compose one and add their RPCs
 through a servicer subclassing `WorkerServicer`.
@@ -11,24 +21,41 @@ through a servicer subclassing `WorkerServicer`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
+import grpc.aio
 
 from engine.llm_engine import TORCH_DTYPES, LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_checkpoint
-from engine.serving.engine_loop import EngineLoop
+from engine.outputs import RequestOutput
+from engine.serving.engine_loop import EngineLoop, EngineLoopClosed
+from engine.serving.kv_event_publisher import NullPublisher, RedisKVEventPublisher
+from engine.serving.event_loop_thread import EventLoopThread
 from engine.serving.malloc_tuning import tune_malloc
 from engine.serving.worker_config import WorkerConfig
 from kv_transfer.grpc_transport import CHANNEL_OPTIONS
 from kv_transfer.layout import KVLayout
+from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Fault injection for the liveness tests (like prefill_worker's SPLITSERVE_FAULT_KV_CUTS, reachable through
+# `splitserve serve`): every engine step sleeps this long first, so the worker is busy but alive.
+FAULT_STEP_SLEEP_ENV = "SPLITSERVE_FAULT_STEP_SLEEP_S"
+
+# Threads for the KV transports' sync servicers (one per handoff in flight), not for requests.
+_MIGRATION_THREADS = 16
 
 # The worker's server takes KV blocks (gRPC transport) and long prompts' token ids and logprobs: big messages and
 # large HTTP/2 frames (kv_transfer.grpc_transport.CHANNEL_OPTIONS).
@@ -78,13 +105,16 @@ class WorkerRuntime:
         if checkpoint is None:
             checkpoint = load_checkpoint(config.engine.model, dtype=TORCH_DTYPES[config.engine.dtype])
         self.engine = LLMEngine(config.engine, checkpoint)
+        _inject_slow_steps(self.engine, float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0))
         self.loop = EngineLoop(self.engine, name=f"{config.worker_id}-engine")
+        self.kv_events = self._make_publisher()
+        self.engine.kv_event_sink = self.kv_events.publish
         self.transfers = TransferCounters(lock=threading.Lock())
-        self.server = grpc.server(
-            ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"{config.worker_id}-rpc"), options=GRPC_OPTIONS
-        )
+        self.aio = EventLoopThread(f"{config.worker_id}-grpc")
+        self.server: grpc.aio.Server = self.aio.run(self._make_server())
         port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
+            self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.host}:{port}"
         mc = self.engine.model_config
@@ -98,33 +128,84 @@ class WorkerRuntime:
         self._started = False
         self._stopped = False
 
+    async def _make_server(self) -> grpc.aio.Server:  # on the loop: the server belongs to it
+        migration = ThreadPoolExecutor(max_workers=_MIGRATION_THREADS, thread_name_prefix=f"{self.config.worker_id}-kv")
+        return grpc.aio.server(migration_thread_pool=migration, options=GRPC_OPTIONS)
+
     def start(self) -> str:
         if not self._started:
             self._started = True
             self.loop.start()
-            self.server.start()
+            self.kv_events.start()
+            self.aio.run(self.server.start())
             logger.info("worker %s (%s) serving on %s", self.config.worker_id, self.config.role, self.endpoint)
         return self.endpoint
 
-    def stop(self, grace_s: float = 2.0) -> None:
-        """Stop taking RPCs, abort what runs, stop the loop. Idempotent."""
+    def stop(self, grace_s: float = 2.0, *, before_loop_stops: Callable[[], object] | None = None) -> None:
+        """Stop taking RPCs, abort what runs, stop the loop. Idempotent. `before_loop_stops` (a coroutine
+        function) closes what a role opened on the asyncio loop (its client channels)."""
         if self._stopped:
             return
         self._stopped = True
-        self.server.stop(grace_s).wait(grace_s + 1.0)
+        try:
+            self.aio.run(self.server.stop(grace_s), timeout_s=grace_s + 5.0)
+            if before_loop_stops is not None:
+                self.aio.run(before_loop_stops(), timeout_s=5.0)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - stopping must go on
+            logger.exception("worker %s: stopping its server failed", self.config.worker_id)
         self.loop.stop()
+        self.kv_events.close()
+        self.aio.stop()
+
+    def _make_publisher(self) -> NullPublisher | RedisKVEventPublisher:
+        """The KV event publisher: to the Redis prefix index when one is configured, else one that drops."""
+        if self.config.redis_url is None:
+            return NullPublisher()
+        publisher: RedisKVEventPublisher
+
+        def snapshot(engine: LLMEngine) -> None:  # on the engine thread: after every event already published
+            engine.publish_kv_events()
+            publisher.offer_snapshot(engine.block_pool.cached_block_hashes())
+
+        def request_snapshot() -> None:
+            try:
+                self.loop.submit(snapshot)
+            except EngineLoopClosed:
+                pass  # stopping: nothing more to publish
+
+        publisher = RedisKVEventPublisher(
+            redis_url=self.config.redis_url, namespace=self.engine.hash_namespace,
+            publisher=PublisherId(worker_id=self.config.worker_id, incarnation=self.config.incarnation,
+                                  role=self.config.role),
+            request_snapshot=request_snapshot)
+        return publisher
+
+    # -- the engine, from a handler coroutine ----------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` on the engine thread between steps; its result or exception, awaited."""
+        return await asyncio.wrap_future(self.loop.submit(fn))
+
+    def outputs(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        """Listen for `request_id`'s outputs (call on the asyncio loop, before the request can produce any);
+        undo with `self.loop.unlisten(request_id)` (the listener goes by itself after the finished output)."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        aio_loop = asyncio.get_running_loop()
+        self.loop.listen(request_id, lambda out: aio_loop.call_soon_threadsafe(queue.put_nowait, out))
+        return queue
 
     # -- the common RPCs -------------------------------------------------------------------------------------
     def health(self) -> serving_pb2.HealthResponse:
+        """Liveness, answered on the asyncio loop without the engine: its loop thread is alive and not stuck in
+        one step for over `stall_timeout_s`. However busy the engine is, this answers at once."""
         return serving_pb2.HealthResponse(
-            ok=self.loop.is_alive,
+            ok=self.loop.is_alive and self.loop.step_running_s() < self.config.stall_timeout_s,
             worker_id=self.config.worker_id,
             role=self.config.role,
             model=self.engine.model_config.name,
             incarnation=self.config.incarnation,
         )
 
-    def load_stats(self) -> serving_pb2.LoadStats:
+    async def load_stats(self) -> serving_pb2.LoadStats:
         def snapshot(engine: LLMEngine) -> serving_pb2.LoadStats:
             pool = engine.block_pool
             return serving_pb2.LoadStats(
@@ -137,12 +218,17 @@ class WorkerRuntime:
                 prefix_cache_queries=engine.kv_cache.prefix_queries_tokens,
                 prefix_cache_hits=engine.kv_cache.prefix_hits_tokens,
                 num_preemptions=engine.scheduler.num_preemptions,
+                max_num_seqs=engine.config.max_num_seqs,
+                kv_namespace=serving_pb2.KVNamespace(
+                    model=engine.hash_namespace.model, block_size=engine.hash_namespace.block_size,
+                    kv_dtype=engine.hash_namespace.kv_dtype),
             )
 
-        stats = self.loop.call(snapshot, timeout_s=10.0)
+        stats = await self.call(snapshot)
         stats.worker_id = self.config.worker_id
         stats.role = self.config.role
         stats.incarnation = self.config.incarnation
+        stats.prefix_index_up = self.kv_events.up
         stats.cpu_kernels.extend(
             serving_pb2.CpuKernel(kernel=k.kernel, variant=k.variant) for k in self.engine.cpu_kernels
         )
@@ -153,8 +239,8 @@ class WorkerRuntime:
             stats.num_kv_transfer_failures = self.transfers.num_failures
         return stats
 
-    def abort(self, request_id: str) -> bool:
-        outs = self.loop.call(lambda e: e.abort_request([request_id]), timeout_s=10.0)
+    async def abort(self, request_id: str) -> bool:
+        outs = await self.call(lambda e: e.abort_request([request_id]))
         return bool(outs)
 
 
@@ -164,14 +250,29 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
 
-    def Health(self, request: serving_pb2.HealthRequest, context: grpc.ServicerContext) -> serving_pb2.HealthResponse:
+    async def Health(
+        self, request: serving_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.HealthResponse:
         return self.runtime.health()
 
-    def GetLoad(self, request: serving_pb2.LoadRequest, context: grpc.ServicerContext) -> serving_pb2.LoadStats:
-        return self.runtime.load_stats()
+    async def GetLoad(self, request: serving_pb2.LoadRequest, context: grpc.aio.ServicerContext) -> serving_pb2.LoadStats:
+        return await self.runtime.load_stats()
 
-    def Abort(self, request: serving_pb2.AbortRequest, context: grpc.ServicerContext) -> serving_pb2.AbortResponse:
-        return serving_pb2.AbortResponse(found=self.runtime.abort(request.request_id))
+    async def Abort(self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> serving_pb2.AbortResponse:
+        return serving_pb2.AbortResponse(found=await self.runtime.abort(request.request_id))
+
+
+def _inject_slow_steps(engine: LLMEngine, sleep_s: float) -> None:
+    if sleep_s <= 0:
+        return
+    logger.warning("%s=%g: every engine step sleeps that long first (fault injection)", FAULT_STEP_SLEEP_ENV, sleep_s)
+    step = engine.step
+
+    def slow_step() -> list[RequestOutput]:
+        time.sleep(sleep_s)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
 
 
 def elapsed_s(start: float | None, end: float | None) -> float:

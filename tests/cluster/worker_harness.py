@@ -22,7 +22,8 @@ def engine_config(**overrides: object) -> EngineConfig:
 
 
 def start_worker(role: str, checkpoint, *, transport: str = "grpc", worker_id: str | None = None,
-                 timeout_s: float = 10.0, **engine_overrides: object):
+                 timeout_s: float = 10.0, redis_url: str | None = None, incarnation: int = 0,
+                 **engine_overrides: object):
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
 
@@ -32,6 +33,8 @@ def start_worker(role: str, checkpoint, *, transport: str = "grpc", worker_id: s
         engine=engine_config(**engine_overrides),
         kv_transport=transport,
         kv_transfer_timeout_s=timeout_s,
+        redis_url=redis_url,
+        incarnation=incarnation,
     )
     worker = PrefillWorker(config, checkpoint) if role == "prefill" else DecodeWorker(config, checkpoint)
     worker.start()

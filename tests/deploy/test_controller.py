@@ -112,6 +112,7 @@ def test_a_killed_worker_comes_back_with_a_new_incarnation_and_endpoint() -> Non
         reply = health(new)
         assert reply is not None and reply.incarnation == new.incarnation
         assert controller.check_health() == []
+        assert controller.restart_counts() == [("decode", "process_died", 1)]
     finally:
         controller.shutdown()
 
@@ -135,6 +136,7 @@ def test_a_live_worker_failing_its_checks_is_replaced_at_the_threshold(tmp_path:
         assert after["prefill-0"].incarnation > before["prefill-0"].incarnation
         assert after["decode-0"] == before["decode-0"]
         assert controller.check_health() == []
+        assert controller.restart_counts() == [("prefill", "stalled", 1)]  # it answered, but not ok
     finally:
         controller.shutdown()
 

@@ -7,7 +7,7 @@ import os
 import grpc
 import pytest
 
-from deploy.worker_host import WorkerHost
+from deploy.worker_host import LIVE, UNRESPONSIVE, WorkerHost
 from engine.config import EngineConfig
 from engine.serving.worker_config import WorkerConfig
 from protos import serving_pb2, serving_pb2_grpc
@@ -56,7 +56,7 @@ def test_workers_share_one_checkpoint_and_report_healthy() -> None:
         assert len({i.endpoint for i in infos}) == 3
         assert factory.loads == ["smollm2-135m"]  # one load for the three workers
         assert len({id(w.checkpoint) for w in factory.built}) == 1
-        assert host.health(timeout_s=2.0) == {"prefill-0": True, "decode-1": True, "decode-2": True}
+        assert host.health(timeout_s=2.0) == {"prefill-0": LIVE, "decode-1": LIVE, "decode-2": LIVE}
     finally:
         host.stop()
     assert host.infos() == [] and host.health() == {}
@@ -80,7 +80,7 @@ def test_a_worker_whose_server_died_is_unhealthy() -> None:
     try:
         host.start()
         factory.built[1].stop()  # the decode worker's server goes away underneath the host
-        assert host.health(timeout_s=1.0) == {"prefill-0": True, "decode-1": False}
+        assert host.health(timeout_s=1.0) == {"prefill-0": LIVE, "decode-1": UNRESPONSIVE}
     finally:
         host.stop()
 

@@ -63,16 +63,21 @@ def test_prefill_by_load_without_overlap() -> None:
 
 def test_prefill_prefix_overlap_against_load() -> None:
     loads = [load("p0", "prefill", running=1), load("p1", "prefill")]
-    # p0 holds 8 of 10 blocks: 2 to compute + 10 for its queued request = 12 > 10 for idle p1.
-    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 8}).worker_id == "p1"
-    # Full overlap only ties (0 + 10 vs 10): the shorter queue wins.
-    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 10}).worker_id == "p1"
-    # A cheaper queue makes overlap count for more: 2 + 2 < 10.
+    # A queued request is priced at the least any worker computes (here p0's 2 blocks): 2 + 2 < 10 for idle p1.
+    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 8}).worker_id == "p0"
+    # ... until p0's queue costs more than computing the whole prompt on p1: 2 + 5 x 2 = 12 > 10.
+    busy = [load("p0", "prefill", running=5), load("p1", "prefill")]
+    assert pick_prefill_worker(busy, num_blocks=10, prefix_overlap_blocks={"p0": 8}).worker_id == "p1"
+    # Full overlap: the penalty is at least one block, so 0 + 1 < 10.
+    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 10}).worker_id == "p0"
+    # An explicit penalty: the pre-index rule, one queued request as costly as this whole request: 2 + 10 > 10.
     assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 8},
-                               load_penalty_blocks=2).worker_id == "p0"
+                               load_penalty_blocks=10).worker_id == "p1"
     # Overlap scores beyond the prompt or below zero are clipped: 0 + 2 vs 10 + 0.
     assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 99, "p1": -5},
                                load_penalty_blocks=2).worker_id == "p0"
+    # Without overlaps every worker computes everything: the penalty is the whole request, the least loaded wins.
+    assert pick_prefill_worker(loads, num_blocks=10).worker_id == "p1"
 
 
 def test_plan_route_modes() -> None:
@@ -88,3 +93,57 @@ def test_plan_route_modes() -> None:
         plan_route("disaggregated", [load("d", "decode")], num_blocks=1)
     with pytest.raises(NoWorkerError, match="no healthy colocated worker"):
         plan_route("colocated", [load("d", "decode")], num_blocks=1)
+
+
+def test_decode_overlap_against_load() -> None:
+    loads = [load("d0", running=1), load("d1")]
+    # d0 holds all 10 blocks: 0 lacking + 10 for its queued request = 10 ties idle d1's 10 lacking; then more
+    # free blocks win, then the id.
+    assert pick_decode_worker(loads, num_blocks=10, prefix_overlap_blocks={"d0": 10}).worker_id == "d0"
+    loads = [load("d0", running=1, free=50), load("d1")]
+    assert pick_decode_worker(loads, num_blocks=10, prefix_overlap_blocks={"d0": 10}).worker_id == "d1"
+    # Overlap on an idle worker always wins.
+    loads = [load("d0"), load("d1")]
+    assert pick_decode_worker(loads, num_blocks=10, prefix_overlap_blocks={"d1": 3}).worker_id == "d1"
+
+
+def test_policies() -> None:
+    loads = [load("p0", "prefill"), load("p1", "prefill", running=3), load("p2", "prefill", healthy=False),
+             load("d0", "decode", running=2), load("d1", "decode")]
+    overlap = {"p1": 10, "d0": 10}
+    route = plan_route("disaggregated", loads, num_blocks=10, policy="prefix-aware", prefix_overlap_blocks=overlap)
+    # p1 holds the whole prompt: 0 + 3 queued x 1 < 10 on idle p0; d0's queue of 2 outweighs its overlap (20 > 10).
+    assert (route.prefill.worker_id, route.target.worker_id) == ("p1", "d1")
+    route = plan_route("disaggregated", loads, num_blocks=10, policy="prefix-aware",
+                       prefix_overlap_blocks={"p0": 10, "d1": 10})
+    assert (route.prefill.worker_id, route.target.worker_id) == ("p0", "d1")
+    # least-loaded ignores overlaps; round-robin takes turns over healthy workers in id order, ignoring load.
+    route = plan_route("disaggregated", loads, num_blocks=10, policy="least-loaded",
+                       prefix_overlap_blocks={"p1": 10, "d0": 10})
+    assert (route.prefill.worker_id, route.target.worker_id) == ("p0", "d1")
+    turns = [plan_route("disaggregated", loads, num_blocks=10, policy="round-robin", turn=t) for t in range(4)]
+    assert [(r.prefill.worker_id, r.target.worker_id) for r in turns] == [
+        ("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
+    with pytest.raises(ValueError, match="routing policy"):
+        plan_route("disaggregated", loads, num_blocks=10, policy="random")
+
+
+def test_conditional_disaggregation() -> None:
+    loads = [load("p0", "prefill"), load("d0", "decode")]
+    # 100-token prompt, blocks of 16: d0 holds 5 blocks (80 tokens), 20 tokens left to compute.
+    local = plan_route("disaggregated", loads, num_blocks=7, prefix_overlap_blocks={"d0": 5},
+                       num_prompt_tokens=100, block_size=16, local_prefill_threshold_tokens=20)
+    assert local.prefill is None and local.target.worker_id == "d0" and local.prefill_worker.worker_id == "d0"
+    remote = plan_route("disaggregated", loads, num_blocks=7, prefix_overlap_blocks={"d0": 5},
+                        num_prompt_tokens=100, block_size=16, local_prefill_threshold_tokens=19)
+    assert remote.prefill is not None and remote.prefill_worker.worker_id == "p0"
+    # A short prompt goes local whatever the policy; 0 turns it off.
+    for policy in ("least-loaded", "round-robin"):
+        route = plan_route("disaggregated", loads, num_blocks=1, policy=policy, num_prompt_tokens=8,
+                           local_prefill_threshold_tokens=8)
+        assert route.prefill is None
+    route = plan_route("disaggregated", loads, num_blocks=1, num_prompt_tokens=8, local_prefill_threshold_tokens=0)
+    assert route.prefill is not None
+    # Colocated mode has no prefill worker to skip.
+    assert plan_route("colocated", [load("c", "colocated")], num_blocks=1, num_prompt_tokens=8,
+                      local_prefill_threshold_tokens=64).prefill is None

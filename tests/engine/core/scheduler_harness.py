@@ -11,6 +11,7 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kv_transfer.block_hash import BlockHashNamespace
+from kv_transfer.layout import cdiv
 
 AllFree = Callable[[BlockPool], None]
 
@@ -68,15 +69,19 @@ def prompt(n: int, first: int = 100) -> list[int]:
 
 
 def check_ref_counts(scheduler: Scheduler, pool: BlockPool) -> None:
-    """A block's ref count is the number of block tables holding it; only running, reserved (remote KV) and
-    held (prefilled, handing off) requests hold blocks."""
+    """A block's ref count is the number of block tables holding it; only running, reserved (remote KV), committed
+    (remote KV in place, waiting) and held (prefilled, handing off) requests hold blocks."""
     holders = [0] * pool.num_blocks
     for rid in [*scheduler.requests, *scheduler.held]:
         for block_id in scheduler.kv_cache.block_ids(rid):
             holders[block_id] += 1
     assert [b.ref_cnt for b in pool.blocks] == holders
     for request in scheduler.waiting:
-        assert scheduler.kv_cache.block_ids(request.request_id) == []
+        if request.kv_in_place:  # exactly the blocks its computed tokens and its next token need
+            num_blocks = cdiv(request.num_computed_tokens + 1, scheduler.kv_cache.block_size)
+            assert len(scheduler.kv_cache.block_ids(request.request_id)) == num_blocks
+        else:
+            assert scheduler.kv_cache.block_ids(request.request_id) == []
 
 
 def step(scheduler: Scheduler, model: FakeModel) -> tuple[Trace, SchedulerOutput, list[tuple[str, int]]]:

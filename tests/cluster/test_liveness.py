@@ -1,0 +1,110 @@
+"""Busy is not dead: a worker whose engine is slow (every step sleeps longer than the router's load poll and the
+controller's health check wait) keeps serving and is never restarted; a worker whose process is killed is
+restarted within the configured health-check interval and threshold, and the cluster serves again.
+
+Both against a real `splitserve serve` (real Ray, real workers, the real model), with fast health checks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
+from tests.deploy.processes import ServeProcess, descendants, stop_and_check
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+HEALTH_FLAGS = ["--health-check-interval", "0.5", "--health-check-timeout", "1", "--health-check-failure-threshold",
+                "2"]
+
+
+def _metric(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
+
+
+def _restarts(url: str) -> dict[tuple[str, str], float]:
+    return {(dict(k)["role"], dict(k)["reason"]): v for k, v in _metric(url, "splitserve:worker_restarts_total").items()}
+
+
+def _complete(url: str, model: str, max_tokens: int) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Once upon a time",
+                                                      "max_tokens": max_tokens, "ignore_eos": True},
+                      timeout=120)
+
+
+def test_a_slow_engine_keeps_serving_and_is_not_restarted(smollm2_gguf, tmp_path) -> None:
+    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
+            "--max-model-len", "256", *HEALTH_FLAGS]
+    # 4 s per step: a load poll (answered between steps, 2 s timeout) arriving in a step's first half times out;
+    # the health check (1 s timeout) is answered apart from the engine.
+    serve = ServeProcess(argv, stderr_path=tmp_path / "stderr.txt", env={FAULT_STEP_SLEEP_ENV: "4"})
+    try:
+        url = serve.wait_ready(300)
+        started = time.monotonic()
+        response = _complete(url, smollm2_gguf, 4)  # a prefill step, then 3 decode steps: 16 s busy
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+        assert time.monotonic() - started > 15  # the engine really was slow
+        log = (tmp_path / "stderr.txt").read_text(errors="replace")
+        assert "load poll timed out" in log  # the router saw the polls time out ...
+        assert all(v == 0 for v in _restarts(url).values()), _restarts(url)  # ... and nobody was restarted
+        assert "restarted" not in log
+        healthy = _metric(url, "splitserve:worker_healthy")
+        assert healthy and all(v == 1 for v in healthy.values()), healthy
+        stop_and_check(serve, [signal.SIGINT], expect_code=0)
+    finally:
+        serve.close()
+
+
+def test_a_killed_worker_is_restarted_within_the_configured_interval(smollm2_gguf, tmp_path) -> None:
+    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
+            "--max-model-len", "256", *HEALTH_FLAGS]
+    serve = ServeProcess(argv, stderr_path=tmp_path / "stderr.txt")
+    try:
+        url = serve.wait_ready(300)
+        assert _complete(url, smollm2_gguf, 4).status_code == 200
+        before = {w["worker_id"]: w for w in httpx.get(f"{url}/health", timeout=10).json()["workers"]}
+        victim = _host_pid(tmp_path / "stderr.txt", "decode-0")
+        assert victim in descendants(serve.proc.pid)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        # Noticed within interval x threshold (+ a Ray round trip); the new process loads the model (~10 s).
+        deadline = killed_at + 90
+        while _restarts(url).get(("decode", "process_died"), 0) < 1:
+            assert time.monotonic() < deadline, "the killed worker was not restarted"
+            time.sleep(0.25)
+        noticed_s = time.monotonic() - killed_at
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the cluster did not become healthy again"
+            time.sleep(0.25)
+        assert _complete(url, smollm2_gguf, 4).status_code == 200
+        after = {w["worker_id"]: w for w in httpx.get(f"{url}/health", timeout=10).json()["workers"]}
+        assert after.keys() == before.keys()
+        restarts = _restarts(url)
+        assert restarts[("decode", "process_died")] == 1 and restarts[("prefill", "process_died")] == 0
+        log = (tmp_path / "stderr.txt").read_text(errors="replace")
+        assert "restarted (process_died) decode-0" in log, log[-3000:]
+        assert noticed_s < 60, noticed_s
+        stop_and_check(serve, [signal.SIGINT], expect_code=0)
+    finally:
+        serve.close()
+
+
+def _host_pid(stderr_path, worker_id: str) -> int:  # type: ignore[no-untyped-def]
+    """The pid of the process hosting `worker_id`, from its start-up line as Ray forwards it:
+    "(WorkerHostProcess pid=N) ... started decode-0 (incarnation ...) at host:port"."""
+    for line in stderr_path.read_text(errors="replace").splitlines():
+        match = re.search(r"pid=(\d+)\).*started " + re.escape(worker_id) + " ", line)
+        if match:
+            return int(match.group(1))
+    raise AssertionError(f"no start-up line for {worker_id}")

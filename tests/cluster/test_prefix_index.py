@@ -1,0 +1,257 @@
+"""The cluster-wide prefix index end to end: real workers (real engines on the real model, real gRPC) publishing
+to a real redis-server, the real gateway app routing by it over HTTP.
+
+One cluster for the module: 2 prefill workers and 1 decode worker in this process, a gateway in front. Tests
+that need another shape (a second gateway, a restarted worker) build it beside the module's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import redis as redis_client
+
+from deploy.redis_server import EmbeddedRedis
+from engine.serving.worker_config import WorkerInfo
+from kv_transfer import prefix_index as pi
+from router.app import create_app
+from router.config import RouterConfig
+from router.prefix_index_client import PrefixIndexClient
+from router.prefix_routing import PrefixIndex
+from router.server import RouterServer
+from router.worker_registry import WorkerRegistry
+from tests.cluster.worker_harness import start_worker, wait_blocks_free
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+MODEL = "smollm2-135m"
+BLOCK = 16
+SYSTEM = [
+    "You are a careful assistant for a lighthouse museum. Answer questions about the history of lighthouses, "
+    "their keepers, their lenses and their lamps, and decline anything else politely. ",
+    "You are a terse assistant for a railway timetable office. Answer questions about trains, platforms and "
+    "connections in one sentence, and never guess a departure time you were not given. ",
+]
+
+
+@dataclass
+class Cluster:
+    redis: EmbeddedRedis
+    prefill: list
+    decode: list
+    gateways: list[RouterServer]
+    checkpoint: object
+
+    @property
+    def workers(self) -> list:
+        return [*self.prefill, *self.decode]
+
+    def infos(self) -> list[WorkerInfo]:
+        return [WorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint, incarnation=w.incarnation)
+                for w in self.workers]
+
+    def gateway(self, threshold: int = 0, policy: str = "prefix-aware") -> RouterServer:
+        config = RouterConfig(served_model_names=(MODEL,), max_model_len=1024, block_size=BLOCK,
+                              routing_policy=policy, disagg_prefill_threshold_tokens=threshold)
+        registry = WorkerRegistry(self.infos, refresh_interval_s=0.3, load_timeout_s=5.0)
+        index = PrefixIndex(PrefixIndexClient(self.redis.url, ping_interval_s=0.2), namespace=registry.hash_namespace,
+                            live_workers=registry.incarnations)
+        server = RouterServer(create_app(config, registry, self.checkpoint.tokenizer, prefix_index=index)).start()
+        self.gateways.append(server)
+        return server
+
+
+def complete(url: str, prompt: str, max_tokens: int = 4) -> dict:
+    """A greedy completion of exactly `max_tokens` tokens (ignore_eos: a request that ended on its first token
+    would never reach the decode worker, and the tests count what the decode worker holds)."""
+    response = httpx.post(f"{url}/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def cached_tokens(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def pool_hashes(worker) -> set[bytes]:
+    return set(worker.runtime.loop.call(lambda e: e.block_pool.cached_block_hashes()))
+
+
+def index_hashes(cluster: Cluster, worker) -> set[bytes]:
+    prefix = pi.key_prefix(worker.runtime.engine.hash_namespace)
+    with redis_client.Redis.from_url(cluster.redis.url) as r:
+        return {bytes.fromhex(h.decode()) for h in r.smembers(pi.worker_blocks_key(prefix, worker.worker_id))}
+
+
+def wait_index_matches_pools(cluster: Cluster, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pairs = {w.worker_id: (pool_hashes(w), index_hashes(cluster, w)) for w in cluster.workers}
+        if all(pool == index for pool, index in pairs.values()):
+            assert any(pool for pool, _ in pairs.values())
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError({wid: (len(p), len(i), len(p - i), len(i - p)) for wid, (p, i) in pairs.items()})
+        time.sleep(0.1)
+
+
+def metric(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_checkpoint) -> Iterator[Cluster]:
+    server = EmbeddedRedis().start()
+    common = dict(redis_url=server.url, num_threads=1, num_kv_blocks=256)
+    prefill = [start_worker("prefill", smollm2_checkpoint, worker_id=f"prefill-{i}", incarnation=1, **common)
+               for i in range(2)]
+    decode = [start_worker("decode", smollm2_checkpoint, worker_id="decode-0", incarnation=1, **common)]
+    c = Cluster(redis=server, prefill=prefill, decode=decode, gateways=[], checkpoint=smollm2_checkpoint)
+    try:
+        yield c
+    finally:
+        for gateway in c.gateways:
+            gateway.stop()
+        for worker in c.workers:
+            worker.stop()
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Cluster) -> str:
+    return cluster.gateway().url
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached_and_the_index_lists_every_block(cluster, gateway) -> None:
+    first = [complete(gateway, system + "Question one?") for system in SYSTEM]
+    assert all(cached_tokens(body) == 0 for body in first)
+    wait_index_matches_pools(cluster)
+    for turn in ("How did it start?", "Who worked there?", "What changed later?"):
+        for system in SYSTEM:
+            body = complete(gateway, system + turn)
+            num_system_tokens = len(cluster.checkpoint.tokenizer.encode(system))
+            # The whole system prompt's full blocks came from the prefill worker's cache (routing found them).
+            assert cached_tokens(body) >= (num_system_tokens // BLOCK) * BLOCK > 0, (system[:20], body["usage"])
+    wait_index_matches_pools(cluster)
+    predictions = metric(gateway, "splitserve:prefix_index_predictions_total")
+    assert predictions[(("outcome", "match"),)] >= 6, predictions
+    status = httpx.get(f"{gateway}/v1/prefix_index", timeout=10).json()
+    assert status["up"] and status["routing_policy"] == "prefix-aware"
+    by_worker = {w["worker_id"]: w for w in status["workers"]}
+    for worker in cluster.workers:
+        assert by_worker[worker.worker_id]["num_blocks"] == len(pool_hashes(worker))
+        assert by_worker[worker.worker_id]["incarnation"] == worker.incarnation and by_worker[worker.worker_id]["live"]
+    wait_blocks_free(*cluster.workers)
+
+
+def test_round_robin_spreads_the_same_family_and_recomputes_it(cluster) -> None:
+    url = cluster.gateway(policy="round-robin").url
+    family = ("You are a friendly guide to a botanical garden: describe plants, their seasons and where in the "
+              "garden to find them. A question, asked ")
+    bodies = [complete(url, family + word) for word in ("once.", "twice.", "thrice.", "again.")]
+    # Turns alternate between the two prefill workers: each computes the family once, then finds it cached.
+    assert [cached_tokens(b) > 0 for b in bodies] == [False, False, True, True]
+    assert all(pool_hashes(w) & set(_hashes(cluster, family)) for w in cluster.prefill)
+
+
+def _hashes(cluster: Cluster, text: str) -> list[bytes]:
+    from kv_transfer.block_hash import hash_token_blocks
+
+    return hash_token_blocks(cluster.workers[0].runtime.engine.hash_namespace,
+                             cluster.checkpoint.tokenizer.encode(text))
+
+
+def test_a_second_gateway_routes_a_family_where_the_first_did(cluster, gateway) -> None:
+    second = cluster.gateway().url
+    family = "You are a patient tutor for a school chess club: explain openings to beginners step by step. "
+    complete(gateway, family + "What is the Italian game?")
+    # No wait for any KV event: the first gateway's provisional entries are in Redis already.
+    body = complete(second, family + "What is the Sicilian defence?")
+    assert cached_tokens(body) >= (len(cluster.checkpoint.tokenizer.encode(family)) // BLOCK) * BLOCK
+
+
+def test_evictions_leave_the_index_equal_to_the_pools(smollm2_checkpoint) -> None:
+    with EmbeddedRedis() as server:
+        small = dict(redis_url=server.url, num_threads=1, num_kv_blocks=80)
+        workers = [start_worker("prefill", smollm2_checkpoint, worker_id="prefill-0", incarnation=5, **small),
+                   start_worker("decode", smollm2_checkpoint, worker_id="decode-0", incarnation=5, **small)]
+        c = Cluster(redis=server, prefill=workers[:1], decode=workers[1:], gateways=[], checkpoint=smollm2_checkpoint)
+        try:
+            url = c.gateway().url
+            for i in range(12):  # ~12 x 5 blocks through 80-block caches: the oldest prompts get evicted
+                complete(url, f"Story number {i}: " + SYSTEM[i % 2] * 2)
+            evicted = sum(w.runtime.engine.block_pool.num_cached_blocks < 12 * 5 for w in workers)
+            assert evicted == 2
+            wait_index_matches_pools(c)
+        finally:
+            for gateway in c.gateways:
+                gateway.stop()
+            for worker in workers:
+                worker.stop()
+
+
+def test_a_restarted_worker_replaces_its_old_entries(cluster, gateway, smollm2_checkpoint) -> None:
+    complete(gateway, SYSTEM[1] + "Before the restart?")
+    wait_index_matches_pools(cluster)
+    old = cluster.prefill[1]
+    assert index_hashes(cluster, old)
+    old.stop()
+    cluster.prefill[1] = start_worker("prefill", smollm2_checkpoint, worker_id=old.worker_id, incarnation=2,
+                                      redis_url=cluster.redis.url, num_threads=1, num_kv_blocks=256)
+    # The new incarnation's first batch (an empty snapshot) purges the old one's entries.
+    wait_index_matches_pools(cluster)
+    assert index_hashes(cluster, cluster.prefill[1]) == set()
+    with redis_client.Redis.from_url(cluster.redis.url) as r:
+        prefix = pi.key_prefix(old.runtime.engine.hash_namespace)
+        assert pi.parse_workers(r.hgetall(pi.workers_key(prefix)))[old.worker_id][0] == 2
+
+
+def test_redis_down_every_request_is_served_then_the_index_resynchronises(cluster, gateway) -> None:
+    port = cluster.redis.port
+    cluster.redis.stop()
+    try:
+        for i in range(4):
+            complete(gateway, SYSTEM[i % 2] + f"While Redis is down, question {i}?")
+        deadline = time.monotonic() + 10
+        while metric(gateway, "splitserve:prefix_index_up")[()] != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(f"{gateway}/v1/prefix_index", timeout=10).json()["up"] is False
+    finally:
+        cluster.redis = EmbeddedRedis(port=port).start()  # back, and empty
+    deadline = time.monotonic() + 20
+    while metric(gateway, "splitserve:prefix_index_up")[()] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    wait_index_matches_pools(cluster)  # every worker republished a snapshot
+    body = complete(gateway, SYSTEM[0] + "After Redis came back?")
+    assert cached_tokens(body) > 0
+
+
+def test_conditional_disaggregation_prefills_a_short_tail_on_the_decode_worker(cluster) -> None:
+    url = cluster.gateway(threshold=32).url
+    before = metric(url, "splitserve:requests_by_prefill_path_total")
+    chat = ("You are the help desk of a seaside ferry company: answer questions about crossings, tickets and "
+            "luggage in two sentences at most. Which pier does the 9:15 crossing leave from?")
+    first = complete(url, chat, max_tokens=8)  # the decode worker holds none of it: remote prefill
+    wait_index_matches_pools(cluster)
+    follow_up = chat + first["choices"][0]["text"] + " And the return?"
+    second = complete(url, follow_up, max_tokens=8)  # it holds all but the new tail: prefilled locally
+    after = metric(url, "splitserve:requests_by_prefill_path_total")
+    assert after[(("path", "remote"),)] - before.get((("path", "remote"),), 0) == 1
+    assert after[(("path", "local"),)] - before.get((("path", "local"),), 0) == 1
+    assert cached_tokens(second) > 0
+    # The local path computes exactly what the remote one does (greedy): the same request, disaggregated.
+    remote = complete(cluster.gateway(threshold=0).url, follow_up, max_tokens=8)
+    assert remote["choices"][0]["text"] == second["choices"][0]["text"]
+    wait_blocks_free(*cluster.workers)

@@ -1,0 +1,71 @@
+"""EngineLoop: an engine whose step can schedule nothing sleeps instead of spinning, and moves again at once when
+a command frees the way; its heartbeat says how long the running step has been running."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from engine.core.sampling_params import SamplingParams
+from engine.serving.engine_loop import EngineLoop
+from tests.engine.tiny_model import make_engine
+
+
+def test_a_loop_that_can_schedule_nothing_sleeps_and_wakes_on_a_command(tiny_checkpoint) -> None:
+    engine = make_engine(tiny_checkpoint)  # 64 blocks of 4 tokens
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    # Two reservations of 100-token prompts whose KV never arrives hold 2 x 26 blocks; a local 60-token prompt
+    # then needs 15 of the 12 left: it waits, nothing runs, and only an abort can change that.
+    for name in ("r1", "r2"):
+        assert engine.reserve_remote(engine.make_request(name, list(range(1, 101)), params)) is not None
+    engine.add_request("local", list(range(1, 61)), params)
+    assert engine.block_pool.num_free_blocks == 12
+
+    num_steps = 0
+    step = engine.step
+
+    def counting_step():  # type: ignore[no-untyped-def]
+        nonlocal num_steps
+        num_steps += 1
+        return step()
+
+    engine.step = counting_step  # type: ignore[method-assign]
+    loop = EngineLoop(engine, name="test-loop")
+    finished = threading.Event()
+    loop.listen("local", lambda out: finished.set() if out.finished else None)
+    loop.start()
+    try:
+        time.sleep(0.5)
+        assert num_steps < 20, f"{num_steps} steps in 0.5 s: the loop spins"
+        assert not finished.is_set() and engine.num_scheduled_last_step == 0
+        assert loop.step_running_s() == 0.0  # between steps, not stuck in one
+        started = time.monotonic()
+        loop.call(lambda e: e.abort_request(["r1"]))  # frees 26 blocks: the local request can run now
+        assert finished.wait(10.0)
+        assert time.monotonic() - started < 5.0
+        loop.call(lambda e: e.abort_request(["r2"]))
+        assert loop.call(lambda e: e.block_pool.num_used_blocks) == 0
+    finally:
+        loop.stop()
+
+
+def test_the_heartbeat_shows_a_step_that_runs_long(tiny_checkpoint) -> None:
+    engine = make_engine(tiny_checkpoint)
+    step = engine.step
+    in_step = threading.Event()
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        in_step.set()
+        time.sleep(0.6)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    loop = EngineLoop(engine, name="test-loop")
+    loop.start()
+    try:
+        loop.call(lambda e: e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1)))
+        assert in_step.wait(5.0)
+        time.sleep(0.3)
+        assert 0.2 < loop.step_running_s() < 0.7
+    finally:
+        loop.stop()
