@@ -5,8 +5,10 @@
 For each `--routing-policy`, a fresh `splitserve serve` (2 prefill + 1 decode worker by default, the embedded
 Redis index) and two AIPerf workloads with Poisson arrivals at `--rate` requests/s:
 
-    shared prompts   completions: 4 long shared prefixes (system prompts, `--prefix-tokens` each) + a short user
-                     turn (`--turn-tokens`), 8 tokens out
+    shared prompts   completions: `--prefixes` long shared prefixes (system prompts or documents,
+                     `--prefix-tokens` each) + a short user turn (`--turn-tokens`), 8 tokens out; together the
+                     prefixes are more than one worker's KV cache holds (`--serve-flags` sets it), as a
+                     deployment's working set is more than one replica's memory
     chats            chat completions: multi-turn conversations (AIPerf replays each conversation's history on
                      every turn), 16 tokens out per turn
 
@@ -57,7 +59,7 @@ def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
     return {
         "shared prompts": [
             "--endpoint-type", "completions", "--request-count", str(args.requests),
-            "--prompt-prefix-pool-size", "4", "--prompt-prefix-length", str(args.prefix_tokens),
+            "--prompt-prefix-pool-size", str(args.prefixes), "--prompt-prefix-length", str(args.prefix_tokens),
             "--synthetic-input-tokens-mean", str(args.turn_tokens), "--synthetic-input-tokens-stddev", "0",
             "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", *load],
         "chats": [
@@ -72,11 +74,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
     parser.add_argument("--requests", type=int, default=60, help="requests of the shared-prompt workload")
+    parser.add_argument("--prefixes", type=int, default=16)
     parser.add_argument("--prefix-tokens", type=int, default=384)
     parser.add_argument("--turn-tokens", type=int, default=24)
     parser.add_argument("--prefill-workers", type=int, default=2)
     parser.add_argument("--decode-workers", type=int, default=1)
-    parser.add_argument("--serve-flags", default="--max-model-len 2048")
+    parser.add_argument("--serve-flags", default="--max-model-len 2048 --num-kv-blocks 160",
+                        help="every worker's cache: 160 blocks of 16 tokens, 2560 tokens")
     args = parser.parse_args()
 
     rows = []

@@ -48,3 +48,14 @@ def redis_url():
     server = EmbeddedRedis().start()
     yield server.url
     server.stop()
+
+
+@pytest.fixture
+def redis_db(redis_url):
+    """A client of the session's redis-server, its database emptied first."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()

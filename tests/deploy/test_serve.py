@@ -55,6 +55,8 @@ def stub_serve_argv(**factory: object) -> list[str]:
         (["--kv-transfer-timeout", "0"], "--kv-transfer-timeout must be positive"),
         (["--block-size", "3"], "block_size must be a positive power of two"),
         (["--model", "no-such-model"], "no-such-model"),
+        (["--disagg-prefill-threshold", "-1"], "--disagg-prefill-threshold must be >= 0"),
+        (["--no-prefix-index", "--redis-url", "redis://127.0.0.1:1/0"], "cannot go with --no-prefix-index"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(
@@ -143,4 +145,15 @@ def test_serve_real_model_end_to_end(smollm2_gguf: str, serve_process: list[Serv
     with urllib.request.urlopen(request, timeout=60) as response:
         completion = json.load(response)
     assert completion["usage"]["completion_tokens"] == 4 and completion["choices"][0]["text"].strip()
+    # The embedded redis-server is up, both workers publish to it (it goes with serve: stop_and_check below
+    # finds nothing of serve's left running, redis-server included).
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(f"{url}/v1/prefix_index", timeout=10) as response:
+            index = json.load(response)
+        if index["up"] and {w["worker_id"] for w in index["workers"] if w["live"]} == {"prefill-0", "decode-0"}:
+            break
+        assert time.monotonic() < deadline, index
+        time.sleep(0.2)
+    assert index["routing_policy"] == "prefix-aware" and index["namespace"]["model"].startswith("sha256:")
     stop_and_check(serve, [signal.SIGINT], expect_code=0)

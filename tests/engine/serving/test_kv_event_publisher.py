@@ -42,16 +42,6 @@ class FakeEngine:
         self.publisher.publish([BlockRemoved(block_hashes=hashes)])
 
 
-@pytest.fixture
-def r(redis_url):
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.close()
-
-
 def make(redis_url: str, engine: FakeEngine, incarnation: int = 1, url: str | None = None) -> RedisKVEventPublisher:
     publisher = RedisKVEventPublisher(
         redis_url=url or redis_url, namespace=NS,
@@ -72,42 +62,42 @@ def wait_for(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_events_reach_the_index_in_order_and_the_first_batch_purges_an_old_incarnation(r, redis_url) -> None:
+def test_events_reach_the_index_in_order_and_the_first_batch_purges_an_old_incarnation(redis_db, redis_url) -> None:
     old = FakeEngine()
     publisher = make(redis_url, old, incarnation=1)
     publisher.start()
     old.store(*H[:5])
-    wait_for(lambda: held(r) == set(H[:5]))
+    wait_for(lambda: held(redis_db) == set(H[:5]))
     publisher.close()
 
     engine = FakeEngine()  # the worker restarted: a new incarnation, an empty cache
     publisher = make(redis_url, engine, incarnation=2)
     publisher.start()
-    wait_for(lambda: pi.parse_workers(r.hgetall(pi.workers_key(PREFIX))).get("w0", (0,))[0] == 2)
-    assert held(r) == set()
+    wait_for(lambda: pi.parse_workers(redis_db.hgetall(pi.workers_key(PREFIX))).get("w0", (0,))[0] == 2)
+    assert held(redis_db) == set()
     engine.store(*H[:3])
     engine.remove(H[1])
     engine.store(H[7])
-    wait_for(lambda: held(r) == {H[0], H[2], H[7]})
+    wait_for(lambda: held(redis_db) == {H[0], H[2], H[7]})
     assert publisher.up and publisher.stats.num_gaps == 0 and publisher.stats.num_snapshots == 1
-    assert pi.parse_workers(r.hgetall(pi.workers_key(PREFIX)))["w0"] == (2, "decode", 4)
+    assert pi.parse_workers(redis_db.hgetall(pi.workers_key(PREFIX)))["w0"] == (2, "decode", 4)
     publisher.close()
 
 
-def test_a_gap_resynchronises_with_a_snapshot(r, redis_url) -> None:
+def test_a_gap_resynchronises_with_a_snapshot(redis_db, redis_url) -> None:
     engine = FakeEngine()
     publisher = make(redis_url, engine)
     publisher.start()
     engine.store(*H[:4])
-    wait_for(lambda: held(r) == set(H[:4]))
-    r.flushdb()  # Redis lost its data (a restart without persistence)
+    wait_for(lambda: held(redis_db) == set(H[:4]))
+    redis_db.flushdb()  # Redis lost its data (a restart without persistence)
     engine.store(H[4])  # applied against an empty index: "gap", then a snapshot of all five
-    wait_for(lambda: held(r) == set(H[:5]))
+    wait_for(lambda: held(redis_db) == set(H[:5]))
     assert publisher.stats.num_gaps == 1 and publisher.stats.num_snapshots == 2
     publisher.close()
 
 
-def test_an_outage_drops_events_then_a_snapshot_restores_the_index(r, redis_url) -> None:
+def test_an_outage_drops_events_then_a_snapshot_restores_the_index(redis_db, redis_url) -> None:
     from deploy.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
@@ -136,7 +126,7 @@ def test_an_outage_drops_events_then_a_snapshot_restores_the_index(r, redis_url)
         server.stop()
 
 
-def test_publish_never_blocks_and_drops_nothing_silently(r, redis_url) -> None:
+def test_publish_never_blocks_and_drops_nothing_silently(redis_db, redis_url) -> None:
     engine = FakeEngine()
     publisher = make(redis_url, engine)  # not started: nothing drains the queue
     import engine.serving.kv_event_publisher as module
@@ -151,7 +141,7 @@ def test_publish_never_blocks_and_drops_nothing_silently(r, redis_url) -> None:
     finally:
         module._MAX_QUEUED_BATCHES = limit
     publisher.start()
-    wait_for(lambda: held(r) == set(H[:6]))
+    wait_for(lambda: held(redis_db) == set(H[:6]))
     assert publisher.stats.num_dropped >= 3
     publisher.close()
 
@@ -162,13 +152,13 @@ def test_null_publisher_drops_events() -> None:
     assert publisher.up is False
 
 
-def test_an_idle_worker_notices_its_entries_are_gone_and_republishes(r, redis_url) -> None:
+def test_an_idle_worker_notices_its_entries_are_gone_and_republishes(redis_db, redis_url) -> None:
     engine = FakeEngine()
     publisher = make(redis_url, engine)
     publisher.start()
     engine.store(*H[:3])
-    wait_for(lambda: held(r) == set(H[:3]))
-    r.flushdb()  # Redis restarted empty while this worker has nothing to publish
-    wait_for(lambda: held(r) == set(H[:3]))
+    wait_for(lambda: held(redis_db) == set(H[:3]))
+    redis_db.flushdb()  # Redis restarted empty while this worker has nothing to publish
+    wait_for(lambda: held(redis_db) == set(H[:3]))
     assert publisher.stats.num_snapshots == 2
     publisher.close()
