@@ -1,6 +1,6 @@
 """Prefix-aware routing against round-robin and least-loaded, on a real cluster, in one run.
 
-    python bench/prefix_routing.py [--rate 1.5] [--requests 60] [--prefill-workers 2] [--decode-workers 1]
+    python bench/prefix_routing.py [--rate 1.5] [--requests 120] [--prefill-workers 2] [--decode-workers 1]
 
 For each `--routing-policy`, a fresh `splitserve serve` (2 prefill + 1 decode worker by default, the embedded
 Redis index) and two AIPerf workloads with Poisson arrivals at `--rate` requests/s:
@@ -63,7 +63,7 @@ def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
             "--synthetic-input-tokens-mean", str(args.turn_tokens), "--synthetic-input-tokens-stddev", "0",
             "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", *load],
         "chats": [
-            "--endpoint-type", "chat", "--conversation-num", str(max(1, args.requests // 4)),
+            "--endpoint-type", "chat", "--conversation-num", str(max(1, args.requests // 8)),
             "--conversation-turn-mean", "4", "--conversation-turn-stddev", "0",
             "--synthetic-input-tokens-mean", str(args.turn_tokens * 2), "--synthetic-input-tokens-stddev", "0",
             "--output-tokens-mean", "16", "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", *load],
@@ -73,14 +73,15 @@ def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
-    parser.add_argument("--requests", type=int, default=60, help="requests of the shared-prompt workload")
+    parser.add_argument("--requests", type=int, default=120, help="requests of the shared-prompt workload")
     parser.add_argument("--prefixes", type=int, default=16)
     parser.add_argument("--prefix-tokens", type=int, default=384)
     parser.add_argument("--turn-tokens", type=int, default=24)
     parser.add_argument("--prefill-workers", type=int, default=2)
     parser.add_argument("--decode-workers", type=int, default=1)
-    parser.add_argument("--serve-flags", default="--max-model-len 2048 --num-kv-blocks 160",
-                        help="every worker's cache: 160 blocks of 16 tokens, 2560 tokens")
+    parser.add_argument("--serve-flags", default="--max-model-len 2048 --num-kv-blocks 256",
+                        help="every worker's cache: 256 blocks of 16 tokens (4096 tokens): the prefixes' 384 blocks "
+                             "fit in two prefill workers' caches, not in one")
     args = parser.parse_args()
 
     rows = []
@@ -98,17 +99,17 @@ def main() -> None:
                              metric(summary, "time_to_first_token", "p50"),
                              metric(summary, "time_to_first_token", "p99"),
                              int(delta["local"]), int(delta["remote"]),
-                             int(metric(summary, "request_count") or metric(summary, "request_count", "sum"))))
+                             int(metric(summary, "error_request_count"))))
         finally:
             server.stop()
     print(f"{args.prefill_workers} prefill + {args.decode_workers} decode workers; Poisson {args.rate:g} req/s")
     print(f"{'workload':>15} {'policy':>13} {'prefill tok':>11} {'x rr':>5} {'KV MB':>7} {'hit rate':>8} "
-          f"{'TTFT p50':>9} {'p99 (ms)':>9} {'rr/p50':>6} {'local/remote':>12}")
-    for name, policy, computed, kv_bytes, hit_rate, p50, p99, local, remote, _ in rows:
+          f"{'TTFT p50':>9} {'p99 (ms)':>9} {'rr/p50':>6} {'local/remote':>12} {'errors':>6}")
+    for name, policy, computed, kv_bytes, hit_rate, p50, p99, local, remote, errors in rows:
         rr = next(r for r in rows if r[0] == name and r[1] == "round-robin")
         print(f"{name:>15} {policy:>13} {computed:11.0f} {computed / rr[2] if rr[2] else 0:5.2f} "
               f"{kv_bytes / 1e6:7.1f} {hit_rate:8.2f} {p50:9.0f} {p99:9.0f} {rr[5] / p50 if p50 else 0:6.2f} "
-              f"{local:>5}/{remote:<6}")
+              f"{local:>5}/{remote:<6} {errors:>6}")
 
 
 if __name__ == "__main__":

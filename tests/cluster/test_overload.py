@@ -35,7 +35,8 @@ def _samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
 def test_500_concurrent_requests_are_served_or_refused_and_nothing_falls_over(smollm2_gguf, tmp_path, pools):
     num_prefill, num_decode = pools
     argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--prefill-workers", str(num_prefill), "--decode-workers", str(num_decode), "--max-model-len", "256"]
+            "--prefill-workers", str(num_prefill), "--decode-workers", str(num_decode), "--max-model-len", "256",
+            "--disagg-prefill-threshold", "0"]  # every request through a prefill worker and a KV handoff
     serve = ServeProcess(argv, stderr_path=tmp_path / "stderr.txt")
     try:
         url = serve.wait_ready(300)
@@ -69,7 +70,8 @@ def test_a_small_decode_pool_serves_every_request_without_deadlock(smollm2_gguf,
     decode worker, whose reservations wait for blocks. Before, two got 503 and four hung in a decode pool that
     could schedule nothing."""
     argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--num-kv-blocks", "12", "--block-size", "4", "--max-model-len", "40", admission]
+            "--num-kv-blocks", "12", "--block-size", "4", "--max-model-len", "40", admission,
+            "--disagg-prefill-threshold", "0"]  # the decode worker reserves blocks for remote KV
     serve = ServeProcess(argv, stderr_path=tmp_path / "stderr.txt")
     try:
         url = serve.wait_ready(300)

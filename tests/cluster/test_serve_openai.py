@@ -64,7 +64,8 @@ def cluster(request, smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[str,
     pools = ["--colocated"] if mode == "colocated" else ["--prefill-workers", "1", "--decode-workers", "1",
                                                           "--kv-transport", mode]
     argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0", *pools,
-            "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--kv-transfer-timeout", "20"]
+            "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--kv-transfer-timeout", "20",
+            "--disagg-prefill-threshold", "0"]  # short prompts through the KV transport too
     env = {"SPLITSERVE_FAULT_KV_CUTS": "1"}  # the first handoff of 2+ blocks is cut half-way
     serve = ServeProcess(argv, stderr_path=tmp_path_factory.mktemp(mode) / "stderr.txt", env=env)
     try:
