@@ -11,14 +11,11 @@ from engine.loader.model_registry import resolve_model
 
 
 @pytest.mark.slow
-def test_every_weight_equals_transformers_gguf_loader() -> None:
-    transformers = pytest.importorskip("transformers")
+def test_every_weight_equals_transformers_gguf_loader(hf_reference) -> None:
     path = resolve_model("smollm2-135m")  # network on first use; the cache afterwards
 
     config, weights = load_weights_and_config(path)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    reference = hf_reference  # transformers' GGUF loader, float32 (tests/conftest.py)
 
     hf = reference.config
     assert (config.architecture, config.num_layers, config.hidden_size) == ("llama", 30, 576)
