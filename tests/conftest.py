@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -21,35 +20,12 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="session")
 def hf_reference(smollm2_gguf: str):
-    """HF transformers' LlamaForCausalLM on the same GGUF, dequantized by transformers' own loader, float32.
-
-    Dequantizing the GGUF in transformers takes about a minute on two cores, so its result is kept, saved by
-    transformers itself (safetensors, bit-exact), under the model cache, keyed by the transformers version and
-    the GGUF's identity: the first run on a machine loads the GGUF, later ones load what it produced.
-    """
-    import shutil
-    import tempfile
-
+    """HF transformers' LlamaForCausalLM on the same GGUF, dequantized by transformers' own loader, float32."""
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM
 
-    from engine.loader.model_identity import model_identity
-    from engine.loader.model_registry import cache_dir
-
-    key = f"transformers-{transformers.__version__}-{model_identity(smollm2_gguf).removeprefix('sha256:')}"
-    saved = cache_dir() / "hf-reference" / key
-    if not (saved / "config.json").is_file():
-        directory, name = os.path.split(smollm2_gguf)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=saved.parent))
-        model.save_pretrained(staging)
-        try:
-            staging.rename(saved)  # complete or absent: a run killed mid-save leaves only a .tmp- folder
-        except OSError:  # another run saved it first
-            shutil.rmtree(staging, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    directory, name = os.path.split(smollm2_gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()
     return model
 
