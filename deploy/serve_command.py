@@ -272,28 +272,19 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     import ray
 
     from deploy.controller import RemoteClusterController, init_local_ray
-    from router.server import RouterServer, build_router_app
+    from router.server import RouterServer
 
     directory = WorkerDirectory()
     redis, redis_url = _start_prefix_index(config)
     c = dataclasses.replace(config.controller, redis_url=redis_url)
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
-    app = build_router_app(
-        model=c.engine.model,
-        worker_provider=directory,
-        mode="colocated" if c.num_colocated_workers else "disaggregated",
-        block_size=c.engine.block_size,
-        max_model_len=c.engine.max_model_len,
-        request_timeout_s=config.request_timeout_s,
-        admission_control=config.admission_control,
-        max_queued_requests=config.max_queued_requests,
-        queue_timeout_s=config.queue_timeout_s,
-        restart_counts=directory.restart_counts,
-        redis_url=redis_url,
-        routing_policy=config.routing_policy,
-        disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
-    )
+    try:
+        app = _build_router_app(config, c, directory, redis_url)
+    except BaseException:
+        if redis is not None:
+            redis.stop()
+        raise
     try:
         server = RouterServer(app, host=config.host, port=config.port)
     except OSError as exc:
@@ -339,6 +330,27 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
 
 class _StartFailed(Exception):
     pass
+
+
+def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
+    """The gateway app for this cluster (loads the tokenizer)."""
+    from router.server import build_router_app
+
+    return build_router_app(
+        model=c.engine.model,
+        worker_provider=directory,
+        mode="colocated" if c.num_colocated_workers else "disaggregated",
+        block_size=c.engine.block_size,
+        max_model_len=c.engine.max_model_len,
+        request_timeout_s=config.request_timeout_s,
+        admission_control=config.admission_control,
+        max_queued_requests=config.max_queued_requests,
+        queue_timeout_s=config.queue_timeout_s,
+        restart_counts=directory.restart_counts,
+        redis_url=redis_url,
+        routing_policy=config.routing_policy,
+        disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
+    )
 
 
 def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
