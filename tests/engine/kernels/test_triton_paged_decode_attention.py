@@ -13,8 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.attention.metadata import AttentionMetadata  # noqa: E402
-from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+# The engine's torch backend is imported inside the tests that compare with it: it pulls in kv_transfer (crc32c,
+# protobuf), which a bare GPU box with only torch, triton and pytest may lack; the kernel tests need none of it.
+
 from engine.kernels.triton.paged_decode_attention import (  # noqa: E402
     BLOCK_N,
     choose_partition_size,
@@ -65,11 +66,14 @@ def test_float16_int32_tables_and_a_padding_row(device):
     want = paged_decode_attention_reference(q, cache, tables, seq_lens, SCALE)
     for partition_size in (BLOCK_N, 2 * BLOCK_N):
         got = paged_decode_attention(q, cache, tables, seq_lens, SCALE, partition_size=partition_size)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(got.float(), want.float(), rtol=5e-3, atol=5e-3)  # p rounds to float16
         assert torch.equal(got[1], torch.zeros_like(got[1]))
 
 
 def test_reference_matches_torch_backend():
+    from engine.attention.metadata import AttentionMetadata
+    from engine.attention.torch_backend import TorchAttentionBackend
+
     lens = [1, 13, 33, 70]  # ascending, as the runner orders decodes
     q, cache, tables, seq_lens = make_case(lens, 9, 3, 64, 16, torch.float32, "cpu", seed=4)
     meta = AttentionMetadata(

@@ -13,8 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.attention.metadata import AttentionMetadata, PrefillChunk  # noqa: E402
-from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+# The engine's torch backend is imported inside the tests that compare with it: it pulls in kv_transfer (crc32c,
+# protobuf), which a bare GPU box with only torch, triton and pytest may lack; the kernel tests need none of it.
+
 from engine.kernels.triton.paged_prefill_attention import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_reference,
@@ -64,11 +65,14 @@ def test_float16_int32_metadata(device):
     tables, cu, ctx = tables.int(), cu.int(), ctx.int()
     want = paged_prefill_attention_reference(q, cache, tables, cu, ctx, SCALE)
     got = paged_prefill_attention(q, cache, tables, cu, ctx, SCALE, max_query_len=20)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got.float(), want.float(), rtol=5e-3, atol=5e-3)  # p rounds to float16 for tl.dot
 
 
 def backend_step(q, k, v, cache, tables, query_lens, context_lens):
     """The same requests as the torch backend sees them: slot mapping and one PrefillChunk each."""
+    from engine.attention.metadata import AttentionMetadata, PrefillChunk
+    from engine.attention.torch_backend import TorchAttentionBackend
+
     block_size = cache.shape[2]
     chunks, slot_mapping, start = [], [], 0
     for s, (query_len, context_len) in enumerate(zip(query_lens, context_lens, strict=True)):

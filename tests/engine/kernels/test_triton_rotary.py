@@ -22,7 +22,7 @@ def make_case(num_tokens, heads, kv_heads, dim, dtype, device, max_positions=204
     return rope, qkv, q, k, positions, rope.cos.to(device), rope.sin.to(device)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])  # GPUs may fuse a*b-c*d
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 32)])  # GQA and MHA
 def test_in_place_matches_reference(device, dtype, tol, shape):
     _, qkv, q, k, positions, cos, sin = make_case(5, *shape, dtype, device)

@@ -48,5 +48,5 @@ def test_refuses_odd_width():
 @pytest.mark.parametrize("inter", [1536, 8192])  # SmolLM2-135M, Llama-3.2-1B
 def test_full_size_gpu(dtype, inter):
     gate_up = (torch.randn(4096, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype).cuda()
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # float32: the GPU's exp is a few units off libm's
     torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_reference(gate_up), rtol=tol, atol=tol)
