@@ -43,7 +43,7 @@ def row(name: str, kernel: Callable[[], object], reference: Callable[[], object]
     ms = do_bench(kernel, warmup=10, rep=50)
     ref_ms = do_bench(reference, warmup=3, rep=20)
     rate = f"  {kv_bytes / ms / 1e6:7.0f} GB/s KV read" if kv_bytes else ""
-    print(f"{name:<44} triton {ms:8.3f} ms   torch {ref_ms:8.3f} ms   x{ref_ms / ms:6.1f}{rate}", flush=True)
+    print(f"{name:<52} triton {ms:8.3f} ms   torch {ref_ms:8.3f} ms   x{ref_ms / ms:6.1f}{rate}", flush=True)
 
 
 def main() -> int:

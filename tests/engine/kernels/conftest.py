@@ -6,7 +6,8 @@ modules, and nothing outside `engine/kernels/triton/` imports triton. It is set 
 present: there no compiled Triton kernel could run in this process anyway, so turning the interpreter on for the
 rest of the pytest process (the variable is process-wide, and child processes inherit it) changes nothing else.
 On a CUDA machine it stays unset, and the same small-size tests run compiled, on the GPU (`device` fixture).
-`setdefault`: an explicit TRITON_INTERPRET=0/1 from the caller wins.
+`setdefault`: an explicit TRITON_INTERPRET=0/1 from the caller wins. A kernel module imported before this conftest
+(by a test collected earlier) would already be compiled-mode: that stops the run with a clear error instead.
 
 `@pytest.mark.gpu` tests skip themselves here without CUDA (the marker alone skips nothing).
 """
@@ -14,19 +15,27 @@ On a CUDA machine it stays unset, and the same small-size tests run compiled, on
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
+    _already_jitted = sorted(name for name in sys.modules if name.startswith("engine.kernels.triton."))
+    if _already_jitted and "TRITON_INTERPRET" not in os.environ:
+        # Decorated before the interpreter was on: they would try to compile for a GPU this machine lacks.
+        raise pytest.UsageError(
+            f"{', '.join(_already_jitted)} imported before tests/engine/kernels/conftest.py set TRITON_INTERPRET=1; "
+            "a test elsewhere that imports Triton kernels must set it first too (or run with TRITON_INTERPRET=1)"
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _patch_interpreter_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with `int(array)`, but its scalars are 1-element
     1-d arrays, which NumPy >= 2.4 refuses to convert: every loop with a run-time bound fails. Convert through
-    `.item()` instead (test-time only; the compiled path never runs this code)."""
+    its one element instead (test-time only; the compiled path never runs this code)."""
     try:
         from triton.runtime import interpreter
     except ImportError:  # no triton here: the test modules skip themselves
