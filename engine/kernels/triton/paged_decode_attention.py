@@ -180,9 +180,12 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32/int64, each <= max_blocks * block_size
     scale: float,
     *,
-    max_seq_len: int | None = None,  # sizes the split; None reads seq_lens (a device sync)
+    max_seq_len: int | None = None,  # >= every seq_len (it sizes the grid); None reads seq_lens: a device sync
     partition_size: int | None = None,  # tokens per split, a multiple of BLOCK_N; None: choose_partition_size
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], q's dtype
+    """Attention of each sequence's one query over its first seq_lens[s] cached positions (its own K/V stored
+    already). Positions past seq_len are never read, whatever the table holds there. With a CUDA graph, pass
+    max_seq_len and partition_size so that no host sync happens and the grid stays fixed."""
     assert q.dim() == 3 and q.stride(2) == 1, f"q: [num_seqs, num_heads, head_dim], dim contiguous; got {q.shape}"
     num_seqs, num_heads, head_dim = q.shape
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"kv_cache: [2, blocks, B, Hkv, D], got {kv_cache.shape}"

@@ -120,8 +120,10 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32/int64: cached prefix + new tokens, >= query_len
     scale: float,
     *,
-    max_query_len: int | None = None,  # sizes the grid; None reads cu_seqlens_q (a device sync)
+    max_query_len: int | None = None,  # >= every query_len (it sizes the grid); None reads cu_seqlens_q: a sync
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
+    """Causal attention of each request's new tokens over its cached prefix and themselves, all read from the
+    paged cache (run `store_kv` for the new tokens first). A request with query_len 0 writes nothing."""
     assert q.dim() == 3 and q.stride(2) == 1, f"q: [num_tokens, num_heads, head_dim], dim contiguous; got {q.shape}"
     num_tokens, num_heads, head_dim = q.shape
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"kv_cache: [2, blocks, B, Hkv, D], got {kv_cache.shape}"
