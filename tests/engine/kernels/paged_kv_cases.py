@@ -14,8 +14,8 @@ def random_cache(
 def random_block_tables(
     lens: list[int], block_size: int, num_blocks: int, g: torch.Generator, *, extra_width: int = 1
 ) -> torch.Tensor:  # [num_seqs, max_blocks] int64
-    """Each sequence gets its own blocks, in a shuffled order; the table is wider than needed, padded with the
-    id of a block another sequence owns (so that reading past seq_len would read someone else's data)."""
+    """Each sequence gets its own blocks, in a shuffled order; the table is wider than needed, padded with the id
+    of a block no sequence owns (`poison_unread_slots` fills it with NaN: a read past seq_len shows)."""
     used = [-(-n // block_size) for n in lens]
     width = max(used) + extra_width
     assert sum(used) <= num_blocks - 1, "not enough blocks for the case"
