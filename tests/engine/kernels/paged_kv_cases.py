@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -39,3 +40,13 @@ def poison_unread_slots(kv_cache: torch.Tensor, tables: torch.Tensor, lens: list
     for s, n in enumerate(lens):
         used[slots_of(tables[s], torch.arange(n, device=tables.device), block_size)] = True
     kv_cache.view(2, -1, *kv_cache.shape[3:])[:, ~used] = float("nan")
+
+
+def torch_attention_backend(scale: float):  # -> engine.attention.torch_backend.TorchAttentionBackend
+    """The engine's torch backend, imported on use: it pulls in kv_transfer (crc32c, protobuf), which a bare GPU box
+    with only torch, triton and pytest may lack. There the tests comparing with it skip; the kernels' own run."""
+    pytest.importorskip("crc32c")
+    pytest.importorskip("google.protobuf")
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(scale=scale)

@@ -13,16 +13,19 @@ import torch
 
 pytest.importorskip("triton")
 
-# The engine's torch backend is imported inside the tests that compare with it: it pulls in kv_transfer (crc32c,
-# protobuf), which a bare GPU box with only torch, triton and pytest may lack; the kernel tests need none of it.
-
+from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.kernels.triton.paged_decode_attention import (  # noqa: E402
     BLOCK_N,
     choose_partition_size,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from tests.engine.kernels.paged_kv_cases import poison_unread_slots, random_block_tables, random_cache  # noqa: E402
+from tests.engine.kernels.paged_kv_cases import (  # noqa: E402
+    poison_unread_slots,
+    random_block_tables,
+    random_cache,
+    torch_attention_backend,
+)
 
 SCALE = 0.125
 
@@ -71,9 +74,6 @@ def test_float16_int32_tables_and_a_padding_row(device):
 
 
 def test_reference_matches_torch_backend():
-    from engine.attention.metadata import AttentionMetadata
-    from engine.attention.torch_backend import TorchAttentionBackend
-
     lens = [1, 13, 33, 70]  # ascending, as the runner orders decodes
     q, cache, tables, seq_lens = make_case(lens, 9, 3, 64, 16, torch.float32, "cpu", seed=4)
     meta = AttentionMetadata(
@@ -84,7 +84,7 @@ def test_reference_matches_torch_backend():
         decode_seq_lens=seq_lens,
         prefills=(),
     )
-    want = TorchAttentionBackend(scale=SCALE).decode(q, cache, meta)
+    want = torch_attention_backend(SCALE).decode(q, cache, meta)
     got = paged_decode_attention_reference(q, cache, tables, seq_lens, SCALE)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -13,9 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-# The engine's torch backend is imported inside the tests that compare with it: it pulls in kv_transfer (crc32c,
-# protobuf), which a bare GPU box with only torch, triton and pytest may lack; the kernel tests need none of it.
-
+from engine.attention.metadata import AttentionMetadata, PrefillChunk  # noqa: E402
 from engine.kernels.triton.paged_prefill_attention import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_reference,
@@ -26,6 +24,7 @@ from tests.engine.kernels.paged_kv_cases import (  # noqa: E402
     random_block_tables,
     random_cache,
     slots_of,
+    torch_attention_backend,
 )
 
 SCALE = 0.125
@@ -70,9 +69,6 @@ def test_float16_int32_metadata(device):
 
 def backend_step(q, k, v, cache, tables, query_lens, context_lens):
     """The same requests as the torch backend sees them: slot mapping and one PrefillChunk each."""
-    from engine.attention.metadata import AttentionMetadata, PrefillChunk
-    from engine.attention.torch_backend import TorchAttentionBackend
-
     block_size = cache.shape[2]
     chunks, slot_mapping, start = [], [], 0
     for s, (query_len, context_len) in enumerate(zip(query_lens, context_lens, strict=True)):
@@ -92,7 +88,7 @@ def backend_step(q, k, v, cache, tables, query_lens, context_lens):
         decode_seq_lens=torch.zeros(0, dtype=torch.int64),
         prefills=tuple(chunks),
     )
-    return TorchAttentionBackend(scale=SCALE).forward(q, k, v, cache, meta), meta
+    return torch_attention_backend(SCALE).forward(q, k, v, cache, meta), meta
 
 
 def test_reference_matches_torch_backend():

@@ -8,10 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-# The engine's torch backend is imported inside the tests that compare with it: it pulls in kv_transfer (crc32c,
-# protobuf), which a bare GPU box with only torch, triton and pytest may lack; the kernel tests need none of it.
-
+from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.kernels.triton.store_kv import store_kv, store_kv_reference  # noqa: E402
+from tests.engine.kernels.paged_kv_cases import torch_attention_backend  # noqa: E402
 
 
 def qkv_views(num_tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, g: torch.Generator, device):
@@ -41,9 +40,6 @@ def test_store_matches_reference_and_skips_padding(device, dtype, slot_dtype):
 
 
 def test_reference_matches_torch_backend_store():
-    from engine.attention.metadata import AttentionMetadata
-    from engine.attention.torch_backend import TorchAttentionBackend
-
     g = torch.Generator().manual_seed(1)
     k, v = qkv_views(5, 4, 2, 16, torch.float32, g, "cpu")
     cache = torch.zeros(2, 4, 4, 2, 16)
@@ -57,7 +53,7 @@ def test_reference_matches_torch_backend_store():
         prefills=(),
     )
     backend_cache = cache.clone()
-    TorchAttentionBackend(scale=0.25).forward(torch.zeros(5, 4, 16), k, v, backend_cache, meta)
+    torch_attention_backend(0.25).forward(torch.zeros(5, 4, 16), k, v, backend_cache, meta)
     store_kv_reference(k, v, cache, slots)
     assert torch.equal(cache, backend_cache)
 
