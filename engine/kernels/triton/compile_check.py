@@ -58,6 +58,7 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                     },
                     {"BLOCK_H": 16, "BLOCK_N": decode.BLOCK_N, "BLOCK_D": head_dim, "SPLIT": split,
                      "IEEE": dtype == "fp32"},
+                    num_warps=decode.num_warps(head_dim, dtype == "fp32"),
                 )
         yield Variant(
             f"decode reduce {dtype}",
@@ -80,6 +81,7 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                             "block_size"),
                 },
                 {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": head_dim, "IEEE": dtype == "fp32"},
+                num_warps=prefill.NUM_WARPS,
             )
         yield Variant(
             f"store_kv {dtype}",

@@ -31,6 +31,12 @@ TARGET_PROGRAMS = 512
 MIN_PARTITION_SIZE = 256
 
 
+def num_warps(head_dim: int, fp32: bool) -> int:
+    """Warps per program: 8 where 4 would hold a [BLOCK_N, head_dim] tile's gather addresses in more than ~200
+    registers a thread, or spill (ptxas for sm_90, `compile_check`); 4 otherwise, for more programs per SM."""
+    return 8 if fp32 or head_dim > 64 else 4
+
+
 @triton.jit
 def _decode_kernel(
     q_ptr,  # [S, H, D]
@@ -246,6 +252,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
+        num_warps=num_warps(head_dim, q.dtype == torch.float32),
     )
     if split:
         _reduce_kernel[(num_seqs, num_heads)](
