@@ -201,7 +201,8 @@ def paged_decode_attention(
     assert q.dtype == kv_cache.dtype, f"q is {q.dtype}, the cache {kv_cache.dtype}"
     assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), f"unsupported dtype {q.dtype}"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, f"block_tables: [{num_seqs}, max_blocks]"
-    assert block_tables.dtype in (torch.int32, torch.int64) and block_tables.stride(1) == 1, "block_tables: int32/64"
+    assert block_tables.dtype in (torch.int32, torch.int64), f"block_tables: int32/int64, got {block_tables.dtype}"
+    assert block_tables.stride(1) == 1, "block_tables: each row contiguous (any row stride)"
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype in (torch.int32, torch.int64), "seq_lens: [num_seqs] int"
     assert q.device == kv_cache.device == block_tables.device == seq_lens.device, "all inputs on one device"
     out = torch.empty_like(q)

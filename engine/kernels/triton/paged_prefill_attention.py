@@ -137,7 +137,7 @@ def paged_prefill_attention(
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
     assert q.dtype == kv_cache.dtype, f"q is {q.dtype}, the cache {kv_cache.dtype}"
     assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), f"unsupported dtype {q.dtype}"
-    assert block_tables.dim() == 2 and block_tables.stride(1) == 1, "block_tables: [num_seqs, max_blocks]"
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1, "block_tables: [num_seqs, max_blocks], rows dense"
     num_seqs = block_tables.shape[0]
     assert block_tables.dtype in (torch.int32, torch.int64), f"block_tables: int32/int64, got {block_tables.dtype}"
     assert cu_seqlens_q.shape == (num_seqs + 1,), f"cu_seqlens_q: [{num_seqs + 1}], got {cu_seqlens_q.shape}"

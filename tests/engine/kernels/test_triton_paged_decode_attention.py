@@ -62,10 +62,14 @@ def test_matches_reference_split_off_and_on(device, case):
 
 
 def test_float16_int32_tables_and_a_padding_row(device):
-    """int32 block tables and seq_lens, float16, and a length-0 row (a padded batch) that gets zeros."""
+    """int32 block tables (a column slice of a wider tensor) and seq_lens, float16, and a length-0 row (a padded
+    batch) that gets zeros."""
     lens = [40, 0, 7]
     q, cache, tables, seq_lens = make_case(lens, 8, 2, 32, 16, torch.float16, device, seed=3)
-    tables, seq_lens = tables.int(), seq_lens.int()
+    wide = torch.full((len(lens), tables.shape[1] + 5), -7, dtype=torch.int32, device=device)
+    wide[:, : tables.shape[1]] = tables
+    tables, seq_lens = wide[:, : tables.shape[1]], seq_lens.int()
+    assert not tables.is_contiguous()
     want = paged_decode_attention_reference(q, cache, tables, seq_lens, SCALE)
     for partition_size in (BLOCK_N, 2 * BLOCK_N):
         got = paged_decode_attention(q, cache, tables, seq_lens, SCALE, partition_size=partition_size)
