@@ -11,7 +11,8 @@
 
 Cancellation: a client that disconnects while the router waits on a worker — a non-streaming request, or a
 streaming one before its first token — cancels the wait; during a stream, Starlette cancels the body iterator.
-Either way the GenerationStream is closed, which cancels the gRPC call and sends Abort.
+Either way the stream is closed, which cancels the gRPC call and sends Abort (to the worker that holds the
+request now, after a migration: router/resumable_stream.py).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from starlette.types import Receive, Scope, Send
 from router.admission import Admission
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, GenerationJob, GenerationStream
+from router.dispatcher import Dispatcher, GenerationJob
 from router.errors import GENERATION_ERRORS, error_body, install_error_handlers, without_validation_errors
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.prefix_routing import PrefixIndex
+from router.resumable_stream import ResumableStream
 from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens
 from router.protocol import (
     ChatCompletionRequest,
@@ -138,16 +140,20 @@ def create_app(
     async def _generate(
         raw: Request, job: GenerationJob, spec: OutputSpec, stream: bool, tracker: RequestTracker
     ) -> Response:
+        async def open_stream() -> ResumableStream:
+            return ResumableStream(await dispatcher.open(job, tracker), dispatcher=dispatcher, tracker=tracker,
+                                   tokenizer=tokenizer)
+
         if not stream:
 
             async def collect() -> dict[str, object]:
-                return await collect_response(await dispatcher.open(job, tracker), spec)
+                return await collect_response(await open_stream(), spec)
 
             result = await _unless_disconnected(raw, collect())
             if result is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             return JSONResponse(result)
-        opened = await _unless_disconnected(raw, dispatcher.open(job, tracker), on_orphan=GenerationStream.close)
+        opened = await _unless_disconnected(raw, open_stream(), on_orphan=ResumableStream.close)
         if opened is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return _StreamResponse(opened, sse_events(opened, spec))
@@ -255,10 +261,10 @@ async def _disconnected(request: Request) -> None:
 
 
 class _StreamResponse(StreamingResponse):
-    """SSE over an open GenerationStream, closing the stream however the response ends — including when the
+    """SSE over an open ResumableStream, closing the stream however the response ends — including when the
     client is gone before the body iterator ever starts (then the generator's own `finally` never runs)."""
 
-    def __init__(self, stream: GenerationStream, events: AsyncIterator[str]) -> None:
+    def __init__(self, stream: ResumableStream, events: AsyncIterator[str]) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._stream = stream

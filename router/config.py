@@ -27,6 +27,9 @@ class RouterConfig:
     # Attempts per request when the chosen worker is unreachable before it sent anything (UNAVAILABLE):
     # the next attempt goes to another worker.
     max_dispatch_attempts: int = 2
+    # Migrations per request when its decode worker goes away mid-stream (router/migration.py): the request
+    # resumes on another worker from the tokens already streamed; after this many, the client gets an error event.
+    max_migrations: int = 3
     default_completion_max_tokens: int = 16  # /v1/completions without max_tokens, as in OpenAI and vLLM
     # A request body over this is a 413 before it is parsed (router/body_limit.py). vLLM's server sets no limit
     # and SGLang's gateway 512 MiB, for base64 images; this gateway takes text only. 32 MiB holds a 1M-token
@@ -66,6 +69,8 @@ class RouterConfig:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
         if self.max_dispatch_attempts < 1:
             raise ValueError(f"max_dispatch_attempts must be at least 1, got {self.max_dispatch_attempts}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.default_completion_max_tokens < 1:
             raise ValueError(
                 f"default_completion_max_tokens must be at least 1, got {self.default_completion_max_tokens}"

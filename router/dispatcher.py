@@ -105,8 +105,12 @@ class GenerationStream:
         registry: WorkerRegistry,
         tracker: RequestTracker,
         abort_timeout_s: float,
+        num_prior_tokens: int = 0,
     ) -> None:
         self.route = route
+        self.job = job
+        # A resumed request (router/migration.py): tokens streamed before the migration, now the end of the prompt.
+        self.num_prior_tokens = num_prior_tokens
         self._call = call
         self._job = job
         self._registry = registry
@@ -124,11 +128,12 @@ class GenerationStream:
     def worker_id(self) -> str:
         return self.route.target.worker_id
 
-    async def read(self) -> serving_pb2.GenerateResponse | None:
-        """The next message; None at the end of the stream. Raises grpc.aio.AioRpcError when the call fails."""
+    async def read(self, *, count_rpc_failure: bool = True) -> serving_pb2.GenerateResponse | None:
+        """The next message; None at the end of the stream. Raises grpc.aio.AioRpcError when the call fails
+        (counted as a failed request unless `count_rpc_failure` is False: the caller may migrate it)."""
         if self._buffered:
             return self._buffered.pop(0)
-        return await self._read_call()
+        return await self._read_call(count_rpc_failure)
 
     async def read_first(self) -> None:
         """Wait for the first message (the Dispatcher's part). A failed call is not counted as a failed request
@@ -176,19 +181,21 @@ class GenerationStream:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """The client's prompt: without the tokens a resumed request carries as prompt."""
         if self.usage is not None and self.usage.prompt_tokens:
-            return self.usage.prompt_tokens
-        return len(self._job.prompt_token_ids)
+            return self.usage.prompt_tokens - self.num_prior_tokens
+        return len(self._job.prompt_token_ids) - self.num_prior_tokens
 
     @property
     def num_completion_tokens(self) -> int:
+        """Every token the client got, those streamed before a migration included."""
         if self.usage is not None and self.usage.completion_tokens:
-            return self.usage.completion_tokens
-        return self.num_generated_tokens
+            return self.num_prior_tokens + self.usage.completion_tokens
+        return self.num_prior_tokens + self.num_generated_tokens
 
     @property
     def num_cached_tokens(self) -> int:
-        return self.usage.cached_tokens if self.usage is not None else 0
+        return min(self.usage.cached_tokens, self.num_prompt_tokens) if self.usage is not None else 0
 
     def close(self) -> None:
         """Idempotent. Cancels the call and sends Abort unless the stream finished. Safe under cancellation:
@@ -245,11 +252,22 @@ class Dispatcher:
         stream.ticket = ticket
         return stream
 
-    async def _dispatch(self, job: GenerationJob, tracker: RequestTracker, num_blocks: int) -> GenerationStream:
+    async def resume(
+        self, job: GenerationJob, tracker: RequestTracker, *, num_prior_tokens: int, exclude: Sequence[str]
+    ) -> GenerationStream:
+        """Dispatch a migrated request (router/migration.py) as `open` does, but without admission (the request
+        keeps its ticket) and never to a worker in `exclude`. Same errors as `open`."""
+        num_blocks = num_blocks_needed(len(job.prompt_token_ids), self._config.block_size)
+        return await self._dispatch(job, tracker, num_blocks, num_prior_tokens=num_prior_tokens, exclude=exclude)
+
+    async def _dispatch(
+        self, job: GenerationJob, tracker: RequestTracker, num_blocks: int, *, num_prior_tokens: int = 0,
+        exclude: Sequence[str] = (),
+    ) -> GenerationStream:
         """Route and open the call, retrying elsewhere as the module docstring says."""
         lookup = await self._lookup(job.prompt_token_ids)
         turn = next(self._turns)
-        excluded: set[str] = set()
+        excluded: set[str] = set(exclude)
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(1, self._config.max_dispatch_attempts + 1):
             loads = [load for load in self._registry.loads() if load.worker_id not in excluded]
@@ -266,10 +284,11 @@ class Dispatcher:
                     raise api_error from last_error
                 tracker.failed("no_worker")
                 raise ApiError(status_code=503, message=f"no worker can take the request: {error}") from error
-            stream = self._start(job, route, tracker, num_blocks)
+            stream = self._start(job, route, tracker, num_blocks, num_prior_tokens)
             if self._prefix_index is not None:
                 self._prefix_index.record(lookup, route)
-                stream.on_finished.append(self._prediction_checker(lookup, route))
+                if not num_prior_tokens:  # a resumed request's usage does not count its whole prompt
+                    stream.on_finished.append(self._prediction_checker(lookup, route))
             try:
                 await stream.read_first()
             except grpc.aio.AioRpcError as error:
@@ -299,7 +318,9 @@ class Dispatcher:
             return stream
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _start(self, job: GenerationJob, route: Route, tracker: RequestTracker, num_blocks: int) -> GenerationStream:
+    def _start(
+        self, job: GenerationJob, route: Route, tracker: RequestTracker, num_blocks: int, num_prior_tokens: int
+    ) -> GenerationStream:
         request = serving_pb2.GenerateRequest(
             request_id=job.request_id,
             prompt_token_ids=job.prompt_token_ids,
@@ -312,7 +333,14 @@ class Dispatcher:
             self._registry.note_dispatch(route.prefill.worker_id, num_blocks)
         call = self._registry.stub(route.target.worker_id).Generate(request, timeout=self._config.request_timeout_s)
         return GenerationStream(call, job=job, route=route, registry=self._registry, tracker=tracker,
-                                abort_timeout_s=self._config.abort_timeout_s)
+                                abort_timeout_s=self._config.abort_timeout_s, num_prior_tokens=num_prior_tokens)
+
+    @property
+    def max_migrations(self) -> int:
+        return self._config.max_migrations
+
+    def mark_unhealthy(self, worker_id: str, reason: str) -> None:
+        self._registry.mark_unhealthy(worker_id, reason)
 
     async def _lookup(self, token_ids: Sequence[int]) -> PrefixLookup | None:
         if self._prefix_index is None:

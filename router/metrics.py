@@ -14,6 +14,10 @@ Measured here, per request (router clock):
                                                            (the worker refused it) | kv_transfer | worker_error
     splitserve:request_retries_total{reason}    counter    dispatches retried before any token: unavailable
                                                            (target unreachable) | aborted (KV handoff failed)
+    splitserve:request_migrations_total{reason} counter    streams resumed on another decode worker after theirs
+                                                           went away mid-stream (router/migration.py):
+                                                           worker_unavailable | stream_cut | server_cancelled;
+                                                           past --max-migrations: request_failure{migration_limit}
     splitserve:prompt_tokens_total, splitserve:generation_tokens_total   counters
 
 Admission (router/admission.py):
@@ -114,6 +118,9 @@ class RouterMetrics:
         self.request_retries = Counter(
             f"{PREFIX}request_retries", "Dispatches retried before any token, by the failed attempt's status.",
             ["reason"], registry=registry)
+        self.request_migrations = Counter(
+            f"{PREFIX}request_migrations", "Requests resumed on another worker after theirs went away mid-stream, "
+            "by reason.", ["reason"], registry=registry)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=registry)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=registry)
@@ -199,6 +206,10 @@ class RequestTracker:
     def retried(self, reason: str) -> None:
         """One attempt failed before any token and the request goes out again."""
         self._metrics.request_retries.labels(reason=reason).inc()
+
+    def migrated(self, reason: str) -> None:
+        """The request's decode worker went away mid-stream and the request resumes on another (reason: why)."""
+        self._metrics.request_migrations.labels(reason=reason).inc()
 
     def failed(self, reason: str) -> None:
         if self._done:

@@ -1,11 +1,12 @@
-"""Turning an open GenerationStream into the client's answer: one JSON body, or Server-Sent Events.
+"""Turning an open ResumableStream into the client's answer: one JSON body, or Server-Sent Events.
 
     SSE:  [chat: role chunk] ─ one chunk per worker message that carries text, logprobs or a finish_reason ─
           [usage chunk, when stream_options.include_usage] ─ "data: [DONE]"
 
 A failure after the first byte cannot change the HTTP status any more, so it becomes an error event in OpenAI's
 shape, `data: {"error": {...}}`, followed by `data: [DONE]`. Both paths close the stream whatever happens,
-which cancels and aborts the request on the worker unless it finished.
+which cancels and aborts the request on the worker unless it finished. A decode worker lost mid-stream is
+replaced under the stream (router/resumable_stream.py); only a request that cannot be resumed ends in an error.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import grpc.aio
 
 from protos import serving_pb2
-from router.dispatcher import GenerationStream, api_error_from_rpc, message_failure
+from router.dispatcher import api_error_from_rpc, message_failure
 from router.errors import ApiError
+from router.resumable_stream import ResumableStream
 from router.responses import (
     SSE_DONE,
     ResponseHeader,
@@ -48,7 +50,7 @@ class OutputSpec:
     include_usage: bool = False
 
 
-async def collect_response(stream: GenerationStream, spec: OutputSpec) -> dict[str, Any]:
+async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[str, Any]:
     """Read `stream` to its end and build the non-streaming body. ApiError when the request failed."""
     try:
         texts: list[str] = []
@@ -72,7 +74,7 @@ async def collect_response(stream: GenerationStream, spec: OutputSpec) -> dict[s
         stream.close()
 
 
-async def sse_events(stream: GenerationStream, spec: OutputSpec) -> AsyncIterator[str]:
+async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator[str]:
     """The SSE body of a streaming request. The caller must also `close()` the stream if this generator is
     never iterated (see app.py's response class)."""
     header = spec.header
@@ -105,7 +107,7 @@ async def sse_events(stream: GenerationStream, spec: OutputSpec) -> AsyncIterato
         stream.close()
 
 
-async def _next(stream: GenerationStream) -> serving_pb2.GenerateResponse:
+async def _next(stream: ResumableStream) -> serving_pb2.GenerateResponse:
     """The next message of a live request; ApiError for a failed call, an error message or a cut stream."""
     try:
         message = await stream.read()
@@ -127,6 +129,6 @@ def _logprobs(
     return completion_logprobs(entries, spec.tokenizer, text_offset=text_offset)
 
 
-def _usage(stream: GenerationStream) -> Usage:
+def _usage(stream: ResumableStream) -> Usage:
     return Usage(prompt_tokens=stream.num_prompt_tokens, completion_tokens=stream.num_completion_tokens,
                  cached_tokens=stream.num_cached_tokens)

@@ -62,6 +62,9 @@ class Script:
     error_after: int | None = None  # send a message with `error` set after this many tokens
     abort_after: int | None = None  # finish with "abort" after this many tokens
     hang_after: int | None = None  # stop sending after this many tokens until the call is cancelled
+    # The worker goes away after this many tokens: the call fails with `cut_status` (as a stopped server's calls do)
+    cut_after: int | None = None
+    cut_status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass
@@ -136,6 +139,9 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
                 return
             if not context.is_active():
                 return
+            if script.cut_after is not None and index >= script.cut_after:
+                state["completed"] = True
+                context.abort(script.cut_status, "scripted: the worker went away")
             if script.error_after is not None and index >= script.error_after:
                 state["completed"] = True
                 yield serving_pb2.GenerateResponse(request_id=request.request_id, finish_reason="error",
