@@ -53,6 +53,7 @@ class ServeConfig:
     admission_control: bool = True  # False: every request straight to the workers (vLLM's behaviour)
     max_queued_requests: int | None = None  # the gateway's admission queue; None: derived from the pool
     queue_timeout_s: float = 30.0  # longest wait in the gateway's queue before a 503
+    max_migrations: int = 3  # times one request may move to another decode worker after losing its own
     # The prefix index: an embedded redis-server started with the command (the default), a Redis of your own
     # (`redis_url`), or none (`prefix_index=False`: routing by load only).
     prefix_index: bool = True
@@ -83,6 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "pool's KV cache too)")
     p.add_argument("--queue-timeout", type=float, default=30.0,
                    help="seconds a request may wait in the gateway's queue before it gets 503")
+    p.add_argument("--max-migrations", type=int, default=3,
+                   help="times one request may resume on another decode worker when its own goes away "
+                        "mid-stream (0: never; the client then gets an error event)")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
     p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
     p.add_argument("--health-check-failure-threshold", type=int, default=3,
@@ -129,6 +133,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_migrations < 0:
+        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.disagg_prefill_threshold < 0:
         raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
     if args.redis_url is not None and not args.prefix_index:
@@ -162,7 +168,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address,
                        request_timeout_s=args.request_timeout, admission_control=args.admission_control,
                        max_queued_requests=args.max_queued_requests,
-                       queue_timeout_s=args.queue_timeout, prefix_index=args.prefix_index, redis_url=args.redis_url,
+                       queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
+                       prefix_index=args.prefix_index, redis_url=args.redis_url,
                        routing_policy=args.routing_policy,
                        disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
 
@@ -346,6 +353,7 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
         admission_control=config.admission_control,
         max_queued_requests=config.max_queued_requests,
         queue_timeout_s=config.queue_timeout_s,
+        max_migrations=config.max_migrations,
         restart_counts=directory.restart_counts,
         redis_url=redis_url,
         routing_policy=config.routing_policy,

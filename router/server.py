@@ -51,6 +51,7 @@ def build_router_app(
     admission_control: bool = True,
     max_queued_requests: int | None = None,
     queue_timeout_s: float = 30.0,
+    max_migrations: int = 3,
     restart_counts: RestartCounts | None = None,
 ) -> FastAPI:
     """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
@@ -70,6 +71,7 @@ def build_router_app(
         admission_control=admission_control,
         max_queued_requests=max_queued_requests,
         queue_timeout_s=queue_timeout_s,
+        max_migrations=max_migrations,
         routing_policy=routing_policy,
         disagg_prefill_threshold_tokens=disagg_prefill_threshold_tokens,
     )
