@@ -9,10 +9,11 @@
     Generate stream on decode-1 ──t(k+1)..──▶ TextContinuation rewrites each message's text_delta ──▶ client
 
 Which failures mean "the worker is gone" (`worker_gone`), and so are migrated:
-- UNAVAILABLE: the worker's process died or its server stopped (a drain's `server.stop` cancels its calls with
-  UNAVAILABLE "Cancelling all calls"; a SIGKILLed peer gives UNAVAILABLE "Socket closed").
-- UNKNOWN whose details say "Stream removed": the HTTP/2 stream was cut under the call (a killed process, a
-  connection reset) — the transport's words, never a worker's own error.
+- UNAVAILABLE: the worker's process died or its server stopped. Measured with grpcio's aio client: a SIGKILLed
+  server process gives UNAVAILABLE "Stream removed (Socket closed)"; a server stopped without grace (a drain whose
+  grace ran out) gives UNAVAILABLE "Cancelling all calls".
+- UNKNOWN whose details say "Stream removed": the same cut HTTP/2 stream as other gRPC versions report it — the
+  transport's words, never a worker's own error (a worker's own exception is UNKNOWN "Exception iterating ...").
 - CANCELLED: the gateway never reads a call it cancelled itself, so a CANCELLED read means the server side
   cancelled it (a worker shutting down).
 Everything else is the request's own fate and is not retried: INVALID_ARGUMENT / OUT_OF_RANGE (a bad request

@@ -243,3 +243,81 @@ def test_a_client_that_leaves_after_a_migration_aborts_the_request_on_the_new_wo
     while _metric(client, "splitserve:request_success_total").get("abort") != 1.0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_stop_string_across_the_migration_ends_the_request_at_the_gateway(two_decode) -> None:
+    serve, first, second = two_decode
+    client = serve()
+    # "Hello w" streamed. A real worker would hold "w" back (it may start "wor"); the fake sends every byte at once,
+    # so the client has "Hello w" here (the exact text around a cut is checked on the detokenizer, above).
+    first.script = Script(text="Hello world", cut_after=7)
+    second.script = Script(text="orld and more", hang_after=5)  # goes on until cancelled
+    payloads = sse_payloads(client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "ab", "max_tokens": 30, "stop": ["wor"], "stream": True,
+        "stream_options": {"include_usage": True}}).text)
+    *chunks, usage_chunk, done = payloads
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == "Hello w"
+    last = chunks[-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", "wor")
+    assert usage_chunk["usage"]["completion_tokens"] == 9  # "Hello w" + "or"
+    assert second.wait_for(lambda w: w.cancelled and w.aborts)  # the gateway ended it: blocks freed there
+    success = _metric(client, "splitserve:request_success_total")
+    assert (success["stop"], success.get("abort", 0.0)) == (1.0, 0.0)  # counted once, as the stop it was
+
+
+_DYING_SERVER = """
+import asyncio
+import grpc.aio
+from protos import serving_pb2, serving_pb2_grpc
+
+class Servicer(serving_pb2_grpc.WorkerServicer):
+    async def Generate(self, request, context):
+        for i in range(10_000):
+            yield serving_pb2.GenerateResponse(token_ids=[i])
+            await asyncio.sleep(0.01)
+
+async def main():
+    server = grpc.aio.server()
+    serving_pb2_grpc.add_WorkerServicer_to_server(Servicer(), server)
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    await server.start()
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigkilled_worker_process_reads_as_gone() -> None:
+    """What a real process killed under a live stream looks like to the gateway's grpc.aio client."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import grpc.aio
+
+    from protos import serving_pb2_grpc
+
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen([sys.executable, "-c", _DYING_SERVER], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        port = process.stdout.readline().strip()  # type: ignore[union-attr]
+
+        async def read_until_killed() -> grpc.aio.AioRpcError:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = serving_pb2_grpc.WorkerStub(channel).Generate(serving_pb2.GenerateRequest(), timeout=30)
+                for num_read in range(1, 10_000):
+                    try:
+                        await call.read()
+                    except grpc.aio.AioRpcError as error:
+                        return error
+                    if num_read == 5:
+                        process.send_signal(signal.SIGKILL)
+            raise AssertionError("the stream outlived its server")
+
+        error = asyncio.run(read_until_killed())
+        assert worker_gone(error.code(), error.details() or "") is not None, (error.code(), error.details())
+    finally:
+        process.kill()
+        process.wait()
