@@ -9,6 +9,9 @@
                                                 │ try another worker; ABORTED (the KV handoff failed): try
                                                 └─ again, another prefill worker if any (max_dispatch_attempts)
 
+After the first message, a worker lost mid-stream is router/resumable_stream.py's business: it calls `resume`,
+which dispatches the resumed request the same way (no admission: the request keeps its ticket).
+
 Opening waits for the first message so that a request failing before any token (bad argument, no capacity,
 worker down) still gets a proper HTTP status, even when streaming.
 
