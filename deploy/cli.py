@@ -12,12 +12,13 @@ from engine.serving.log_config import configure_logging
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    from deploy import serve_command
+    from deploy import scale_command, serve_command
     from engine import generate_command
     from engine.kernels import build_command
 
     generate_command.add_parser(sub)
     serve_command.add_parser(sub)
+    scale_command.add_parser(sub)
     build_command.add_parser(sub)
     return parser
 

@@ -132,6 +132,10 @@ class ClusterController:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._restarts: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, reason) -> restarts
+        # What a scale call is doing now (guarded by _table_lock), for pool_workers: configs being launched, and
+        # the published infos of workers unpublished and being stopped.
+        self._starting: list[WorkerConfig] = []
+        self._draining: list[WorkerInfo] = []
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> list[WorkerInfo]:
@@ -164,6 +168,14 @@ class ClusterController:
         """The workers that are up now, in creation order. A restarting worker is absent until it is healthy."""
         with self._table_lock:
             return [info for host in self._hosts for info in host.infos]
+
+    def pool_workers(self) -> list[tuple[str, WorkerInfo | WorkerConfig]]:
+        """Every worker with its state: ("serving", info) for the published, ("starting", config) for those a
+        scale-up is launching, ("draining", info) for those a scale-down unpublished and is stopping."""
+        with self._table_lock:
+            return ([("serving", info) for host in self._hosts for info in host.infos]
+                    + [("starting", config) for config in self._starting]
+                    + [("draining", info) for info in self._draining])
 
     # -- health ----------------------------------------------------------------------------------------------
     def check_health(self) -> list[str]:
@@ -287,6 +299,15 @@ class ClusterController:
         return self.list_workers()
 
     def _grow(self, configs: list[WorkerConfig]) -> None:
+        with self._table_lock:
+            self._starting = list(configs)
+        try:
+            self._grow_now(configs)
+        finally:
+            with self._table_lock:
+                self._starting = []
+
+    def _grow_now(self, configs: list[WorkerConfig]) -> None:
         shared = self._shared_host()
         if shared is None:
             self._launch_new_hosts(configs)
@@ -300,6 +321,15 @@ class ClusterController:
 
     def _shrink(self, victims: list[tuple[_Host, str]]) -> None:
         victim_ids = {w for _, w in victims}
+        with self._table_lock:
+            self._draining = [i for h in self._hosts for i in h.infos if i.worker_id in victim_ids]
+        try:
+            self._shrink_now(victims, victim_ids)
+        finally:
+            with self._table_lock:
+                self._draining = []
+
+    def _shrink_now(self, victims: list[tuple[_Host, str]], victim_ids: set[str]) -> None:
         emptied: list[_Host] = []
         with self._table_lock:
             for host in {id(h): h for h, _ in victims}.values():

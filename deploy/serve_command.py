@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.serving.worker_config import WorkerInfo
@@ -54,6 +54,7 @@ class ServeConfig:
     max_queued_requests: int | None = None  # the gateway's admission queue; None: derived from the pool
     queue_timeout_s: float = 30.0  # longest wait in the gateway's queue before a 503
     max_migrations: int = 3  # times one request may move to another decode worker after losing its own
+    admin_token: str | None = field(default=None, repr=False)  # the admin API's bearer token; None: no admin API
     # The prefix index: an embedded redis-server started with the command (the default), a Redis of your own
     # (`redis_url`), or none (`prefix_index=False`: routing by load only).
     prefix_index: bool = True
@@ -87,6 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-migrations", type=int, default=3,
                    help="times one request may resume on another decode worker when its own goes away "
                         "mid-stream (0: never; the client then gets an error event)")
+    p.add_argument("--admin-token", default=None,
+                   help="bearer token of the gateway's admin API (POST /admin/scale, GET /admin/pools; "
+                        "`splitserve scale`); default: $SPLITSERVE_ADMIN_TOKEN; neither: the admin API is off")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
     p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
     p.add_argument("--health-check-failure-threshold", type=int, default=3,
@@ -169,6 +173,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        request_timeout_s=args.request_timeout, admission_control=args.admission_control,
                        max_queued_requests=args.max_queued_requests,
                        queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
+                       admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
                        prefix_index=args.prefix_index, redis_url=args.redis_url,
                        routing_policy=args.routing_policy,
                        disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
@@ -235,6 +240,27 @@ class WorkerDirectory:
             self.lost = True
         return list(self._workers)
 
+
+    def scale(self, role: str, num_workers: int) -> None:
+        """The admin API's scale (router/admin.py): blocks until the controller resized the pool."""
+        import ray
+
+        if self._controller is None or self.lost:
+            raise RuntimeError("the cluster controller is not running")
+        ray.get(self._controller.scale.remote(role, num_workers))
+        self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+
+    def pool_workers(self) -> list[Any]:
+        """Every worker and its state, for GET /admin/pools."""
+        import ray
+
+        from router.admin import PoolWorker
+
+        if self._controller is None or self.lost:
+            return []
+        listed = ray.get(self._controller.pool_workers.remote(), timeout=self._timeout_s)
+        return [PoolWorker(worker_id=w.worker_id, role=w.role, state=state, endpoint=getattr(w, "endpoint", ""),
+                           pid=getattr(w, "pid", 0), incarnation=w.incarnation) for state, w in listed]
 
     def restart_counts(self) -> list[tuple[str, str, int]]:
         """(role, reason, restarts) as of the last refresh, for the router's splitserve:worker_restarts_total."""
@@ -341,6 +367,7 @@ class _StartFailed(Exception):
 
 def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
     """The gateway app for this cluster (loads the tokenizer)."""
+    from router.admin import AdminApi
     from router.server import build_router_app
 
     return build_router_app(
@@ -354,6 +381,7 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
         max_queued_requests=config.max_queued_requests,
         queue_timeout_s=config.queue_timeout_s,
         max_migrations=config.max_migrations,
+        admin=AdminApi(token=config.admin_token, controller=directory) if config.admin_token else None,
         restart_counts=directory.restart_counts,
         redis_url=redis_url,
         routing_policy=config.routing_policy,

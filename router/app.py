@@ -4,6 +4,7 @@
     GET  /v1/models                              the served model names, in OpenAI's list shape
     GET  /health                                 200 when each role the mode needs has a healthy worker, else 503
     GET  /metrics                                Prometheus text; refreshes worker loads first
+    POST /admin/scale, GET /admin/pools          the admin API (router/admin.py), only with an admin token
     GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
 
 `create_app` owns the registry's and the prefix index client's lifecycles: the app's lifespan starts them
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
@@ -66,11 +68,13 @@ def create_app(
     *,
     prefix_index: PrefixIndex | None = None,
     restart_counts: RestartCounts | None = None,
+    admin: AdminApi | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `config.served_model_names` through the workers `registry` knows.
 
     `prefix_index` (optional): the Redis prefix index; without it (or with Redis down) workers are chosen by load.
     `restart_counts` (optional): the cluster controller's worker restarts, for /metrics.
+    `admin` (optional): the admin API's token and controller (router/admin.py); without it /admin/* is a 404.
     """
     metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts)
     if prefix_index is not None:
@@ -107,6 +111,8 @@ def create_app(
     install_error_handlers(app)
     app.state.metrics = metrics
     app.state.registry = registry
+    if admin is not None:
+        install_admin_routes(app, admin, registry, config.roles_needed)
 
     @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, raw: Request) -> Response:

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # RateLimitError, InternalServerError), else the status's RFC 9110 reason phrase + "Error", as vLLM names them.
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "ContentTooLargeError",  # RFC 9110's name for it; "Request Entity Too Large" before

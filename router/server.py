@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from engine.tokenizer.tokenizer import Tokenizer
+    from router.admin import AdminApi
     from router.metrics import RestartCounts
 
 
@@ -52,6 +53,7 @@ def build_router_app(
     max_queued_requests: int | None = None,
     queue_timeout_s: float = 30.0,
     max_migrations: int = 3,
+    admin: AdminApi | None = None,
     restart_counts: RestartCounts | None = None,
 ) -> FastAPI:
     """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
@@ -83,7 +85,8 @@ def build_router_app(
 
         prefix_index = PrefixIndex(PrefixIndexClient(redis_url), namespace=registry.hash_namespace,
                                    live_workers=registry.incarnations)
-    return create_app(config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts)
+    return create_app(config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts,
+                      admin=admin)
 
 
 def load_tokenizer(model: str) -> tuple[Tokenizer, int]:

@@ -141,17 +141,39 @@ def test_a_live_worker_failing_its_checks_is_replaced_at_the_threshold(tmp_path:
         controller.shutdown()
 
 
+def _scale_watching_states(controller: ClusterController, role: str, num_workers: int,
+                           seen: set[tuple[str, str]]) -> list[WorkerInfo]:
+    """`controller.scale(...)` in a thread while this one records what `pool_workers()` shows."""
+    import threading
+
+    result: list[list[WorkerInfo]] = []
+    thread = threading.Thread(target=lambda: result.append(controller.scale(role, num_workers)))
+    thread.start()
+    while thread.is_alive():
+        seen.update((state, w.worker_id) for state, w in controller.pool_workers())
+        time.sleep(0.001)
+    thread.join()
+    return result[0]
+
+
 @pytest.mark.usefixtures("no_hosts_left")
 def test_scale_grows_and_shrinks_one_pool_newest_first() -> None:
     controller = make_controller(num_prefill_workers=1, num_decode_workers=1)
     try:
         start = by_id(controller.start())
-        grown = by_id(controller.scale("decode", 3))
+        seen: set[tuple[str, str]] = set()  # (state, worker_id) as pool_workers() showed them meanwhile
+        grown = by_id(_scale_watching_states(controller, "decode", 3, seen))
+        assert {("starting", "decode-1"), ("starting", "decode-2")} <= seen
+        assert [(state, info) for state, info in controller.pool_workers()] == [
+            ("serving", info) for info in grown.values()]
         assert list(grown) == ["prefill-0", "decode-0", "decode-1", "decode-2"]
         assert grown["prefill-0"] == start["prefill-0"] and grown["decode-0"] == start["decode-0"]
         assert all(health(i) is not None for i in grown.values())
 
-        shrunk = by_id(controller.scale("decode", 1))
+        seen.clear()
+        shrunk = by_id(_scale_watching_states(controller, "decode", 1, seen))
+        assert {("draining", "decode-1"), ("draining", "decode-2")} <= seen
+        assert {state for state, _ in controller.pool_workers()} == {"serving"}
         assert list(shrunk) == ["prefill-0", "decode-0"]
         assert health(grown["decode-1"]) is None and health(grown["decode-2"]) is None
         assert wait_for(lambda: len(host_processes()) == 2)

@@ -89,14 +89,19 @@ def serve_process(tmp_path: Path) -> Iterator[list[ServeProcess]]:
     ids=["SIGINT", "second-signal-forces"],
 )
 def test_serve_stub_cluster_stops_on_a_signal(
-    signals: list[int], expect_code: int, serve_process: list[ServeProcess], tmp_path: Path
+    signals: list[int], expect_code: int, serve_process: list[ServeProcess], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    serve = ServeProcess(stub_serve_argv(), stderr_path=tmp_path / "stderr.txt")
+    token = "t0ken-for-the-test"
+    serve = ServeProcess(stub_serve_argv(), stderr_path=tmp_path / "stderr.txt",
+                         env={"SPLITSERVE_ADMIN_TOKEN": token})
     serve_process.append(serve)
     url = serve.wait_ready(90)
     ready = next(line for line in serve.lines if READY.match(line))
     assert "1 prefill, 2 decode workers" in ready
     assert get_status(f"{url}/health") == 200
+    if signals == [signal.SIGINT]:  # the scaling rides on one of the two clusters (a serve start costs ~20 s)
+        _check_the_admin_api_scales_each_pool(url, token, serve, capsys)
     stop_and_check(serve, signals, expect_code=expect_code)
     assert "splitserve: shutting down" in serve.output()  # our handler ran, not Ray's or Python's default
 
@@ -158,3 +163,32 @@ def test_serve_real_model_end_to_end(smollm2_gguf: str, serve_process: list[Serv
         time.sleep(0.2)
     assert index["routing_policy"] == "prefix-aware" and index["namespace"]["model"].startswith("sha256:")
     stop_and_check(serve, [signal.SIGINT], expect_code=0)
+
+
+def _admin(url: str, path: str, token: str, body: dict | None = None) -> dict:
+    request = urllib.request.Request(f"{url}{path}", method="POST" if body is not None else "GET",
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def _check_the_admin_api_scales_each_pool(url: str, token: str, serve: ServeProcess,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`splitserve scale` and /admin/* on a running stub cluster (1 prefill, 2 decode): Ray, the controller actor
+    and the gateway wired together."""
+    assert cli.main(["scale", "--url", url, "--decode", "3", "--admin-token", token]) == 0
+    assert "decode-2" in capsys.readouterr().out
+    pools = _admin(url, "/admin/pools", token)["workers"]
+    assert [(w["worker_id"], w["role"], w["state"]) for w in pools] == [
+        ("prefill-0", "prefill", "serving"), ("decode-0", "decode", "serving"), ("decode-1", "decode", "serving"),
+        ("decode-2", "decode", "serving")]
+    assert all(w["pid"] in descendants(serve.proc.pid) and w["endpoint"] and w["incarnation"] for w in pools)
+    workers = _admin(url, "/admin/scale", token, {"decode": 1, "prefill": 2})["workers"]
+    assert [w["worker_id"] for w in workers] == ["prefill-0", "decode-0", "prefill-1"]
+    try:
+        _admin(url, "/admin/pools", "wrong")
+    except urllib.error.HTTPError as error:
+        assert error.code == 401
+    else:
+        raise AssertionError("a wrong token was let in")
