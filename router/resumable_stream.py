@@ -112,7 +112,6 @@ class ResumableStream:
         logger.warning("%s: worker %s went away after %d tokens (%s: %s); resuming elsewhere (migration %d/%d)",
                        job.request_id, old.worker_id, len(self._streamed_token_ids), error.code().name,
                        error.details(), self.num_migrations, limit)
-        self._tracker.migrated(reason)
         resumed_job = GenerationJob(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                     params=request.params)
         try:
@@ -123,6 +122,7 @@ class ResumableStream:
             raise ApiError(status_code=failure.status_code, message=(
                 f"worker {old.worker_id} went away mid-stream and the request could not be resumed: "
                 f"{failure.message}")) from failure
+        self._tracker.migrated(reason)  # counted once resumed: a failed resume is a failed request
         stream.ticket, old.ticket = old.ticket, None
         old.close()  # gives nothing back: the call failed, so it was finished
         self._stream = stream
