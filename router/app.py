@@ -38,7 +38,6 @@ from router.dispatcher import Dispatcher, GenerationJob
 from router.errors import GENERATION_ERRORS, error_body, install_error_handlers, without_validation_errors
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.prefix_routing import PrefixIndex
-from router.resumable_stream import ResumableStream
 from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens
 from router.protocol import (
     ChatCompletionRequest,
@@ -51,6 +50,7 @@ from router.protocol import (
     to_sampling_params,
 )
 from router.responses import ResponseHeader
+from router.resumable_stream import ResumableStream
 from router.streaming import OutputSpec, collect_response, sse_events
 from router.worker_registry import WorkerRegistry
 

@@ -30,7 +30,7 @@ CUT_AFTER = 8  # chunks the client has read when the worker is stopped
 
 @pytest.fixture
 def cluster(smollm2_checkpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list, list]]:
-    common = dict(num_threads=1, num_kv_blocks=64)
+    common = {"num_threads": 1, "num_kv_blocks": 64}
     prefill = [start_worker("prefill", smollm2_checkpoint, worker_id="prefill-0", **common)]
     # Decode steps paced (10 ms each) so that the stream is surely still running when its worker is stopped.
     monkeypatch.setenv(FAULT_STEP_SLEEP_ENV, "0.01")

@@ -9,6 +9,7 @@ import grpc
 import httpx
 import pytest
 
+from engine.tokenizer.detokenizer import IncrementalDetokenizer
 from protos import serving_pb2
 from router.migration import (
     SERVER_CANCELLED,
@@ -18,7 +19,6 @@ from router.migration import (
     resume_request,
     worker_gone,
 )
-from engine.tokenizer.detokenizer import IncrementalDetokenizer
 from tests.router.conftest import MODEL, info_of, serve_router, sse_payloads
 from tests.router.fake_worker import FakeWorker, Script, token_ids_of
 
@@ -204,7 +204,7 @@ def test_with_max_migrations_0_a_lost_worker_ends_the_stream_with_an_error(two_d
     serve, first, second = two_decode
     client = serve(max_migrations=0)
     first.script = Script(text="Hello world", cut_after=4)
-    *chunks, error_event, done = sse_payloads(client.post("/v1/completions", json={
+    *chunks, error_event, _done = sse_payloads(client.post("/v1/completions", json={
         "model": MODEL, "prompt": "ab", "max_tokens": 11, "stream": True}).text)
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == "Hell"
     assert "went away mid-stream" in error_event["error"]["message"]
@@ -215,7 +215,7 @@ def test_a_request_error_mid_stream_is_not_migrated(two_decode) -> None:
     serve, first, second = two_decode
     client = serve()
     first.script = Script(text="Hello world", cut_after=4, cut_status=grpc.StatusCode.INTERNAL)
-    *_, error_event, done = sse_payloads(client.post("/v1/completions", json={
+    *_, error_event, _done = sse_payloads(client.post("/v1/completions", json={
         "model": MODEL, "prompt": "ab", "max_tokens": 11, "stream": True}).text)
     assert error_event["error"]["code"] == 500 and not second.requests
     assert _metric(client, "splitserve:request_failure_total") == {"worker_error": 1.0}
@@ -255,7 +255,7 @@ def test_a_stop_string_across_the_migration_ends_the_request_at_the_gateway(two_
     payloads = sse_payloads(client.post("/v1/completions", json={
         "model": MODEL, "prompt": "ab", "max_tokens": 30, "stop": ["wor"], "stream": True,
         "stream_options": {"include_usage": True}}).text)
-    *chunks, usage_chunk, done = payloads
+    *chunks, usage_chunk, _done = payloads
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == "Hello w"
     last = chunks[-1]["choices"][0]
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", "wor")
