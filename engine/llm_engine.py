@@ -189,7 +189,9 @@ class LLMEngine:
         request = self.scheduler.requests[request_id]
         request.num_cached_tokens = num_cached_tokens
         self.scheduler.commit_remote(request, first_token_id)
-        outs = self._postprocess([(request, first_token_id)], {request_id: logprobs} if logprobs else {}, time.monotonic())
+        outs = self._postprocess(
+            [(request, first_token_id)], {request_id: [logprobs]} if logprobs else {}, time.monotonic()
+        )
         self.publish_kv_events()
         return outs[0]
 
@@ -218,24 +220,43 @@ class LLMEngine:
         return outs
 
     def _postprocess(
-        self, produced: list[tuple[Request, int]], logprobs: dict, sampled_s: float
+        self, produced: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprobs]], sampled_s: float
     ) -> list[RequestOutput]:
+        """Detokenize the step's tokens (several per request when drafts were accepted) and check stop strings;
+        one output per request that produced tokens."""
         outs = []
         self._counters.num_generation_tokens += len(produced)
+        by_request: dict[str, list[int]] = {}
+        requests: list[Request] = []
         for request, token_id in produced:
+            if request.request_id not in by_request:
+                by_request[request.request_id] = []
+                requests.append(request)
+            by_request[request.request_id].append(token_id)
+        for request in requests:
+            token_ids = by_request[request.request_id]
             if request.times.first_token_s is None:
                 request.times.first_token_s = sampled_s
             request.times.last_token_s = sampled_s
-            stop_string = self.outputs.append_token(request, token_id, logprobs.get(request.request_id))
-            if stop_string is not None:
+            token_logprobs = logprobs.get(request.request_id)
+            num_output_before = request.num_output_tokens - len(token_ids)
+            for i, token_id in enumerate(token_ids):
+                stop_string = self.outputs.append_token(
+                    request, token_id, token_logprobs[i] if token_logprobs else None
+                )
+                if stop_string is None:
+                    continue
                 # The text is cut at the stop string, so that is why the request ended, even when the same token
-                # also reached max_tokens or was a stop token id (vLLM's rule too).
+                # also reached max_tokens or was a stop token id (vLLM's rule too). Tokens after it are dropped.
+                self._counters.num_generation_tokens -= len(token_ids) - i - 1
+                request.truncate_output(num_output_before + i + 1)
                 request.stop_reason = stop_string
                 if request.is_finished:
                     self.scheduler.release_held(request.request_id)  # a prefilled request needs no handoff now
                     request.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                break
             outs.append(self._finish(request) if request.is_finished else self.outputs.snapshot(request))
         return outs
 
