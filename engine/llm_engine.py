@@ -31,6 +31,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.speculator import Speculator, make_proposer
 from engine.loader.model_identity import model_identity
 from kv_transfer.block_hash import BlockHashNamespace
 from kv_transfer.kv_events import KVEvent
@@ -86,6 +88,11 @@ class LLMEngine:
         self.hash_namespace = BlockHashNamespace(
             model=config.model_id or model_identity(checkpoint.path), block_size=config.block_size,
             kv_dtype=config.dtype)
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            spec = config.speculative_config
+            assert isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
+            self.speculator = Speculator(spec, make_proposer(spec), token_budget=config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         self._counters = EngineStats()
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
@@ -197,12 +204,17 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:  # drafts wait on the requests for the scheduler to take as extra tokens
+            self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         scheduled = self.scheduler.schedule()
         self.num_scheduled_last_step = len(scheduled.scheduled)
         if scheduled.is_empty:  # e.g. every waiting request needs blocks that only a finish or an abort frees
             return []
         try:
+            start_s = time.perf_counter()
             sampled, logprobs = self.runner.execute(scheduled)
+            if self.speculator is not None:
+                self.speculator.observe_step(scheduled, sampled, time.perf_counter() - start_s)
         except Exception as exc:  # a failed step must not strand its requests' blocks
             logger.exception("engine step failed")
             outs = []
@@ -262,6 +274,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, error: str | None = None) -> RequestOutput:
         self.runner.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
         stats = RequestStats.of(request)
         self._finished_stats.append(stats)
         return self.outputs.finish(request, stats, error)
@@ -291,4 +305,17 @@ class LLMEngine:
             num_prompt_tokens=self._counters.num_prompt_tokens,
             num_generation_tokens=self._counters.num_generation_tokens,
             finished=finished,
+            **self._spec_decode_stats(),
+        )
+
+    def _spec_decode_stats(self) -> dict[str, object]:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return dict(
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+            spec_decode_chosen_k=dict(sorted(spec.chosen_k.items())),
         )
