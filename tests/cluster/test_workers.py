@@ -165,3 +165,24 @@ def test_no_room_on_the_decode_worker_is_resource_exhausted(smollm2_checkpoint) 
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_speculating_decode_worker_matches_offline(smollm2_checkpoint, prompt_ids, offline) -> None:
+    """The decode worker speculates (prompt lookup) on what the prefill worker handed off: the same greedy tokens,
+    its acceptance counts in GetLoad, every block free afterwards on both sides."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "policy": "fixed"}
+    prefill = start_worker("prefill", smollm2_checkpoint, worker_id="p-spec")
+    decode = start_worker("decode", smollm2_checkpoint, worker_id="d-spec", speculative_config=spec)
+    try:
+        d = stub(decode)
+        for i in (2, 3):  # the long prompt (repetitive: prompt lookup drafts a lot) and the chat one
+            result = generate(d, f"spec{i}", prompt_ids[i], GREEDY, prefill.endpoint)
+            assert (result.token_ids, result.finish_reason) == offline[i], f"prompt {i}"
+        load = d.GetLoad(__import__("protos.serving_pb2").serving_pb2.LoadRequest())
+        assert load.spec_decode_num_accepted_tokens > 0
+        assert load.spec_decode_num_draft_tokens >= load.spec_decode_num_accepted_tokens
+        assert sum(load.spec_decode_chosen_k) > 0
+        wait_blocks_free(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
