@@ -92,7 +92,9 @@ class LLMEngine:
         if config.speculative_config is not None:
             spec = config.speculative_config
             assert isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
-            self.speculator = Speculator(spec, make_proposer(spec), token_budget=config.max_num_batched_tokens)
+            self.speculator = Speculator(
+                spec, make_proposer(spec, self.runner), token_budget=config.max_num_batched_tokens
+            )
         self.outputs = OutputProcessor(self.tokenizer)
         self._counters = EngineStats()
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
@@ -211,6 +213,8 @@ class LLMEngine:
         if scheduled.is_empty:  # e.g. every waiting request needs blocks that only a finish or an abort frees
             return []
         try:
+            if self.speculator is not None:
+                self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
             start_s = time.perf_counter()
             sampled, logprobs = self.runner.execute(scheduled)
             if self.speculator is not None:

@@ -2,6 +2,7 @@
 
     propose      before the schedule: the policy picks k per decoding request, the proposer drafts, the drafts
                  wait on the requests (`Request.spec_token_ids`) for the scheduler to take as extra tokens
+    draft        after the schedule, for a model proposer: it drafts into the KV slots the scheduler allocated
     observe      after the step: the target step's time (for the cost model) and what was accepted (metrics)
 
 The acceptance counts per request live on the request (`Request.spec`); the totals and the distribution of the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import SchedulerOutput
@@ -20,6 +22,9 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.cost_model import StepCostModel
 from engine.spec_decode.policy import choose_dynamic, choose_fixed
 from engine.spec_decode.proposer import Proposer
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
 
 
 class Speculator:
@@ -48,10 +53,27 @@ class Speculator:
             return
         start = time.perf_counter()
         drafts = self.proposer.propose(decoding, num_drafts)
-        num_proposed = sum(len(d) for d in drafts)
-        self.cost_model.observe_draft(num_proposed, time.perf_counter() - start)
+        if not self.drafts_after_schedule:
+            self.cost_model.observe_draft(sum(len(d) for d in drafts), time.perf_counter() - start)
         for request, draft in zip(decoding, drafts, strict=True):
             request.spec_token_ids = draft
+
+    @property
+    def drafts_after_schedule(self) -> bool:
+        """A model proposer drafts into KV slots, so only once the scheduler has allocated them: before the
+        schedule it reserves them with placeholder drafts, and `draft` fills them in."""
+        return getattr(self.proposer, "drafts_after_schedule", False)
+
+    def draft(self, scheduled: SchedulerOutput) -> None:
+        """The schedule's step between schedule and execute, for a model proposer."""
+        if not self.drafts_after_schedule:
+            return
+        items = [item for item in scheduled.scheduled if item.spec_token_ids]
+        if not items:
+            return
+        start = time.perf_counter()
+        self.proposer.draft(items)  # type: ignore[attr-defined]
+        self.cost_model.observe_draft(sum(len(item.spec_token_ids) for item in items), time.perf_counter() - start)
 
     def _choose(self, decoding: list[Request], running: Sequence[Request], waiting: Sequence[Request]) -> list[int]:
         k = self.config.num_speculative_tokens
@@ -92,9 +114,16 @@ class Speculator:
         self.proposer.release(request_id)
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig, runner: ModelRunner) -> Proposer:
+    """The configured proposer; a model proposer drafts with (a part of) the runner's model and KV."""
     if config.method == "ngram":
         from engine.spec_decode.ngram_proposer import NgramProposer
 
         return NgramProposer(min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max)
-    raise ValueError(f"speculative method {config.method!r} is not available yet")
+    if config.method == "layer_skip":
+        from engine.spec_decode.layer_skip_proposer import LayerSkipProposer
+
+        assert config.num_layers is not None  # validated by the config
+        return LayerSkipProposer(runner.model, runner.kv_caches, num_layers=config.num_layers,
+                                 block_size=runner.block_size)
+    raise ValueError(f"speculative method {config.method!r} is not implemented yet")

@@ -25,6 +25,8 @@ from tests.engine.tiny_model import (
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+LAYER_SKIP = {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 1}  # the tiny model has 2
+METHODS = [pytest.param(NGRAM, id="ngram"), pytest.param(LAYER_SKIP, id="layer_skip")]
 # Mixed lengths; the tiny model falls into loops quickly, which prompt lookup drafts well.
 MIXED = [*PROMPTS, list(range(3, 60)), "Hello world Hello world Hello"]
 
@@ -35,8 +37,8 @@ def _run(engine, prompts, params, prefix: str = "r") -> dict[str, list[int]]:  #
     return {r: o.token_ids for r, o in finals(drain(engine)).items()}
 
 
-def _spec_engine(checkpoint, policy: str = "fixed", **overrides):  # noqa: ANN001, ANN202
-    return make_engine(checkpoint, speculative_config={**NGRAM, "policy": policy}, **overrides)
+def _spec_engine(checkpoint, policy: str = "fixed", method: dict = NGRAM, **overrides):  # noqa: ANN001, ANN202
+    return make_engine(checkpoint, speculative_config={**method, "policy": policy}, **overrides)
 
 
 def _assert_speculated(engine) -> None:  # noqa: ANN001
@@ -45,14 +47,15 @@ def _assert_speculated(engine) -> None:  # noqa: ANN001
     assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens, "no draft was rejected"
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"max_num_batched_tokens": 12}, {"enable_prefix_caching": False}],
     ids=["default", "chunked-prefill", "no-prefix-cache"],
 )
-def test_greedy_is_identical_with_speculation(tiny_checkpoint, overrides: dict) -> None:
+def test_greedy_is_identical_with_speculation(tiny_checkpoint, overrides: dict, method: dict) -> None:
     expected = _run(make_engine(tiny_checkpoint, **overrides), MIXED, greedy(max_tokens=24))
-    engine = _spec_engine(tiny_checkpoint, **overrides)
+    engine = _spec_engine(tiny_checkpoint, method=method, **overrides)
     counter = BlockRefCounter(engine)
     assert _run(engine, MIXED, greedy(max_tokens=24)) == expected
     _assert_speculated(engine)
@@ -73,9 +76,10 @@ def test_greedy_is_identical_with_prefix_cache_hits(tiny_checkpoint) -> None:
     assert_no_blocks_held(engine)
 
 
-def test_greedy_is_identical_under_preemption(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_is_identical_under_preemption(tiny_checkpoint, method: dict) -> None:
     expected = _run(make_engine(tiny_checkpoint), MIXED, greedy(max_tokens=40))
-    engine = _spec_engine(tiny_checkpoint, num_kv_blocks=40)  # max_model_len 128 = 32 blocks: one request fits
+    engine = _spec_engine(tiny_checkpoint, method=method, num_kv_blocks=40)  # max_model_len 128 = 32 blocks: one request fits
     counter = BlockRefCounter(engine)
     assert _run(engine, MIXED, greedy(max_tokens=40)) == expected
     assert engine.stats().num_preemptions > 0
@@ -84,9 +88,10 @@ def test_greedy_is_identical_under_preemption(tiny_checkpoint) -> None:
     counter.assert_balanced()
 
 
-def test_aborts_return_every_block(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_aborts_return_every_block(tiny_checkpoint, method: dict) -> None:
     expected = _run(make_engine(tiny_checkpoint), MIXED, greedy(max_tokens=30))
-    engine = _spec_engine(tiny_checkpoint)
+    engine = _spec_engine(tiny_checkpoint, method=method)
     counter = BlockRefCounter(engine)
     for i, prompt in enumerate(MIXED):
         engine.add_request(f"r{i}", prompt, greedy(max_tokens=30))
@@ -117,7 +122,8 @@ def test_dynamic_policy_is_identical_and_chooses_k(tiny_checkpoint) -> None:
     assert_no_blocks_held(engine)
 
 
-def test_seeded_sampling_and_logprobs_are_identical_with_speculation(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampling_and_logprobs_are_identical_with_speculation(tiny_checkpoint, method: dict) -> None:
     params = [
         SamplingParams(temperature=t, top_p=p, top_k=k, repetition_penalty=r, seed=100 + i, max_tokens=24,
                        ignore_eos=True, logprobs=2)
@@ -128,7 +134,7 @@ def test_seeded_sampling_and_logprobs_are_identical_with_speculation(tiny_checkp
     for i, prompt in enumerate(MIXED):
         reference.add_request(f"r{i}", prompt, params[i])
     expected = finals(drain(reference))
-    engine = _spec_engine(tiny_checkpoint)
+    engine = _spec_engine(tiny_checkpoint, method=method)
     for i, prompt in enumerate(MIXED):
         engine.add_request(f"r{i}", prompt, params[i])
     got = finals(drain(engine))
