@@ -32,6 +32,7 @@ from engine.outputs import RequestOutput
 from engine.sampling.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
 from engine.spec_decode.speculator import Speculator, make_proposer
 from engine.loader.model_identity import model_identity
 from kv_transfer.block_hash import BlockHashNamespace
@@ -60,6 +61,13 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's context length {mc.max_position_embeddings}"
             )
         block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
+        draft_checkpoint = None
+        if spec is not None and spec.method == "draft_model":  # its KV blocks come out of the same memory
+            assert spec.model is not None
+            draft_checkpoint = load_checkpoint(spec.model, dtype=dtype)
+            block_bytes += draft_kv_block_bytes(draft_checkpoint, config.block_size, dtype.itemsize)
         self.num_kv_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // block_bytes
         if self.num_kv_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -89,12 +97,10 @@ class LLMEngine:
             model=config.model_id or model_identity(checkpoint.path), block_size=config.block_size,
             kv_dtype=config.dtype)
         self.speculator: Speculator | None = None
-        if config.speculative_config is not None:
-            spec = config.speculative_config
-            assert isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
-            self.speculator = Speculator(
-                spec, make_proposer(spec, self.runner), token_budget=config.max_num_batched_tokens
-            )
+        if spec is not None:
+            proposer = make_proposer(spec, self.runner, draft_checkpoint=draft_checkpoint,
+                                     max_model_len=self.max_model_len, attention_backend=config.attention_backend)
+            self.speculator = Speculator(spec, proposer, token_budget=config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         self._counters = EngineStats()
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()

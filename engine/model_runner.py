@@ -40,10 +40,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """Run one step. Returns, for each request that samples, its accepted draft tokens followed by the token
         sampled after them (one token when it has no drafts), and their logprobs where asked."""
-        # Decodes first, shortest context first (the attention backend groups them by length); then prefills and
-        # draft verifications (several tokens after a cached context: the same attention as a prefill chunk).
-        items = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start if s.num_new_tokens == 1 else 0))
-        input_ids, positions, meta = self._prepare(items)
+        items = step_order(out.scheduled)
+        input_ids, positions, meta = prepare_step(items, self.block_size)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
 
         logit_rows: list[int] = []
@@ -101,42 +99,50 @@ class ModelRunner:
             eos_token_ids=request.eos_token_ids,
         )
 
-    def _prepare(
-        self, items: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        for item in items:
-            start, n, table = item.start, item.num_new_tokens, item.block_ids
-            ids.extend(item.request.all_token_ids[start : start + n - len(item.spec_token_ids)])
-            ids.extend(item.spec_token_ids)
-            positions = range(start, start + n)
-            pos.extend(positions)
-            slots.extend(table[p // bs] * bs + p % bs for p in positions)
-            if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                context_slots = None
-                if start > 0:
-                    context_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
-                prefills.append(
-                    PrefillChunk(
-                        query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
-                    )
+
+def step_order(items: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """Decodes first, shortest context first (the attention backend groups them by length); then prefills and
+    draft verifications (several tokens after a cached context: the same attention as a prefill chunk)."""
+    return sorted(items, key=lambda s: (s.num_new_tokens != 1, s.start if s.num_new_tokens == 1 else 0))
+
+
+def prepare_step(
+    items: list[ScheduledRequest], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Token ids, positions and attention metadata of `items` (in `step_order`), flattened in that order."""
+    bs = block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    for item in items:
+        start, n, table = item.start, item.num_new_tokens, item.block_ids
+        ids.extend(item.request.all_token_ids[start : start + n - len(item.spec_token_ids)])
+        ids.extend(item.spec_token_ids)
+        positions = range(start, start + n)
+        pos.extend(positions)
+        slots.extend(table[p // bs] * bs + p % bs for p in positions)
+        if n == 1:
+            decode_tables.append(table)
+            decode_lens.append(start + 1)
+        else:
+            context_slots = None
+            if start > 0:
+                context_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
+            prefills.append(
+                PrefillChunk(
+                    query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
                 )
-        width = max((len(t) for t in decode_tables), default=0)
-        meta = AttentionMetadata(
-            num_tokens=len(ids),
-            slot_mapping=torch.tensor(slots),
-            num_decode_tokens=len(decode_tables),
-            decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
-            prefills=tuple(prefills),
-        )
-        return torch.tensor(ids), torch.tensor(pos), meta
+            )
+    width = max((len(t) for t in decode_tables), default=0)
+    meta = AttentionMetadata(
+        num_tokens=len(ids),
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=len(decode_tables),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
+        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
+        prefills=tuple(prefills),
+    )
+    return torch.tensor(ids), torch.tensor(pos), meta

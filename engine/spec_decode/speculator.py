@@ -24,6 +24,7 @@ from engine.spec_decode.policy import choose_dynamic, choose_fixed
 from engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
+    from engine.loader.checkpoint import Checkpoint
     from engine.model_runner import ModelRunner
 
 
@@ -114,8 +115,16 @@ class Speculator:
         self.proposer.release(request_id)
 
 
-def make_proposer(config: SpeculativeConfig, runner: ModelRunner) -> Proposer:
-    """The configured proposer; a model proposer drafts with (a part of) the runner's model and KV."""
+def make_proposer(
+    config: SpeculativeConfig,
+    runner: ModelRunner,
+    *,
+    draft_checkpoint: Checkpoint | None = None,
+    max_model_len: int = 0,
+    attention_backend: str = "auto",
+) -> Proposer:
+    """The configured proposer; layer_skip drafts with part of the runner's model and KV, draft_model with
+    `draft_checkpoint` and a KV cache of its own over the runner's block ids."""
     if config.method == "ngram":
         from engine.spec_decode.ngram_proposer import NgramProposer
 
@@ -126,4 +135,17 @@ def make_proposer(config: SpeculativeConfig, runner: ModelRunner) -> Proposer:
         assert config.num_layers is not None  # validated by the config
         return LayerSkipProposer(runner.model, runner.kv_caches, num_layers=config.num_layers,
                                  block_size=runner.block_size)
-    raise ValueError(f"speculative method {config.method!r} is not implemented yet")
+    if config.method == "draft_model":
+        from engine.spec_decode.draft_model_proposer import DraftModelProposer
+
+        if draft_checkpoint is None:
+            raise ValueError("draft_model needs the draft model's checkpoint")
+        return DraftModelProposer(
+            draft_checkpoint,
+            target_vocab_size=runner.model.config.vocab_size,
+            num_blocks=runner.kv_cache.shape[2],
+            block_size=runner.block_size,
+            max_positions=max_model_len,
+            attention_backend=attention_backend,
+        )
+    raise ValueError(f"unknown speculative method {config.method!r}")

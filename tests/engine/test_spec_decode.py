@@ -26,7 +26,10 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 LAYER_SKIP = {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 1}  # the tiny model has 2
-METHODS = [pytest.param(NGRAM, id="ngram"), pytest.param(LAYER_SKIP, id="layer_skip")]
+# The tiny model drafting for itself: every draft must be accepted (greedy).
+SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "model": "<the tiny model>"}
+METHODS = [pytest.param(NGRAM, id="ngram"), pytest.param(LAYER_SKIP, id="layer_skip"),
+           pytest.param(SELF_DRAFT, id="draft_model")]
 # Mixed lengths; the tiny model falls into loops quickly, which prompt lookup drafts well.
 MIXED = [*PROMPTS, list(range(3, 60)), "Hello world Hello world Hello"]
 
@@ -38,13 +41,18 @@ def _run(engine, prompts, params, prefix: str = "r") -> dict[str, list[int]]:  #
 
 
 def _spec_engine(checkpoint, policy: str = "fixed", method: dict = NGRAM, **overrides):  # noqa: ANN001, ANN202
+    if method.get("method") == "draft_model":
+        method = {**method, "model": str(checkpoint.path)}
     return make_engine(checkpoint, speculative_config={**method, "policy": policy}, **overrides)
 
 
-def _assert_speculated(engine) -> None:  # noqa: ANN001
+def _assert_speculated(engine, *, greedy: bool = True) -> None:  # noqa: ANN001
     stats = engine.stats()
     assert stats.spec_decode_num_accepted_tokens > 0, "no draft was accepted: the test did not speculate"
-    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens, "no draft was rejected"
+    if greedy and engine.config.speculative_config.method == "draft_model":  # the target drafting for itself
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens, "a self-draft rejected"
+    else:
+        assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens, "no draft was rejected"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -63,9 +71,10 @@ def test_greedy_is_identical_with_speculation(tiny_checkpoint, overrides: dict, 
     counter.assert_balanced()
 
 
-def test_greedy_is_identical_with_prefix_cache_hits(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_is_identical_with_prefix_cache_hits(tiny_checkpoint, method: dict) -> None:
     expected = _run(make_engine(tiny_checkpoint), MIXED, greedy(max_tokens=24))
-    engine = _spec_engine(tiny_checkpoint)
+    engine = _spec_engine(tiny_checkpoint, method=method)
     assert _run(engine, MIXED, greedy(max_tokens=24)) == expected
     # Again on the same engine: the prompts (and blocks of accepted drafts) are now prefix cache.
     engine.add_request("again", MIXED[4], greedy(max_tokens=24))
@@ -99,7 +108,7 @@ def test_aborts_return_every_block(tiny_checkpoint, method: dict) -> None:
     for step in range(12):
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
-        if step == 8:  # mid-decode, with drafts in flight
+        if step == 3:  # mid-decode
             for out in engine.abort_request(["r1", "r4", "r5"]):
                 outputs.setdefault(out.request_id, []).append(out)
     for request_id, outs in drain(engine).items():
@@ -111,6 +120,27 @@ def test_aborts_return_every_block(tiny_checkpoint, method: dict) -> None:
     _assert_speculated(engine)
     assert_no_blocks_held(engine)
     counter.assert_balanced()
+
+
+def test_a_different_draft_model_is_identical_and_partly_accepted(tiny_model_dir, tiny_checkpoint, tmp_path) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    # A draft close to the target but not equal: its weights with noise (a distilled draft, in miniature).
+    other = tmp_path / "noisy-tiny"
+    shutil.copytree(tiny_model_dir, other)
+    gen = torch.Generator().manual_seed(1)
+    weights = {name: w + 0.15 * w.std() * torch.randn(w.shape, generator=gen)
+               for name, w in load_file(str(other / "model.safetensors")).items()}
+    save_file(weights, str(other / "model.safetensors"))
+    expected = _run(make_engine(tiny_checkpoint), MIXED, greedy(max_tokens=24))
+    engine = make_engine(tiny_checkpoint, speculative_config={**SELF_DRAFT, "model": str(other), "policy": "fixed"})
+    assert _run(engine, MIXED, greedy(max_tokens=24)) == expected
+    stats = engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert_no_blocks_held(engine)
 
 
 def test_dynamic_policy_is_identical_and_chooses_k(tiny_checkpoint) -> None:
@@ -144,7 +174,7 @@ def test_seeded_sampling_and_logprobs_are_identical_with_speculation(tiny_checkp
         for g, e in zip(got[r].logprobs, out.logprobs, strict=True):
             assert (g.token_id, g.rank, [t for t, _ in g.top]) == (e.token_id, e.rank, [t for t, _ in e.top]), r
             assert g.logprob == pytest.approx(e.logprob, abs=1e-4), r
-    _assert_speculated(engine)
+    _assert_speculated(engine, greedy=False)
     assert sum(o.stats.spec_num_accepted_tokens for o in got.values()) == engine.stats().spec_decode_num_accepted_tokens
     assert_no_blocks_held(engine)
 
