@@ -157,3 +157,15 @@ def test_serve_real_model_end_to_end(smollm2_gguf: str, serve_process: list[Serv
         time.sleep(0.2)
     assert index["routing_policy"] == "prefix-aware" and index["namespace"]["model"].startswith("sha256:")
     stop_and_check(serve, [signal.SIGINT], expect_code=0)
+
+
+def test_speculative_config_reaches_every_workers_engine_config() -> None:
+    from deploy.cli import build_parser
+    from deploy.serve_command import serve_config_from_args
+    from engine.spec_decode.config import SpeculativeConfig
+
+    flags = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    config = serve_config_from_args(build_parser().parse_args(flags))
+    assert config.controller.engine.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "k": 3}'])
