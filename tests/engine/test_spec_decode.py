@@ -211,7 +211,8 @@ def test_llm_takes_a_speculative_config_and_reports_acceptance(tiny_model_dir) -
     from engine.llm import LLM
     from tests.engine.tiny_model import TINY_ENGINE
 
-    llm = LLM(model=str(tiny_model_dir), speculative_config=NGRAM, **TINY_ENGINE)  # type: ignore[arg-type]
+    spec = {**NGRAM, "policy": "fixed"}
+    llm = LLM(model=str(tiny_model_dir), speculative_config=spec, **TINY_ENGINE)  # type: ignore[arg-type]
     [out] = llm.generate([MIXED[5]], greedy(max_tokens=24))
     assert out.stats.spec_num_draft_tokens >= out.stats.spec_num_accepted_tokens > 0
     assert out.stats.spec_acceptance_rate == out.stats.spec_num_accepted_tokens / out.stats.spec_num_draft_tokens
