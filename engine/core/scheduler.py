@@ -324,7 +324,8 @@ class Scheduler:
             accepted = list(token_ids[:num_accepted])
             if not 0 <= num_accepted <= num_drafts or accepted != item.spec_token_ids[:num_accepted]:
                 raise ValueError(
-                    f"request {request.request_id!r}: {list(token_ids)} does not follow its drafts {item.spec_token_ids}"
+                    f"request {request.request_id!r}: {list(token_ids)} does not follow its drafts "
+                    f"{item.spec_token_ids}"
                 )
             request.num_computed_tokens += item.num_new_tokens - (num_drafts - num_accepted)
             if num_drafts:

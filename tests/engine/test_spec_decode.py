@@ -88,7 +88,8 @@ def test_greedy_is_identical_with_prefix_cache_hits(tiny_checkpoint, method: dic
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_is_identical_under_preemption(tiny_checkpoint, method: dict) -> None:
     expected = _run(make_engine(tiny_checkpoint), MIXED, greedy(max_tokens=40))
-    engine = _spec_engine(tiny_checkpoint, method=method, num_kv_blocks=40)  # max_model_len 128 = 32 blocks: one request fits
+    # max_model_len 128 = 32 blocks: one request fits, several do not
+    engine = _spec_engine(tiny_checkpoint, method=method, num_kv_blocks=40)
     counter = BlockRefCounter(engine)
     assert _run(engine, MIXED, greedy(max_tokens=40)) == expected
     assert engine.stats().num_preemptions > 0

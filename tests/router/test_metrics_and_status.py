@@ -179,7 +179,8 @@ def test_spec_decode_metrics_come_from_the_decode_workers_load(cluster: Cluster)
     assert value(samples, "splitserve:spec_decode_num_draft_tokens_total", worker="decode-0") == 40
     assert value(samples, "splitserve:spec_decode_num_accepted_tokens_total", worker="decode-0") == 25
     assert value(samples, "splitserve:spec_decode_num_accepted_tokens_total", worker="prefill-0") == 0
-    per_pos = {labels["position"]: v for labels, v, _ in samples["splitserve:spec_decode_num_accepted_tokens_per_pos_total"]
+    per_pos = {labels["position"]: v
+               for labels, v, _ in samples["splitserve:spec_decode_num_accepted_tokens_per_pos_total"]
                if labels["worker"] == "decode-0"}
     assert per_pos == {"0": 9, "1": 8, "2": 5, "3": 3}
     buckets = {labels["le"]: v for labels, v, _ in samples["splitserve:spec_decode_chosen_k_bucket"]}

@@ -26,7 +26,8 @@ def test_drafts_are_extra_tokens_and_accepted_ones_are_computed() -> None:
     a.spec_token_ids = [8, 9, 10, 11]
     out = scheduler.schedule()
     [item] = out.scheduled
-    assert (item.start, item.num_new_tokens, item.spec_token_ids, item.num_sample_positions) == (6, 5, [8, 9, 10, 11], 5)
+    assert (item.start, item.num_new_tokens, item.spec_token_ids) == (6, 5, [8, 9, 10, 11])
+    assert item.num_sample_positions == 5
     assert len(item.block_ids) == 3  # positions 6..10
     produced = scheduler.update_from_output(out, {"a": [8, 9, 42]})  # two accepted, then the target's own token
     assert [t for _, t in produced] == [8, 9, 42]
