@@ -119,8 +119,10 @@ def test_aborts_return_every_block(tiny_checkpoint, method: dict) -> None:
     for r in ("r0", "r2", "r3"):
         assert final[r].token_ids == expected[r]
     _assert_speculated(engine)
+    # The draft's KV lives in the requests' own blocks: all back with them, and no per-request draft state left.
     assert_no_blocks_held(engine)
     counter.assert_balanced()
+    assert getattr(engine.speculator.proposer, "_valid", {}) == {}
 
 
 def test_a_different_draft_model_is_identical_and_partly_accepted(tiny_model_dir, tiny_checkpoint, tmp_path) -> None:
