@@ -32,11 +32,15 @@ class Reservation:
     """A KVDestination over reserved blocks of the decode worker's paged cache."""
 
     def __init__(
-        self, request_id: str, num_tokens: int, block_ids: list[int], kv_cache: torch.Tensor, layout: KVLayout
+        self, request_id: str, num_tokens: int, block_ids: list[int], kv_cache: torch.Tensor, layout: KVLayout,
+        *, first_block: int = 0,
     ) -> None:
+        """`block_ids[:first_block]` are held already (this worker's prefix cache, shared with other requests):
+        the handoff must skip them, and no write may touch them."""
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.block_ids = block_ids
+        self.first_block = first_block
         self.kv_cache = kv_cache  # the runner's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.layout = layout
         self.state = ReservationState.RESERVED
@@ -54,12 +58,19 @@ class Reservation:
                     f"request {self.request_id}: reserved {self.num_tokens} tokens in {len(self.block_ids)} blocks, "
                     f"the handoff carries {handoff.num_tokens} tokens in {handoff.num_blocks} blocks"
                 )
+            if handoff.first_block != self.first_block:
+                raise KVTransferError(
+                    f"request {self.request_id}: this worker holds the first {self.first_block} blocks, the handoff "
+                    f"starts at block {handoff.first_block}"
+                )
             self.state = ReservationState.RECEIVING
 
     def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
         with self._lock:
             if self.state is not ReservationState.RECEIVING:
                 raise KVTransferError(f"request {self.request_id}: transfer is {self.state.value}, block dropped")
+            if not self.first_block <= index < len(self.block_ids):
+                raise KVTransferError(f"request {self.request_id}: block {index} is not the handoff's to write")
             # data: [num_layers, 2, block_size, num_kv_heads, head_dim]; one strided copy across the layers that
             # also checks the CRC. On a mismatch the reserved block holds junk until the failed handoff frees it.
             copy_checked(self.kv_cache[:, :, self.block_ids[index]], data, crc32c)

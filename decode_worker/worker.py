@@ -135,10 +135,10 @@ class DecodeWorker(RuntimeWorker):
         deadline = time.monotonic() + self.config.kv_transfer_timeout_s
         while True:
             try:
-                block_ids = await runtime.call(lambda e: e.reserve_remote(req))
+                reserved = await runtime.call(lambda e: e.reserve_remote(req))
             except ValueError as exc:
                 raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            if block_ids is not None:
+            if reserved is not None:
                 break
             if time.monotonic() > deadline:
                 raise GenerateFailed(
@@ -148,7 +148,8 @@ class DecodeWorker(RuntimeWorker):
                 )
             await asyncio.sleep(RESERVE_POLL_S)
         reservation = Reservation(
-            req.request_id, req.num_prompt_tokens, block_ids, runtime.engine.runner.kv_cache, runtime.layout
+            req.request_id, req.num_prompt_tokens, reserved.block_ids, runtime.engine.runner.kv_cache, runtime.layout,
+            first_block=reserved.num_held_blocks,
         )
         self.sink.add(reservation)
         return reservation
@@ -171,6 +172,7 @@ class DecodeWorker(RuntimeWorker):
                     decode_endpoint=self.runtime.endpoint,
                     decode_worker_id=self.config.worker_id,
                     transfer_id=uuid.uuid4().hex,
+                    decode_cached_blocks=reservation.first_block,
                 ),
                 # The prefill worker's own queue plus the handoff: generous, but never unbounded.
                 timeout=self.config.kv_transfer_timeout_s * 2,

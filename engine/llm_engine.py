@@ -28,7 +28,7 @@ from engine.kernels.registry import load_all
 from engine.loader.checkpoint import Checkpoint, load_checkpoint
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import RemoteReservation, RequestOutput
 from engine.sampling.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
 from engine.spec_decode.config import SpeculativeConfig
@@ -188,14 +188,15 @@ class LLMEngine:
         self.publish_kv_events()
         return released
 
-    def reserve_remote(self, request: Request) -> list[int] | None:
-        """Reserve blocks for a request whose prompt KV a prefill worker will send; returns the block table, or
-        None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`."""
+    def reserve_remote(self, request: Request) -> RemoteReservation | None:
+        """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
+        here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`."""
         if not self.scheduler.reserve_remote(request):
             return None
         self.outputs.add(request)
         self._counters.num_prompt_tokens += request.num_prompt_tokens
-        return self.kv_cache.block_ids(request.request_id)
+        return RemoteReservation(block_ids=self.kv_cache.block_ids(request.request_id),
+                                 num_held_blocks=self.kv_cache.num_cached_blocks(request.request_id))
 
     def commit_remote(
         self, request_id: str, first_token_id: int, logprobs: TokenLogprobs | None, num_cached_tokens: int = 0

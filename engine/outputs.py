@@ -22,3 +22,11 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
     error: str | None = None
     stats: RequestStats | None = None  # set when finished
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteReservation:
+    """The blocks a decode worker reserved for a prompt computed elsewhere."""
+
+    block_ids: list[int]  # the request's block table: the prompt's blocks and its first token's
+    num_held_blocks: int  # its leading blocks already here (a prefix-cache hit, shared): they need not travel

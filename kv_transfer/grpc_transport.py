@@ -299,7 +299,7 @@ class Receiver(KVReceiver):
         view = memoryview(buffer)
         # [num_layers, 2, block_size, num_kv_heads, head_dim], sharing `buffer`: write_block copies it out
         assembled = torch.frombuffer(buffer, dtype=dtype).view(layout.block_shape)
-        index, filled = 0, 0
+        index, filled = handoff.first_block, 0
         for msg in messages:
             if isinstance(msg, Malformed):
                 raise KVTransferError(f"handoff {handoff.transfer_id}: {msg.reason}")
@@ -332,7 +332,8 @@ class Receiver(KVReceiver):
             index, filled = index + 1, 0
         if index != handoff.num_blocks or filled:
             raise KVTransferError(
-                f"handoff {handoff.transfer_id}: stream ended after {index} of {handoff.num_blocks} blocks"
+                f"handoff {handoff.transfer_id}: stream ended at block {index} of {handoff.num_blocks} "
+                f"(blocks {handoff.first_block} to {handoff.num_blocks - 1} travel)"
             )
 
 
@@ -362,9 +363,9 @@ class Sender(KVSender):
         def messages() -> Iterator[kv_transfer_pb2.KVTransferMessage | bytes]:
             yield kv_transfer_pb2.KVTransferMessage(descriptor=handoff.to_proto())
             try:
-                for index in range(handoff.num_blocks):
-                    if index == self.fault.stop_after_blocks:
-                        raise KVTransferError(f"{what}: sender stopped after {index} blocks (fault)")
+                for num_sent, index in enumerate(handoff.block_indices):
+                    if num_sent == self.fault.stop_after_blocks:
+                        raise KVTransferError(f"{what}: sender stopped after {num_sent} blocks (fault)")
                     # Framed here, on gRPC's thread, as gRPC asks for the next message. Framing a few blocks ahead
                     # on a helper thread was measured slower: a thread wakeup costs more than it overlaps.
                     yield from self._frame_block(index, source)

@@ -48,12 +48,12 @@ class _Incoming:
     def __init__(self, handoff: KVHandoff, dest: KVDestination) -> None:
         self.handoff = handoff
         self.dest = dest
-        self.num_written = 0
+        self.next_index = handoff.first_block
 
     def write(self, index: int, block: torch.Tensor, crc32c: int) -> None:
-        if index != self.num_written:
+        if index != self.next_index:
             raise KVTransferError(
-                f"handoff {self.handoff.transfer_id}: block {index} arrived, block {self.num_written} expected"
+                f"handoff {self.handoff.transfer_id}: block {index} arrived, block {self.next_index} expected"
             )
         if tuple(block.shape) != self.handoff.layout.block_shape:
             raise KVTransferError(
@@ -61,13 +61,13 @@ class _Incoming:
                 f"expected {self.handoff.layout.block_shape}"
             )
         write_verified(self.dest, self.handoff, index, block, crc32c)  # verified as it is copied
-        self.num_written += 1
+        self.next_index += 1
 
     def commit(self) -> None:
-        if self.num_written != self.handoff.num_blocks:
+        if self.next_index != self.handoff.num_blocks:
             raise KVTransferError(
-                f"handoff {self.handoff.transfer_id}: commit after {self.num_written} of "
-                f"{self.handoff.num_blocks} blocks"
+                f"handoff {self.handoff.transfer_id}: commit before block {self.next_index} of "
+                f"{self.handoff.num_blocks}"
             )
         self.dest.commit()
 
@@ -118,9 +118,11 @@ class Sender(KVSender):
             raise KVTransferError(f"no in-process KV receiver attached at {endpoint!r}")
         incoming = receiver.open(handoff)  # refusals propagate as they are: nothing was opened
         try:
-            for index in range(handoff.num_blocks):
-                if index == self.fault.stop_after_blocks:
-                    raise KVTransferError(f"handoff {handoff.transfer_id}: sender stopped after {index} blocks (fault)")
+            for num_sent, index in enumerate(handoff.block_indices):
+                if num_sent == self.fault.stop_after_blocks:
+                    raise KVTransferError(
+                        f"handoff {handoff.transfer_id}: sender stopped after {num_sent} blocks (fault)"
+                    )
                 if time.monotonic() > deadline_s:
                     raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} timed out after {timeout_s}s")
                 block, crc32c = gather(source.read_block(index))  # a strided view of the sender's cache

@@ -113,7 +113,12 @@ class KVLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class KVHandoff:
-    """One request's KV handoff, as the sender opens it. `transfer_id` is unique per attempt."""
+    """One request's KV handoff, as the sender opens it. `transfer_id` is unique per attempt.
+
+    It covers the request's `num_tokens` tokens in `num_blocks` blocks, of which blocks [0, first_block) stay
+    home: the receiver already holds them (a hit in its own prefix cache). The rest travel in order, each under
+    its handoff-wide index (`block_indices`).
+    """
 
     request_id: str
     transfer_id: str
@@ -123,14 +128,27 @@ class KVHandoff:
     source_endpoint: str = ""
     source_worker_id: str = ""
     transport: str = ""
+    first_block: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_block <= self.num_blocks:
+            raise KVTransferError(
+                f"handoff {self.transfer_id}: first block {self.first_block} outside its {self.num_blocks} blocks"
+            )
 
     @property
     def num_blocks(self) -> int:
         return cdiv(self.num_tokens, self.layout.block_size)
 
     @property
+    def block_indices(self) -> range:
+        """The indices of the blocks that travel."""
+        return range(self.first_block, self.num_blocks)
+
+    @property
     def num_bytes(self) -> int:
-        return self.num_blocks * self.layout.block_bytes
+        """Bytes that travel."""
+        return len(self.block_indices) * self.layout.block_bytes
 
     def to_proto(self) -> kv_transfer_pb2.KVHandoffDescriptor:
         return kv_transfer_pb2.KVHandoffDescriptor(
@@ -143,6 +161,7 @@ class KVHandoff:
             source_endpoint=self.source_endpoint,
             source_worker_id=self.source_worker_id,
             transport=self.transport,
+            first_block=self.first_block,
         )
 
     @classmethod
@@ -156,6 +175,7 @@ class KVHandoff:
             source_endpoint=msg.source_endpoint,
             source_worker_id=msg.source_worker_id,
             transport=msg.transport,
+            first_block=msg.first_block,
         )
         if msg.num_blocks != handoff.num_blocks:
             raise KVTransferError(

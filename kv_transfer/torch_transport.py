@@ -214,12 +214,13 @@ class Receiver(KVReceiver):
                         f"handoff {handoff.transfer_id}: no Commit from the sender before the deadline"
                     )
                 checksums = item.checksums or []
-                if len(checksums) != handoff.num_blocks:
+                indices = handoff.block_indices
+                if len(checksums) != len(indices):
                     raise KVTransferError(
-                        f"handoff {handoff.transfer_id}: {len(checksums)} checksums for {handoff.num_blocks} blocks"
+                        f"handoff {handoff.transfer_id}: {len(checksums)} checksums for {len(indices)} blocks"
                     )
-                for index, expected in enumerate(checksums):  # each verified as it is copied
-                    write_verified(dest, handoff, index, staging[index], expected)
+                for slot, (index, expected) in enumerate(zip(indices, checksums)):  # each verified as it is copied
+                    write_verified(dest, handoff, index, staging[slot], expected)
                 dest.commit()
             finally:
                 pair.lock.release()
@@ -245,9 +246,10 @@ class Receiver(KVReceiver):
                            local_host=local_host_towards(peer_host), device=self.device, deadline_s=item.deadline_s)
             staging = pair.staging_for(handoff, self.device)
             assert pair.group is not None
-            works = [pair.group.recv([staging[index]], 0, index) for index in range(handoff.num_blocks)]
-            for index, work in enumerate(works):
-                pair.wait(work, item.deadline_s, f"{what}: receiving block {index}")
+            # staging[slot] holds the slot-th block that travels (tag = slot)
+            works = [pair.group.recv([staging[slot]], 0, slot) for slot in range(len(handoff.block_indices))]
+            for slot, work in enumerate(works):
+                pair.wait(work, item.deadline_s, f"{what}: receiving block {handoff.first_block + slot}")
             pair.last_used_s = time.monotonic()
             return staging
         except Exception as exc:
@@ -346,17 +348,17 @@ class Sender(KVSender):
             assert pair.group is not None
             checksums: list[int] = []
             in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # each tensor kept alive until its send ends
-            for index in range(handoff.num_blocks):
-                if index == self.fault.stop_after_blocks:
+            for slot, index in enumerate(handoff.block_indices):  # tag = slot, as the receiver's staging
+                if slot == self.fault.stop_after_blocks:
                     for work, _ in in_flight:
                         pair.wait(work, deadline_s, f"{what}: sending")
-                    raise KVTransferError(f"{what}: sender stopped after {index} blocks (fault)")
+                    raise KVTransferError(f"{what}: sender stopped after {slot} blocks (fault)")
                 block, crc32c = gather(source.read_block(index))  # a strided view of the sender's cache
                 checksums.append(crc32c)
                 wire = self.fault.apply(index, block)
-                in_flight.append((pair.group.send([wire], 1, index), wire))
-            for index, (work, _) in enumerate(in_flight):
-                pair.wait(work, deadline_s, f"{what}: sending block {index}")
+                in_flight.append((pair.group.send([wire], 1, slot), wire))
+            for slot, (work, _) in enumerate(in_flight):
+                pair.wait(work, deadline_s, f"{what}: sending block {handoff.first_block + slot}")
             return pair, checksums
         except Exception as exc:
             pair.drop()  # the receiver sees the connection close and fails the handoff now, not at its deadline

@@ -60,9 +60,9 @@ class CutHalfWay:
     """A KVBlockSource that fails after half of its blocks: the sender gives up and the receiver must fail the
     handoff with half the blocks written."""
 
-    def __init__(self, source: HeldBlocks, num_blocks: int) -> None:
+    def __init__(self, source: HeldBlocks, handoff: KVHandoff) -> None:
         self.source = source
-        self.cut_at = num_blocks // 2
+        self.cut_at = handoff.first_block + len(handoff.block_indices) // 2
 
     def read_block(self, index: int) -> torch.Tensor:
         if index >= self.cut_at:
@@ -168,10 +168,11 @@ class PrefillWorker(RuntimeWorker):
             source_endpoint=runtime.endpoint,
             source_worker_id=self.config.worker_id,
             transport=self.config.kv_transport,
+            first_block=request.decode_cached_blocks,  # the decode worker holds these already
         )
         source = HeldBlocks(runtime.engine.runner.kv_cache, block_ids, layout)
-        if handoff.num_blocks >= 2 and self._take_cut():
-            source = CutHalfWay(source, handoff.num_blocks)
+        if len(handoff.block_indices) >= 2 and self._take_cut():
+            source = CutHalfWay(source, handoff)
         result = self.sender.send(
             handoff, source, endpoint=request.decode_endpoint, timeout_s=self.config.kv_transfer_timeout_s
         )

@@ -31,7 +31,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVHandoffDescriptor(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "block_hashes", "num_tokens", "num_blocks", "layout", "source_endpoint", "source_worker_id", "transport", "pair_key", "torch_backend")
+    __slots__ = ("request_id", "transfer_id", "block_hashes", "num_tokens", "num_blocks", "layout", "source_endpoint", "source_worker_id", "transport", "pair_key", "torch_backend", "first_block")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class KVHandoffDescriptor(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PAIR_KEY_FIELD_NUMBER: _ClassVar[int]
     TORCH_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -54,7 +55,8 @@ class KVHandoffDescriptor(_message.Message):
     transport: str
     pair_key: str
     torch_backend: str
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., source_endpoint: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., pair_key: _Optional[str] = ..., torch_backend: _Optional[str] = ...) -> None: ...
+    first_block: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., source_endpoint: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., pair_key: _Optional[str] = ..., torch_backend: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
     __slots__ = ("block_index", "offset", "data", "last", "crc32c")

@@ -29,6 +29,18 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        hits = self.cached_prefix(request)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_queries_tokens += request.num_tokens
+        self.prefix_hits_tokens += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The cached blocks of `request`'s longest cached prefix, leaving at least one token out (as
+        `get_computed_blocks`), without counting a prefix-cache query: for a prompt computed elsewhere, whose
+        cached head need not travel."""
+        if not self.enable_prefix_caching:
+            return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -36,10 +48,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_queries_tokens += request.num_tokens
-        self.prefix_hits_tokens += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
@@ -100,6 +109,10 @@ class KVCacheManager:
         self._num_cached.pop(request.request_id, None)
         if table:
             self.pool.free(reversed(table))
+
+    def num_cached_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request's table that are prefix cache (hits, or blocks it filled and registered)."""
+        return self._num_cached.get(request_id, 0)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]

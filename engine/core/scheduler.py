@@ -13,7 +13,8 @@ Disaggregation adds two side doors, both outside the step loop:
 - `reserve_remote` → `commit_remote`: a decode worker allocates blocks for a prompt whose KV another worker computes,
   and for the first token it will decode (prompt + 1 slots: what the request needs to start, as the router
   counts); once the KV has arrived the request joins the waiting queue with the prompt already computed
-  (`kv_in_place`), so the one rule schedules it straight into decode, with no new block.
+  (`kv_in_place`), so the one rule schedules it straight into decode, with no new block. The prompt's longest
+  prefix already cached here is shared, not reserved: those blocks need not travel.
 
 Progress, always: a full pool can never leave requests holding blocks while no step runs.
 - Running requests that need blocks preempt the newest running request, as above.
@@ -144,13 +145,16 @@ class Scheduler:
 
     def reserve_remote(self, request: Request) -> bool:
         """Allocate blocks for `request`'s prompt, whose KV will arrive from a prefill worker, and for the first token
-        it decodes. False (and nothing changed) if the pool cannot hold it now, or a waiting request is blocked on
-        blocks (it goes first)."""
+        it decodes. The prompt's longest cached prefix here is taken as it is (shared, nothing to receive):
+        `kv_cache.num_cached_blocks` says how many leading blocks that is. False (and nothing changed) if the pool
+        cannot hold it now, or a waiting request is blocked on blocks (it goes first)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if self.head_blocked and self.waiting:
             return False
-        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens + 1):
+        hits = self.kv_cache.cached_prefix(request)
+        num_hit_tokens = len(hits) * self.kv_cache.block_size
+        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens + 1 - num_hit_tokens, hits):
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request

@@ -39,3 +39,16 @@ def test_a_bad_checksum_raises_and_the_failed_reservation_takes_no_more_blocks()
     assert reservation.state is ReservationState.FAILED and reservation.done.is_set()
     with pytest.raises(KVTransferError, match="block dropped"):
         reservation.write_block(0, block, tensor_checksum(block))
+
+
+def test_a_handoff_must_skip_exactly_the_blocks_held_here_and_never_writes_them() -> None:
+    kv_cache = torch.zeros((3, 2, 6, 4, 2, 8))
+    reservation = Reservation("r", num_tokens=8, block_ids=[4, 1], kv_cache=kv_cache, layout=LAYOUT, first_block=1)
+    with pytest.raises(KVTransferError, match="holds the first 1 blocks, the handoff starts at block 0"):
+        reservation.open(KVHandoff(request_id="r", transfer_id="t", num_tokens=8, layout=LAYOUT))
+    reservation.open(KVHandoff(request_id="r", transfer_id="t", num_tokens=8, layout=LAYOUT, first_block=1))
+    block = torch.randn(LAYOUT.block_shape)
+    with pytest.raises(KVTransferError, match="block 0 is not the handoff's to write"):
+        reservation.write_block(0, block, tensor_checksum(block))  # block 4: shared prefix cache
+    reservation.write_block(1, block, tensor_checksum(block))
+    assert torch.equal(kv_cache[:, :, 1], block) and not kv_cache[:, :, 4].any()

@@ -78,6 +78,35 @@ def test_disaggregated_matches_offline(pair, prompt_ids, offline) -> None:
     wait_blocks_free(prefill, decode)
 
 
+def test_next_turn_moves_only_the_blocks_the_decode_worker_lacks(pair, prompt_ids, smollm2_checkpoint) -> None:
+    """A chat's next turn (the last prompt, its answer, a new message) on the decode worker that served the last
+    one: the prefill worker sends only the blocks after those the decode worker still caches, and the output is
+    still the offline engine's."""
+    from engine.llm_engine import LLMEngine
+
+    prefill, decode = pair
+    d = stub(decode)
+    first = generate(d, "turn1", prompt_ids[2], GREEDY, prefill.endpoint)
+    next_turn = prompt_ids[2] + first.token_ids + prompt_ids[0]
+    second = generate(d, "turn2", next_turn, GREEDY, prefill.endpoint)
+
+    engine = LLMEngine(engine_config(), smollm2_checkpoint)
+    engine.add_request("ref", next_turn, GREEDY)
+    expected = None
+    while engine.has_unfinished_requests():
+        expected = next((out.token_ids for out in engine.step() if out.finished), expected)
+    assert second.token_ids == expected
+    layout = decode.runtime.layout
+    # What the decode worker computed for turn 1 (its last token's KV never is) in whole blocks; at least one
+    # token of the new prompt is always left out of a prefix hit.
+    held = min((len(prompt_ids[2]) + len(first.token_ids) - 1) // layout.block_size,
+               (len(next_turn) - 1) // layout.block_size)
+    num_blocks = -(-len(next_turn) // layout.block_size)
+    assert held >= 20  # the ~370-token first turn
+    assert second.messages[0].timings.kv_transfer_bytes == (num_blocks - held) * layout.block_bytes
+    wait_blocks_free(prefill, decode)
+
+
 def test_colocated_matches_offline(smollm2_checkpoint, prompt_ids, offline) -> None:
     worker = start_worker("colocated", smollm2_checkpoint)
     try:

@@ -62,11 +62,19 @@ def test_handoff_round_trips_through_its_descriptor() -> None:
     handoff = KVHandoff(
         request_id="req-1", transfer_id="tx-1", num_tokens=33, layout=SMOLLM2,
         block_hashes=(b"\x01" * 16, b"\x02" * 16), source_endpoint="10.0.0.1:50051", source_worker_id="prefill-0",
-        transport="grpc",
+        transport="grpc", first_block=1,
     )
     wire = kv_transfer_pb2.KVHandoffDescriptor.FromString(handoff.to_proto().SerializeToString())
-    assert wire.num_blocks == 3
+    assert wire.num_blocks == 3 and wire.first_block == 1
     assert KVHandoff.from_proto(wire) == handoff
+    assert list(handoff.block_indices) == [1, 2] and handoff.num_bytes == 2 * SMOLLM2.block_bytes
+
+
+def test_descriptor_whose_held_head_is_past_its_blocks_is_refused() -> None:
+    wire = KVHandoff(request_id="r", transfer_id="t", num_tokens=33, layout=SMOLLM2).to_proto()
+    wire.first_block = 4
+    with pytest.raises(KVTransferError, match="first block 4 outside its 3 blocks"):
+        KVHandoff.from_proto(wire)
 
 
 def test_descriptor_with_inconsistent_block_count_is_refused() -> None:

@@ -8,6 +8,7 @@ one fail.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -165,6 +166,38 @@ def test_round_trip_is_byte_exact(make_harness, layout: KVLayout, num_tokens: in
     # The whole last block travels, its unused tail included: compare every byte.
     assert torch.equal(dest.blocks().cpu().view(torch.uint8), source.blocks.cpu().view(torch.uint8))
     assert result.num_bytes == handoff.num_bytes == handoff.num_blocks * layout.block_bytes
+
+
+@pytest.mark.parametrize(("num_tokens", "first_block"), [(4 * 5 + 3, 3), (4 * 2 + 1, 2)],
+                         ids=["3-of-6-held", "all-but-the-last-held"])
+def test_blocks_the_receiver_holds_stay_home(make_harness, num_tokens: int, first_block: int) -> None:
+    """A handoff whose first blocks the receiver already holds (its own prefix cache) moves only the rest, each
+    under its handoff-wide index; the held slots are never written."""
+    handoff = dataclasses.replace(make_handoff(SMALL, num_tokens), first_block=first_block)
+    harness = make_harness(SMALL)
+    source = harness.source(handoff.num_blocks)
+
+    result = harness.sender().send(handoff, source, endpoint=harness.endpoint, timeout_s=30)
+
+    dest = harness.sink.only()
+    assert dest.outcome == "committed"
+    assert dest.written == list(range(first_block, handoff.num_blocks))
+    assert torch.equal(dest.blocks()[first_block:].cpu(), source.blocks[first_block:].cpu())
+    assert not dest.blocks()[:first_block].any()  # the held slots: never touched
+    assert result.num_bytes == handoff.num_bytes == (handoff.num_blocks - first_block) * SMALL.block_bytes
+
+
+def test_sender_stopping_after_the_held_head_fails_the_destination(make_harness) -> None:
+    harness = make_harness(SMALL)
+    sender = harness.sender(TransferFault(stop_after_blocks=1))
+    handoff = dataclasses.replace(make_handoff(SMALL, 4 * 6), first_block=2)
+
+    with pytest.raises(KVTransferError, match="stopped after 1 blocks"):
+        sender.send(handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=10)
+
+    assert _wait_settled(harness.sink, 10) < 10
+    dest = harness.sink.only()
+    assert dest.outcome == "failed" and dest.written in ([], [2])
 
 
 def test_sender_is_reusable_and_thread_safe_across_two_senders(make_harness) -> None:

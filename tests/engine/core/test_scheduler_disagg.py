@@ -66,6 +66,43 @@ def test_reserve_commit_decode() -> None:
     assert pool.num_free_blocks == 8
 
 
+def test_reserve_shares_the_prompts_prefix_already_cached_here() -> None:
+    """A decode worker that holds the head of a prompt (an earlier turn, say) reserves only the rest: the held
+    blocks are shared, are not counted as a prefix-cache query (nothing is computed here), and go back to the
+    cache, not the free list, when the request ends."""
+    sched, pool = make_scheduler(num_blocks=8)
+    first = make_request("a", prompt(9), max_tokens=1)  # blocks 0, 1 full and cached once computed
+    sched.add_request(first)
+    run(sched, FakeModel())
+    queries = sched.kv_cache.prefix_queries_tokens
+    hits = sched.kv_cache.prefix_hits_tokens
+
+    req = make_request("d", prompt(13), max_tokens=2)  # the same first 9 tokens, then 4 more
+    assert sched.reserve_remote(req)
+    assert sched.kv_cache.num_cached_blocks("d") == 2
+    table = sched.kv_cache.block_ids("d")
+    assert table[:2] == [pool.get_cached_block(h).block_id for h in req.block_hashes[:2]]
+    assert len(table) == 4  # 13 prompt tokens + the first output token: 2 shared + 2 new
+    assert (sched.kv_cache.prefix_queries_tokens, sched.kv_cache.prefix_hits_tokens) == (queries, hits)
+    check_ref_counts(sched, pool)
+
+    assert sched.commit_remote(req, 50) is None
+    run(sched, FakeModel())
+    assert req.status is RequestStatus.FINISHED_LENGTH and pool.num_free_blocks == 8
+    assert pool.get_cached_block(req.block_hashes[2]) is not None  # its own full block, cached at commit
+
+
+def test_abort_of_a_reservation_that_shares_a_cached_prefix_frees_only_its_own_blocks() -> None:
+    sched, pool = make_scheduler(num_blocks=8)
+    sched.add_request(make_request("a", prompt(9), max_tokens=1))
+    run(sched, FakeModel())
+    req = make_request("d", prompt(13))
+    assert sched.reserve_remote(req) and sched.kv_cache.num_cached_blocks("d") == 2
+    sched.abort_requests(["d"])
+    assert pool.num_free_blocks == 8 and pool.get_cached_block(req.block_hashes[1]) is not None
+    check_ref_counts(sched, pool)
+
+
 def test_reserve_fails_cleanly_when_the_pool_is_full() -> None:
     sched, pool = make_scheduler(num_blocks=2)
     assert not sched.reserve_remote(make_request("d", prompt(3 * B)))
