@@ -7,8 +7,6 @@ import json
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,35 +126,6 @@ def test_workers_that_fail_to_start_exit_1_with_the_reason(
     assert serve.proc.returncode == 1
     assert "splitserve: error: workers failed to start: decode-0: RuntimeError: stub refuses" in serve.output()
     assert not wait_until_gone(tree, session=serve.proc.pid, timeout_s=15)
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_serve_real_model_end_to_end(smollm2_gguf: str, serve_process: list[ServeProcess], tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--prefill-workers", "1", "--decode-workers", "1"]  # fmt: skip
-    serve = ServeProcess(argv, stderr_path=tmp_path / "stderr.txt")
-    serve_process.append(serve)
-    url = serve.wait_ready(300)
-    assert get_status(f"{url}/health") == 200
-    body = json.dumps({"model": smollm2_gguf, "prompt": "The capital of France is", "max_tokens": 4,
-                       "temperature": 0}).encode()  # fmt: skip
-    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        completion = json.load(response)
-    assert completion["usage"]["completion_tokens"] == 4 and completion["choices"][0]["text"].strip()
-    # The embedded redis-server is up, both workers publish to it (it goes with serve: stop_and_check below
-    # finds nothing of serve's left running, redis-server included).
-    deadline = time.monotonic() + 30
-    while True:
-        with urllib.request.urlopen(f"{url}/v1/prefix_index", timeout=10) as response:
-            index = json.load(response)
-        if index["up"] and {w["worker_id"] for w in index["workers"] if w["live"]} == {"prefill-0", "decode-0"}:
-            break
-        assert time.monotonic() < deadline, index
-        time.sleep(0.2)
-    assert index["routing_policy"] == "prefix-aware" and index["namespace"]["model"].startswith("sha256:")
-    stop_and_check(serve, [signal.SIGINT], expect_code=0)
 
 
 def test_speculative_config_reaches_every_workers_engine_config() -> None:
