@@ -53,6 +53,15 @@ def worker_counters(url: str) -> dict[str, float]:
     return out
 
 
+def error_kinds(summary: dict) -> str:
+    """AIPerf's failed requests by HTTP status code and message, e.g. `2x 503 queued too long`."""
+    kinds = []
+    for item in summary.get("error_summary") or []:
+        details = item.get("error_details") or {}
+        kinds.append(f"{item.get('count')}x {details.get('code') or ''} {(details.get('message') or '')[:60]}")
+    return "; ".join(kinds)
+
+
 def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
     load = ["--request-rate", str(args.rate), "--arrival-pattern", "poisson", "--random-seed", "11",
             "--streaming", "--use-server-token-count", "--request-timeout-seconds", "300"]
@@ -99,17 +108,23 @@ def main() -> None:
                              metric(summary, "time_to_first_token", "p50"),
                              metric(summary, "time_to_first_token", "p99"),
                              int(delta["local"]), int(delta["remote"]),
-                             int(metric(summary, "error_request_count"))))
+                             int(metric(summary, "error_request_count")), error_kinds(summary)))
         finally:
             server.stop()
     print(f"{args.prefill_workers} prefill + {args.decode_workers} decode workers; Poisson {args.rate:g} req/s")
-    print(f"{'workload':>15} {'policy':>13} {'prefill tok':>11} {'x rr':>5} {'KV MB':>7} {'hit rate':>8} "
-          f"{'TTFT p50':>9} {'p99 (ms)':>9} {'rr/p50':>6} {'local/remote':>12} {'errors':>6}")
-    for name, policy, computed, kv_bytes, hit_rate, p50, p99, local, remote, errors in rows:
+    # "per req": prefill tokens per request a worker served (local + remote), the fair ratio when a policy's
+    # queue overflowed and some requests were refused (429) before any worker computed them
+    print(f"{'workload':>15} {'policy':>13} {'prefill tok':>11} {'x rr':>5} {'per req':>7} {'x rr':>5} "
+          f"{'KV MB':>7} {'hit rate':>8} {'TTFT p50':>9} {'p99 (ms)':>9} {'rr/p50':>6} {'local/remote':>12} "
+          f"{'errors':>6}")
+    for name, policy, computed, kv_bytes, hit_rate, p50, p99, local, remote, errors, kinds in rows:
         rr = next(r for r in rows if r[0] == name and r[1] == "round-robin")
+        per_request = computed / max(local + remote, 1)
+        rr_per_request = rr[2] / max(rr[7] + rr[8], 1)
         print(f"{name:>15} {policy:>13} {computed:11.0f} {computed / rr[2] if rr[2] else 0:5.2f} "
+              f"{per_request:7.1f} {per_request / rr_per_request if rr_per_request else 0:5.2f} "
               f"{kv_bytes / 1e6:7.1f} {hit_rate:8.2f} {p50:9.0f} {p99:9.0f} {rr[5] / p50 if p50 else 0:6.2f} "
-              f"{local:>5}/{remote:<6} {errors:>6}")
+              f"{local:>5}/{remote:<6} {errors:>6} {kinds}")
 
 
 if __name__ == "__main__":

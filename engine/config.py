@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -24,8 +27,12 @@ class EngineConfig:
     # What namespaces KV block hashes (with block size and dtype): None: a digest of the checkpoint's weights
     # (engine/loader/model_identity.py), so two copies of the same weights share hashes wherever they live.
     model_id: str | None = None
+    # Speculative decoding; a dict of vLLM's keys is taken too (`LLM(speculative_config={...})`). None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

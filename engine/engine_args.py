@@ -6,6 +6,7 @@ import argparse
 import re
 
 from engine.config import DTYPES, EngineConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 
@@ -41,6 +42,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-id", default=None,
                    help="identity of the weights for KV block hashes and the prefix index (default: a digest of "
                         "the checkpoint's files)")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+                        '(methods: ngram, draft_model, layer_skip; "policy": "dynamic" (default) or "fixed")')
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -58,4 +70,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         model_id=args.model_id,
+        speculative_config=args.speculative_config,
     )

@@ -31,6 +31,9 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RemoteReservation, RequestOutput
 from engine.sampling.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
+from engine.spec_decode.speculator import Speculator, make_proposer
 from engine.loader.model_identity import model_identity
 from kv_transfer.block_hash import BlockHashNamespace
 from kv_transfer.kv_events import KVEvent
@@ -58,6 +61,13 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's context length {mc.max_position_embeddings}"
             )
         block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
+        draft_checkpoint = None
+        if spec is not None and spec.method == "draft_model":  # its KV blocks come out of the same memory
+            assert spec.model is not None
+            draft_checkpoint = load_checkpoint(spec.model, dtype=dtype)
+            block_bytes += draft_kv_block_bytes(draft_checkpoint, config.block_size, dtype.itemsize)
         self.num_kv_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // block_bytes
         if self.num_kv_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -86,6 +96,11 @@ class LLMEngine:
         self.hash_namespace = BlockHashNamespace(
             model=config.model_id or model_identity(checkpoint.path), block_size=config.block_size,
             kv_dtype=config.dtype)
+        self.speculator: Speculator | None = None
+        if spec is not None:
+            proposer = make_proposer(spec, self.runner, draft_checkpoint=draft_checkpoint,
+                                     max_model_len=self.max_model_len, attention_backend=config.attention_backend)
+            self.speculator = Speculator(spec, proposer, token_budget=config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         self._counters = EngineStats()
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
@@ -190,18 +205,27 @@ class LLMEngine:
         request = self.scheduler.requests[request_id]
         request.num_cached_tokens = num_cached_tokens
         self.scheduler.commit_remote(request, first_token_id)
-        outs = self._postprocess([(request, first_token_id)], {request_id: logprobs} if logprobs else {}, time.monotonic())
+        outs = self._postprocess(
+            [(request, first_token_id)], {request_id: [logprobs]} if logprobs else {}, time.monotonic()
+        )
         self.publish_kv_events()
         return outs[0]
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:  # drafts wait on the requests for the scheduler to take as extra tokens
+            self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         scheduled = self.scheduler.schedule()
         self.num_scheduled_last_step = len(scheduled.scheduled)
         if scheduled.is_empty:  # e.g. every waiting request needs blocks that only a finish or an abort frees
             return []
         try:
+            if self.speculator is not None:
+                self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
+            start_s = time.perf_counter()
             sampled, logprobs = self.runner.execute(scheduled)
+            if self.speculator is not None:
+                self.speculator.observe_step(scheduled, sampled, time.perf_counter() - start_s)
         except Exception as exc:  # a failed step must not strand its requests' blocks
             logger.exception("engine step failed")
             outs = []
@@ -219,29 +243,50 @@ class LLMEngine:
         return outs
 
     def _postprocess(
-        self, produced: list[tuple[Request, int]], logprobs: dict, sampled_s: float
+        self, produced: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprobs]], sampled_s: float
     ) -> list[RequestOutput]:
+        """Detokenize the step's tokens (several per request when drafts were accepted) and check stop strings;
+        one output per request that produced tokens."""
         outs = []
         self._counters.num_generation_tokens += len(produced)
+        by_request: dict[str, list[int]] = {}
+        requests: list[Request] = []
         for request, token_id in produced:
+            if request.request_id not in by_request:
+                by_request[request.request_id] = []
+                requests.append(request)
+            by_request[request.request_id].append(token_id)
+        for request in requests:
+            token_ids = by_request[request.request_id]
             if request.times.first_token_s is None:
                 request.times.first_token_s = sampled_s
             request.times.last_token_s = sampled_s
-            stop_string = self.outputs.append_token(request, token_id, logprobs.get(request.request_id))
-            if stop_string is not None:
+            token_logprobs = logprobs.get(request.request_id)
+            num_output_before = request.num_output_tokens - len(token_ids)
+            for i, token_id in enumerate(token_ids):
+                stop_string = self.outputs.append_token(
+                    request, token_id, token_logprobs[i] if token_logprobs else None
+                )
+                if stop_string is None:
+                    continue
                 # The text is cut at the stop string, so that is why the request ended, even when the same token
-                # also reached max_tokens or was a stop token id (vLLM's rule too).
+                # also reached max_tokens or was a stop token id (vLLM's rule too). Tokens after it are dropped.
+                self._counters.num_generation_tokens -= len(token_ids) - i - 1
+                request.truncate_output(num_output_before + i + 1)
                 request.stop_reason = stop_string
                 if request.is_finished:
                     self.scheduler.release_held(request.request_id)  # a prefilled request needs no handoff now
                     request.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                break
             outs.append(self._finish(request) if request.is_finished else self.outputs.snapshot(request))
         return outs
 
     def _finish(self, request: Request, error: str | None = None) -> RequestOutput:
         self.runner.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
         stats = RequestStats.of(request)
         self._finished_stats.append(stats)
         return self.outputs.finish(request, stats, error)
@@ -271,4 +316,17 @@ class LLMEngine:
             num_prompt_tokens=self._counters.num_prompt_tokens,
             num_generation_tokens=self._counters.num_generation_tokens,
             finished=finished,
+            **self._spec_decode_stats(),
+        )
+
+    def _spec_decode_stats(self) -> dict[str, object]:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return dict(
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+            spec_decode_chosen_k=dict(sorted(spec.chosen_k.items())),
         )

@@ -1,4 +1,5 @@
-"""Turns a scheduler step into one flattened forward pass and samples the requests that reached their end.
+"""Turns a scheduler step into one flattened forward pass and samples the requests that reached their end,
+verifying their draft tokens (if any) in the same pass.
 
 The runner owns the KV tensors (one per layer) and the per-request seeded generators; the control plane owns
 the block ids that index them.
@@ -12,6 +13,7 @@ from engine.attention.metadata import AttentionMetadata, PrefillChunk
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.huge_pages import zeros_with_huge_pages
 from engine.model.llama import LlamaModel
+from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
 
 
@@ -28,41 +30,56 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))  # per layer [2, num_blocks, block_size, Hkv, D], contiguous
         self.sampler = Sampler(seed=seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self._generators: dict[str, torch.Generator] = {}
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator."""
         self._generators.pop(request_id, None)
 
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run one step. Returns the sampled token of each request that samples, and logprobs where asked."""
-        # Decodes first, shortest context first (the attention backend groups them by length); then prefills.
-        items = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1, s.start if s.num_new_tokens == 1 else 0))
-        input_ids, positions, meta = self._prepare(items)
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        """Run one step. Returns, for each request that samples, its accepted draft tokens followed by the token
+        sampled after them (one token when it has no drafts), and their logprobs where asked."""
+        items = step_order(out.scheduled)
+        input_ids, positions, meta = prepare_step(items, self.block_size)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
 
-        sample_rows: list[int] = []
+        logit_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         offset = 0
         for item in items:
             offset += item.num_new_tokens
             if item.samples:
-                sample_rows.append(offset - 1)
+                logit_rows.extend(range(offset - item.num_sample_positions, offset))
                 sampling.append(item)
         if not sampling:
             return {}, {}
-        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
-        rows = [self._sampling_row(item) for item in sampling]
-        result = self.sampler.sample(logits, rows)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
-        for item, token_id, token_logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
-            sampled[item.request.request_id] = token_id
-            if token_logprobs is not None:
-                logprobs[item.request.request_id] = token_logprobs
+        logits = self.model.compute_logits(hidden[logit_rows])  # [num_sample_positions summed, vocab]
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if not any(item.spec_token_ids for item in sampling):
+            result = self.sampler.sample(logits, [self._sampling_row(item) for item in sampling])
+            for item, token_id, token_logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
+                sampled[item.request.request_id] = [token_id]
+                if token_logprobs is not None:
+                    logprobs[item.request.request_id] = [token_logprobs]
+            return sampled, logprobs
+        requests = [
+            VerifyRequest(
+                rows=[self._sampling_row(item, item.spec_token_ids[:j]) for j in range(item.num_sample_positions)],
+                draft_token_ids=item.spec_token_ids,
+            )
+            for item in sampling
+        ]
+        for item, verified in zip(sampling, self.rejection_sampler.verify(logits, requests), strict=True):
+            sampled[item.request.request_id] = verified.token_ids
+            if verified.logprobs is not None:
+                logprobs[item.request.request_id] = verified.logprobs
         return sampled, logprobs
 
-    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+    def _sampling_row(self, item: ScheduledRequest, accepted_drafts: list[int] | None = None) -> SamplingRow:
+        """The request's row for its next token, or for the token after `accepted_drafts` (as if they had been
+        output: penalties and min_tokens count them)."""
         request = item.request
         params = request.sampling_params
         generator = None
@@ -71,49 +88,61 @@ class ModelRunner:
             if generator is None:
                 generator = torch.Generator().manual_seed(params.seed)
                 self._generators[request.request_id] = generator
+        output_token_ids: list[int] = request.output_token_ids
+        if accepted_drafts:
+            output_token_ids = output_token_ids + accepted_drafts
         return SamplingRow(
             params=params,
             generator=generator,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            output_token_ids=output_token_ids,
             eos_token_ids=request.eos_token_ids,
         )
 
-    def _prepare(
-        self, items: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        for item in items:
-            start, n, table = item.start, item.num_new_tokens, item.block_ids
-            ids.extend(item.request.all_token_ids[start : start + n])
-            positions = range(start, start + n)
-            pos.extend(positions)
-            slots.extend(table[p // bs] * bs + p % bs for p in positions)
-            if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                context_slots = None
-                if start > 0:
-                    context_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
-                prefills.append(
-                    PrefillChunk(
-                        query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
-                    )
+
+def step_order(items: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """Decodes first, shortest context first (the attention backend groups them by length); then prefills and
+    draft verifications (several tokens after a cached context: the same attention as a prefill chunk)."""
+    return sorted(items, key=lambda s: (s.num_new_tokens != 1, s.start if s.num_new_tokens == 1 else 0))
+
+
+def prepare_step(
+    items: list[ScheduledRequest], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Token ids, positions and attention metadata of `items` (in `step_order`), flattened in that order."""
+    bs = block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    for item in items:
+        start, n, table = item.start, item.num_new_tokens, item.block_ids
+        ids.extend(item.request.all_token_ids[start : start + n - len(item.spec_token_ids)])
+        ids.extend(item.spec_token_ids)
+        positions = range(start, start + n)
+        pos.extend(positions)
+        slots.extend(table[p // bs] * bs + p % bs for p in positions)
+        if n == 1:
+            decode_tables.append(table)
+            decode_lens.append(start + 1)
+        else:
+            context_slots = None
+            if start > 0:
+                context_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
+            prefills.append(
+                PrefillChunk(
+                    query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
                 )
-        width = max((len(t) for t in decode_tables), default=0)
-        meta = AttentionMetadata(
-            num_tokens=len(ids),
-            slot_mapping=torch.tensor(slots),
-            num_decode_tokens=len(decode_tables),
-            decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
-            prefills=tuple(prefills),
-        )
-        return torch.tensor(ids), torch.tensor(pos), meta
+            )
+    width = max((len(t) for t in decode_tables), default=0)
+    meta = AttentionMetadata(
+        num_tokens=len(ids),
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=len(decode_tables),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
+        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
+        prefills=tuple(prefills),
+    )
+    return torch.tensor(ids), torch.tensor(pos), meta

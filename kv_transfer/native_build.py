@@ -208,6 +208,12 @@ class BuildResult:
     build_s: float = 0.0
 
 
+def complete_build(module: NativeModule, variant: Variant) -> Path | None:
+    """The folder of `module`'s complete build for `variant` in this process's kernel cache, if there is one."""
+    paths = _Paths.of(module, variant)
+    return paths.final_dir if paths.complete() is not None else None
+
+
 def build(module: NativeModule, variant: Variant, *, lock_timeout_s: float = LOCK_TIMEOUT_S) -> BuildResult:
     """Make sure a complete build of `module` for `variant` is in the cache; load nothing. Raises NativeBuildError."""
     paths = _Paths.of(module, variant)

@@ -49,7 +49,12 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
              variant "x86-64-v4" | "x86-64-v3" | ..., or "torch" where its torch ops run instead)
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total (tokens),
              splitserve:kv_transfer_bytes_total, splitserve:num_preemptions_total,
-             splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total
+             splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total,
+             splitserve:spec_decode_num_drafts_total, splitserve:spec_decode_num_draft_tokens_total,
+             splitserve:spec_decode_num_accepted_tokens_total,
+             splitserve:spec_decode_num_accepted_tokens_per_pos_total{worker,position} (speculating workers)
+    histogram splitserve:spec_decode_chosen_k{worker}  the k the speculation policy chose, per decoding request
+             and step (one bucket per k; speculating workers only)
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protos import serving_pb2
@@ -250,6 +255,11 @@ class WorkerLoadCollector(Collector):
             "num_preemptions": ("Requests preempted.", lambda s: s.num_preemptions),
             "kv_transfers": ("KV transfers completed.", lambda s: s.num_kv_transfers),
             "kv_transfer_failures": ("KV transfers failed.", lambda s: s.num_kv_transfer_failures),
+            "spec_decode_num_drafts": ("Speculative verifications (request-steps with drafts).",
+                                       lambda s: s.spec_decode_num_drafts),
+            "spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda s: s.spec_decode_num_draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Draft tokens accepted.",
+                                                lambda s: s.spec_decode_num_accepted_tokens),
         }
         for name, (documentation, read) in gauges.items():
             family = GaugeMetricFamily(f"{PREFIX}{name}", documentation, labels=["worker"])
@@ -263,6 +273,7 @@ class WorkerLoadCollector(Collector):
                 if snapshot.stats is not None:
                     family.add_metric([snapshot.info.worker_id], float(read(snapshot.stats)))
             yield family
+        yield from _spec_decode_families(snapshots)
         hit_rate = GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_rate",
                                      "Prefix-cache hits / queries, in tokens, since the worker started.",
                                      labels=["worker"])
@@ -332,3 +343,30 @@ class PrefixIndexCollector(Collector):
             predictions.add_metric([outcome], float(n))
         yield predictions
         yield from self._lookup_seconds.collect()
+
+
+def _spec_decode_families(snapshots: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
+    """Draft tokens accepted per draft position (vLLM's name and `position` label), and the distribution of the
+    k the speculation policy chose per decoding request and step, as a histogram with one bucket per k."""
+    per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, per draft position (0: the first draft).",
+                                  labels=["worker", "position"])
+    chosen_k = HistogramMetricFamily(f"{PREFIX}spec_decode_chosen_k",
+                                     "Drafts the policy chose per decoding request and step (0: none).",
+                                     labels=["worker"])
+    for snapshot in snapshots:
+        stats = snapshot.stats
+        if stats is None or not stats.spec_decode_chosen_k:
+            continue
+        worker = snapshot.info.worker_id
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([worker, str(position)], float(count))
+        cumulative, buckets = 0, []
+        for k, count in enumerate(stats.spec_decode_chosen_k):
+            cumulative += count
+            buckets.append((str(float(k)), float(cumulative)))
+        buckets.append(("+Inf", float(cumulative)))
+        total_k = sum(k * count for k, count in enumerate(stats.spec_decode_chosen_k))
+        chosen_k.add_metric([worker], buckets, float(total_k))
+    yield per_pos
+    yield chosen_k

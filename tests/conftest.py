@@ -20,14 +20,47 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="session")
 def hf_reference(smollm2_gguf: str):
-    """HF transformers' LlamaForCausalLM on the same GGUF, dequantized by transformers' own loader, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """HF transformers' LlamaForCausalLM on the same GGUF, dequantized by transformers' own loader, float32.
 
-    directory, name = os.path.split(smollm2_gguf)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    model.eval()
-    return model
+    Dequantizing the GGUF in transformers takes about a minute on two cores, so its result is kept: transformers'
+    own config and state dict (`torch.save`; transformers refuses `save_pretrained` on a GGUF-loaded model), under
+    the model cache, keyed by the transformers version and the GGUF's identity. Every run builds the model from
+    that file with transformers' own classes; the run that writes it first checks the rebuilt weights equal the
+    dequantized ones bit for bit.
+    """
+    import json
+    import tempfile
+
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.loader.model_identity import model_identity
+    from engine.loader.model_registry import cache_dir
+
+    key = f"transformers-{transformers.__version__}-{model_identity(smollm2_gguf).removeprefix('sha256:')}"
+    saved = cache_dir() / "hf-reference" / f"{key}.pt"
+
+    def rebuild() -> torch.nn.Module:
+        stored = torch.load(saved, weights_only=True)
+        config = AutoConfig.for_model(**json.loads(stored["config"]))
+        rebuilt = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        rebuilt.load_state_dict(stored["state_dict"], strict=True)
+        return rebuilt.eval()
+
+    if not saved.is_file():
+        directory, name = os.path.split(smollm2_gguf)
+        loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=saved.parent, prefix=f"{key}.tmp-", delete=False) as staging:
+            torch.save({"config": loaded.config.to_json_string(), "state_dict": loaded.state_dict()}, staging)
+        os.replace(staging.name, saved)  # complete or absent: a run killed mid-save leaves only a .tmp- file
+        model = rebuild()
+        expected = loaded.state_dict()
+        assert model.state_dict().keys() == expected.keys()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items()), "cached HF reference differs"
+        return model
+    return rebuild()
 
 
 @pytest.fixture(scope="session")

@@ -85,6 +85,24 @@ class KVCacheManager:
             self.pool.cache_blocks(table[start:num_full], request.block_hashes[start:num_full])
             self._num_cached[request.request_id] = num_full
 
+    def free_uncomputed_tail(self, request: Request) -> int:
+        """Return the blocks past the last one holding a computed token: what rejected draft tokens used.
+
+        Their slots hold KV of tokens that were never accepted; such a block was never cached (only blocks full of
+        computed, accepted tokens are), so it goes straight back to the pool. Returns how many were freed.
+
+            computed  [t t t t][t t d d][d d . .]      d: rejected drafts      block 2 is freed, block 1 is kept
+        """
+        table = self._tables.get(request.request_id)
+        if not table:
+            return 0
+        num_keep = max(cdiv(request.num_computed_tokens, self.block_size), self._num_cached.get(request.request_id, 0))
+        tail = table[num_keep:]
+        if tail:
+            del table[num_keep:]
+            self.pool.free(reversed(tail))
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first (so its tail is evicted before its shared head)."""
         table = self._tables.pop(request.request_id, None)

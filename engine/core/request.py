@@ -68,6 +68,38 @@ class RequestTimes:
     finished_s: float | None = None
 
 
+@dataclass
+class SpecDecodeCounts:
+    """One request's speculation so far: steps that verified drafts, drafts verified, drafts accepted (in total
+    and per draft position), and the moving estimate of its per-token acceptance rate the dynamic policy reads."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    acceptance_rate: float = 0.5  # the prior until drafts are verified
+
+    def record(self, num_draft_tokens: int, num_accepted_tokens: int, smoothing: float = 0.2) -> None:
+        """Count one verification of `num_draft_tokens` drafts of which the first `num_accepted_tokens` matched.
+
+        The estimate moves towards each observed outcome (a draft accepted: 1; the first rejected one: 0; the
+        drafts after a rejection are not observed), by `smoothing` per outcome."""
+        if num_draft_tokens <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for pos in range(num_accepted_tokens):
+            per_pos[pos] += 1
+        outcomes = [1.0] * num_accepted_tokens + ([0.0] if num_accepted_tokens < num_draft_tokens else [])
+        rate = self.acceptance_rate
+        for outcome in outcomes:
+            rate += smoothing * (outcome - rate)
+        self.acceptance_rate = rate
+
+
 class Request:
     def __init__(
         self,
@@ -98,6 +130,11 @@ class Request:
         # Prefill worker: after the first token, hand the KV off instead of decoding (blocks held, not freed).
         self.remote_decode = remote_decode
         self.times = RequestTimes()
+        # Speculative decoding. `spec_token_ids`: draft tokens proposed for the next step, not yet part of the
+        # request's tokens (the scheduler may schedule fewer; the step's update clears them). The counts feed
+        # the metrics and the dynamic policy's acceptance estimate.
+        self.spec_token_ids: list[int] = []
+        self.spec = SpecDecodeCounts()
         self._hash_namespace = hash_namespace
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
@@ -122,6 +159,18 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens past the first `num_output_tokens` (a stop string ended the request inside a
+        step that produced several tokens). Block hashes of blocks no longer full go too."""
+        num_dropped = self.num_output_tokens - num_output_tokens
+        if num_dropped <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - num_dropped :]
+        if self._hash_namespace is not None:
+            del self.block_hashes[self.num_tokens // self._hash_namespace.block_size :]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def _update_block_hashes(self) -> None:
         if self._hash_namespace is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
@@ -51,13 +51,27 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: tokens [start, start + num_new_tokens) of `request.all_token_ids`."""
+    """One request's share of a step: tokens [start, start + num_new_tokens) of `request.all_token_ids` followed
+    by `spec_token_ids`, draft tokens to verify (they count in `num_new_tokens`):
+
+        all_token_ids  [ ... computed ... | t ]  spec  [ d0 d1 d2 ]      num_new_tokens = 1 + 3
+        logits at                           t            d0 d1 d2  ->  up to 4 tokens: accepted drafts + one more
+
+    A request that samples gets logits at its last `1 + len(spec_token_ids)` positions; the runtime returns the
+    accepted drafts and the token sampled after them (`num_sample_positions` tokens at most, one at least).
+    """
 
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
-    num_new_tokens: int
+    num_new_tokens: int  # real tokens + draft tokens
     block_ids: list[int]  # the whole block table after allocation
     samples: bool  # the step reaches the end of the request's tokens: its last logits yield a new token
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify; only with samples
+
+    @property
+    def num_sample_positions(self) -> int:
+        """How many of its last positions need logits: 0, or 1 + the number of drafts."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
 
 @dataclass
@@ -193,10 +207,34 @@ class Scheduler:
             budget -= num_new
 
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget)
+        self._schedule_drafts(out, budget)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Draft tokens ride on decoding requests as extra tokens, with the budget left after every real token:
+        drafts never delay a prompt or preempt a request. Each is cut to what its request can still produce."""
+        for item in out.scheduled:
+            request = item.request
+            drafts = request.spec_token_ids
+            if budget <= 0:
+                break
+            if not drafts or not item.samples or item.num_new_tokens != 1:
+                continue
+            # Every verified draft may become an output token, and the token sampled after them one more.
+            room = min(
+                request.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens
+            ) - 1
+            num_drafts = min(len(drafts), budget, room)
+            if num_drafts <= 0 or not self.kv_cache.allocate_slots(request, 1 + num_drafts):
+                continue
+            item.spec_token_ids = list(drafts[:num_drafts])
+            item.num_new_tokens += num_drafts
+            item.block_ids = self.kv_cache.block_ids(request.request_id)
+            budget -= num_drafts
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit from the head of the waiting queue; returns the budget left."""
         self.head_blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -219,6 +257,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        return budget
 
     def _allocate_for_head(self, request: Request, num_new: int, hits: list) -> bool:
         """Blocks for the head of the waiting queue. When nothing runs (nothing will finish and free blocks), the
@@ -252,6 +291,7 @@ class Scheduler:
 
     def _release_for_recompute(self, request: Request) -> None:
         self.kv_cache.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.kv_in_place = False
@@ -260,27 +300,51 @@ class Scheduler:
 
     # -- after the step --------------------------------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
     ) -> list[tuple[Request, int]]:
         """Advance computed counts, append sampled tokens, apply token-level stops (EOS, stop token ids,
         max_tokens, max_model_len), cache newly full blocks and free finished requests.
 
-        Returns (request, new token id) for every request that produced a token this step; stop strings are the
-        caller's to check (they need text), through `finish_request`.
+        `sampled[request_id]` is, for each request that samples, its accepted draft tokens followed by the token
+        sampled after them (one token without drafts). Rejected drafts are rolled back: they do not count as
+        computed, and blocks that only they used go back to the pool. A token-level stop drops the tokens after it.
+
+        Returns (request, new token id) for every token produced this step, in order; stop strings are the
+        caller's to check (they need text), through `finish_request` and `Request.truncate_output`.
         """
         produced: list[tuple[Request, int]] = []
         for item in out.scheduled:
             request = item.request
+            request.spec_token_ids = []
             if request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_blocks(request)
             if not item.samples:
+                request.num_computed_tokens += item.num_new_tokens
+                self.kv_cache.cache_blocks(request)
                 continue
-            token_id = sampled[request.request_id]
-            request.append_output_token(token_id)
-            produced.append((request, token_id))
-            status = self._token_stop_status(request, token_id)
+            token_ids = sampled[request.request_id]
+            num_drafts = len(item.spec_token_ids)
+            num_accepted = len(token_ids) - 1
+            accepted = list(token_ids[:num_accepted])
+            if not 0 <= num_accepted <= num_drafts or accepted != item.spec_token_ids[:num_accepted]:
+                raise ValueError(
+                    f"request {request.request_id!r}: {list(token_ids)} does not follow its drafts "
+                    f"{item.spec_token_ids}"
+                )
+            request.num_computed_tokens += item.num_new_tokens - (num_drafts - num_accepted)
+            if num_drafts:
+                request.spec.record(num_drafts, num_accepted)
+                if num_accepted < num_drafts:
+                    self.kv_cache.free_uncomputed_tail(request)
+            status = None
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                produced.append((request, token_id))
+                status = self._token_stop_status(request, token_id)
+                if status is not None:  # the tokens after a stop are dropped; their KV is never used
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                    break
+            self.kv_cache.cache_blocks(request)
             if status is not None:
                 self.finish_request(request.request_id, status)
             elif request.remote_decode:

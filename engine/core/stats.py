@@ -19,6 +19,15 @@ class RequestStats:
     tpot_s: float  # mean time per output token after the first (0 with one token)
     e2e_latency_s: float
     finish_reason: str | None
+    # Speculative decoding: steps that verified drafts, drafts verified, drafts accepted (all 0 without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens; None when none was verified."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
 
     @classmethod
     def of(cls, request: Request) -> RequestStats:
@@ -38,6 +47,9 @@ class RequestStats:
             tpot_s=(last_token - first_token) / (n - 1) if n > 1 else 0.0,
             e2e_latency_s=end - t.arrival_s,
             finish_reason=request.status.finish_reason,
+            spec_num_drafts=request.spec.num_drafts,
+            spec_num_draft_tokens=request.spec.num_draft_tokens,
+            spec_num_accepted_tokens=request.spec.num_accepted_tokens,
         )
 
 
@@ -55,4 +67,11 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Speculative decoding, vLLM's spec_decode_* counters: verifications, draft tokens verified, accepted (in all
+    # and per draft position); and how often the policy chose each k (0: no drafts) for a decoding request.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_decode_chosen_k: dict[int, int] = field(default_factory=dict)
     finished: list[RequestStats] = field(default_factory=list)

@@ -7,6 +7,8 @@ autograd, no modules.
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +110,15 @@ class LlamaModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    def first_layers(self, num_layers: int) -> LlamaModel:
+        """The same model cut after its first `num_layers` layers (then the final norm and the head), sharing every
+        weight: a layer-skip draft. Its forward takes those layers' KV caches only."""
+        if not 1 <= num_layers < len(self.layers):
+            raise ValueError(f"num_layers must be in [1, {len(self.layers)}), got {num_layers}")
+        cut = copy.copy(self)
+        cut.layers = self.layers[:num_layers]
+        return cut
 
     @torch.inference_mode()
     def forward(

@@ -208,7 +208,19 @@ class WorkerRuntime:
     async def load_stats(self) -> serving_pb2.LoadStats:
         def snapshot(engine: LLMEngine) -> serving_pb2.LoadStats:
             pool = engine.block_pool
+            spec = engine.speculator
+            spec_decode = {}
+            if spec is not None:  # decode-side speculation (any worker's engine speculates for what it decodes)
+                max_k = spec.config.num_speculative_tokens
+                spec_decode = dict(
+                    spec_decode_num_drafts=spec.num_drafts,
+                    spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+                    spec_decode_chosen_k=[spec.chosen_k.get(k, 0) for k in range(max_k + 1)],
+                )
             return serving_pb2.LoadStats(
+                **spec_decode,  # type: ignore[arg-type]
                 num_requests_running=engine.scheduler.num_running,
                 num_requests_waiting=engine.scheduler.num_waiting,
                 kv_blocks_used=pool.num_used_blocks,

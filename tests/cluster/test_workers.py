@@ -194,3 +194,31 @@ def test_no_room_on_the_decode_worker_is_resource_exhausted(smollm2_checkpoint) 
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculating_decode_worker_matches_offline(smollm2_checkpoint, smollm2_gguf, prompt_ids, offline,
+                                                   method: str) -> None:
+    """The decode worker speculates on what the prefill worker handed off (prompt lookup; the target as its own
+    draft model, which catches up over the received prompt and then has every draft accepted): the same greedy
+    tokens, its acceptance counts in GetLoad, every block free afterwards on both sides."""
+    spec: dict = {"method": method, "num_speculative_tokens": 4, "policy": "fixed"}
+    if method == "draft_model":
+        spec["model"] = smollm2_gguf
+    prefill = start_worker("prefill", smollm2_checkpoint, worker_id="p-spec")
+    decode = start_worker("decode", smollm2_checkpoint, worker_id="d-spec", speculative_config=spec)
+    try:
+        d = stub(decode)
+        for i in (2, 3):  # the long prompt (repetitive: prompt lookup drafts a lot) and the chat one
+            result = generate(d, f"spec{i}", prompt_ids[i], GREEDY, prefill.endpoint)
+            assert (result.token_ids, result.finish_reason) == offline[i], f"prompt {i}"
+        load = d.GetLoad(__import__("protos.serving_pb2").serving_pb2.LoadRequest())
+        assert load.spec_decode_num_accepted_tokens > 0
+        assert load.spec_decode_num_draft_tokens >= load.spec_decode_num_accepted_tokens
+        if method == "draft_model":
+            assert load.spec_decode_num_draft_tokens == load.spec_decode_num_accepted_tokens
+        assert sum(load.spec_decode_chosen_k) > 0
+        wait_blocks_free(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -1,5 +1,6 @@
 """`splitserve serve`: flag errors, and the whole lifecycle as a subprocess (ready line, /health, a signal, exit 0,
-no process left behind), first with stub workers (fast, no model), then with the real ones (slow)."""
+no process left behind), with stub workers (fast, no model); the real model's end to end is
+tests/cluster/test_kernels_before_serving.py."""
 
 from __future__ import annotations
 
@@ -136,35 +137,6 @@ def test_workers_that_fail_to_start_exit_1_with_the_reason(
     assert not wait_until_gone(tree, session=serve.proc.pid, timeout_s=15)
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_serve_real_model_end_to_end(smollm2_gguf: str, serve_process: list[ServeProcess], tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--prefill-workers", "1", "--decode-workers", "1"]  # fmt: skip
-    serve = ServeProcess(argv, stderr_path=tmp_path / "stderr.txt")
-    serve_process.append(serve)
-    url = serve.wait_ready(300)
-    assert get_status(f"{url}/health") == 200
-    body = json.dumps({"model": smollm2_gguf, "prompt": "The capital of France is", "max_tokens": 4,
-                       "temperature": 0}).encode()  # fmt: skip
-    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        completion = json.load(response)
-    assert completion["usage"]["completion_tokens"] == 4 and completion["choices"][0]["text"].strip()
-    # The embedded redis-server is up, both workers publish to it (it goes with serve: stop_and_check below
-    # finds nothing of serve's left running, redis-server included).
-    deadline = time.monotonic() + 30
-    while True:
-        with urllib.request.urlopen(f"{url}/v1/prefix_index", timeout=10) as response:
-            index = json.load(response)
-        if index["up"] and {w["worker_id"] for w in index["workers"] if w["live"]} == {"prefill-0", "decode-0"}:
-            break
-        assert time.monotonic() < deadline, index
-        time.sleep(0.2)
-    assert index["routing_policy"] == "prefix-aware" and index["namespace"]["model"].startswith("sha256:")
-    stop_and_check(serve, [signal.SIGINT], expect_code=0)
-
-
 def _admin(url: str, path: str, token: str, body: dict | None = None) -> dict:
     request = urllib.request.Request(f"{url}{path}", method="POST" if body is not None else "GET",
                                      data=json.dumps(body).encode() if body is not None else None,
@@ -192,3 +164,15 @@ def _check_the_admin_api_scales_each_pool(url: str, token: str, serve: ServeProc
         assert error.code == 401
     else:
         raise AssertionError("a wrong token was let in")
+
+
+def test_speculative_config_reaches_every_workers_engine_config() -> None:
+    from deploy.cli import build_parser
+    from deploy.serve_command import serve_config_from_args
+    from engine.spec_decode.config import SpeculativeConfig
+
+    flags = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    config = serve_config_from_args(build_parser().parse_args(flags))
+    assert config.controller.engine.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "k": 3}'])

@@ -165,3 +165,25 @@ def test_metric_names_are_prefixed(cluster: Cluster) -> None:
     text = cluster.client.get("/metrics").text
     names = set(re.findall(r"^# TYPE (\S+)", text, flags=re.MULTILINE))
     assert names and all(name.startswith("splitserve:") for name in names)
+
+
+def test_spec_decode_metrics_come_from_the_decode_workers_load(cluster: Cluster) -> None:
+    load = cluster.decode.load
+    load.spec_decode_num_drafts = 10
+    load.spec_decode_num_draft_tokens = 40
+    load.spec_decode_num_accepted_tokens = 25
+    load.spec_decode_num_accepted_tokens_per_pos.extend([9, 8, 5, 3])
+    load.spec_decode_chosen_k.extend([6, 1, 0, 2, 7])  # k = 0..4
+    samples = scrape(cluster.client)
+    assert value(samples, "splitserve:spec_decode_num_drafts_total", worker="decode-0") == 10
+    assert value(samples, "splitserve:spec_decode_num_draft_tokens_total", worker="decode-0") == 40
+    assert value(samples, "splitserve:spec_decode_num_accepted_tokens_total", worker="decode-0") == 25
+    assert value(samples, "splitserve:spec_decode_num_accepted_tokens_total", worker="prefill-0") == 0
+    per_pos = {labels["position"]: v
+               for labels, v, _ in samples["splitserve:spec_decode_num_accepted_tokens_per_pos_total"]
+               if labels["worker"] == "decode-0"}
+    assert per_pos == {"0": 9, "1": 8, "2": 5, "3": 3}
+    buckets = {labels["le"]: v for labels, v, _ in samples["splitserve:spec_decode_chosen_k_bucket"]}
+    assert buckets == {"0.0": 6, "1.0": 7, "2.0": 7, "3.0": 9, "4.0": 16, "+Inf": 16}
+    assert value(samples, "splitserve:spec_decode_chosen_k_sum", worker="decode-0") == 1 + 6 + 28
+    assert value(samples, "splitserve:spec_decode_chosen_k_count", worker="decode-0") == 16

@@ -37,17 +37,17 @@ def _store_kv_kernel(
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    # A padding token (slot -1) loads and stores nothing.
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim) & (slot >= 0)
-    t64 = t.to(tl.int64)
-    k = tl.load(k_ptr + t64 * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    dst = (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_tok
-    dst_offsets = dst + heads[:, None] * stride_c_head + dims[None, :]
-    tl.store(cache_ptr + dst_offsets, k, mask=mask)
-    tl.store(cache_ptr + stride_c_kv + dst_offsets, v, mask=mask)
+    if slot >= 0:  # a padding token (slot -1) loads and stores nothing
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
+        t64 = t.to(tl.int64)
+        k = tl.load(k_ptr + t64 * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        dst = (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_tok
+        dst_offsets = dst + heads[:, None] * stride_c_head + dims[None, :]
+        tl.store(cache_ptr + dst_offsets, k, mask=mask)
+        tl.store(cache_ptr + stride_c_kv + dst_offsets, v, mask=mask)
 
 
 def store_kv(

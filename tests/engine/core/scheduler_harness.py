@@ -30,13 +30,13 @@ class FakeModel:
         self.tokens = tokens or {}
         self.scripts = {rid: list(s) for rid, s in (scripts or {}).items()}
 
-    def __call__(self, out: SchedulerOutput) -> dict[str, int]:
+    def __call__(self, out: SchedulerOutput) -> dict[str, list[int]]:
         sampled = {}
         for item in out.scheduled:
             if item.samples:
                 rid = item.request.request_id
                 script = self.scripts.get(rid)
-                sampled[rid] = script.pop(0) if script else self.tokens.get(rid, 7)
+                sampled[rid] = [script.pop(0) if script else self.tokens.get(rid, 7)]
         return sampled
 
 

@@ -43,13 +43,13 @@ def test_scheduled_request_samples_only_at_the_end_of_its_tokens() -> None:
     ]
     assert out.num_batched_tokens == 6
     assert not out.is_empty
-    scheduler.update_from_output(out, {"a": 7})
+    scheduler.update_from_output(out, {"a": [7]})
     out = scheduler.schedule()
     assert [(s.request.request_id, s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == [
         ("a", 4, 1, True),
         ("b", 2, 3, True),
     ]
-    scheduler.update_from_output(out, {"a": 7, "b": 7})
+    scheduler.update_from_output(out, {"a": [7], "b": [7]})
     scheduler.abort_requests(["b"])
     assert pool.num_free_blocks == pool.num_blocks
 

@@ -166,7 +166,7 @@ def test_abort_between_schedule_and_update(assert_all_blocks_free: AllFree) -> N
     out = scheduler.schedule()
     assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
     scheduler.abort_requests(["a"])
-    produced = scheduler.update_from_output(out, {"b": 9})  # the runtime had nothing for a
+    produced = scheduler.update_from_output(out, {"b": [9]})  # the runtime had nothing for a
     assert [(r.request_id, t) for r, t in produced] == [("b", 9)]
     assert a.num_computed_tokens == 0
     assert a.output_token_ids == []
