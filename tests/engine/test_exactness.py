@@ -61,8 +61,9 @@ def expected(hf_reference, prompt_ids) -> list[list[int]]:
     return [hf_greedy(hf_reference, p, MAX_TOKENS) for p in prompt_ids]
 
 
-def run_greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+def run_greedy(engine, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Each prompt's greedy output (EOS ignored: exactly `max_tokens` tokens), checking no KV block leaked."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     done: dict[str, list[int]] = {}

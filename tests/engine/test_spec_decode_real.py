@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
 from tests.engine.prompts import CHAT_CONVERSATIONS, SHORT_PROMPTS, long_prompt
+from tests.engine.test_exactness import run_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -21,19 +21,6 @@ def _engine(checkpoint, **overrides):  # noqa: ANN001, ANN202
     return LLMEngine(EngineConfig(dtype="float32", max_model_len=2048, **overrides), checkpoint=checkpoint)
 
 
-def _greedy(engine, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    assert engine.block_pool.num_used_blocks == 0, "KV blocks leaked"
-    return [done[f"r{i}"] for i in range(len(prompts))]
-
-
 def test_greedy_is_identical_with_prompt_lookup(smollm2_checkpoint) -> None:
     tok = smollm2_checkpoint.tokenizer
     prompts = [tok.encode(p) for p in (SHORT_PROMPTS[5], "a b c a b c a b c a b")]
@@ -41,11 +28,11 @@ def test_greedy_is_identical_with_prompt_lookup(smollm2_checkpoint) -> None:
                               add_special_tokens=False))
     prompts.append(tok.encode(long_prompt(min_words=300)))
     assert len(prompts[-1]) > 300
-    expected = _greedy(_engine(smollm2_checkpoint), prompts)
+    expected = run_greedy(_engine(smollm2_checkpoint), prompts, MAX_TOKENS)
     engine = _engine(smollm2_checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                              "policy": "fixed"})
-    assert _greedy(engine, prompts) == expected
-    assert _greedy(engine, prompts[-1:]) == expected[-1:]  # a prefix-cache hit this time
+    assert run_greedy(engine, prompts, MAX_TOKENS) == expected
+    assert run_greedy(engine, prompts[-1:], MAX_TOKENS) == expected[-1:]  # a prefix-cache hit this time
     stats = engine.stats()
     assert stats.prefix_cache_hits > 0
     assert stats.spec_decode_num_accepted_tokens > 0
