@@ -125,6 +125,7 @@ def cluster(smollm2_checkpoint) -> Iterator[Cluster]:
         for worker in c.workers:
             worker.stop()
         server.stop()
+        c.redis.stop()  # the Redis-outage test puts a new server in its place
 
 
 @pytest.fixture(scope="module")
