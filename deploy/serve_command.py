@@ -64,16 +64,22 @@ class ServeConfig:
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
+# In groups, so that `splitserve head` (the pools) and `splitserve gateway` (the router) take the very flags `serve`
+# takes for their part of the cluster.
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the router and the prefill/decode worker pools on Ray")
+    add_gateway_args(p)
+    add_pool_args(p)
+    add_index_args(p)
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The router's flags (`serve`, `gateway`)."""
     p.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="the router's port; 0 picks a free one")
-    p.add_argument("--prefill-workers", type=int, default=None, help="prefill pool size (default 1)")
-    p.add_argument("--decode-workers", type=int, default=None, help="decode pool size (default 1)")
-    p.add_argument("--colocated", action="store_true", help="no disaggregation: each worker runs both phases")
-    p.add_argument("--colocated-workers", type=int, default=None, help="colocated pool size (default 1)")
-    p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV blocks go prefill→decode")
-    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a KV handoff fails")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds one request may take end to end, the gateway's queue included")
     p.add_argument("--admission-control", action=argparse.BooleanOptionalAction, default=True,
@@ -91,26 +97,65 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the gateway's admin API (POST /admin/scale, GET /admin/pools; "
                         "`splitserve scale`); default: $SPLITSERVE_ADMIN_TOKEN; neither: the admin API is off")
-    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
-    p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
-    p.add_argument("--health-check-failure-threshold", type=int, default=3,
-                   help="failed liveness checks in a row before a worker is restarted")
-    p.add_argument("--redis-url", default=None,
-                   help="the prefix index's Redis (default: start an embedded redis-server on a free loopback port)")
-    p.add_argument("--prefix-index", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the cluster-wide prefix index in Redis and route by it; --no-prefix-index: no Redis")
     p.add_argument("--routing-policy", default="prefix-aware", choices=ROUTING_POLICIES,
                    help="how the gateway picks workers: by cached prefix and load, by load, or in turn")
     p.add_argument("--disagg-prefill-threshold", type=int, default=DEFAULT_DISAGG_PREFILL_THRESHOLD,
                    help="tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled "
                         "there, with no KV handoff (0: always disaggregate)")
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
-    add_engine_args(p)
-    p.set_defaults(func=run)
+
+
+def add_pool_args(p: argparse.ArgumentParser) -> None:
+    """The worker pools' flags (`serve`, `head`): sizes, KV transport, liveness checks."""
+    p.add_argument("--prefill-workers", type=int, default=None, help="prefill pool size (default 1)")
+    p.add_argument("--decode-workers", type=int, default=None, help="decode pool size (default 1)")
+    p.add_argument("--colocated", action="store_true", help="no disaggregation: each worker runs both phases")
+    p.add_argument("--colocated-workers", type=int, default=None, help="colocated pool size (default 1)")
+    p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV blocks go prefill→decode")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a KV handoff fails")
+    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
+    p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
+    p.add_argument("--health-check-failure-threshold", type=int, default=3,
+                   help="failed liveness checks in a row before a worker is restarted")
+
+
+def add_index_args(p: argparse.ArgumentParser) -> None:
+    """The prefix index's flags (`serve`, `head`)."""
+    p.add_argument("--redis-url", default=None,
+                   help="the prefix index's Redis (default: start an embedded redis-server on a free loopback port)")
+    p.add_argument("--prefix-index", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the cluster-wide prefix index in Redis and route by it; --no-prefix-index: no Redis")
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Validate the flags and build the config. Raises ValueError naming the bad flag."""
+    controller = controller_config_from_args(args)
+    return ServeConfig(controller=controller, ray_address=args.ray_address, prefix_index=args.prefix_index,
+                       redis_url=args.redis_url, **gateway_options_from_args(args))
+
+
+def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """ServeConfig's router fields from `add_gateway_args`' flags, validated (ValueError naming the flag)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for flag in ("request_timeout", "queue_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_migrations < 0:
+        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
+    if args.disagg_prefill_threshold < 0:
+        raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
+    return dict(host=args.host, port=args.port, request_timeout_s=args.request_timeout,
+                admission_control=args.admission_control, max_queued_requests=args.max_queued_requests,
+                queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
+                admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
+                routing_policy=args.routing_policy, disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
+
+
+def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:
+    """The pools' config from `add_pool_args`' and `add_index_args`' flags and the engine flags, validated
+    (ValueError naming the flag). The prefix index's URL is left to the caller (`redis_url` is None here)."""
     from deploy.controller import ControllerConfig
 
     colocated = args.colocated or args.colocated_workers is not None
@@ -127,20 +172,11 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         for flag, n in (("--prefill-workers", num_prefill), ("--decode-workers", num_decode)):
             if n < 1:
                 raise ValueError(f"{flag} must be at least 1, got {n} (or use --colocated)")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    for flag in ("kv_transfer_timeout", "request_timeout", "queue_timeout", "health_check_interval",
-                 "health_check_timeout"):
+    for flag in ("kv_transfer_timeout", "health_check_interval", "health_check_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.health_check_failure_threshold < 1:
         raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
-    if args.max_migrations < 0:
-        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
-    if args.disagg_prefill_threshold < 0:
-        raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
     if args.redis_url is not None and not args.prefix_index:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
 
@@ -157,7 +193,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         # our own settings reach the workers even when Ray runs them in an environment of its own
         **{name: value for name, value in os.environ.items() if name.startswith("SPLITSERVE_")},
     }
-    controller = ControllerConfig(
+    return ControllerConfig(
         engine=engine,
         num_prefill_workers=num_prefill,
         num_decode_workers=num_decode,
@@ -169,14 +205,6 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         health_timeout_s=args.health_check_timeout,
         num_failed_checks_to_restart=args.health_check_failure_threshold,
     )
-    return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address,
-                       request_timeout_s=args.request_timeout, admission_control=args.admission_control,
-                       max_queued_requests=args.max_queued_requests,
-                       queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
-                       admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
-                       prefix_index=args.prefix_index, redis_url=args.redis_url,
-                       routing_policy=args.routing_policy,
-                       disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
 
 
 def run(args: argparse.Namespace) -> int:

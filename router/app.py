@@ -3,6 +3,7 @@
     POST /v1/completions, /v1/chat/completions   validate -> tokenize -> route -> worker Generate -> JSON | SSE
     GET  /v1/models                              the served model names, in OpenAI's list shape
     GET  /health                                 200 when each role the mode needs has a healthy worker, else 503
+    GET  /live                                   200 while this process's event loop answers (liveness, not readiness)
     GET  /metrics                                Prometheus text; refreshes worker loads first
     POST /admin/scale, GET /admin/pools          the admin API (router/admin.py), only with an admin token
     GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
@@ -187,6 +188,12 @@ def create_app(
         workers = [{"worker_id": s.info.worker_id, "role": s.info.role, "healthy": s.healthy}
                    for s in registry.snapshots()]
         return JSONResponse({"status": "ok", "mode": config.mode, "workers": workers})
+
+    @app.get("/live")
+    async def live() -> JSONResponse:
+        """Liveness apart from readiness: the gateway answers whatever its workers do (a cluster without a healthy
+        worker is not ready, /health says so, but restarting the gateway would not help it)."""
+        return JSONResponse({"status": "live"})
 
     @app.get("/v1/prefix_index")
     async def prefix_index_stats() -> JSONResponse:

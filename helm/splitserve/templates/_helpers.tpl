@@ -1,0 +1,299 @@
+{{/* Names and labels shared by every object. */}}
+{{- define "splitserve.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "splitserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "splitserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "splitserve.labels" -}}
+{{ include "splitserve.selectorLabels" . }}
+app.kubernetes.io/part-of: splitserve
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{/* image: the global one, or a pool's own (.image with repository/tag). */}}
+{{- define "splitserve.image" -}}
+{{- $repo := .root.Values.image.repository -}}
+{{- $tag := .root.Values.image.tag -}}
+{{- with .image -}}
+{{- if .repository }}{{ $repo = .repository }}{{ end -}}
+{{- if .tag }}{{ $tag = .tag }}{{ end -}}
+{{- end -}}
+{{- printf "%s:%s" $repo $tag -}}
+{{- end -}}
+
+{{- define "splitserve.secretName" -}}
+{{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "splitserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* The head's GCS, host:port, as the other pods reach it. */}}
+{{- define "splitserve.headAddress" -}}
+{{- if .Values.rayCluster.kuberay -}}
+{{- printf "%s-head-svc:%d" (include "splitserve.fullname" .) (int .Values.ray.port) -}}
+{{- else -}}
+{{- printf "%s-head:%d" (include "splitserve.fullname" .) (int .Values.ray.port) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The prefix index's URL; empty: no index. */}}
+{{- define "splitserve.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis:6379/0" (include "splitserve.fullname" .) -}}
+{{- else -}}
+{{- .Values.redis.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment of every container that runs Ray: token authentication with the cluster secret. */}}
+{{- define "splitserve.rayEnv" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "splitserve.secretName" . }}
+      key: cluster-secret
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+- name: SPLITSERVE_CACHE
+  value: /var/cache/splitserve
+{{- end -}}
+
+{{/* Volumes of every Ray pod: shared memory for Ray's object store, the model cache. */}}
+{{- define "splitserve.rayVolumes" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.ray.shmSizeLimit }}
+- name: tmp
+  emptyDir: {}
+{{- if .Values.modelCache.enabled }}
+- name: model-cache
+  {{- if .Values.modelCache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.existingClaim }}
+  {{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.modelCache.sizeLimit }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.rayVolumeMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.modelCache.enabled }}
+- name: model-cache
+  mountPath: /var/cache/splitserve
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+fsGroup: 1000
+{{- end -}}
+
+{{- define "splitserve.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
+
+{{/* `ray start` of a node that joins the head: the pool nodes' command, and the gateway's own node. */}}
+{{- define "splitserve.rayJoinArgs" -}}
+- {{ printf "--address=%s" (include "splitserve.headAddress" .root) | quote }}
+- {{ printf "--node-manager-port=%d" (int .root.Values.ray.nodeManagerPort) | quote }}
+- {{ printf "--object-store-memory=%d" (int64 .root.Values.ray.objectStoreMemoryBytes) | quote }}
+- "--disable-usage-stats"
+{{- end -}}
+
+{{/* A pool: its Ray worker nodes' Deployment, PDB and HPA. .role is prefill or decode. */}}
+{{- define "splitserve.pool" -}}
+{{- $root := .root -}}
+{{- $role := .role -}}
+{{- $pool := index $root.Values $role -}}
+{{- $component := printf "%s-pool" $role -}}
+{{- $ctx := dict "root" $root "component" $component -}}
+{{- if not $root.Values.rayCluster.kuberay }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "splitserve.fullname" $root }}-{{ $role }}
+  labels:
+    {{- include "splitserve.labels" $ctx | nindent 4 }}
+spec:
+  {{- if not $pool.autoscaling.enabled }}
+  replicas: {{ $pool.replicas }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "splitserve.selectorLabels" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "splitserve.labels" $ctx | nindent 8 }}
+    spec:
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- include "splitserve.podSecurityContext" $root | nindent 8 }}
+      terminationGracePeriodSeconds: 60
+      containers:
+        - name: ray-node
+          image: {{ include "splitserve.image" (dict "root" $root "image" $pool.image) | quote }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          # a plain Ray worker node of this pool: the controller places the pool's workers on nodes that have its resource
+          command: ["ray", "start"]
+          args:
+            {{- include "splitserve.rayJoinArgs" (dict "root" $root) | nindent 12 }}
+            - {{ printf "--resources={\"splitserve_%s\": %d}" $role (int $pool.workersPerNode) | quote }}
+            {{- if gt (int $pool.gpus) 0 }}
+            - {{ printf "--num-gpus=%d" (int $pool.gpus) | quote }}
+            {{- end }}
+            - "--block"
+          env:
+            {{- include "splitserve.rayEnv" $root | nindent 12 }}
+          ports:
+            - name: raylet
+              containerPort: {{ $root.Values.ray.nodeManagerPort }}
+          livenessProbe:
+            # the raylet serves (Ray's --block stops the container when a Ray process dies)
+            tcpSocket:
+              port: raylet
+            initialDelaySeconds: 30
+            periodSeconds: 10
+            failureThreshold: 6
+          readinessProbe:
+            # the node is part of the cluster: the head's GCS answers it
+            exec:
+              command: ["ray", "health-check", {{ printf "--address=%s" (include "splitserve.headAddress" $root) | quote }}]
+            initialDelaySeconds: 10
+            periodSeconds: 20
+            timeoutSeconds: 10
+            failureThreshold: 3
+          resources:
+            {{- $resources := deepCopy $pool.resources }}
+            {{- if gt (int $pool.gpus) 0 }}
+            {{- $limits := $resources.limits | default dict }}
+            {{- $_ := set $limits "nvidia.com/gpu" (int $pool.gpus) }}
+            {{- $_ := set $resources "limits" $limits }}
+            {{- end }}
+            {{- toYaml $resources | nindent 12 }}
+          securityContext:
+            {{- include "splitserve.containerSecurityContext" $root | nindent 12 }}
+          volumeMounts:
+            {{- include "splitserve.rayVolumeMounts" $root | nindent 12 }}
+      volumes:
+        {{- include "splitserve.rayVolumes" $root | nindent 8 }}
+      {{- with $pool.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- if $pool.autoscaling.enabled }}
+---
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "splitserve.fullname" $root }}-{{ $role }}
+  labels:
+    {{- include "splitserve.labels" $ctx | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "splitserve.fullname" $root }}-{{ $role }}
+  minReplicas: {{ $pool.autoscaling.minReplicas }}
+  maxReplicas: {{ $pool.autoscaling.maxReplicas }}
+  metrics:
+    {{- if $pool.autoscaling.metrics }}
+    {{- toYaml $pool.autoscaling.metrics | nindent 4 }}
+    {{- else }}
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: 70
+    {{- end }}
+{{- end }}
+{{- end }}
+{{- if $pool.pdb.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "splitserve.fullname" $root }}-{{ $role }}
+  labels:
+    {{- include "splitserve.labels" $ctx | nindent 4 }}
+spec:
+  maxUnavailable: {{ $pool.pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- if $root.Values.rayCluster.kuberay }}
+      ray.io/cluster: {{ include "splitserve.fullname" $root }}
+      ray.io/group: {{ $role }}
+      {{- else }}
+      {{- include "splitserve.selectorLabels" $ctx | nindent 6 }}
+      {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* `splitserve head`'s flags, after its --start-ray (which differs in KubeRay mode). */}}
+{{- define "splitserve.headPoolArgs" -}}
+- {{ printf "--controller-name=%s" .Values.controller.name | quote }}
+- {{ printf "--controller-namespace=%s" .Values.controller.namespace | quote }}
+- "--ready-file=/tmp/splitserve/head-ready"
+- {{ printf "--prefill-workers=%d" (mul (int .Values.prefill.replicas) (int .Values.prefill.workersPerNode)) | quote }}
+- {{ printf "--decode-workers=%d" (mul (int .Values.decode.replicas) (int .Values.decode.workersPerNode)) | quote }}
+- {{ printf "--kv-transport=%s" .Values.kvTransport | quote }}
+{{- $redis := include "splitserve.redisUrl" . }}
+{{- if $redis }}
+- {{ printf "--redis-url=%s" $redis | quote }}
+{{- else }}
+- "--no-prefix-index"
+{{- end }}
+- {{ printf "--model=%s" .Values.model | quote }}
+{{- if gt (int .Values.numThreads) 0 }}
+- {{ printf "--num-threads=%d" (int .Values.numThreads) | quote }}
+{{- end }}
+{{- range .Values.engine }}
+- {{ . | quote }}
+{{- end }}
+{{- range .Values.head.args }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.headArgs" -}}
+- {{ printf "--start-ray=ray start --head --port=%d --node-manager-port=%d --ray-client-server-port=%d --num-cpus=0 --object-store-memory=%d --include-dashboard=false --disable-usage-stats" (int .Values.ray.port) (int .Values.ray.nodeManagerPort) (int .Values.ray.clientServerPort) (int64 .Values.ray.objectStoreMemoryBytes) | quote }}
+- {{ printf "--ray-address=127.0.0.1:%d" (int .Values.ray.port) | quote }}
+{{ include "splitserve.headPoolArgs" . }}
+{{- end -}}
