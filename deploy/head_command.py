@@ -70,12 +70,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--ray-join-timeout must be positive, got {args.ray_join_timeout}")
     config = dataclasses.replace(config, redis_url=args.redis_url if args.prefix_index else None)
     from deploy.ray_node import RayNode
-    from deploy.serve_command import build_kernels_ahead
     from engine.loader.model_registry import resolve_model
 
     node = RayNode(args.start_ray) if args.start_ray else None  # a bad command fails here (exit 2)
-    resolve_model(config.engine.model)  # a bad --model fails before Ray starts; the first fetch happens once
-    build_kernels_ahead()
+    resolve_model(config.engine.model)  # a bad --model fails before Ray starts
+    # No kernel build here (`serve` builds ahead for its own machine): the workers run on the pool nodes, whose
+    # image has them built (deploy/setup.sh) or whose engines build them before they serve.
     return _run_head(args, config, node)
 
 

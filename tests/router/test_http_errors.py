@@ -144,6 +144,8 @@ def test_no_workers_is_503(tokenizer) -> None:
             assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 503, None,
                          "no healthy decode worker")
             assert_error(client.get("/health"), 503, None, "no healthy prefill or decode worker")
+            # Not ready, yet alive: the liveness probe (/live) must not restart a gateway that has no workers.
+            assert client.get("/live").json() == {"status": "live"}
             # Bad input is still a 400 when nothing could serve it anyway.
             assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 2}), 400,
                          "top_p")

@@ -117,12 +117,35 @@ capabilities:
   drop: ["ALL"]
 {{- end -}}
 
+{{/* Every Ray node's own ports, fixed (a pod has its network to itself): a raylet then never waits on a port file
+its agents write, which a slow start can leave it waiting for past Ray's own timeout. */}}
+{{- define "splitserve.rayNodePortFlags" -}}
+{{- $r := .Values.ray -}}
+{{- printf "--node-manager-port=%d --dashboard-agent-grpc-port=%d --dashboard-agent-listen-port=%d --runtime-env-agent-port=%d --metrics-export-port=%d" (int $r.nodeManagerPort) (int $r.dashboardAgentGrpcPort) (int $r.dashboardAgentListenPort) (int $r.runtimeEnvAgentPort) (int $r.metricsExportPort) -}}
+{{- end -}}
+
+{{- define "splitserve.rayNodePorts" -}}
+- name: raylet
+  containerPort: {{ .Values.ray.nodeManagerPort }}
+- name: agent-grpc
+  containerPort: {{ .Values.ray.dashboardAgentGrpcPort }}
+- name: agent-http
+  containerPort: {{ .Values.ray.dashboardAgentListenPort }}
+- name: runtime-env
+  containerPort: {{ .Values.ray.runtimeEnvAgentPort }}
+- name: ray-metrics
+  containerPort: {{ .Values.ray.metricsExportPort }}
+{{- end -}}
+
 {{/* `ray start` of a node that joins the head: the pool nodes' command, and the gateway's own node. */}}
 {{- define "splitserve.rayJoinArgs" -}}
 - {{ printf "--address=%s" (include "splitserve.headAddress" .root) | quote }}
-- {{ printf "--node-manager-port=%d" (int .root.Values.ray.nodeManagerPort) | quote }}
+{{- range (splitList " " (include "splitserve.rayNodePortFlags" .root)) }}
+- {{ . | quote }}
+{{- end }}
 - {{ printf "--object-store-memory=%d" (int64 .root.Values.ray.objectStoreMemoryBytes) | quote }}
 - "--disable-usage-stats"
+- "--temp-dir=/tmp/ray"
 {{- end -}}
 
 {{/* A pool: its Ray worker nodes' Deployment, PDB and HPA. .role is prefill or decode. */}}
@@ -174,8 +197,7 @@ spec:
           env:
             {{- include "splitserve.rayEnv" $root | nindent 12 }}
           ports:
-            - name: raylet
-              containerPort: {{ $root.Values.ray.nodeManagerPort }}
+            {{- include "splitserve.rayNodePorts" $root | nindent 12 }}
           livenessProbe:
             # the raylet serves (Ray's --block stops the container when a Ray process dies)
             tcpSocket:
@@ -293,7 +315,7 @@ spec:
 {{- end -}}
 
 {{- define "splitserve.headArgs" -}}
-- {{ printf "--start-ray=ray start --head --port=%d --node-manager-port=%d --ray-client-server-port=%d --num-cpus=0 --object-store-memory=%d --include-dashboard=false --disable-usage-stats" (int .Values.ray.port) (int .Values.ray.nodeManagerPort) (int .Values.ray.clientServerPort) (int64 .Values.ray.objectStoreMemoryBytes) | quote }}
+- {{ printf "--start-ray=ray start --head --port=%d %s --ray-client-server-port=%d --dashboard-port=%d --num-cpus=0 --object-store-memory=%d --include-dashboard=false --disable-usage-stats --temp-dir=/tmp/ray" (int .Values.ray.port) (include "splitserve.rayNodePortFlags" .) (int .Values.ray.clientServerPort) (int .Values.ray.dashboardPort) (int64 .Values.ray.objectStoreMemoryBytes) | quote }}
 - {{ printf "--ray-address=127.0.0.1:%d" (int .Values.ray.port) | quote }}
 {{ include "splitserve.headPoolArgs" . }}
 {{- end -}}
