@@ -26,18 +26,24 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deploy.env_defaults import apply_env_defaults
 from deploy.serve_command import add_index_args, add_pool_args, controller_config_from_args
 from engine.engine_args import add_engine_args
 
+if TYPE_CHECKING:
+    from deploy.controller import ControllerConfig
+    from deploy.ray_node import RayNode
+
 DEFAULT_RAY_ADDRESS = "127.0.0.1:6379"
+# The controller's actor name (deploy/named_controller.py); here so that building the CLI imports no Ray.
+CONTROLLER_NAME = "splitserve-controller"
+CONTROLLER_NAMESPACE = "splitserve"
 
 
 def add_ray_args(p: argparse.ArgumentParser, *, node_help: str) -> None:
     """How a driver command (`head`, `gateway`) joins Ray and names the controller."""
-    from deploy.named_controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE
-
     p.add_argument("--ray-address", default=DEFAULT_RAY_ADDRESS, help="the Ray cluster's GCS, host:port")
     p.add_argument("--start-ray", default=None, metavar="COMMAND", help=node_help)
     p.add_argument("--ray-join-timeout", type=float, default=300.0,
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     return _run_head(args, config, node)
 
 
-def _run_head(args: argparse.Namespace, config: object, node: object) -> int:
+def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode | None) -> int:
     import ray
 
     from deploy import named_controller

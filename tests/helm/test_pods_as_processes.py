@@ -56,8 +56,8 @@ def cluster(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
             yield local
             # the head last: a Ray node whose head is gone waits 30 s to drain before it stops
             codes = local.stop_all(["gateway", "prefill", "decode"]) | local.stop_all(["head"])
-            for name, code in codes.items():  # a plain `ray start --block` ends by the SIGTERM itself
-                assert code in ((0,) if name in ("head", "gateway") else (0, -15, 143)), \
+            for name, code in codes.items():  # a plain `ray start --block` drains its node on SIGTERM, then exits 1
+                assert code in ((0,) if name in ("head", "gateway") else (0, 1)), \
                     f"{name} exited {code} on SIGTERM:\n{local.pods[name].output()}"
             assert local.leftovers() == []
             print("pod restarts:", {n: p.num_restarts for n, p in local.pods.items()})
