@@ -261,6 +261,14 @@ class WorkerDirectory:
         ray.get(self._controller.scale.remote(role, num_workers))
         self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
 
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's configured size, for the autoscaler (router/autoscaler.py); blocks on the controller."""
+        import ray
+
+        if self._controller is None or self.lost:
+            raise RuntimeError("the cluster controller is not running")
+        return dict(ray.get(self._controller.pool_sizes.remote(), timeout=self._timeout_s))
+
     def pool_workers(self) -> list[Any]:
         """Every worker and its state, for GET /admin/pools."""
         import ray

@@ -31,9 +31,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-from router.admin import AdminApi, PoolController, install_admin_routes
+from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
-from router.autoscaler import Autoscaler, AutoscalerConfig
+from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob
@@ -73,7 +73,7 @@ def create_app(
     restart_counts: RestartCounts | None = None,
     admin: AdminApi | None = None,
     autoscaler: AutoscalerConfig | None = None,
-    pool_controller: PoolController | None = None,
+    pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `config.served_model_names` through the workers `registry` knows.
 

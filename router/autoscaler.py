@@ -1,6 +1,7 @@
 """The built-in autoscaler (`serve --autoscale`): a task in the gateway's event loop, where the signals are.
 
-    every interval_s, for each pool in turn:
+    every interval_s: the pools' configured sizes from the cluster (a restarting worker counts, though the
+    registry does not list it while it restarts); then for each pool in turn:
         signals()  ──▶  autoscale_policy.decide_pool  ──▶  hold: nothing (the reason at DEBUG)
                                                       └─▶  up / down: log the reason (INFO), count it
                                                            (splitserve:autoscaler_decisions_total{pool,direction}),
@@ -9,9 +10,10 @@
                                                            refresh the registry so routing sees the new pool
 
 The policy is pure (router/autoscale_policy.py); this module only keeps its state, reads the clock and carries
-decisions out through the admin API's `PoolController`. A pool's cool-downs count from when its resize
-returned, so a slow scale-up (a model load) is not followed at once by another. A failed resize is logged and
-counts as a change too (no retry storm against a controller that refuses).
+decisions out through the cluster controller (`ScalableCluster`: the admin API's `PoolController` plus
+`pool_sizes`). A pool's cool-downs count from when its resize returned, so a slow scale-up (a model load) is not
+followed at once by another. A failed resize is logged and counts as a change too (no retry storm against a
+controller that refuses).
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from router.admin import PoolController
 from router.autoscale_policy import HOLD, POOLS, AutoscalePolicy, Decision, PoolState, decide_pool
 from router.pool_signals import PoolSignals
 
 logger = logging.getLogger(__name__)
+
+
+class ScalableCluster(PoolController, Protocol):
+    """The admin API's controller, plus each pool's configured size (may block: called in a thread)."""
+
+    def pool_sizes(self) -> Mapping[str, int]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +52,7 @@ class Autoscaler:
     def __init__(
         self,
         config: AutoscalerConfig,
-        controller: PoolController,
+        controller: ScalableCluster,
         signals: Callable[[], Mapping[str, PoolSignals]],
         *,
         on_resize: Callable[[str, str], None] = lambda pool, direction: None,
@@ -69,11 +78,17 @@ class Autoscaler:
 
     async def tick(self) -> list[Decision]:
         """Decide for each pool on fresh signals and carry out the resizes; returns the decisions."""
+        try:
+            sizes = await asyncio.to_thread(self._controller.pool_sizes)
+        except Exception as exc:  # noqa: BLE001 - a busy or lost controller: no decision on a wrong count
+            logger.warning("autoscaler: the pool sizes are unknown (%s); no decision this tick", exc)
+            return []
         decisions = []
         for pool in POOLS:
             signals = self._signals().get(pool)
-            if signals is None:
+            if signals is None or pool not in sizes:
                 continue
+            signals = replace(signals, num_workers=sizes[pool])
             decision = decide_pool(self._config.policy, pool, signals, self.states[pool], self._clock())
             decisions.append(decision)
             self.states[pool] = decision.state

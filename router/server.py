@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from engine.tokenizer.tokenizer import Tokenizer
-    from router.admin import AdminApi, PoolController
-    from router.autoscaler import AutoscalerConfig
+    from router.admin import AdminApi
+    from router.autoscaler import AutoscalerConfig, ScalableCluster
     from router.metrics import RestartCounts
 
 
@@ -58,7 +58,7 @@ def build_router_app(
     restart_counts: RestartCounts | None = None,
     signal_window_s: float = 60.0,
     autoscaler: AutoscalerConfig | None = None,
-    pool_controller: PoolController | None = None,
+    pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
 

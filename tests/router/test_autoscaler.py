@@ -31,6 +31,7 @@ class FakeController:
         self.sizes = sizes
         self.calls: list[tuple[str, int]] = []
         self.refuse = False
+        self.sizes_unknown = False
         self.scale_s = 7.0
 
     def scale(self, role: str, num_workers: int) -> None:
@@ -43,15 +44,19 @@ class FakeController:
     def pool_workers(self) -> list[PoolWorker]:
         return []
 
+    def pool_sizes(self) -> dict[str, int]:
+        if self.sizes_unknown:
+            raise TimeoutError("the controller is busy")
+        return dict(self.sizes)
+
 
 def make(ttft: Quantiles | None) -> tuple[Autoscaler, FakeController, list[float], list[tuple[str, str]]]:
     clock = [100.0]
     controller = FakeController(clock, {"prefill": 1, "decode": 1})
     resized: list[tuple[str, str]] = []
 
-    def signals() -> dict[str, PoolSignals]:
-        return {"prefill": PoolSignals(num_workers=controller.sizes["prefill"], ttft_s=ttft),
-                "decode": PoolSignals(num_workers=controller.sizes["decode"])}
+    def signals() -> dict[str, PoolSignals]:  # the registry's count: stale on purpose (the cluster's is used)
+        return {"prefill": PoolSignals(num_workers=0, ttft_s=ttft), "decode": PoolSignals(num_workers=0)}
 
     scaler = Autoscaler(AutoscalerConfig(policy=POLICY, interval_s=1.0), controller, signals,
                         on_resize=lambda pool, direction: resized.append((pool, direction)), clock=lambda: clock[0])
@@ -67,7 +72,7 @@ def test_a_resize_is_carried_out_logged_and_counted_and_cools_down_from_its_end(
     assert "autoscaler: prefill 1 -> 2 workers: TTFT p90 2.000 s > SLO 0.5 s" in caplog.text
     assert scaler.states["prefill"].last_change_s == 107.0  # when scale() returned, not when it was decided
 
-    controller.sizes["prefill"] = 1  # as if the new worker went away: pressure again, but within the cool-down
+    controller.sizes["prefill"] = 1  # as if an admin shrank it again: pressure again, but within the cool-down
     clock[0] = 116.0
     asyncio.run(scaler.tick())
     assert controller.calls == [("prefill", 2)]
@@ -85,6 +90,16 @@ def test_a_refused_resize_is_logged_and_not_retried_before_the_cooldown(caplog) 
         asyncio.run(scaler.tick())
     assert controller.calls == [("prefill", 2)]
     assert "resizing prefill to 2 failed: the controller is shutting down" in caplog.text
+
+
+def test_no_decision_while_the_pool_sizes_are_unknown(caplog) -> None:
+    scaler, controller, clock, _ = make(SLOW)
+    controller.sizes_unknown = True
+    with caplog.at_level(logging.WARNING, logger="router.autoscaler"):
+        assert asyncio.run(scaler.tick()) == []
+    assert controller.calls == [] and "the pool sizes are unknown (the controller is busy)" in caplog.text
+    controller.sizes_unknown = False
+    assert [d.direction for d in asyncio.run(scaler.tick())] == ["up", "hold"]
 
 
 def test_the_loop_ticks_until_cancelled() -> None:
