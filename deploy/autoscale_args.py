@@ -21,7 +21,8 @@ def add_autoscale_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{pool}-workers-max", type=int, default=None,
                        help=f"largest {pool} pool under --autoscale (default: its starting size)")
     g.add_argument("--ttft-slo", type=float, default=None,
-                   help="seconds: the p90 time to first token the prefill pool is grown to keep (needed by --autoscale)")
+                   help="seconds: the p90 time to first token the prefill pool is grown to keep (needed by "
+                        "--autoscale)")
     g.add_argument("--tpot-slo", type=float, default=None,
                    help="seconds: the p90 time per output token the decode pool is grown to keep (needed by "
                         "--autoscale)")

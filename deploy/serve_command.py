@@ -25,17 +25,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.serving.worker_config import WorkerInfo
+from deploy.autoscale_args import add_autoscale_args, autoscaler_from_args
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
-from deploy.autoscale_args import add_autoscale_args, autoscaler_from_args
 from router.routing import POLICIES as ROUTING_POLICIES
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
-    from router.autoscaler import AutoscalerConfig
     from deploy.worker_host import WorkerFactory
+    from router.autoscaler import AutoscalerConfig
 
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 

@@ -153,7 +153,8 @@ class PoolSignalCollector(Collector):
             usage.add_metric([pool, "max"], s.kv_cache_usage_max)
         yield usage
         ttft = GaugeMetricFamily(f"{_PREFIX}pool_time_to_first_token_seconds",
-                                 "Time to first token over the signal window, by quantile.", labels=["pool", "quantile"])
+                                 "Time to first token over the signal window, by quantile.",
+                                 labels=["pool", "quantile"])
         tpot = GaugeMetricFamily(f"{_PREFIX}pool_time_per_output_token_seconds",
                                  "Time per output token over the signal window, by quantile.",
                                  labels=["pool", "quantile"])

@@ -16,7 +16,8 @@ SLOS = ["--autoscale", "--ttft-slo", "0.5", "--tpot-slo", "0.05"]
     ("flags", "message"),
     [
         (["--prefill-workers-max", "3"], "--prefill-workers-max applies only with --autoscale"),
-        (["--ttft-slo", "1", "--decode-workers-min", "2"], "--decode-workers-min, --ttft-slo apply only with --autoscale"),
+        (["--ttft-slo", "1", "--decode-workers-min", "2"],
+         "--decode-workers-min, --ttft-slo apply only with --autoscale"),
         (["--autoscale", "--tpot-slo", "0.1"], "--autoscale needs --ttft-slo (seconds)"),
         (["--autoscale", "--ttft-slo", "1"], "--autoscale needs --tpot-slo (seconds)"),
         ([*SLOS[:2], "0", *SLOS[3:]], "--ttft-slo must be positive, got 0.0"),

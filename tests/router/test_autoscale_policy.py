@@ -4,6 +4,7 @@ said), replayed with each pool's size following the decisions, as the running au
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -145,7 +146,7 @@ def test_a_slow_oscillation_follows_the_load_without_flapping() -> None:
         (0, 1, 2), (30, 2, 3), (180, 3, 2), (300, 2, 1),
         (360, 1, 2), (390, 2, 3), (540, 3, 2), (660, 2, 1),
         (720, 1, 2), (750, 2, 3), (900, 3, 2), (1020, 2, 1)]
-    for (t0, *_), (t1, _, old, new) in zip(resizes, resizes[1:], strict=False):
+    for (t0, *_), (t1, _, old, new) in itertools.pairwise(resizes):
         assert t1 - t0 >= (POLICY.scale_down_cooldown_s if new < old else POLICY.scale_up_cooldown_s)
 
 
@@ -172,9 +173,9 @@ def test_a_pool_resized_outside_its_bounds_goes_back_to_them_at_once(size: int, 
     assert decision.state.last_change_s == 1.0
 
 
-@pytest.mark.parametrize("change", [dict(ttft_slo_s=0.0), dict(tpot_slo_s=-1.0), dict(slo_quantile=0.95),
-                                    dict(min_samples=0), dict(scale_up_cooldown_s=-1.0),
-                                    dict(max_kv_cache_usage=1.5), dict(scale_down_slo_fraction=0.0)])
+@pytest.mark.parametrize("change", [{"ttft_slo_s": 0.0}, {"tpot_slo_s": -1.0}, {"slo_quantile": 0.95},
+                                    {"min_samples": 0}, {"scale_up_cooldown_s": -1.0},
+                                    {"max_kv_cache_usage": 1.5}, {"scale_down_slo_fraction": 0.0}])
 def test_bad_policies_are_refused(change: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(change))):
         dataclasses.replace(POLICY, **change)

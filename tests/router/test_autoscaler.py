@@ -82,7 +82,7 @@ def test_a_resize_is_carried_out_logged_and_counted_and_cools_down_from_its_end(
 
 
 def test_a_refused_resize_is_logged_and_not_retried_before_the_cooldown(caplog) -> None:
-    scaler, controller, clock, resized = make(SLOW)
+    scaler, controller, clock, _ = make(SLOW)
     controller.refuse = True
     with caplog.at_level(logging.WARNING, logger="router.autoscaler"):
         asyncio.run(scaler.tick())
@@ -93,7 +93,7 @@ def test_a_refused_resize_is_logged_and_not_retried_before_the_cooldown(caplog) 
 
 
 def test_no_decision_while_the_pool_sizes_are_unknown(caplog) -> None:
-    scaler, controller, clock, _ = make(SLOW)
+    scaler, controller, _, _ = make(SLOW)
     controller.sizes_unknown = True
     with caplog.at_level(logging.WARNING, logger="router.autoscaler"):
         assert asyncio.run(scaler.tick()) == []
