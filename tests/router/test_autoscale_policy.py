@@ -1,11 +1,14 @@
 """The autoscaler's decision function on signal traces: a trace is one signal snapshot per tick (1 s apart unless
-said), replayed with each pool's size following the decisions, as the running autoscaler would."""
+said), replayed with each pool's size following the decisions, as the running autoscaler would. Synthetic traces
+pin each rule down; a trace recorded from a real cluster (bench/autoscale_trace.py) checks them together."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -42,13 +45,15 @@ STEADY = {"prefill": PoolSignals(num_workers=0, num_requests_running=2, ttft_s=l
 
 
 def replay(trace: list[dict[str, PoolSignals]], sizes: dict[str, int], *, policy: AutoscalePolicy = POLICY,
-           tick_s: float = 1.0) -> tuple[list[tuple[float, str, int, int]], dict[str, int], list[Decision]]:
-    """(the resizes as (time, pool, from, to), the final sizes, every decision)."""
+           times_s: list[float] | None = None) -> tuple[list[tuple[float, str, int, int]], dict[str, int],
+                                                         list[Decision]]:
+    """(the resizes as (time, pool, from, to), the final sizes, every decision). `times_s`: each tick's time
+    (default: 0, 1, 2, ... s)."""
     states: dict[str, PoolState] = {}
     sizes = dict(sizes)
     resizes, decisions = [], []
     for i, snapshot in enumerate(trace):
-        now_s = i * tick_s
+        now_s = float(i) if times_s is None else times_s[i]
         signals = {pool: dataclasses.replace(s, num_workers=sizes[pool]) for pool, s in snapshot.items()}
         for pool, decision in decide(policy, signals, states, now_s).items():
             states[pool] = decision.state
@@ -192,3 +197,39 @@ def test_directions() -> None:
     state = PoolState()
     assert [Decision(pool="decode", current=2, target=t, reason="", state=state).direction for t in (3, 1, 2)] == [
         UP, DOWN, HOLD]
+
+
+def load_recorded(name: str) -> tuple[list[float], list[dict[str, PoolSignals]]]:
+    """A trace bench/autoscale_trace.py recorded: each tick's time and the pools' signals."""
+    recorded = json.loads((Path(__file__).parent / "data" / name).read_text())
+
+    def signals(fields: dict[str, object]) -> PoolSignals:
+        latencies = {key: Quantiles(**fields[key]) if fields[key] else None  # type: ignore[arg-type]
+                     for key in ("ttft_s", "tpot_s")}
+        return PoolSignals(**{**fields, **latencies})  # type: ignore[arg-type]
+
+    ticks = recorded["ticks"]
+    return [t["t"] for t in ticks], [{pool: signals(f) for pool, f in t["pools"].items()} for t in ticks]
+
+
+def test_a_recorded_burst_grows_the_prefill_pool_while_it_lasts_and_quiet_shrinks_it_back() -> None:
+    """Recorded on the real cluster (1 prefill + 1 decode worker, 2 vCPUs): 5 s quiet, three waves of 12
+    concurrent completions (TTFT p90 up to 3.5 s over a 5 s window), 20 s quiet; with a 1 s TTFT SLO, a 1 s TPOT
+    SLO and cool-downs of 5 s up and 8 s down."""
+    times_s, trace = load_recorded("burst_trace.json")
+    policy = dataclasses.replace(POLICY, ttft_slo_s=1.0, tpot_slo_s=1.0, scale_up_cooldown_s=5.0,
+                                 scale_down_cooldown_s=8.0)
+    resizes, sizes, decisions = replay(trace, {"prefill": 1, "decode": 1}, policy=policy, times_s=times_s)
+    assert {pool for _, pool, _, _ in resizes} == {"prefill"}  # TPOT stayed under its SLO, KV far from full
+    ups = [(t, new) for t, _, old, new in resizes if new > old]
+    downs = [(t, new) for t, _, old, new in resizes if new < old]
+    first_queue_s = next(t for t, s in zip(times_s, trace, strict=True) if s["prefill"].num_requests_waiting)
+    last_sample_s = max(t for t, s in zip(times_s, trace, strict=True) if s["prefill"].ttft_s is not None)
+    assert ups[0] == (first_queue_s, 2)  # the queue is the first sign: no TTFT is measured yet
+    assert ups[-1][1] == 3 and ups[-1][0] < last_sample_s  # up to the max while the burst lasts
+    assert [new for _, new in downs] == [2, 1] and sizes["prefill"] == 1  # back to the min in the quiet
+    assert all(t >= last_sample_s + policy.scale_down_cooldown_s for t, _ in downs)
+    assert downs[1][0] - downs[0][0] >= policy.scale_down_cooldown_s
+    reasons = [d.reason for d in decisions if d.pool == "prefill" and d.direction != HOLD]
+    assert reasons[0].startswith("10 requests waiting on 1 workers")
+    assert reasons[1].startswith("TTFT p90 3.508 s > SLO 1 s")
