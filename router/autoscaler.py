@@ -81,7 +81,7 @@ class Autoscaler:
         try:
             sizes = await asyncio.to_thread(self._controller.pool_sizes)
         except Exception as exc:  # noqa: BLE001 - a busy or lost controller: no decision on a wrong count
-            logger.warning("autoscaler: the pool sizes are unknown (%s); no decision this tick", exc)
+            logger.warning("the pool sizes are unknown (%s); no decision this tick", exc)
             return []
         decisions = []
         for pool in POOLS:
@@ -93,15 +93,15 @@ class Autoscaler:
             decisions.append(decision)
             self.states[pool] = decision.state
             if decision.direction == HOLD:
-                logger.debug("autoscaler: %s holds at %d workers: %s", pool, decision.current, decision.reason)
+                logger.debug("%s holds at %d workers: %s", pool, decision.current, decision.reason)
                 continue
-            logger.info("autoscaler: %s %d -> %d workers: %s", pool, decision.current, decision.target,
+            logger.info("%s %d -> %d workers: %s", pool, decision.current, decision.target,
                         decision.reason)
             self._on_resize(pool, decision.direction)
             try:
                 await asyncio.to_thread(self._controller.scale, pool, decision.target)
             except Exception as exc:  # noqa: BLE001 - the controller's refusal or a lost actor: logged, cooled down
-                logger.warning("autoscaler: resizing %s to %d failed: %s", pool, decision.target, exc)
+                logger.warning("resizing %s to %d failed: %s", pool, decision.target, exc)
             self.states[pool] = replace(self.states[pool], last_change_s=self._clock())
             if self._refresh is not None:
                 await self._refresh()

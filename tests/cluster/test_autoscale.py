@@ -71,9 +71,9 @@ def test_a_burst_grows_the_prefill_pool_and_quiet_shrinks_it(smollm2_gguf: str, 
         _wait_for(lambda: not any(_samples(url, "splitserve:kv_blocks_used").values()), "KV blocks still used", serve)
 
         log = stderr.read_text(errors="replace")
-        (grown,) = [line for line in log.splitlines() if "autoscaler: prefill 1 -> 2 workers: " in line]
+        (grown,) = [line for line in log.splitlines() if "router.autoscaler: prefill 1 -> 2 workers: " in line]
         assert "> SLO 0.05 s" in grown or "requests waiting on 1 workers" in grown, grown  # TTFT or queue pressure
-        assert "autoscaler: prefill 2 -> 1 workers: idle (no TTFT sample) for " in log
+        assert "router.autoscaler: prefill 2 -> 1 workers: idle (no TTFT sample) for " in log
         stop_and_check(serve, [signal.SIGINT], expect_code=0)
     finally:
         serve.close()

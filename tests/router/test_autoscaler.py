@@ -69,7 +69,7 @@ def test_a_resize_is_carried_out_logged_and_counted_and_cools_down_from_its_end(
         decisions = asyncio.run(scaler.tick())
     assert [(d.pool, d.direction) for d in decisions] == [("prefill", "up"), ("decode", "hold")]
     assert controller.calls == [("prefill", 2)] and resized == [("prefill", "up")]
-    assert "autoscaler: prefill 1 -> 2 workers: TTFT p90 2.000 s > SLO 0.5 s" in caplog.text
+    assert "prefill 1 -> 2 workers: TTFT p90 2.000 s > SLO 0.5 s" in caplog.text
     assert scaler.states["prefill"].last_change_s == 107.0  # when scale() returned, not when it was decided
 
     controller.sizes["prefill"] = 1  # as if an admin shrank it again: pressure again, but within the cool-down
