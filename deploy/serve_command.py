@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.serving.worker_config import WorkerInfo
+from deploy.autoscale_args import add_autoscale_args, autoscaler_from_args
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
 from router.routing import POLICIES as ROUTING_POLICIES
@@ -34,6 +35,7 @@ from router.routing import POLICIES as ROUTING_POLICIES
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
+    from router.autoscaler import AutoscalerConfig
 
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 
@@ -61,6 +63,8 @@ class ServeConfig:
     redis_url: str | None = None
     routing_policy: str = "prefix-aware"
     disagg_prefill_threshold_tokens: int = DEFAULT_DISAGG_PREFILL_THRESHOLD
+    signal_window_s: float = 60.0  # the autoscaling signals' latency window
+    autoscaler: AutoscalerConfig | None = None  # the built-in autoscaler; None: the pools keep their sizes
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
@@ -72,6 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_pool_args(p)
     add_index_args(p)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    add_autoscale_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -128,9 +133,10 @@ def add_index_args(p: argparse.ArgumentParser) -> None:
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Validate the flags and build the config. Raises ValueError naming the bad flag."""
-    controller = controller_config_from_args(args)
+    controller, autoscaler = _pools_from_args(args, autoscale=True)
     return ServeConfig(controller=controller, ray_address=args.ray_address, prefix_index=args.prefix_index,
-                       redis_url=args.redis_url, **gateway_options_from_args(args))
+                       redis_url=args.redis_url, signal_window_s=args.autoscale_window, autoscaler=autoscaler,
+                       **gateway_options_from_args(args))
 
 
 def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,6 +162,12 @@ def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:
     """The pools' config from `add_pool_args`' and `add_index_args`' flags and the engine flags, validated
     (ValueError naming the flag). The prefix index's URL is left to the caller (`redis_url` is None here)."""
+    return _pools_from_args(args, autoscale=False)[0]
+
+
+def _pools_from_args(args: argparse.Namespace, *,
+                     autoscale: bool) -> tuple[ControllerConfig, AutoscalerConfig | None]:
+    """The pools' config, and with `autoscale` (`serve`'s autoscaling flags) the built-in autoscaler's."""
     from deploy.controller import ControllerConfig
 
     colocated = args.colocated or args.colocated_workers is not None
@@ -179,11 +191,18 @@ def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:
         raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
     if args.redis_url is not None and not args.prefix_index:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
+    autoscaler = None
+    if autoscale:
+        autoscaler, num_prefill, num_decode = autoscaler_from_args(args, num_prefill, num_decode, colocated)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
-    # they do not oversubscribe them; --num-threads overrides.
-    num_processes = 1 if args.kv_transport == "inproc" else num_prefill + num_decode + num_colocated
+    # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
+    num_processes = num_prefill + num_decode + num_colocated
+    if autoscaler is not None:
+        num_processes = autoscaler.policy.prefill.max_workers + autoscaler.policy.decode.max_workers
+    if args.kv_transport == "inproc":
+        num_processes = 1
     num_threads = engine.num_threads or max(1, len(os.sched_getaffinity(0)) // num_processes)
     engine = dataclasses.replace(engine, num_threads=num_threads)
     worker_env = {
@@ -204,7 +223,7 @@ def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:
         health_interval_s=args.health_check_interval,
         health_timeout_s=args.health_check_timeout,
         num_failed_checks_to_restart=args.health_check_failure_threshold,
-    )
+    ), autoscaler
 
 
 def run(args: argparse.Namespace) -> int:
@@ -277,6 +296,14 @@ class WorkerDirectory:
             raise RuntimeError("the cluster controller is not running")
         ray.get(self._controller.scale.remote(role, num_workers))
         self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's configured size, for the autoscaler (router/autoscaler.py); blocks on the controller."""
+        import ray
+
+        if self._controller is None or self.lost:
+            raise RuntimeError("the cluster controller is not running")
+        return dict(ray.get(self._controller.pool_sizes.remote(), timeout=self._timeout_s))
 
     def pool_workers(self) -> list[Any]:
         """Every worker and its state, for GET /admin/pools."""
@@ -414,6 +441,9 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
         redis_url=redis_url,
         routing_policy=config.routing_policy,
         disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
+        signal_window_s=config.signal_window_s,
+        autoscaler=config.autoscaler,
+        pool_controller=directory if config.autoscaler is not None else None,
     )
 
 
