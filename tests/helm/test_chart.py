@@ -251,13 +251,14 @@ def test_servicemonitor_and_dashboard(rendered: dict[str, list[dict]]) -> None:
     panels = json.loads(dashboard["data"]["splitserve.json"])["panels"]
     exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
     for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                   "ttft_stage_seconds", "kv_cache_usage_perc", "prefix_cache_hits_total", "admission_queue_requests",
-                   "num_requests_waiting"):
+                   "ttft_stage_seconds", "pool_kv_cache_usage_perc", "prefix_cache_hits_total",
+                   "admission_queue_requests", "pool_num_requests_waiting"):
         assert f"splitserve:{metric}" in exprs, metric
-    source = (REPO_ROOT / "router" / "metrics.py").read_text()  # every metric it names is the gateway's
-    for metric in set(re.findall(r"splitserve:([a-z0-9_]+)", exprs)):
+    source = "".join((REPO_ROOT / "router" / name).read_text() for name in ("metrics.py", "pool_signals.py"))
+    for metric in set(re.findall(r"splitserve:([a-z0-9_]+)", exprs)):  # every metric it names is the gateway's
         base = re.sub(r"_(bucket|total)$", "", metric)
-        assert f'{{PREFIX}}{base}"' in source or f'"{base}"' in source, metric
+        assert re.search(rf'{{_?PREFIX}}{base}"|"{base}"', source) or (
+            base.startswith("pool_") and f'"{base.removeprefix("pool_")}"' in source), metric
 
 
 @pytest.mark.parametrize(
