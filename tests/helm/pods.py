@@ -133,7 +133,7 @@ class LocalCluster:
         return [self.rewrite(pod, a) for a in pod.container["command"] + pod.container.get("args", [])]
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
-    MAX_RESTARTS = 2
+    MAX_RESTARTS = 3
 
     def start(self, name: str) -> Pod:
         pod = self.pods[name]

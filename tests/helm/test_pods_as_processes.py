@@ -45,12 +45,14 @@ def cluster(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         local = LocalCluster(render(VALUES), release_prefix=f"{RELEASE}-splitserve-", redis_port=redis.port, tmp=tmp)
         assert set(local.pods) == {"head", "prefill", "decode", "gateway"}
         try:
-            # The head first, the other pods once its GCS listens (they would wait for it anyway; on a small shared
-            # host, twelve Ray processes starting at once can starve a Ray agent past Ray's own start-up timeouts).
+            # The head first, then one pod at a time once the previous one's raylet listens: Ray nodes wait for
+            # the head anyway, and on a small shared host a dozen Ray processes starting at once can starve one
+            # past Ray's own start-up timeouts (30 s, fixed); a pod that still fails is restarted, as by the kubelet.
             local.start("head")
             local.wait_for_port("head", "gcs", timeout_s=180)
             for name in ("prefill", "decode", "gateway"):
                 local.start(name)
+                local.wait_for_port(name, "raylet", timeout_s=180)
             local.wait_for_line("head", READY_HEAD, timeout_s=400)
             local.url = local.wait_for_line("gateway", READY_GATEWAY, timeout_s=400).group(1)
             yield local
