@@ -157,10 +157,12 @@ class LocalCluster:
         raise AssertionError(f"no {pattern!r} from {name} in {timeout_s} s:\n{self.describe()}")
 
     def wait_serving(self, timeout_s: float) -> None:
-        """Until the gateway's readiness probe passes (every pool has a healthy worker), restarting crashed pods."""
+        """Until the gateway's readiness probe and every pod's liveness probe pass (every pool has a healthy
+        worker, every Ray node is up), restarting crashed pods as the kubelet would."""
         deadline = time.monotonic() + timeout_s
-        while not self.probe("gateway", "readinessProbe"):
-            assert time.monotonic() < deadline, f"the gateway is not ready after {timeout_s} s:\n{self.describe()}"
+        while not (self.probe("gateway", "readinessProbe")
+                   and all(self.probe(name, "livenessProbe") for name in self.pods)):
+            assert time.monotonic() < deadline, f"the cluster is not serving after {timeout_s} s:\n{self.describe()}"
             self.supervise()
             self.remember_trees()
             time.sleep(1.0)
