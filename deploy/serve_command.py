@@ -145,6 +145,10 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
+    if engine.kv_cache_dtype != "auto" and num_prefill + num_decode > 0:
+        raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs do not carry quantized blocks yet; "
+                         "serve it with colocated workers only (--num-prefill-workers 0 --num-decode-workers 0 "
+                         "--num-colocated-workers N)")
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
     # they do not oversubscribe them; --num-threads overrides.
     num_processes = 1 if args.kv_transport == "inproc" else num_prefill + num_decode + num_colocated
@@ -181,13 +185,26 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = serve_config_from_args(args)
-    from engine.loader.model_registry import resolve_model
+    from engine.loader.model_registry import KNOWN_MODELS, resolve_model
 
     # Here, once: a bad --model fails before Ray starts (exit 2), and the first use's download happens in one
     # process instead of racing in every worker.
-    resolve_model(config.controller.engine.model)
+    engine = config.controller.engine
+    if engine.load_format != "dummy" or engine.model in KNOWN_MODELS:  # a dummy shape uses a known tokenizer
+        resolve_model(engine.model)
+    require_device(engine.device)
     build_kernels_ahead()
     return serve(config)
+
+
+def require_device(device: str) -> None:
+    """Fail before Ray starts when --device names cuda and this machine has none (checked in a child process:
+    this one stays torch-free). "auto" and "cpu" need no check."""
+    if not device.startswith("cuda"):
+        return
+    probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
+    if subprocess.run([sys.executable, "-c", probe], check=False).returncode != 0:
+        raise ValueError(f"--device {device}: no CUDA GPU is visible on this machine; use --device cpu or auto")
 
 
 def build_kernels_ahead() -> None:
