@@ -65,6 +65,9 @@ class LLMEngine:
         block_bytes = kv_block_bytes(mc, config.block_size, dtype, config.kv_cache_dtype)
         spec = config.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
+        if spec is not None and spec.method in ("draft_model", "layer_skip") and device.type != "cpu":
+            raise ValueError(f"speculative method {spec.method!r} runs on cpu only so far (its drafter builds its "
+                             "step on the host); ngram runs on any device")
         draft_checkpoint = None
         if spec is not None and spec.method == "draft_model":  # its KV blocks come out of the same memory
             assert spec.model is not None

@@ -19,6 +19,7 @@ benchmark of these shapes measures.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -110,6 +111,7 @@ def dummy_model_config(name: str) -> ModelConfig:
     return DUMMY_SHAPES[name]
 
 
+@functools.cache  # a Tokenizer is immutable; reading one out of a GGUF takes seconds
 def dummy_tokenizer(name: str) -> Tokenizer:
     """The shape's real tokenizer where it is known here, else the byte-level stand-in."""
     if name in _REAL_TOKENIZER:
