@@ -25,7 +25,8 @@ def kv_element_size(model_dtype: torch.dtype, kv_cache_dtype: str) -> int:
 
 def kv_block_bytes(mc: ModelConfig, block_size: int, model_dtype: torch.dtype, kv_cache_dtype: str) -> int:
     """Bytes of one block across every layer, K and V, scales included."""
-    values = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * kv_element_size(model_dtype, kv_cache_dtype)
+    element_size = kv_element_size(model_dtype, kv_cache_dtype)
+    values = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element_size
     scales = 2 * mc.num_layers * mc.num_kv_heads * SCALE_DTYPE.itemsize if kv_cache_dtype == "int8" else 0
     return values + scales
 

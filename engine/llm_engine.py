@@ -85,6 +85,9 @@ class LLMEngine:
         self.cpu_kernels = load_all() if device.type == "cpu" else []
         attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5, device=device,
                                           kv_cache_dtype=config.kv_cache_dtype)
+        self.attention_backend_name = attention.name
+        logger.info("engine on %s, %s, KV cache %s, attention backend %s", device, config.dtype,
+                    config.kv_cache_dtype, attention.name)
         weights = checkpoint.weights
         if device.type != "cpu":  # a copy per engine: the checkpoint's CPU tensors may be shared by other engines
             weights = {name: tensor.to(device) for name, tensor in weights.items()}

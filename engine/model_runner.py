@@ -32,7 +32,8 @@ class ModelRunner:
         # or written in a single strided copy: kv_cache[:, :, block_id] is [num_layers, 2, block_size, Hkv, D].
         # [num_layers, 2, num_blocks, block_size, Hkv, D]
         shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        kv_dtype = {"auto": model.dtype, "int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}[kv_cache_dtype]
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        kv_dtype = {"auto": model.dtype, "int8": torch.int8, "fp8": fp8}[kv_cache_dtype]
         if self.device.type == "cpu":
             self.kv_cache = zeros_with_huge_pages(*shape, dtype=kv_dtype)
         else:

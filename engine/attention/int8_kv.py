@@ -48,8 +48,8 @@ def quantize_store(data: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, sl
     fresh = torch.zeros(touched.shape[0], dtype=torch.bool, device=x.device)
     fresh[inverse[slot_mapping % block_size == 0]] = True  # [U]: written from offset 0: a new owner
     token_amax = x.abs().amax(-1).float()  # [T, Hkv]
-    new_amax = torch.zeros(touched.shape[0], num_kv_heads, device=x.device).index_reduce_(
-        0, inverse, token_amax, "amax", include_self=True)  # [U, Hkv]
+    new_amax = torch.zeros(touched.shape[0], num_kv_heads, device=x.device).scatter_reduce_(
+        0, inverse[:, None].expand(-1, num_kv_heads), token_amax, "amax")  # [U, Hkv]
     old_scale = torch.where(fresh[:, None], 0.0, scales[touched])  # [U, Hkv]
     scale = torch.maximum(old_scale, new_amax / QMAX).clamp_min(_MIN_SCALE)  # [U, Hkv]
     # Earlier tokens of the touched blocks, to the new scale (ratio 1 leaves them bit-identical; 0 clears a fresh
@@ -95,6 +95,7 @@ class Int8TorchAttentionBackend(TorchAttentionBackend):
                      dtype: torch.dtype) -> torch.Tensor:
         return dequantize_slots(kv_cache.data[which], kv_cache.scales[which], slots, dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Int8KVCache,  # type: ignore[override]
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(  # type: ignore[override]
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Int8KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return super().forward(q, k, v, kv_cache, meta)  # type: ignore[arg-type]

@@ -24,7 +24,8 @@ class TritonAttentionBackend:
     def __init__(self, *, scale: float) -> None:
         self.scale = scale
         # Built once per step (the first layer), reused by every other layer.
-        self._prefill_args: tuple[AttentionMetadata | None, tuple[torch.Tensor, torch.Tensor, int] | None] = (None, None)
+        self._prefill_args: tuple[AttentionMetadata | None, tuple[torch.Tensor, torch.Tensor, int] | None] = (
+            None, None)
 
     def forward(
         self,

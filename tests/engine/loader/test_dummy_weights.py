@@ -12,7 +12,11 @@ import torch
 
 from deploy.cli import main
 from engine import SamplingParams
-from engine.loader.dummy_weights import DUMMY_SHAPES, byte_level_tokenizer, dummy_weights
+from engine.loader.dummy_weights import (
+    DUMMY_SHAPES,
+    byte_level_tokenizer,
+    dummy_weights,
+)
 from engine.model.config import ModelConfig
 
 # Published parameter counts (the models' safetensors metadata / model cards): embeddings tied, so counted once.
@@ -69,7 +73,7 @@ def test_smollm2_shape_runs_through_generate_and_LLM_alike(capsys: pytest.Captur
                                                           torch_single_thread) -> None:
     from engine.llm import LLM
 
-    flags = dict(max_model_len=64, num_kv_blocks=8, block_size=16)
+    flags = {"max_model_len": 64, "num_kv_blocks": 8, "block_size": 16}
     rc = main(["generate", "--load-format", "dummy", "--model", "smollm2-135m", "--prompt", "Hello there",
                "--temperature", "0", "--max-tokens", "2", "--ignore-eos", "--json",
                *[f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]])
