@@ -124,3 +124,22 @@ def test_cuda_float32_greedy_equals_the_cpu_engine_on_smollm2(smollm2_gguf: str)
         outs[device] = [o.token_ids for o in llm.generate(PROMPTS, params)]
         assert llm.engine.block_pool.num_used_blocks == 0
     assert outs["cuda"] == outs["cpu"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-1.5b"])
+def test_dummy_shapes_run_on_cuda_in_bfloat16(shape: str) -> None:
+    from engine.llm import LLM
+
+    llm = LLM(model=shape, load_format="dummy", device="cuda", max_model_len=256, num_kv_blocks=64)
+    assert llm.engine.config.dtype == "bfloat16" and llm.engine.attention_backend_name == "triton"
+    outs = llm.generate(["Hello there", "a b c"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [4, 4]
+    assert llm.engine.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_fp8_kv_cache_runs_on_cuda_and_frees_its_blocks(tiny_model_dir: Path) -> None:
+    tokens, num_used = _greedy(tiny_model_dir, device="cuda", kv_cache_dtype="fp8")
+    assert [len(t) for t in tokens] == [16] * len(PROMPTS)
+    assert num_used == 0
