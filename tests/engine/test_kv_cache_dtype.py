@@ -8,10 +8,11 @@ first differs, and the logit difference is taken only there (the contexts are eq
     SmolLM2-135M (slow; spread ~48)      2 of 4 identical, the others part at tokens 10 and 14: 56/64 agreeing
                                          tokens (87.5%), every output's first 10 equal; max |logit diff| 0.82 < 1.0
 
-One scale per 16-token block and head spreads K's outlier channels over the block, so a near-tie between two
-tokens can flip; a finer scale (per token) would buy accuracy with memory. A block's int8 cache costs 4 B*D / (B*D + 4) times less than
-float32's (3.76x at the tiny model's B*D = 64, 3.98x at SmolLM2's 1024): at least 3.5x the blocks in the same
---kv-cache-memory.
+Greedy outputs part where the top two logits are closer than the quantization error; one scale per 16-token block
+and head is coarse where a head has outlier channels (a per-token scale would buy accuracy with memory).
+
+A block's int8 cache costs 4 B*D / (B*D + 4) times less than float32's (3.76x at the tiny model's B*D = 64, 3.98x
+at SmolLM2's 1024): at least 3.5x the blocks in the same --kv-cache-memory.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ def test_int8_fits_at_least_3_5_times_the_blocks(tiny_model_dir: Path) -> None:
     assert int8.hash_namespace.root != fp32.hash_namespace.root
 
 
-def _greedy_with_logits(llm, num_tokens: int) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Per prompt (one at a time): its greedy tokens and the logits each was chosen from."""
-    model = llm.engine.runner.model
+def _greedy_with_logits(engine, num_tokens: int) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Per prompt (one at a time, through the engine's step loop): its greedy tokens and the logits each was
+    chosen from."""
+    model = engine.runner.model
     compute_logits = model.compute_logits
     recorded: list[torch.Tensor] = []
 
@@ -91,10 +93,13 @@ def _greedy_with_logits(llm, num_tokens: int) -> list[tuple[list[int], list[torc
 
     model.compute_logits = recording
     results = []
-    for prompt in PROMPTS:
+    for i, prompt in enumerate(PROMPTS):
         recorded.clear()
-        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))[0]
-        results.append((out.token_ids, list(recorded)))
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [out for out in engine.step() if out.finished]
+        results.append((finished[0].token_ids, list(recorded)))
     return results
 
 
@@ -114,9 +119,9 @@ def agreement(reference: list, quantized: list) -> tuple[list[int], float]:
 
 
 def test_int8_greedy_agrees_with_the_unquantized_cache(tiny_model_dir: Path) -> None:
-    reference = _greedy_with_logits(_llm(tiny_model_dir), 16)
+    reference = _greedy_with_logits(_llm(tiny_model_dir).engine, 16)
     llm = _llm(tiny_model_dir, kv_cache_dtype="int8")
-    quantized = _greedy_with_logits(llm, 16)
+    quantized = _greedy_with_logits(llm.engine, 16)
 
     num_agreeing, max_diff = agreement(reference, quantized)
     assert num_agreeing == [16] * len(PROMPTS)
@@ -154,14 +159,19 @@ def test_serve_refuses_int8_with_a_kv_handoff(tiny_model_dir: Path, capsys: pyte
 
 
 @pytest.mark.slow
-def test_int8_greedy_agrees_on_smollm2(smollm2_gguf: str) -> None:
-    from engine.llm import LLM
+def test_int8_greedy_agrees_on_smollm2(smollm2_checkpoint) -> None:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
 
-    engine = {"max_model_len": 256, "num_kv_blocks": 64}
-    reference = _greedy_with_logits(LLM(model=smollm2_gguf, **engine), 16)  # type: ignore[arg-type]
-    int8 = LLM(model=smollm2_gguf, kv_cache_dtype="int8", **engine)  # type: ignore[arg-type]
+    def engine(**overrides: object) -> LLMEngine:
+        config = EngineConfig(max_model_len=256, num_kv_blocks=64, **overrides)  # type: ignore[arg-type]
+        return LLMEngine(config, smollm2_checkpoint)
+
+    reference = _greedy_with_logits(engine(), 16)
+    int8 = engine(kv_cache_dtype="int8")
     quantized = _greedy_with_logits(int8, 16)
     num_agreeing, max_diff = agreement(reference, quantized)
     assert sum(num_agreeing) >= 0.85 * 16 * len(PROMPTS)
     assert min(num_agreeing) >= 10
     assert 0 < max_diff < SMOLLM2_LOGIT_BOUND
+    assert int8.block_pool.num_used_blocks == 0
