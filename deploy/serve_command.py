@@ -198,13 +198,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def require_device(device: str) -> None:
-    """Fail before Ray starts when --device names cuda and this machine has none (checked in a child process:
-    this one stays torch-free). "auto" and "cpu" need no check."""
-    if not device.startswith("cuda"):
-        return
-    probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
-    if subprocess.run([sys.executable, "-c", probe], check=False).returncode != 0:
+    """Fail before Ray starts when --device names cuda and this machine has none. "auto" and "cpu" need no check;
+    each worker's engine resolves its device again (engine/device.py)."""
+    if device.startswith("cuda") and cuda_device_count() == 0:
         raise ValueError(f"--device {device}: no CUDA GPU is visible on this machine; use --device cpu or auto")
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), asked of the driver library directly, as
+    torch.cuda.is_available() does: this process stays torch-free. 0 without a driver."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def build_kernels_ahead() -> None:

@@ -143,3 +143,9 @@ def test_fp8_kv_cache_runs_on_cuda_and_frees_its_blocks(tiny_model_dir: Path) ->
     tokens, num_used = _greedy(tiny_model_dir, device="cuda", kv_cache_dtype="fp8")
     assert [len(t) for t in tokens] == [16] * len(PROMPTS)
     assert num_used == 0
+
+
+def test_the_torch_free_cuda_probe_of_serve_counts_what_torch_counts() -> None:
+    from deploy.serve_command import cuda_device_count
+
+    assert cuda_device_count() == torch.cuda.device_count()
