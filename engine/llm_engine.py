@@ -89,8 +89,10 @@ class LLMEngine:
         logger.info("engine on %s, %s, KV cache %s, attention backend %s", device, config.dtype,
                     config.kv_cache_dtype, attention.name)
         weights = checkpoint.weights
-        if device.type != "cpu":  # a copy per engine: the checkpoint's CPU tensors may be shared by other engines
-            weights = {name: tensor.to(device) for name, tensor in weights.items()}
+        if device.type != "cpu" or any(t.dtype != dtype for t in weights.values()):
+            # A copy per engine (the checkpoint's CPU tensors may be shared by other engines), in the engine's
+            # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
+            weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
         model = LlamaModel(mc, weights, attention, max_positions=self.max_model_len)
         self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(

@@ -149,3 +149,12 @@ def test_the_torch_free_cuda_probe_of_serve_counts_what_torch_counts() -> None:
     from deploy.serve_command import cuda_device_count
 
     assert cuda_device_count() == torch.cuda.device_count()
+
+
+def test_a_checkpoint_loaded_in_another_dtype_is_cast_to_the_engines(tiny_checkpoint) -> None:
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", **TINY_ENGINE), tiny_checkpoint)  # type: ignore[arg-type]
+
+    assert engine.runner.model.dtype == torch.bfloat16 and engine.runner.kv_cache.dtype == torch.bfloat16
+    assert tiny_checkpoint.weights["model.embed_tokens.weight"].dtype == torch.float32  # the shared one untouched
