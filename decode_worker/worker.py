@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
-import torch
 
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
@@ -58,7 +57,7 @@ class DecodeWorker(RuntimeWorker):
             raise ValueError(f"DecodeWorker needs role 'decode' or 'colocated', got {config.role!r}")
         self.config = config
         self.runtime = WorkerRuntime(config, checkpoint)
-        self.sink = DecodeKVSink(self.runtime.layout, torch.device(config.device))
+        self.sink = DecodeKVSink(self.runtime.layout, self.runtime.device)
         self.receiver = None
         if config.role == "decode":  # a colocated worker receives no KV
             self.receiver = make_receiver(config.kv_transport, self.sink)

@@ -71,7 +71,6 @@ class ControllerConfig:
     kv_transport: str = "grpc"
     kv_transfer_timeout_s: float = 30.0
     worker_host: str = "127.0.0.1"  # the address workers bind and advertise
-    device: str = "cpu"
     worker_env: Mapping[str, str] = field(default_factory=dict)  # environment of every worker process
     redis_url: str | None = None  # the prefix index the workers publish their KV events to; None: no index
     health_interval_s: float = 2.0  # between watch passes; 0 disables the watch thread (tests call check_health)
@@ -366,7 +365,6 @@ class ClusterController:
                     kv_transport=c.kv_transport,
                     kv_transfer_timeout_s=c.kv_transfer_timeout_s,
                     incarnation=self._new_incarnation(),
-                    device=c.device,
                     redis_url=c.redis_url,
                 )
             )

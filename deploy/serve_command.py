@@ -196,6 +196,10 @@ def _pools_from_args(args: argparse.Namespace, *,
         autoscaler, num_prefill, num_decode = autoscaler_from_args(args, num_prefill, num_decode, colocated)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
+    if engine.kv_cache_dtype != "auto" and num_prefill + num_decode > 0:
+        raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs do not carry quantized blocks yet; "
+                         "serve it with colocated workers only (--num-prefill-workers 0 --num-decode-workers 0 "
+                         "--num-colocated-workers N)")
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
     # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
     num_processes = num_prefill + num_decode + num_colocated
@@ -228,13 +232,38 @@ def _pools_from_args(args: argparse.Namespace, *,
 
 def run(args: argparse.Namespace) -> int:
     config = serve_config_from_args(args)
-    from engine.loader.model_registry import resolve_model
+    from engine.loader.model_registry import KNOWN_MODELS, resolve_model
 
     # Here, once: a bad --model fails before Ray starts (exit 2), and the first use's download happens in one
     # process instead of racing in every worker.
-    resolve_model(config.controller.engine.model)
+    engine = config.controller.engine
+    if engine.load_format != "dummy" or engine.model in KNOWN_MODELS:  # a dummy shape uses a known tokenizer
+        resolve_model(engine.model)
+    require_device(engine.device)
     build_kernels_ahead()
     return serve(config)
+
+
+def require_device(device: str) -> None:
+    """Fail before Ray starts when --device names cuda and this machine has none. "auto" and "cpu" need no check;
+    each worker's engine resolves its device again (engine/device.py)."""
+    if device.startswith("cuda") and cuda_device_count() == 0:
+        raise ValueError(f"--device {device}: no CUDA GPU is visible on this machine; use --device cpu or auto")
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), asked of the driver library directly, as
+    torch.cuda.is_available() does: this process stays torch-free. 0 without a driver."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def build_kernels_ahead() -> None:

@@ -55,7 +55,7 @@ class WorkerFactory(Protocol):
 
     def load_checkpoint(self, engine: EngineConfig) -> Any:
         """Load what the workers of this engine config share (weights, tokenizer). Called once per
-        (model, dtype) per host."""
+        (model, dtype, load format) per host."""
         ...
 
     def build(self, config: WorkerConfig, checkpoint: Any) -> Worker:
@@ -67,10 +67,10 @@ class RoleWorkerFactory:
     """The real workers: `PrefillWorker` for role "prefill", `DecodeWorker` for "decode" and "colocated"."""
 
     def load_checkpoint(self, engine: EngineConfig) -> Checkpoint:
-        from engine.llm_engine import TORCH_DTYPES  # torch loads here, in the worker's process
-        from engine.loader.checkpoint import load_checkpoint
+        from engine.device import resolve_engine_config  # torch loads here, in the worker's process
+        from engine.loader.checkpoint import load_engine_checkpoint
 
-        return load_checkpoint(engine.model, dtype=TORCH_DTYPES[engine.dtype])
+        return load_engine_checkpoint(resolve_engine_config(engine))
 
     def build(self, config: WorkerConfig, checkpoint: Checkpoint) -> Worker:
         if config.role == "prefill":
@@ -103,7 +103,7 @@ class WorkerHost:
             raise ValueError(f"duplicate worker ids: {ids}")
         self._pending = list(configs)
         self._factory: WorkerFactory = factory or RoleWorkerFactory()
-        self._checkpoints: dict[tuple[str, str], Any] = {}  # (model, dtype) -> shared checkpoint
+        self._checkpoints: dict[tuple[str, str, str], Any] = {}  # (model, dtype, load format) -> shared checkpoint
         self._running: dict[str, _Running] = {}
         self._lock = threading.Lock()  # cheap insurance for in-process (non-actor) use from several threads
 
@@ -175,7 +175,7 @@ class WorkerHost:
 
     # -- internals -------------------------------------------------------------------------------------------
     def _checkpoint_for(self, engine: EngineConfig) -> Any:
-        key = (engine.model, engine.dtype)
+        key = (engine.model, engine.dtype, engine.load_format)
         if key not in self._checkpoints:
             self._checkpoints[key] = self._factory.load_checkpoint(engine)
         return self._checkpoints[key]

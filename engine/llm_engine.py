@@ -24,8 +24,10 @@ from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.stats import EngineStats, RequestStats
+from engine.device import TORCH_DTYPES, resolve_engine_config
 from engine.kernels.registry import load_all
-from engine.loader.checkpoint import Checkpoint, load_checkpoint
+from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
+from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RemoteReservation, RequestOutput
@@ -42,16 +44,16 @@ KVEventSink = Callable[[Sequence[KVEvent]], None]
 
 logger = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
-        self.config = config
+        # Device and dtype made concrete first: `--device cuda` without a GPU fails here, before any weight loads.
+        self.config = config = resolve_engine_config(config)
+        self.device = device = torch.device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = TORCH_DTYPES[config.dtype]
-        checkpoint = checkpoint or load_checkpoint(config.model, dtype=dtype)
+        checkpoint = checkpoint or load_engine_checkpoint(config, device)
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
 
@@ -60,9 +62,12 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context length {mc.max_position_embeddings}"
             )
-        block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        block_bytes = kv_block_bytes(mc, config.block_size, dtype, config.kv_cache_dtype)
         spec = config.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
+        if spec is not None and spec.method in ("draft_model", "layer_skip") and device.type != "cpu":
+            raise ValueError(f"speculative method {spec.method!r} runs on cpu only so far (its drafter builds its "
+                             "step on the host); ngram runs on any device")
         draft_checkpoint = None
         if spec is not None and spec.method == "draft_model":  # its KV blocks come out of the same memory
             assert spec.model is not None
@@ -77,9 +82,18 @@ class LLMEngine:
 
         # The C++ kernels load here (and build here only on a machine nobody built them for), never inside the
         # first request's forward pass.
-        self.cpu_kernels = load_all()
-        attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5)
-        model = LlamaModel(mc, checkpoint.weights, attention, max_positions=self.max_model_len)
+        self.cpu_kernels = load_all() if device.type == "cpu" else []
+        attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5, device=device,
+                                          kv_cache_dtype=config.kv_cache_dtype)
+        self.attention_backend_name = attention.name
+        logger.info("engine on %s, %s, KV cache %s, attention backend %s", device, config.dtype,
+                    config.kv_cache_dtype, attention.name)
+        weights = checkpoint.weights
+        if device.type != "cpu" or any(t.dtype != dtype for t in weights.values()):
+            # A copy per engine (the checkpoint's CPU tensors may be shared by other engines), in the engine's
+            # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
+            weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
+        model = LlamaModel(mc, weights, attention, max_positions=self.max_model_len)
         self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(
             self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -92,10 +106,11 @@ class LLMEngine:
             ),
             self.kv_cache,
         )
-        self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed)
+        self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self.hash_namespace = BlockHashNamespace(
-            model=config.model_id or model_identity(checkpoint.path), block_size=config.block_size,
-            kv_dtype=config.dtype)
+            model=config.model_id or checkpoint.model_id or model_identity(checkpoint.path),
+            block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
         self.speculator: Speculator | None = None
         if spec is not None:
             proposer = make_proposer(spec, self.runner, draft_checkpoint=draft_checkpoint,

@@ -2,13 +2,15 @@
 verifying their draft tokens (if any) in the same pass.
 
 The runner owns the KV tensors (one per layer) and the per-request seeded generators; the control plane owns
-the block ids that index them.
+the block ids that index them. It runs where the model's weights are: the KV cache is allocated there, and each
+step's inputs are built on the host and copied there once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.attention.int8_kv import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.huge_pages import zeros_with_huge_pages
@@ -18,17 +20,31 @@ from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, seed: int | None = None) -> None:
+    def __init__(
+        self, model: LlamaModel, *, num_blocks: int, block_size: int, seed: int | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         c = model.config
         self.model = model
+        self.device = model.device
         self.block_size = block_size
         # Every layer's KV in one tensor, so that one block across all layers (what a KV handoff moves) is read
         # or written in a single strided copy: kv_cache[:, :, block_id] is [num_layers, 2, block_size, Hkv, D].
         # [num_layers, 2, num_blocks, block_size, Hkv, D]
-        self.kv_cache = zeros_with_huge_pages(
-            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype
-        )
-        self.kv_caches = list(self.kv_cache.unbind(0))  # per layer [2, num_blocks, block_size, Hkv, D], contiguous
+        shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        kv_dtype = {"auto": model.dtype, "int8": torch.int8, "fp8": fp8}[kv_cache_dtype]
+        if self.device.type == "cpu":
+            self.kv_cache = zeros_with_huge_pages(*shape, dtype=kv_dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        # Per layer [2, num_blocks, block_size, Hkv, D], contiguous; an int8 cache's layers carry their scales.
+        self.kv_caches: list[torch.Tensor] | list[Int8KVCache] = list(self.kv_cache.unbind(0))
+        self.kv_scales: torch.Tensor | None = None  # int8 only: [num_layers, 2, num_blocks, Hkv] float32
+        if kv_cache_dtype == "int8":
+            self.kv_scales = torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, device=self.device)
+            self.kv_caches = [Int8KVCache(data, scales)
+                              for data, scales in zip(self.kv_cache.unbind(0), self.kv_scales.unbind(0), strict=True)]
         self.sampler = Sampler(seed=seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._generators: dict[str, torch.Generator] = {}
@@ -41,7 +57,7 @@ class ModelRunner:
         """Run one step. Returns, for each request that samples, its accepted draft tokens followed by the token
         sampled after them (one token when it has no drafts), and their logprobs where asked."""
         items = step_order(out.scheduled)
-        input_ids, positions, meta = prepare_step(items, self.block_size)
+        input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
 
         logit_rows: list[int] = []
@@ -107,9 +123,10 @@ def step_order(items: list[ScheduledRequest]) -> list[ScheduledRequest]:
 
 
 def prepare_step(
-    items: list[ScheduledRequest], block_size: int
+    items: list[ScheduledRequest], block_size: int, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Token ids, positions and attention metadata of `items` (in `step_order`), flattened in that order."""
+    """Token ids, positions and attention metadata of `items` (in `step_order`), flattened in that order, on
+    `device` (default: the CPU), built on the host and copied once."""
     bs = block_size
     ids: list[int] = []
     pos: list[int] = []
@@ -117,6 +134,7 @@ def prepare_step(
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
     prefills: list[PrefillChunk] = []
+    prefill_tables: list[list[int]] = []
     for item in items:
         start, n, table = item.start, item.num_new_tokens, item.block_ids
         ids.extend(item.request.all_token_ids[start : start + n - len(item.spec_token_ids)])
@@ -130,19 +148,32 @@ def prepare_step(
         else:
             context_slots = None
             if start > 0:
-                context_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
+                context_slots = _to(torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)]), device)
+            prefill_tables.append(table)
             prefills.append(
                 PrefillChunk(
                     query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
                 )
             )
-    width = max((len(t) for t in decode_tables), default=0)
     meta = AttentionMetadata(
         num_tokens=len(ids),
-        slot_mapping=torch.tensor(slots),
+        slot_mapping=_to(torch.tensor(slots), device),
         num_decode_tokens=len(decode_tables),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
-        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
+        decode_block_tables=_to(_padded(decode_tables), device),
+        decode_seq_lens=_to(torch.tensor(decode_lens, dtype=torch.int64), device),
         prefills=tuple(prefills),
+        prefill_block_tables=_to(_padded(prefill_tables), device),
     )
-    return torch.tensor(ids), torch.tensor(pos), meta
+    return _to(torch.tensor(ids), device), _to(torch.tensor(pos), device), meta
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [len(tables), longest] int64 tensor, padded with block 0 (never read past a length)."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    if device is None or device.type == "cpu":
+        return tensor
+    return tensor.to(device)  # pinned, reused host buffers come with CUDA graphs (issue 22, item 3)

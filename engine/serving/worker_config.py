@@ -37,7 +37,6 @@ class WorkerConfig:
     kv_transport: str = "grpc"  # "grpc" | "torch" | "inproc"
     kv_transfer_timeout_s: float = 30.0  # a handoff not confirmed by then fails and its blocks are freed
     incarnation: int = 0  # bumped by the controller on every restart
-    device: str = "cpu"
     # Liveness: an engine step running longer than this means the engine is stuck, and Health says so (a long
     # prefill chunk on a busy CPU takes seconds; nothing legitimate takes minutes).
     stall_timeout_s: float = 120.0

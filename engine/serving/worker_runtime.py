@@ -34,8 +34,9 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
-from engine.llm_engine import TORCH_DTYPES, LLMEngine
-from engine.loader.checkpoint import Checkpoint, load_checkpoint
+from engine.device import resolve_engine_config
+from engine.llm_engine import LLMEngine
+from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
 from engine.outputs import RequestOutput
 from engine.serving.engine_loop import EngineLoop, EngineLoopClosed
 from engine.serving.kv_event_publisher import NullPublisher, RedisKVEventPublisher
@@ -102,9 +103,15 @@ class WorkerRuntime:
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint | None = None) -> None:
         self.config = config
         tune_malloc()  # before the gRPC server's threads exist: they then share one arena
+        engine_config = resolve_engine_config(config.engine)  # the device and dtype this worker runs with
+        if engine_config.kv_cache_dtype != "auto" and config.role != "colocated":
+            # The KV layout and the transports move blocks of the model's dtype, without scales.
+            raise ValueError(f"--kv-cache-dtype {engine_config.kv_cache_dtype}: KV handoffs do not carry quantized "
+                             "blocks yet; run colocated workers (--num-colocated-workers) or --kv-cache-dtype auto")
         if checkpoint is None:
-            checkpoint = load_checkpoint(config.engine.model, dtype=TORCH_DTYPES[config.engine.dtype])
-        self.engine = LLMEngine(config.engine, checkpoint)
+            checkpoint = load_engine_checkpoint(engine_config)
+        self.engine = LLMEngine(engine_config, checkpoint)
+        self.device = self.engine.device  # where its KV blocks live: the transports read and write them there
         _inject_slow_steps(self.engine, float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0))
         self.loop = EngineLoop(self.engine, name=f"{config.worker_id}-engine")
         self.kv_events = self._make_publisher()
@@ -122,8 +129,8 @@ class WorkerRuntime:
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
-            block_size=config.engine.block_size,
-            dtype=config.engine.dtype,
+            block_size=engine_config.block_size,
+            dtype=engine_config.dtype,
         )
         self._started = False
         self._stopped = False
