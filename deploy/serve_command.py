@@ -29,10 +29,15 @@ from engine.serving.worker_config import WorkerInfo
 from engine.engine_args import add_engine_args, engine_config_from_args
 from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
+from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
+from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # router.api_keys.API_KEY_ENV (not imported here: it pulls FastAPI in)
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
+    from router.server import GatewayTls
     from deploy.worker_host import WorkerFactory
 
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
@@ -61,6 +66,13 @@ class ServeConfig:
     redis_url: str | None = None
     routing_policy: str = "prefix-aware"
     disagg_prefill_threshold_tokens: int = DEFAULT_DISAGG_PREFILL_THRESHOLD
+    # Security (docs/security.md): API keys (none: /v1/* open) and where they come from, per-key rate limits,
+    # HTTPS at the gateway. The cluster secret and gRPC TLS are the controller config's `auth`.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: str | None = None
+    metrics_require_key: bool = False
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    tls: GatewayTls | None = None
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
@@ -105,6 +117,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled "
                         "there, with no KV handoff (0: always disaggregate)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    security = p.add_argument_group("security (docs/security.md)")
+    security.add_argument("--api-key", action="append", default=None,
+                          help=f"an API key /v1/* accepts as `Authorization: Bearer <key>`; repeatable (default: "
+                               f"${API_KEY_ENV}); no key at all: /v1/* is open")
+    security.add_argument("--api-key-file", default=None,
+                          help="a file of API keys, one per line (# comments); re-read on SIGHUP")
+    security.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    security.add_argument("--rate-limit-requests-per-minute", type=float, default=None,
+                          help="per API key: requests per minute (429 with Retry-After beyond)")
+    security.add_argument("--rate-limit-tokens-per-minute", type=float, default=None,
+                          help="per API key: prompt + generated tokens per minute (429 with Retry-After beyond)")
+    security.add_argument("--ssl-keyfile", default=None, help="HTTPS at the gateway: the private key (PEM)")
+    security.add_argument("--ssl-certfile", default=None, help="HTTPS at the gateway: the certificate (PEM)")
+    security.add_argument("--ssl-ca-certs", default=None,
+                          help="HTTPS at the gateway: require client certificates signed by this CA (PEM)")
+    add_cluster_auth_args(security)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -143,6 +171,21 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
     if args.redis_url is not None and not args.prefix_index:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
+        raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+    api_keys = tuple(args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []))
+    rate_limits = RateLimits(requests_per_minute=args.rate_limit_requests_per_minute,
+                             tokens_per_minute=args.rate_limit_tokens_per_minute)
+    has_keys = bool(api_keys or args.api_key_file)
+    if (rate_limits.enabled or args.metrics_require_key) and not has_keys:
+        raise ValueError("rate limits and --metrics-require-key are per API key: give --api-key or --api-key-file")
+    from router.server import GatewayTls
+
+    # Every gRPC link of this cluster carries this secret: the one given, else a fresh random one (the workers get
+    # it in their config, never on a command line).
+    auth = cluster_auth_from_args(args, os.environ, generate=True)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
@@ -154,8 +197,10 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         "OMP_NUM_THREADS": str(num_threads),
         "MKL_NUM_THREADS": str(num_threads),
         "TOKENIZERS_PARALLELISM": "false",
-        # our own settings reach the workers even when Ray runs them in an environment of its own
-        **{name: value for name, value in os.environ.items() if name.startswith("SPLITSERVE_")},
+        # our own settings reach the workers even when Ray runs them in an environment of its own (not the
+        # secrets: the workers need none of the gateway's, and get the cluster secret in their config)
+        **{name: value for name, value in os.environ.items()
+           if name.startswith("SPLITSERVE_") and name not in _SECRET_ENVS},
     }
     controller = ControllerConfig(
         engine=engine,
@@ -168,6 +213,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         health_interval_s=args.health_check_interval,
         health_timeout_s=args.health_check_timeout,
         num_failed_checks_to_restart=args.health_check_failure_threshold,
+        auth=auth,
     )
     return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address,
                        request_timeout_s=args.request_timeout, admission_control=args.admission_control,
@@ -176,7 +222,14 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
                        prefix_index=args.prefix_index, redis_url=args.redis_url,
                        routing_policy=args.routing_policy,
-                       disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
+                       disagg_prefill_threshold_tokens=args.disagg_prefill_threshold,
+                       api_keys=api_keys, api_key_file=args.api_key_file,
+                       metrics_require_key=args.metrics_require_key, rate_limits=rate_limits,
+                       tls=GatewayTls(keyfile=args.ssl_keyfile, certfile=args.ssl_certfile, ca_certs=args.ssl_ca_certs)
+                       if args.ssl_keyfile is not None else None)
+
+
+_SECRET_ENVS = frozenset({CLUSTER_SECRET_ENV, API_KEY_ENV, "SPLITSERVE_ADMIN_TOKEN"})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -309,23 +362,27 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
 
     directory = WorkerDirectory()
     redis, redis_url = _start_prefix_index(config)
+    if redis is None and redis_url is not None:
+        _check_redis(redis_url)  # a wrong password or an unreachable server fails here, clearly, before any worker
     c = dataclasses.replace(config.controller, redis_url=redis_url)
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
     try:
-        app = _build_router_app(config, c, directory, redis_url)
+        app, access = _build_router_app(config, c, directory, redis_url)
     except BaseException:
         if redis is not None:
             redis.stop()
         raise
     try:
-        server = RouterServer(app, host=config.host, port=config.port)
+        server = RouterServer(app, host=config.host, port=config.port, tls=config.tls)
     except OSError as exc:
         if redis is not None:
             redis.stop()
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     signals = _ShutdownSignals()
     signals.install()
+    if access is not None and config.api_key_file is not None:  # SIGHUP re-reads the key file, as servers do
+        signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())
     controller = None
     try:
         init_local_ray(address=config.ray_address)
@@ -366,10 +423,17 @@ class _StartFailed(Exception):
 
 
 def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
-    """The gateway app for this cluster (loads the tokenizer)."""
+    """The gateway app for this cluster (loads the tokenizer), and its access control (None: /v1/* open)."""
     from router.admin import AdminApi
+    from router.api_keys import AccessControl, ApiKeyRing
+    from router.rate_limit import RateLimiter
     from router.server import build_router_app
 
+    access = None
+    if config.api_keys or config.api_key_file:
+        access = AccessControl(ring=ApiKeyRing(config.api_keys, key_file=config.api_key_file),
+                               limiter=RateLimiter(config.rate_limits) if config.rate_limits.enabled else None,
+                               metrics_require_key=config.metrics_require_key)
     return build_router_app(
         model=c.engine.model,
         worker_provider=directory,
@@ -386,7 +450,41 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
         redis_url=redis_url,
         routing_policy=config.routing_policy,
         disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
-    )
+        auth=c.auth,
+        access=access,
+    ), access
+
+
+def _check_redis(redis_url: str) -> None:
+    """PING the Redis of `--redis-url` once; ValueError (exit 2) naming what went wrong: no server there, a
+    password it refuses, a TLS handshake that fails. The URL's password never appears in the message."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0) as client:
+            client.ping()
+    except redis.AuthenticationError as exc:
+        raise ValueError(f"--redis-url: Redis refused the credentials ({exc}); check the password in the URL "
+                         "(redis://:PASSWORD@host:port/0 or redis://USER:PASSWORD@...)") from None
+    except redis.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "AUTH" in str(exc).upper():
+            raise ValueError(f"--redis-url: Redis needs a password ({exc}): put it in the URL "
+                             "(redis://:PASSWORD@host:port/0)") from None
+        raise ValueError(f"--redis-url: Redis answered an error: {exc}") from None
+    except (redis.RedisError, OSError) as exc:
+        raise ValueError(f"--redis-url: cannot reach Redis at {redact_url(redis_url)}: {exc}") from None
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    netloc = f"{user}***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
@@ -396,9 +494,10 @@ def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
     if config.redis_url is not None:
         return None, config.redis_url
     from deploy.redis_server import EmbeddedRedis, RedisUnavailableError
+    from protos.cluster_auth import generate_secret
 
-    try:
-        redis = EmbeddedRedis().start()
+    try:  # a random password: other local users must not read or poison the index
+        redis = EmbeddedRedis(password=generate_secret().replace("-", "").replace("_", "")).start()
     except RedisUnavailableError as exc:
         raise ValueError(f"the prefix index needs Redis: {exc} (or --no-prefix-index)") from None
     return redis, redis.url
