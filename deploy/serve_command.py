@@ -464,13 +464,15 @@ def _check_redis(redis_url: str) -> None:
         with redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0) as client:
             client.ping()
     except redis.AuthenticationError as exc:
-        raise ValueError(f"--redis-url: Redis refused the credentials ({exc}); check the password in the URL "
-                         "(redis://:PASSWORD@host:port/0 or redis://USER:PASSWORD@...)") from None
+        from urllib.parse import urlsplit
+
+        if urlsplit(redis_url).password is None:
+            raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} needs a password ({exc}); put it in "
+                             "the URL: redis://:PASSWORD@host:port/0 (rediss:// for TLS)") from None
+        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} refused the credentials ({exc}); check "
+                         "the user and password in the URL (redis://[USER]:PASSWORD@host:port/0)") from None
     except redis.ResponseError as exc:
-        if "NOAUTH" in str(exc) or "AUTH" in str(exc).upper():
-            raise ValueError(f"--redis-url: Redis needs a password ({exc}): put it in the URL "
-                             "(redis://:PASSWORD@host:port/0)") from None
-        raise ValueError(f"--redis-url: Redis answered an error: {exc}") from None
+        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} answered an error: {exc}") from None
     except (redis.RedisError, OSError) as exc:
         raise ValueError(f"--redis-url: cannot reach Redis at {redact_url(redis_url)}: {exc}") from None
 
