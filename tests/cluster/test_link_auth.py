@@ -204,3 +204,43 @@ def test_kv_nobody_asked_for_is_refused_and_poisons_nothing(workers, attacker, r
     assert generate(decode_stub, "after-shared", SHARED, GREEDY, prefill.endpoint).token_ids == reference["shared"]
     assert generate(decode_stub, "after", PROMPT, GREEDY, prefill.endpoint).token_ids == reference["prompt"]
     _wait_all_free(prefill, decode)
+
+
+def test_the_gateway_reaches_the_workers_only_with_the_secret(workers, checkpoint, reference) -> None:  # noqa: ANN001
+    """The whole path in this process: openai client ─API key─▶ gateway ─secret─▶ decode ─secret─▶ prefill
+    ─secret─▶ decode's KV receiver. A gateway holding a wrong secret finds no healthy worker."""
+    import httpx
+    import openai
+
+    from engine.serving.worker_config import WorkerInfo
+    from engine.tokenizer.tokenizer import Tokenizer
+    from router.api_keys import AccessControl, ApiKeyRing
+    from router.app import create_app
+    from router.config import RouterConfig
+    from router.server import RouterServer
+    from router.worker_registry import WorkerRegistry
+
+    tokenizer = Tokenizer.from_hf_dir(Path(checkpoint.path))
+    infos = [WorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint) for w in workers]
+    config = RouterConfig(served_model_names=("tiny",), max_model_len=TINY_ENGINE["max_model_len"],
+                          block_size=TINY_ENGINE["block_size"], routing_policy="least-loaded", queue_timeout_s=1.0)
+    for auth, healthy in ((AUTH, True), (WRONG, False)):
+        app = create_app(config, WorkerRegistry(lambda: infos, refresh_interval_s=0.5, auth=auth), tokenizer,
+                         access=AccessControl(ring=ApiKeyRing(["sk-gateway"])))
+        server = RouterServer(app).start()
+        try:
+            assert (httpx.get(f"{server.url}/health", timeout=10).status_code == 200) is healthy
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-gateway", max_retries=0, timeout=60)
+            request = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=1,
+                           extra_body={"ignore_eos": True, "skip_special_tokens": False})
+            if not healthy:
+                with pytest.raises(openai.APIStatusError) as refused:
+                    client.completions.create(**request)
+                assert refused.value.status_code == 503
+                continue
+            completion = client.completions.create(**request)
+            assert completion.usage is not None and completion.usage.completion_tokens == 6
+            assert completion.choices[0].text == tokenizer.decode(reference["prompt"], skip_special_tokens=False)
+        finally:
+            server.stop()
+    _wait_all_free(*workers)
