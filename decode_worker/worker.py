@@ -265,7 +265,9 @@ class DecodeServicer(WorkerServicer):
     async def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")
 
-    async def GetLoad(self, request: serving_pb2.LoadRequest, context: grpc.aio.ServicerContext) -> serving_pb2.LoadStats:
+    async def GetLoad(
+        self, request: serving_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.LoadStats:
         stats = await super().GetLoad(request, context)
         if self.worker.receiver is not None:
             stats.kv_transfers_rejected.update(self.worker.receiver.rejections())

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -25,7 +24,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.serving.convert import sampling_params_to_proto
 from kv_transfer.base import TransferFault
 from kv_transfer.grpc_transport import SERVICE, TRANSFER_METHOD, Sender
-from kv_transfer.layout import KVHandoff, KVLayoutMismatch, KVChecksumError, KVTransferError
+from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayoutMismatch, KVTransferError
 from protos import kv_transfer_pb2, serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 from tests.cluster.worker_harness import generate, start_worker, stub
@@ -39,7 +38,7 @@ SHARED = PROMPT[:12] + list(range(40, 49))  # the same first 3 blocks, then its 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     from engine.loader.checkpoint import load_checkpoint
 
     return load_checkpoint(str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")),
@@ -47,7 +46,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-def workers(checkpoint) -> Iterator[tuple[object, object]]:  # noqa: ANN001
+def workers(checkpoint) -> Iterator[tuple[object, object]]:
     engine = {**TINY_ENGINE, "model": str(checkpoint.path), "num_threads": 1}
     prefill = start_worker("prefill", checkpoint, auth=AUTH, **engine)
     decode = start_worker("decode", checkpoint, auth=AUTH, **engine)
@@ -57,7 +56,7 @@ def workers(checkpoint) -> Iterator[tuple[object, object]]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint) -> dict[str, list[int]]:  # noqa: ANN001
+def reference(checkpoint) -> dict[str, list[int]]:
     """The offline engine's greedy tokens for both prompts."""
     engine = make_engine(checkpoint, num_threads=1)
     engine.add_request("prompt", PROMPT, GREEDY)
@@ -78,7 +77,7 @@ def _request(request_id: str, prompt: list[int], prefill_endpoint: str = "") -> 
 
 
 @pytest.mark.parametrize("auth", [OPEN, WRONG], ids=["no_secret", "wrong_secret"])
-def test_every_worker_rpc_needs_the_secret(workers, auth: ClusterAuth) -> None:  # noqa: ANN001
+def test_every_worker_rpc_needs_the_secret(workers, auth: ClusterAuth) -> None:
     prefill, decode = workers
     before = {w.role: stub(w, AUTH).GetLoad(serving_pb2.LoadRequest(), timeout=10) for w in (prefill, decode)}
     calls = []
@@ -94,7 +93,8 @@ def test_every_worker_rpc_needs_the_secret(workers, auth: ClusterAuth) -> None: 
                                   timeout=10),
         ]
     channel = sync_channel(decode.endpoint, auth)  # the KV receiver: a bogus push
-    transfer = channel.stream_unary(TRANSFER_METHOD, request_serializer=kv_transfer_pb2.KVTransferMessage.SerializeToString,
+    transfer = channel.stream_unary(TRANSFER_METHOD,
+                                    request_serializer=kv_transfer_pb2.KVTransferMessage.SerializeToString,
                                     response_deserializer=kv_transfer_pb2.KVTransferAck.FromString)
     bogus = kv_transfer_pb2.KVTransferMessage(descriptor=kv_transfer_pb2.KVHandoffDescriptor(request_id="x"))
     calls.append(lambda: transfer(iter([bogus]), timeout=10))
@@ -116,7 +116,7 @@ class AttackingPrefill(serving_pb2_grpc.WorkerServicer):
     """Stands where the decode worker expects a prefill worker: on Prefill it pushes KV that must be refused, in
     every way, with the cluster secret (an insider, or a stolen secret), then reports a failure."""
 
-    def __init__(self, layout) -> None:  # noqa: ANN001
+    def __init__(self, layout) -> None:
         self.layout = layout
         self.errors: dict[str, Exception] = {}
         self.endpoint = ""
@@ -151,14 +151,14 @@ class AttackingPrefill(serving_pb2_grpc.WorkerServicer):
 
 
 class _Junk:
-    def __init__(self, layout) -> None:  # noqa: ANN001
+    def __init__(self, layout) -> None:
         self.layout = layout
 
     def read_block(self, index: int) -> torch.Tensor:
         return torch.full(self.layout.block_shape, 7.0 + index)  # [num_layers, 2, block_size, kv_heads, head_dim]
 
 
-def _refused(push) -> Exception:  # noqa: ANN001
+def _refused(push) -> Exception:
     try:
         push()
     except KVTransferError as exc:
@@ -167,7 +167,7 @@ def _refused(push) -> Exception:  # noqa: ANN001
 
 
 @pytest.fixture
-def attacker(workers) -> Iterator[AttackingPrefill]:  # noqa: ANN001
+def attacker(workers) -> Iterator[AttackingPrefill]:
     _, decode = workers
     servicer = AttackingPrefill(decode.runtime.layout)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -178,7 +178,7 @@ def attacker(workers) -> Iterator[AttackingPrefill]:  # noqa: ANN001
     server.stop(0).wait()
 
 
-def test_kv_nobody_asked_for_is_refused_and_poisons_nothing(workers, attacker, reference) -> None:  # noqa: ANN001
+def test_kv_nobody_asked_for_is_refused_and_poisons_nothing(workers, attacker, reference) -> None:
     prefill, decode = workers
     decode_stub = stub(decode, AUTH)
     assert generate(decode_stub, "before", PROMPT, GREEDY, prefill.endpoint).token_ids == reference["prompt"]
@@ -206,7 +206,7 @@ def test_kv_nobody_asked_for_is_refused_and_poisons_nothing(workers, attacker, r
     _wait_all_free(prefill, decode)
 
 
-def test_the_gateway_reaches_the_workers_only_with_the_secret(workers, checkpoint, reference) -> None:  # noqa: ANN001
+def test_the_gateway_reaches_the_workers_only_with_the_secret(workers, checkpoint, reference) -> None:
     """The whole path in this process: openai client ─API key─▶ gateway ─secret─▶ decode ─secret─▶ prefill
     ─secret─▶ decode's KV receiver. A gateway holding a wrong secret finds no healthy worker."""
     import httpx
@@ -231,8 +231,8 @@ def test_the_gateway_reaches_the_workers_only_with_the_secret(workers, checkpoin
         try:
             assert (httpx.get(f"{server.url}/health", timeout=10).status_code == 200) is healthy
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-gateway", max_retries=0, timeout=60)
-            request = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=1,
-                           extra_body={"ignore_eos": True, "skip_special_tokens": False})
+            request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0,
+                       "extra_body": {"ignore_eos": True, "skip_special_tokens": False}}
             if not healthy:
                 with pytest.raises(openai.APIStatusError) as refused:
                     client.completions.create(**request)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.serving.convert import sampling_params_to_proto

@@ -18,7 +18,7 @@ from protos.cluster_auth import CLUSTER_SECRET_ENV
 PASSWORD = "redis-password-for-tests"
 
 
-def _config(*flags: str):  # noqa: ANN202
+def _config(*flags: str):
     return serve_config_from_args(build_parser().parse_args(["serve", *flags]))
 
 

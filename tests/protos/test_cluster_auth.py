@@ -36,7 +36,7 @@ class CountingWorker(serving_pb2_grpc.WorkerServicer):
         self.num_calls += 1
         return serving_pb2.HealthResponse(ok=True, worker_id="w")
 
-    async def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: ANN201
+    async def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         self.num_calls += 1
         yield serving_pb2.GenerateResponse(request_id=request.request_id, token_ids=[1])
 

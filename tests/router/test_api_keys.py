@@ -150,9 +150,8 @@ def test_gateway_over_tls(fakes: dict[str, FakeWorker], tokenizer: Tokenizer, ce
         untrusting = ssl.create_default_context(cafile=str(certs.other_ca))
         untrusting.load_cert_chain(str(certs.client_cert), str(certs.client_key))
         for context in (no_client_cert, untrusting):
-            with httpx.Client(verify=context) as http:
-                with pytest.raises(openai.APIConnectionError):
-                    _client(server, http_client=http).models.list()
+            with httpx.Client(verify=context) as http, pytest.raises(openai.APIConnectionError):
+                _client(server, http_client=http).models.list()
         with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
             httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5.0)
     finally:
