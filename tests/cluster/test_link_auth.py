@@ -241,6 +241,8 @@ def test_the_gateway_reaches_the_workers_only_with_the_secret(workers, checkpoin
             completion = client.completions.create(**request)
             assert completion.usage is not None and completion.usage.completion_tokens == 6
             assert completion.choices[0].text == tokenizer.decode(reference["prompt"], skip_special_tokens=False)
+            streamed = list(client.completions.create(**request, stream=True))  # a stream through the interceptor
+            assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
         finally:
             server.stop()
     _wait_all_free(*workers)
