@@ -25,7 +25,7 @@ from engine.serving.convert import sampling_params_to_proto
 from kv_transfer.base import TransferFault
 from kv_transfer.grpc_transport import SERVICE, TRANSFER_METHOD, Sender
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayoutMismatch, KVTransferError
-from protos import kv_transfer_pb2, serving_pb2, serving_pb2_grpc
+from protos import kv_transfer_pb2, kv_transfer_pb2_grpc, serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 from tests.cluster.worker_harness import generate, start_worker, stub
 from tests.engine.tiny_model import TINY_ENGINE, drain, finals, make_engine, write_tiny_checkpoint
@@ -110,6 +110,30 @@ def test_every_worker_rpc_needs_the_secret(workers, auth: ClusterAuth) -> None:
         assert after.num_kv_transfers == before[worker.role].num_kv_transfers
         assert dict(after.kv_transfers_rejected) == dict(before[worker.role].kv_transfers_rejected)
     assert SERVICE in TRANSFER_METHOD
+
+
+def test_the_torch_transports_control_calls_need_the_secret(checkpoint) -> None:
+    """Its pair groups are joined only under a key handed out by Open: no Open, no key."""
+    engine = {**TINY_ENGINE, "model": str(checkpoint.path), "num_threads": 1}
+    decode = start_worker("decode", checkpoint, transport="torch", auth=AUTH, worker_id="decode-torch", **engine)
+    try:
+        for auth in (OPEN, WRONG):
+            with sync_channel(decode.endpoint, auth) as channel:
+                receiver = kv_transfer_pb2_grpc.KVReceiverStub(channel)
+                for call in (lambda: receiver.Open(kv_transfer_pb2.KVHandoffDescriptor(request_id="x"), timeout=10),
+                             lambda: receiver.Commit(kv_transfer_pb2.KVCommit(transfer_id="x"), timeout=10)):
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call()
+                    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with sync_channel(decode.endpoint, AUTH) as channel:  # with it, Open is answered (and refused: no such
+            opened = kv_transfer_pb2_grpc.KVReceiverStub(channel).Open(  # transfer was reserved), no pair key
+                KVHandoff(request_id="x", transfer_id="t", num_tokens=4, layout=decode.runtime.layout).to_proto(),
+                timeout=10)
+            assert not opened.ok and not opened.pair_key and "no blocks are reserved" in opened.error
+        stats = stub(decode, AUTH).GetLoad(serving_pb2.LoadRequest(), timeout=10)
+        assert dict(stats.kv_transfers_rejected) == {"unknown_transfer": 1}
+    finally:
+        decode.stop()
 
 
 class AttackingPrefill(serving_pb2_grpc.WorkerServicer):
