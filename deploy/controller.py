@@ -171,6 +171,12 @@ class ClusterController:
         with self._table_lock:
             return [info for host in self._hosts for info in host.infos]
 
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's configured size, a restarting worker included (the autoscaler's count; `list_workers` omits
+        a worker while it restarts)."""
+        with self._table_lock:
+            return dict(collections.Counter(c.role for host in self._hosts for c in host.configs.values()))
+
     def pool_workers(self) -> list[tuple[str, WorkerInfo | WorkerConfig]]:
         """Every worker with its state: ("serving", info) for the published, ("starting", config) for those a
         scale-up is launching, ("draining", info) for those a scale-down unpublished and is stopping."""

@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.serving.worker_config import WorkerInfo
+from deploy.autoscale_args import add_autoscale_args, autoscaler_from_args
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
 from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
@@ -37,8 +38,9 @@ API_KEY_ENV = "SPLITSERVE_API_KEY"  # router.api_keys.API_KEY_ENV (not imported 
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
-    from router.server import GatewayTls
     from deploy.worker_host import WorkerFactory
+    from router.autoscaler import AutoscalerConfig
+    from router.server import GatewayTls
 
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 
@@ -73,6 +75,8 @@ class ServeConfig:
     metrics_require_key: bool = False
     rate_limits: RateLimits = field(default_factory=RateLimits)
     tls: GatewayTls | None = None
+    signal_window_s: float = 60.0  # the autoscaling signals' latency window
+    autoscaler: AutoscalerConfig | None = None  # the built-in autoscaler; None: the pools keep their sizes
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
@@ -133,6 +137,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument("--ssl-ca-certs", default=None,
                           help="HTTPS at the gateway: require client certificates signed by this CA (PEM)")
     add_cluster_auth_args(security)
+    add_autoscale_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -171,6 +176,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
     if args.redis_url is not None and not args.prefix_index:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
+    autoscaler, num_prefill, num_decode = autoscaler_from_args(args, num_prefill, num_decode, colocated)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
@@ -189,8 +195,12 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
-    # they do not oversubscribe them; --num-threads overrides.
-    num_processes = 1 if args.kv_transport == "inproc" else num_prefill + num_decode + num_colocated
+    # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
+    num_processes = num_prefill + num_decode + num_colocated
+    if autoscaler is not None:
+        num_processes = autoscaler.policy.prefill.max_workers + autoscaler.policy.decode.max_workers
+    if args.kv_transport == "inproc":
+        num_processes = 1
     num_threads = engine.num_threads or max(1, len(os.sched_getaffinity(0)) // num_processes)
     engine = dataclasses.replace(engine, num_threads=num_threads)
     worker_env = {
@@ -223,6 +233,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        prefix_index=args.prefix_index, redis_url=args.redis_url,
                        routing_policy=args.routing_policy,
                        disagg_prefill_threshold_tokens=args.disagg_prefill_threshold,
+                       signal_window_s=args.autoscale_window, autoscaler=autoscaler,
                        api_keys=api_keys, api_key_file=args.api_key_file,
                        metrics_require_key=args.metrics_require_key, rate_limits=rate_limits,
                        tls=GatewayTls(keyfile=args.ssl_keyfile, certfile=args.ssl_certfile, ca_certs=args.ssl_ca_certs)
@@ -302,6 +313,14 @@ class WorkerDirectory:
             raise RuntimeError("the cluster controller is not running")
         ray.get(self._controller.scale.remote(role, num_workers))
         self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's configured size, for the autoscaler (router/autoscaler.py); blocks on the controller."""
+        import ray
+
+        if self._controller is None or self.lost:
+            raise RuntimeError("the cluster controller is not running")
+        return dict(ray.get(self._controller.pool_sizes.remote(), timeout=self._timeout_s))
 
     def pool_workers(self) -> list[Any]:
         """Every worker and its state, for GET /admin/pools."""
@@ -450,6 +469,9 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
         redis_url=redis_url,
         routing_policy=config.routing_policy,
         disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
+        signal_window_s=config.signal_window_s,
+        autoscaler=config.autoscaler,
+        pool_controller=directory if config.autoscaler is not None else None,
         auth=c.auth,
         access=access,
     ), access

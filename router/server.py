@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from protos.cluster_auth import ClusterAuth
     from router.admin import AdminApi
     from router.api_keys import AccessControl
+    from router.autoscaler import AutoscalerConfig, ScalableCluster
     from router.metrics import RestartCounts
 
 
@@ -79,6 +80,9 @@ def build_router_app(
     restart_counts: RestartCounts | None = None,
     auth: ClusterAuth | None = None,
     access: AccessControl | None = None,
+    signal_window_s: float = 60.0,
+    autoscaler: AutoscalerConfig | None = None,
+    pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
 
@@ -86,7 +90,8 @@ def build_router_app(
     tokenizer. `served_model_names` defaults to `(model,)`; `max_model_len` to the checkpoint's context length
     (pass the workers' own value when they are configured shorter). `redis_url`: the prefix index (None: route
     by load only). `auth`: the cluster secret (and TLS) of the calls to the workers. `access`: API keys and rate
-    limits (None: /v1/* is open).
+    limits (None: /v1/* is open). `signal_window_s`: the autoscaling signals' latency window; `autoscaler`: run
+    the built-in autoscaler, resizing through `pool_controller` (router/autoscaler.py).
     """
     tokenizer, context_length = load_tokenizer(model)
     config = RouterConfig(
@@ -101,6 +106,7 @@ def build_router_app(
         max_migrations=max_migrations,
         routing_policy=routing_policy,
         disagg_prefill_threshold_tokens=disagg_prefill_threshold_tokens,
+        signal_window_s=signal_window_s,
     )
     registry = WorkerRegistry(worker_provider, refresh_interval_s=refresh_interval_s,
                               **({"auth": auth} if auth is not None else {}))
@@ -112,7 +118,7 @@ def build_router_app(
         prefix_index = PrefixIndex(PrefixIndexClient(redis_url), namespace=registry.hash_namespace,
                                    live_workers=registry.incarnations)
     return create_app(config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts,
-                      admin=admin, access=access)
+                      admin=admin, access=access, autoscaler=autoscaler, pool_controller=pool_controller)
 
 
 def load_tokenizer(model: str) -> tuple[Tokenizer, int]:
