@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -37,6 +37,7 @@ from engine.serving.worker_runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRun
 from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from kv_transfer.registry import make_receiver
 from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class DecodeWorker(RuntimeWorker):
         finished = False
         try:
             if request.prefill_endpoint:
-                reservation = await self._reserve(req)
+                reservation = await self._reserve(req, request.prefill_endpoint)
                 timings.decode_queue_s = time.monotonic() - arrival_s
                 early = await self._prefill_remote(req, request, reservation, timings)
                 if early is not None:  # the first token ended it on the prefill worker: no KV came
@@ -127,9 +128,9 @@ class DecodeWorker(RuntimeWorker):
                 self._abandon(req, reservation)
             self.sink.remove(request_id)
 
-    async def _reserve(self, req: Request) -> Reservation:
+    async def _reserve(self, req: Request, prefill_endpoint: str) -> Reservation:
         """Blocks for the request to start, waiting while the pool is full (decode queue). Registers the
-        reservation."""
+        reservation, which accepts one handoff: from `prefill_endpoint`, under a fresh random transfer id."""
         runtime = self.runtime
         deadline = time.monotonic() + self.config.kv_transfer_timeout_s
         while True:
@@ -148,7 +149,7 @@ class DecodeWorker(RuntimeWorker):
             await asyncio.sleep(RESERVE_POLL_S)
         reservation = Reservation(
             req.request_id, req.num_prompt_tokens, reserved.block_ids, runtime.engine.runner.kv_cache, runtime.layout,
-            first_block=reserved.num_held_blocks,
+            first_block=reserved.num_held_blocks, transfer_id=secrets.token_hex(16), source_endpoint=prefill_endpoint,
         )
         self.sink.add(reservation)
         return reservation
@@ -170,7 +171,7 @@ class DecodeWorker(RuntimeWorker):
                     request=request,
                     decode_endpoint=self.runtime.endpoint,
                     decode_worker_id=self.config.worker_id,
-                    transfer_id=uuid.uuid4().hex,
+                    transfer_id=reservation.transfer_id,
                     decode_cached_blocks=reservation.first_block,
                 ),
                 # The prefill worker's own queue plus the handoff: generous, but never unbounded.
@@ -228,7 +229,7 @@ class DecodeWorker(RuntimeWorker):
         """An aio stub on this worker's asyncio loop (only called there, so no lock)."""
         stub = self._prefill_stubs.get(endpoint)
         if stub is None:
-            channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            channel = aio_channel(endpoint, self.config.auth, options=GRPC_OPTIONS)
             self._prefill_channels.append(channel)
             stub = self._prefill_stubs[endpoint] = serving_pb2_grpc.WorkerStub(channel)
         return stub
@@ -262,3 +263,11 @@ class DecodeServicer(WorkerServicer):
 
     async def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")
+
+    async def GetLoad(
+        self, request: serving_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.LoadStats:
+        stats = await super().GetLoad(request, context)
+        if self.worker.receiver is not None:
+            stats.kv_transfers_rejected.update(self.worker.receiver.rejections())
+        return stats

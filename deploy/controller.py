@@ -35,6 +35,7 @@ from engine.config import EngineConfig
 from engine.serving.log_config import configure_logging
 from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
+from protos.cluster_auth import OPEN, ClusterAuth
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class ControllerConfig:
     kv_transfer_timeout_s: float = 30.0
     worker_host: str = "127.0.0.1"  # the address workers bind and advertise
     worker_env: Mapping[str, str] = field(default_factory=dict)  # environment of every worker process
-    redis_url: str | None = None  # the prefix index the workers publish their KV events to; None: no index
+    redis_url: str | None = field(default=None, repr=False)  # the workers' prefix index (may hold a password)
+    auth: ClusterAuth = OPEN  # the cluster secret and gRPC TLS every worker serves and calls with
     health_interval_s: float = 2.0  # between watch passes; 0 disables the watch thread (tests call check_health)
     health_timeout_s: float = 2.0  # one worker's Health RPC
     num_failed_checks_to_restart: int = 3  # consecutive failed checks of a live process before it is replaced
@@ -366,6 +368,7 @@ class ClusterController:
                     kv_transfer_timeout_s=c.kv_transfer_timeout_s,
                     incarnation=self._new_incarnation(),
                     redis_url=c.redis_url,
+                    auth=c.auth,
                 )
             )
         return configs

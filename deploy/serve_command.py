@@ -30,12 +30,17 @@ from engine.engine_args import add_engine_args, engine_config_from_args
 from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
+from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
+from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # router.api_keys.API_KEY_ENV (not imported here: it pulls FastAPI in)
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
     from router.autoscaler import AutoscalerConfig
+    from router.server import GatewayTls
 
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 
@@ -63,6 +68,13 @@ class ServeConfig:
     redis_url: str | None = None
     routing_policy: str = "prefix-aware"
     disagg_prefill_threshold_tokens: int = DEFAULT_DISAGG_PREFILL_THRESHOLD
+    # Security (docs/security.md): API keys (none: /v1/* open) and where they come from, per-key rate limits,
+    # HTTPS at the gateway. The cluster secret and gRPC TLS are the controller config's `auth`.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: str | None = None
+    metrics_require_key: bool = False
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    tls: GatewayTls | None = None
     signal_window_s: float = 60.0  # the autoscaling signals' latency window
     autoscaler: AutoscalerConfig | None = None  # the built-in autoscaler; None: the pools keep their sizes
 
@@ -107,6 +119,21 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disagg-prefill-threshold", type=int, default=DEFAULT_DISAGG_PREFILL_THRESHOLD,
                    help="tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled "
                         "there, with no KV handoff (0: always disaggregate)")
+    security = p.add_argument_group("security (docs/security.md)")
+    security.add_argument("--api-key", action="append", default=None,
+                          help=f"an API key /v1/* accepts as `Authorization: Bearer <key>`; repeatable (default: "
+                               f"${API_KEY_ENV}); no key at all: /v1/* is open")
+    security.add_argument("--api-key-file", default=None,
+                          help="a file of API keys, one per line (# comments); re-read on SIGHUP")
+    security.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    security.add_argument("--rate-limit-requests-per-minute", type=float, default=None,
+                          help="per API key: requests per minute (429 with Retry-After beyond)")
+    security.add_argument("--rate-limit-tokens-per-minute", type=float, default=None,
+                          help="per API key: prompt + generated tokens per minute (429 with Retry-After beyond)")
+    security.add_argument("--ssl-keyfile", default=None, help="HTTPS at the gateway: the private key (PEM)")
+    security.add_argument("--ssl-certfile", default=None, help="HTTPS at the gateway: the certificate (PEM)")
+    security.add_argument("--ssl-ca-certs", default=None,
+                          help="HTTPS at the gateway: require client certificates signed by this CA (PEM)")
 
 
 def add_pool_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +148,8 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
     p.add_argument("--health-check-failure-threshold", type=int, default=3,
                    help="failed liveness checks in a row before a worker is restarted")
+    # The secret every gRPC link of the cluster carries (the gateway takes the controller's: `gateway`).
+    add_cluster_auth_args(p.add_argument_group("cluster links (docs/security.md)"))
 
 
 def add_index_args(p: argparse.ArgumentParser) -> None:
@@ -152,11 +181,26 @@ def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.disagg_prefill_threshold < 0:
         raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
+        raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+    api_keys = tuple(args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []))
+    rate_limits = RateLimits(requests_per_minute=args.rate_limit_requests_per_minute,
+                             tokens_per_minute=args.rate_limit_tokens_per_minute)
+    if (rate_limits.enabled or args.metrics_require_key) and not (api_keys or args.api_key_file):
+        raise ValueError("rate limits and --metrics-require-key are per API key: give --api-key or --api-key-file")
+    from router.server import GatewayTls
+
+    tls = (GatewayTls(keyfile=args.ssl_keyfile, certfile=args.ssl_certfile, ca_certs=args.ssl_ca_certs)
+           if args.ssl_keyfile is not None else None)
     return dict(host=args.host, port=args.port, request_timeout_s=args.request_timeout,
                 admission_control=args.admission_control, max_queued_requests=args.max_queued_requests,
                 queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
                 admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
-                routing_policy=args.routing_policy, disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
+                routing_policy=args.routing_policy, disagg_prefill_threshold_tokens=args.disagg_prefill_threshold,
+                api_keys=api_keys, api_key_file=args.api_key_file, metrics_require_key=args.metrics_require_key,
+                rate_limits=rate_limits, tls=tls)
 
 
 def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:
@@ -194,6 +238,9 @@ def _pools_from_args(args: argparse.Namespace, *,
     autoscaler = None
     if autoscale:
         autoscaler, num_prefill, num_decode = autoscaler_from_args(args, num_prefill, num_decode, colocated)
+    # Every gRPC link of this cluster carries this secret: the one given, else a fresh random one (the workers get
+    # it in their config, never on a command line).
+    auth = cluster_auth_from_args(args, os.environ, generate=True)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
     if engine.kv_cache_dtype != "auto" and num_prefill + num_decode > 0:
@@ -213,8 +260,10 @@ def _pools_from_args(args: argparse.Namespace, *,
         "OMP_NUM_THREADS": str(num_threads),
         "MKL_NUM_THREADS": str(num_threads),
         "TOKENIZERS_PARALLELISM": "false",
-        # our own settings reach the workers even when Ray runs them in an environment of its own
-        **{name: value for name, value in os.environ.items() if name.startswith("SPLITSERVE_")},
+        # our own settings reach the workers even when Ray runs them in an environment of its own (not the
+        # secrets: the workers need none of the gateway's, and get the cluster secret in their config)
+        **{name: value for name, value in os.environ.items()
+           if name.startswith("SPLITSERVE_") and name not in _SECRET_ENVS},
     }
     return ControllerConfig(
         engine=engine,
@@ -227,7 +276,11 @@ def _pools_from_args(args: argparse.Namespace, *,
         health_interval_s=args.health_check_interval,
         health_timeout_s=args.health_check_timeout,
         num_failed_checks_to_restart=args.health_check_failure_threshold,
+        auth=auth,
     ), autoscaler
+
+
+_SECRET_ENVS = frozenset({CLUSTER_SECRET_ENV, API_KEY_ENV, "SPLITSERVE_ADMIN_TOKEN"})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -393,23 +446,27 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
 
     directory = WorkerDirectory()
     redis, redis_url = _start_prefix_index(config)
+    if redis is None and redis_url is not None:
+        _check_redis(redis_url)  # a wrong password or an unreachable server fails here, clearly, before any worker
     c = dataclasses.replace(config.controller, redis_url=redis_url)
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
     try:
-        app = _build_router_app(config, c, directory, redis_url)
+        app, access = _build_router_app(config, c, directory, redis_url)
     except BaseException:
         if redis is not None:
             redis.stop()
         raise
     try:
-        server = RouterServer(app, host=config.host, port=config.port)
+        server = RouterServer(app, host=config.host, port=config.port, tls=config.tls)
     except OSError as exc:
         if redis is not None:
             redis.stop()
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     signals = _ShutdownSignals()
     signals.install()
+    if access is not None and config.api_key_file is not None:  # SIGHUP re-reads the key file, as servers do
+        signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())
     controller = None
     try:
         init_local_ray(address=config.ray_address)
@@ -450,10 +507,17 @@ class _StartFailed(Exception):
 
 
 def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
-    """The gateway app for this cluster (loads the tokenizer)."""
+    """The gateway app for this cluster (loads the tokenizer), and its access control (None: /v1/* open)."""
     from router.admin import AdminApi
+    from router.api_keys import AccessControl, ApiKeyRing
+    from router.rate_limit import RateLimiter
     from router.server import build_router_app
 
+    access = None
+    if config.api_keys or config.api_key_file:
+        access = AccessControl(ring=ApiKeyRing(config.api_keys, key_file=config.api_key_file),
+                               limiter=RateLimiter(config.rate_limits) if config.rate_limits.enabled else None,
+                               metrics_require_key=config.metrics_require_key)
     return build_router_app(
         model=c.engine.model,
         worker_provider=directory,
@@ -473,7 +537,43 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
         signal_window_s=config.signal_window_s,
         autoscaler=config.autoscaler,
         pool_controller=directory if config.autoscaler is not None else None,
-    )
+        auth=c.auth,
+        access=access,
+    ), access
+
+
+def _check_redis(redis_url: str) -> None:
+    """PING the Redis of `--redis-url` once; ValueError (exit 2) naming what went wrong: no server there, a
+    password it refuses, a TLS handshake that fails. The URL's password never appears in the message."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0) as client:
+            client.ping()
+    except redis.AuthenticationError as exc:
+        from urllib.parse import urlsplit
+
+        if urlsplit(redis_url).password is None:
+            raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} needs a password ({exc}); put it in "
+                             "the URL: redis://:PASSWORD@host:port/0 (rediss:// for TLS)") from None
+        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} refused the credentials ({exc}); check "
+                         "the user and password in the URL (redis://[USER]:PASSWORD@host:port/0)") from None
+    except redis.ResponseError as exc:
+        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} answered an error: {exc}") from None
+    except (redis.RedisError, OSError) as exc:
+        raise ValueError(f"--redis-url: cannot reach Redis at {redact_url(redis_url)}: {exc}") from None
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    netloc = f"{user}***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
@@ -483,9 +583,10 @@ def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
     if config.redis_url is not None:
         return None, config.redis_url
     from deploy.redis_server import EmbeddedRedis, RedisUnavailableError
+    from protos.cluster_auth import generate_secret
 
-    try:
-        redis = EmbeddedRedis().start()
+    try:  # a random password: other local users must not read or poison the index
+        redis = EmbeddedRedis(password=generate_secret().replace("-", "").replace("_", "")).start()
     except RedisUnavailableError as exc:
         raise ValueError(f"the prefix index needs Redis: {exc} (or --no-prefix-index)") from None
     return redis, redis.url

@@ -24,6 +24,7 @@ import grpc
 
 from engine.config import EngineConfig
 from engine.serving.worker_config import WorkerConfig, WorkerInfo
+from protos.cluster_auth import sync_channel
 
 if TYPE_CHECKING:
     from engine.loader.checkpoint import Checkpoint
@@ -199,7 +200,7 @@ class WorkerHost:
             pid=os.getpid(),
         )
         logger.info("started %s (incarnation %d) at %s", info.worker_id, info.incarnation, endpoint)
-        return _Running(worker=worker, info=info, channel=grpc.insecure_channel(endpoint))
+        return _Running(worker=worker, info=info, channel=sync_channel(endpoint, config.auth))
 
     @staticmethod
     def _stop_one(running: _Running) -> None:

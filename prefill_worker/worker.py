@@ -76,7 +76,8 @@ class PrefillWorker(RuntimeWorker):
             raise ValueError(f"PrefillWorker needs role 'prefill', got {config.role!r}")
         self.config = config
         self.runtime = WorkerRuntime(config, checkpoint)
-        self.sender = make_sender(config.kv_transport, worker_id=config.worker_id, device=self.runtime.device)
+        self.sender = make_sender(config.kv_transport, worker_id=config.worker_id, device=self.runtime.device,
+                                  auth=config.auth)
         self._cuts_left = int(os.environ.get(FAULT_KV_CUTS_ENV, "0") or 0)
         self._cuts_lock = threading.Lock()
         serving_pb2_grpc.add_WorkerServicer_to_server(PrefillServicer(self), self.runtime.server)

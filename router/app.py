@@ -9,6 +9,9 @@
     POST /admin/scale, GET /admin/pools          the admin API (router/admin.py), only with an admin token
     GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
 
+With API keys (router/api_keys.py), /v1/* (and /metrics with --metrics-require-key) need a bearer key; /health
+stays open.
+
 `create_app` owns the registry's and the prefix index client's lifecycles: the app's lifespan starts them
 (inside the serving event loop, where their gRPC channels and Redis connections must live) and closes them.
 
@@ -34,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
+from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
 from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
@@ -73,6 +77,7 @@ def create_app(
     prefix_index: PrefixIndex | None = None,
     restart_counts: RestartCounts | None = None,
     admin: AdminApi | None = None,
+    access: AccessControl | None = None,
     autoscaler: AutoscalerConfig | None = None,
     pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
@@ -81,6 +86,7 @@ def create_app(
     `prefix_index` (optional): the Redis prefix index; without it (or with Redis down) workers are chosen by load.
     `restart_counts` (optional): the cluster controller's worker restarts, for /metrics.
     `admin` (optional): the admin API's token and controller (router/admin.py); without it /admin/* is a 404.
+    `access` (optional): API keys and per-key rate limits (router/api_keys.py); without it /v1/* is open.
     `autoscaler` (optional, disaggregated only): run the built-in autoscaler (router/autoscaler.py) in the app's
     lifespan, resizing the pools through `pool_controller`.
     """
@@ -140,6 +146,10 @@ def create_app(
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.add_middleware(BodyLimit, max_body_bytes=config.max_request_body_bytes)  # 413 before any parsing
+    if access is not None:  # added last: outermost, so a request without a key is refused before its body is read
+        app.add_middleware(ApiKeyGuard, access=access,
+                           on_rejected=lambda reason: metrics.api_key_rejections.labels(reason=reason).inc(),
+                           on_admitted=lambda kid: metrics.api_key_requests.labels(key_id=kid).inc())
     install_error_handlers(app)
     app.state.metrics = metrics
     app.state.registry = registry
@@ -158,7 +168,7 @@ def create_app(
         job = GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
                             params=to_sampling_params(body, max_tokens=max_tokens))
         return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=False), body.stream,
-                               metrics.tracker(arrival_s))
+                               _tracker(raw, arrival_s))
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -173,7 +183,15 @@ def create_app(
         job = GenerationJob(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
                             params=to_sampling_params(body, max_tokens=max_tokens))
         return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=True), body.stream,
-                               metrics.tracker(arrival_s))
+                               _tracker(raw, arrival_s))
+
+    def _tracker(raw: Request, arrival_s: float) -> RequestTracker:
+        tracker = metrics.tracker(arrival_s)
+        limiter = access.limiter if access is not None else None
+        kid = getattr(raw.state, KEY_ID_STATE, None)
+        if limiter is not None and kid is not None:  # the key pays for its tokens once they are known
+            tracker.on_finished = lambda num_tokens: limiter.charge_tokens(kid, num_tokens)
+        return tracker
 
     async def _generate(
         raw: Request, job: GenerationJob, spec: OutputSpec, stream: bool, tracker: RequestTracker

@@ -20,6 +20,10 @@ Measured here, per request (router clock):
                                                            past --max-migrations: request_failure{migration_limit}
     splitserve:prompt_tokens_total, splitserve:generation_tokens_total   counters
 
+API keys (router/api_keys.py; a key is named by its id, never by itself):
+    splitserve:api_key_requests_total{key_id}   counter    requests admitted, per key id ("key-" + 8 hex digits)
+    splitserve:api_key_rejections_total{reason} counter    missing_key | invalid_key (401) | rate_limited (429)
+
 Autoscaling (router/pool_signals.py; per pool, label pool = prefill | decode | colocated):
     splitserve:pool_num_workers, splitserve:pool_num_requests_waiting, splitserve:pool_num_requests_running,
     splitserve:pool_num_queued_prompt_tokens, splitserve:pool_kv_cache_usage_perc{stat=mean|max}    gauges
@@ -58,6 +62,9 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total (tokens),
              splitserve:kv_transfer_bytes_total, splitserve:num_preemptions_total,
              splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total,
+             splitserve:kv_transfers_rejected_total{worker,reason} (KV pushes a decode worker refused before any
+             block reached its cache: unknown_transfer | wrong_source | layout_mismatch | block_count | checksum |
+             malformed)
              splitserve:spec_decode_num_drafts_total, splitserve:spec_decode_num_draft_tokens_total,
              splitserve:spec_decode_num_accepted_tokens_total,
              splitserve:spec_decode_num_accepted_tokens_per_pos_total{worker,position} (speculating workers)
@@ -167,6 +174,11 @@ class RouterMetrics:
             ["path"], registry=registry)
         for path in PREFILL_PATHS:
             self.prefill_path.labels(path=path)
+        self.api_key_requests = Counter(
+            f"{PREFIX}api_key_requests", "Requests admitted, by API key id.", ["key_id"], registry=registry)
+        self.api_key_rejections = Counter(
+            f"{PREFIX}api_key_rejections", "Requests refused by API key checks, by reason.", ["reason"],
+            registry=registry)
         registry.register(WorkerLoadCollector(snapshots))
         registry.register(RestartCollector(roles, restart_counts or (lambda: ())))
 
@@ -196,6 +208,8 @@ class RequestTracker:
         self._num_tokens = 0
         self._timings_seen = False
         self._done = False
+        # Called once with prompt + generated tokens when the request finishes (the API key's token charge).
+        self.on_finished: Callable[[int], None] | None = None
 
     def dispatched(self) -> float:
         """Mark the request as sent to a worker; returns the router_queue_s to send along."""
@@ -228,6 +242,8 @@ class RequestTracker:
         metrics.request_success.labels(finished_reason=finish_reason).inc()
         metrics.prompt_tokens.inc(num_prompt_tokens)
         metrics.generation_tokens.inc(num_generated_tokens)
+        if self.on_finished is not None:
+            self.on_finished(num_prompt_tokens + num_generated_tokens)
 
     def retried(self, reason: str) -> None:
         """One attempt failed before any token and the request goes out again."""
@@ -301,6 +317,14 @@ class WorkerLoadCollector(Collector):
                 if snapshot.stats is not None:
                     family.add_metric([snapshot.info.worker_id], float(read(snapshot.stats)))
             yield family
+        rejected = CounterMetricFamily(f"{PREFIX}kv_transfers_rejected",
+                                       "KV pushes the decode worker refused before any block reached its cache.",
+                                       labels=["worker", "reason"])
+        for snapshot in snapshots:
+            if snapshot.stats is not None:
+                for reason, n in sorted(snapshot.stats.kv_transfers_rejected.items()):
+                    rejected.add_metric([snapshot.info.worker_id, reason], float(n))
+        yield rejected
         yield from _spec_decode_families(snapshots)
         hit_rate = GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_rate",
                                      "Prefix-cache hits / queries, in tokens, since the worker started.",

@@ -30,6 +30,7 @@ import grpc
 import grpc.aio
 
 from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import OPEN, ClusterAuth, aio_channel
 from engine.serving.worker_config import WorkerInfo
 from kv_transfer.block_hash import BlockHashNamespace
 from router.routing import WorkerLoad
@@ -75,11 +76,14 @@ class _Worker:
 
 class WorkerRegistry:
     def __init__(
-        self, provider: WorkerProvider, *, refresh_interval_s: float = 1.0, load_timeout_s: float = 2.0
+        self, provider: WorkerProvider, *, refresh_interval_s: float = 1.0, load_timeout_s: float = 2.0,
+        auth: ClusterAuth = OPEN,
     ) -> None:
+        """`auth`: the cluster secret (and TLS) every call to a worker carries."""
         if refresh_interval_s <= 0 or load_timeout_s <= 0:
             raise ValueError(f"intervals must be positive, got {refresh_interval_s}, {load_timeout_s}")
         self._provider = provider
+        self._auth = auth
         self._refresh_interval_s = refresh_interval_s
         self._load_timeout_s = load_timeout_s
         self._workers: dict[str, _Worker] = {}
@@ -224,7 +228,7 @@ class WorkerRegistry:
 
     def _stub_for(self, endpoint: str) -> serving_pb2_grpc.WorkerStub:
         if endpoint not in self._stubs:
-            channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            channel = aio_channel(endpoint, self._auth, options=_CHANNEL_OPTIONS)
             self._channels[endpoint] = channel
             self._stubs[endpoint] = serving_pb2_grpc.WorkerStub(channel)
         return self._stubs[endpoint]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from protos.cluster_auth import OPEN, ClusterAuth
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -40,7 +41,9 @@ class WorkerConfig:
     # Liveness: an engine step running longer than this means the engine is stuck, and Health says so (a long
     # prefill chunk on a busy CPU takes seconds; nothing legitimate takes minutes).
     stall_timeout_s: float = 120.0
-    redis_url: str | None = None  # the prefix index this worker publishes its KV events to; None: none
+    redis_url: str | None = field(default=None, repr=False)  # the prefix index it publishes to (may hold a password)
+    # The cluster secret and TLS of every gRPC link: its server requires them, its channels present them.
+    auth: ClusterAuth = OPEN
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -47,6 +47,7 @@ from kv_transfer.grpc_transport import CHANNEL_OPTIONS
 from kv_transfer.layout import KVLayout
 from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import add_port, server_interceptors
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,7 +120,7 @@ class WorkerRuntime:
         self.transfers = TransferCounters(lock=threading.Lock())
         self.aio = EventLoopThread(f"{config.worker_id}-grpc")
         self.server: grpc.aio.Server = self.aio.run(self._make_server())
-        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        port = add_port(self.server, f"{config.host}:{config.port}", config.auth)
         if port == 0:
             self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
@@ -137,7 +138,9 @@ class WorkerRuntime:
 
     async def _make_server(self) -> grpc.aio.Server:  # on the loop: the server belongs to it
         migration = ThreadPoolExecutor(max_workers=_MIGRATION_THREADS, thread_name_prefix=f"{self.config.worker_id}-kv")
-        return grpc.aio.server(migration_thread_pool=migration, options=GRPC_OPTIONS)
+        # Every call, the KV receiver's included, must carry the cluster secret (protos/cluster_auth.py).
+        return grpc.aio.server(migration_thread_pool=migration, options=GRPC_OPTIONS,
+                               interceptors=server_interceptors(self.config.auth))
 
     def start(self) -> str:
         if not self._started:
