@@ -241,6 +241,19 @@ class LLMEngine:
         self.publish_kv_events()
         return outs[0]
 
+    def prefill_choices_here(self, request_id: str) -> None:
+        """n > 1, disaggregated: the prefill worker ended choice 0 on its first token and sent no KV. Its
+        reservation goes back, and the other choices compute the prompt here: the first of them prefills it,
+        the rest fork off it (engine/core/fork.py). Choice 0's output is the caller's (the prefill worker's
+        reply); its state here is dropped."""
+        parent = self.scheduler.requests[request_id]
+        children, parent.pending_forks = parent.pending_forks, []
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        self._finish(parent)
+        if children:
+            children[0].pending_forks = children[1:]
+            self.scheduler.add_request(children[0])
+
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.speculator is not None:  # drafts wait on the requests for the scheduler to take as extra tokens

@@ -46,7 +46,7 @@ def sampling_params_to_proto(params: SamplingParams) -> serving_pb2.SamplingPara
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
-        n=params.n,
+        n=params.n if params.n > 1 else 0,  # 0: unset, one choice
         logit_bias=params.logit_bias,
     )
     if params.best_of is not None:
