@@ -217,3 +217,14 @@ def test_error_body() -> None:
     assert error_body(400, "bad", "top_p") == {
         "error": {"message": "bad", "type": "BadRequestError", "param": "top_p", "code": 400}}
     assert error_body(503, "busy")["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_best_of_returns_the_n_choices_of_highest_cumulative_logprob() -> None:
+    from router.streaming import _Choice, best_choices
+
+    def choice(*logprobs: float) -> _Choice:
+        return _Choice(texts=[str(logprobs)], entries=[serving_pb2.TokenLogprobs(logprob=lp) for lp in logprobs])
+
+    choices = {0: choice(-1.0, -1.0), 1: choice(-0.5), 2: choice(-0.1, -0.2), 3: choice(-3.0)}
+    assert best_choices(choices, 2) == [choices[2], choices[1]]  # best first
+    assert best_choices(choices, 4) == [choices[0], choices[1], choices[2], choices[3]]  # n of n: index order

@@ -81,7 +81,7 @@ def check_ref_counts(scheduler: Scheduler, pool: BlockPool) -> None:
             # choice (n > 1) exactly the full prompt blocks it shares, the rest of its prompt still to compute
             bs = scheduler.kv_cache.block_size
             computed = request.num_computed_tokens
-            num_blocks = cdiv(computed + 1, bs) if computed == request.num_tokens - 1 else computed // bs
+            num_blocks = computed // bs if request.num_output_tokens == 0 else cdiv(computed + 1, bs)
             assert len(scheduler.kv_cache.block_ids(request.request_id)) == num_blocks
         else:
             assert scheduler.kv_cache.block_ids(request.request_id) == []

@@ -62,6 +62,16 @@ def test_a_short_prompt_shares_nothing_and_every_choice_computes_it() -> None:
     assert pool.num_used_blocks == 0
 
 
+def test_a_prompt_one_past_a_block_boundary_shares_its_full_blocks() -> None:
+    sched, pool = make_scheduler(num_blocks=16)
+    sched.add_request(_with_choices(make_request("r", prompt(9), max_tokens=2), 2))  # (9 - 1) // 4 = 2 shared
+    step(sched, FakeModel())
+    trace, _, _ = step(sched, FakeModel())
+    assert trace == [("r", 9, 1), ("r#1", 8, 1)] and sched.kv_cache.block_ids("r#1") == [0, 1, 3]
+    run(sched, FakeModel())
+    assert pool.num_used_blocks == 0
+
+
 def test_abort_of_every_choice_after_the_fork_frees_every_reference() -> None:
     sched, pool = make_scheduler(num_blocks=16)
     sched.add_request(_with_choices(make_request("r", prompt(10), max_tokens=8), 3))
