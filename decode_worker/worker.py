@@ -81,13 +81,12 @@ class DecodeWorker(RuntimeWorker):
         arrival_s = time.monotonic()
         runtime = self.runtime
         request_id = request.request_id
+        params = sampling_params_from_proto(request.params)
         try:
-            req = runtime.engine.make_request(
-                request_id, list(request.prompt_token_ids), sampling_params_from_proto(request.params)
-            )
+            req = runtime.engine.make_request(request_id, list(request.prompt_token_ids), params)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        num_choices = req.sampling_params.num_sequences  # n > 1: one stream, each message tagged with its choice
+        num_choices = params.num_sequences  # n > 1: one stream, each message tagged with its choice
         outputs = runtime.outputs(request_id, num_choices)
         timings = serving_pb2.StageTimings(router_queue_s=request.router_queue_s)
         reservation: Reservation | None = None
