@@ -234,6 +234,7 @@ class LLMEngine:
         """The reserved blocks now hold the prompt's KV: queue the request for decode with its first token."""
         request = self.scheduler.requests[request_id]
         request.num_cached_tokens = num_cached_tokens
+        self.runner.skip_remote_draw(request)
         self.scheduler.commit_remote(request, first_token_id)
         outs = self._postprocess(
             [(request, first_token_id)], {request_id: [logprobs]} if logprobs else {}, time.monotonic()

@@ -15,7 +15,9 @@ from engine.huge_pages import zeros_with_huge_pages
 from engine.model.llama import LlamaModel
 from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logprobs
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
+from engine.core.request import Request
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.sampling.sampling_batch import MIN_TEMPERATURE
 
 
 _PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
@@ -36,6 +38,17 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._generators: dict[str, torch.Generator] = {}
+
+    def skip_remote_draw(self, request: Request) -> None:
+        """The request's first token was sampled on another worker (a prefill worker) from the same seed: start
+        its generator here past that draw, so a seeded request samples on two workers what it samples on one."""
+        params = request.sampling_params
+        if params.seed is None or params.temperature < MIN_TEMPERATURE:
+            return
+        generator = torch.Generator().manual_seed(params.seed)
+        # One draw of the sampler's: vocab_size float32 uniforms (rejection_sampler._replay_draws does the same).
+        torch.empty(self.model.config.vocab_size, dtype=torch.float32).uniform_(generator=generator)
+        self._generators[request.request_id] = generator
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator."""
