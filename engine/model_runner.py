@@ -10,15 +10,14 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.huge_pages import zeros_with_huge_pages
 from engine.model.llama import LlamaModel
 from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logprobs
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
-from engine.core.request import Request
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
 from engine.sampling.sampling_batch import MIN_TEMPERATURE
-
 
 _PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
 

@@ -245,7 +245,7 @@ def offline_choices(smollm2_checkpoint, prompt_ids) -> dict[int, list]:
     return choices
 
 
-def _by_choice(result) -> dict[int, list[int]]:  # noqa: ANN001
+def _by_choice(result) -> dict[int, list[int]]:
     choices: dict[int, list[int]] = {}
     for message in result.messages:
         choices.setdefault(message.index, []).extend(message.token_ids)

@@ -16,14 +16,14 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 PROMPT = list(range(3, 13))  # 10 tokens: two full blocks of 4 shared, two tokens each choice recomputes
 
 
-def _choices(engine, request_id: str, params: SamplingParams) -> dict[int, list[int]]:  # noqa: ANN001
+def _choices(engine, request_id: str, params: SamplingParams) -> dict[int, list[int]]:
     engine.add_request(request_id, PROMPT, params)
     outs = finals(drain(engine))
     return {out.index: out.token_ids for out in outs.values()}
 
 
 def test_n_choices_are_seeded_distinct_reproducible_and_their_prompt_blocks_counted_once(tiny_checkpoint) -> None:
-    params = dict(n=4, temperature=1.0, seed=123, max_tokens=6, ignore_eos=True)
+    params = {"n": 4, "temperature": 1.0, "seed": 123, "max_tokens": 6, "ignore_eos": True}
     engine = make_engine(tiny_checkpoint)
     counter = BlockRefCounter(engine)
     engine.add_request("r", PROMPT, SamplingParams(**params))
@@ -59,7 +59,8 @@ SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "policy": "f
 
 @pytest.mark.parametrize("method", [NGRAM, SELF_DRAFT], ids=["ngram", "draft_model"])
 def test_choices_and_logit_bias_are_unchanged_by_speculation(tiny_checkpoint, method: dict) -> None:
-    params = dict(n=3, temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logit_bias={5: 3.0, 9: -2.0})
+    params = {"n": 3, "temperature": 0.8, "seed": 7, "max_tokens": 12, "ignore_eos": True,
+              "logit_bias": {5: 3.0, 9: -2.0}}
     plain = _choices(make_engine(tiny_checkpoint), "r", SamplingParams(**params))
     if method["method"] == "draft_model":
         method = {**method, "model": str(tiny_checkpoint.path)}
@@ -101,7 +102,7 @@ def test_logit_bias_removes_the_greedy_token_and_forces_another(tiny_checkpoint)
     assert_no_blocks_held(engine)
 
 
-def _reference_prompt_logprobs(engine, prompt: list[int]) -> torch.Tensor:  # noqa: ANN001
+def _reference_prompt_logprobs(engine, prompt: list[int]) -> torch.Tensor:
     """log p(t_j | t_<j) for j >= 1, from one plain prefill of a throwaway engine on the same weights."""
     from engine.core.scheduler import ScheduledRequest
     from engine.model_runner import prepare_step

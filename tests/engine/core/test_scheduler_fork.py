@@ -7,7 +7,7 @@ from __future__ import annotations
 from engine.core.fork import choice_params, choice_request_id
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from tests.engine.core.scheduler_harness import NS, B, EOS, FakeModel, make_request, make_scheduler, prompt, run, step
+from tests.engine.core.scheduler_harness import EOS, NS, FakeModel, make_request, make_scheduler, prompt, run, step
 
 
 def _with_choices(parent: Request, n: int) -> Request:
