@@ -81,34 +81,46 @@ class DecodeWorker(RuntimeWorker):
         arrival_s = time.monotonic()
         runtime = self.runtime
         request_id = request.request_id
+        params = sampling_params_from_proto(request.params)
         try:
-            req = runtime.engine.make_request(
-                request_id, list(request.prompt_token_ids), sampling_params_from_proto(request.params)
-            )
+            req = runtime.engine.make_request(request_id, list(request.prompt_token_ids), params)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs = runtime.outputs(request_id)
+        num_choices = params.num_sequences  # n > 1: one stream, each message tagged with its choice
+        outputs = runtime.outputs(request_id, num_choices)
         timings = serving_pb2.StageTimings(router_queue_s=request.router_queue_s)
         reservation: Reservation | None = None
         finished = False
+        num_left = num_choices
+        num_completion_tokens = 0
+        first = True  # the first message carries the stage timings
+        prompt_logprobs: list[serving_pb2.TokenLogprobs] = []  # disaggregated: computed by the prefill worker
         try:
             if request.prefill_endpoint:
                 reservation = await self._reserve(req, request.prefill_endpoint)
                 timings.decode_queue_s = time.monotonic() - arrival_s
-                early = await self._prefill_remote(req, request, reservation, timings)
+                early, prompt_logprobs = await self._prefill_remote(req, request, reservation, timings)
                 if early is not None:  # the first token ended it on the prefill worker: no KV came
-                    self._abandon(req, reservation)
-                    finished = True
                     early.timings.CopyFrom(timings)
+                    if num_choices == 1:
+                        self._abandon(req, reservation)
+                        finished = True
+                        yield early
+                        return
+                    # The other choices compute the prompt here (no KV came for them to share).
+                    reservation.cancel("choice 0 ended on the prefill worker")
+                    await runtime.call(lambda e: e.prefill_choices_here(request_id))
+                    num_left -= 1
+                    num_completion_tokens += 1
+                    early.usage.completion_tokens = num_completion_tokens
+                    first = False
                     yield early
-                    return
             else:
                 try:
                     await runtime.call(lambda e: e.enqueue(req))
                 except ValueError as exc:
                     raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            first = True
-            while not finished:
+            while num_left:
                 out = await outputs.get()
                 msg = output_to_response(out)
                 if first:
@@ -117,13 +129,20 @@ class DecodeWorker(RuntimeWorker):
                         timings.prefill_queue_s = _queue_s(req)
                         timings.prefill_s = max(_first_token_s(req) - _queue_s(req), 0.0)
                     msg.timings.CopyFrom(timings)
-                finished = out.finished
+                if prompt_logprobs and out.index == 0:
+                    msg.prompt_logprobs.extend(prompt_logprobs)
+                    prompt_logprobs = []
+                if out.finished:
+                    num_left -= 1
+                    num_completion_tokens += len(out.token_ids)
+                    msg.usage.completion_tokens = num_completion_tokens  # every choice so far; the prompt once
+                finished = not num_left
                 yield msg
         except GenerateFailed as exc:
             finished = False
             await context.abort(exc.code, str(exc))
         finally:
-            runtime.loop.unlisten(request_id)
+            runtime.unlisten(request_id, num_choices)
             if not finished:
                 self._abandon(req, reservation)
             self.sink.remove(request_id)
@@ -160,10 +179,11 @@ class DecodeWorker(RuntimeWorker):
         request: serving_pb2.GenerateRequest,
         reservation: Reservation,
         timings: serving_pb2.StageTimings,
-    ) -> serving_pb2.GenerateResponse | None:
-        """Ask the prefill worker for the prompt and its KV; commit. Returns a final message if the request ended
-        on its first token; raises GenerateFailed on any failure (the caller frees the reservation). Cancelling
-        this coroutine (the client left) cancels the Prefill call, and the prefill worker aborts too."""
+    ) -> tuple[serving_pb2.GenerateResponse | None, list[serving_pb2.TokenLogprobs]]:
+        """Ask the prefill worker for the prompt and its KV; commit. Returns a final message if the request (its
+        choice 0) ended on its first token, and the prompt logprobs the prefill worker computed, if asked for;
+        raises GenerateFailed on any failure (the caller frees the reservation). Cancelling this coroutine (the
+        client left) cancels the Prefill call, and the prefill worker aborts too."""
         stub = self._prefill_stub(request.prefill_endpoint)
         try:
             reply: serving_pb2.PrefillResponse = await stub.Prefill(
@@ -191,6 +211,7 @@ class DecodeWorker(RuntimeWorker):
         timings.kv_transfer_bytes = reply.timings.kv_transfer_bytes
         if reply.error:  # the prompt ran but its KV never arrived: this pair failed, not the request
             raise GenerateFailed(grpc.StatusCode.ABORTED, reply.error)
+        prompt_logprobs = list(reply.prompt_logprobs)
         if reply.finish_reason:
             return serving_pb2.GenerateResponse(
                 request_id=req.request_id,
@@ -202,7 +223,8 @@ class DecodeWorker(RuntimeWorker):
                 usage=serving_pb2.Usage(
                     prompt_tokens=req.num_prompt_tokens, completion_tokens=1, cached_tokens=reply.num_cached_tokens
                 ),
-            )
+                prompt_logprobs=prompt_logprobs,
+            ), []
         # The sender returns only after the receiver committed, so anything else is a protocol error.
         if reservation.state is not ReservationState.COMMITTED:
             raise GenerateFailed(
@@ -214,7 +236,7 @@ class DecodeWorker(RuntimeWorker):
         await self.runtime.call(
             lambda e: e.commit_remote(req.request_id, reply.first_token_id, first_logprobs, reply.num_cached_tokens)
         )
-        return None
+        return None, prompt_logprobs
 
     def _abandon(self, req: Request, reservation: Reservation | None) -> None:
         """Free what the request holds, without waiting (this runs on the asyncio loop, maybe cancelled)."""

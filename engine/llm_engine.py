@@ -19,6 +19,7 @@ import torch
 from engine.attention.backend import get_attention_backend
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
+from engine.core.fork import choice_params, choice_request_id, parent_request_id
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
@@ -122,6 +123,7 @@ class LLMEngine:
         # Where the block pool's KV events go after each step (a worker's prefix index publisher); None: dropped.
         self.kv_event_sink: KVEventSink | None = None
         self.num_scheduled_last_step = 0  # requests the last step() ran; 0: it could run nothing
+        self._children: dict[str, list[str]] = {}  # n > 1: a request's other choices that have not finished
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
@@ -151,6 +153,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within "
@@ -158,30 +163,52 @@ class LLMEngine:
             )
         room = self.max_model_len - len(prompt_ids)
         eos = tuple(self.tokenizer.eos_token_ids)
-        return Request(
-            request_id,
-            prompt_ids,
-            params,
-            eos_token_ids=eos,
-            max_tokens=min(params.max_tokens or room, room),
-            hash_namespace=self.hash_namespace if self.config.enable_prefix_caching else None,
-            remote_decode=remote_decode,
-        )
+        # n > 1 (best_of): the other choices wait on choice 0 until its prompt is computed (engine/core/fork.py).
+        # A prefill worker computes only choice 0's prompt and first token; its decode worker forks the rest.
+        num_sequences = 1 if remote_decode else params.num_sequences
+        requests = [
+            Request(
+                choice_request_id(request_id, index),
+                prompt_ids,
+                choice_params(params, index) if params.num_sequences > 1 else params,
+                eos_token_ids=eos,
+                max_tokens=min(params.max_tokens or room, room),
+                hash_namespace=self.hash_namespace if self.config.enable_prefix_caching else None,
+                remote_decode=remote_decode,
+                index=index,
+            )
+            for index in range(num_sequences)
+        ]
+        requests[0].pending_forks = requests[1:]
+        return requests[0]
 
     def enqueue(self, request: Request) -> None:
         """Queue a request from `make_request`. Raises ValueError (and queues nothing) if its id is in use."""
+        for child in request.pending_forks:
+            if child.request_id in self.scheduler.requests:
+                raise ValueError(f"request id {child.request_id!r} is already in use")
         self.scheduler.add_request(request)
-        self.outputs.add(request)
+        self._add_outputs(request)
         self._counters.num_prompt_tokens += request.num_prompt_tokens
 
+    def _add_outputs(self, request: Request) -> None:
+        """Output state for a request and its pending choices; the engine aborts them with it (`_children`)."""
+        self.outputs.add(request)
+        for child in request.pending_forks:
+            self.outputs.add(child)
+        if request.pending_forks:
+            self._children[request.request_id] = [child.request_id for child in request.pending_forks]
+
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Abort requests, each with every choice of it (n > 1) still running."""
         outs = []
         for request_id in request_ids:
             if self.scheduler.release_held(request_id):  # its output already went out as "prefilled"
                 continue
-            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-            if request is not None:
-                outs.append(self._finish(request))
+            for choice_id in [request_id, *self._children.get(request_id, ())]:
+                request = self.scheduler.finish_request(choice_id, RequestStatus.FINISHED_ABORTED)
+                if request is not None:
+                    outs.extend(self._finish_with_choices(request))
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -206,9 +233,12 @@ class LLMEngine:
     def reserve_remote(self, request: Request) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
         here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`."""
+        for child in request.pending_forks:
+            if child.request_id in self.scheduler.requests:
+                raise ValueError(f"request id {child.request_id!r} is already in use")
         if not self.scheduler.reserve_remote(request):
             return None
-        self.outputs.add(request)
+        self._add_outputs(request)
         self._counters.num_prompt_tokens += request.num_prompt_tokens
         return RemoteReservation(block_ids=self.kv_cache.block_ids(request.request_id),
                                  num_held_blocks=self.kv_cache.num_cached_blocks(request.request_id))
@@ -219,12 +249,26 @@ class LLMEngine:
         """The reserved blocks now hold the prompt's KV: queue the request for decode with its first token."""
         request = self.scheduler.requests[request_id]
         request.num_cached_tokens = num_cached_tokens
+        self.runner.skip_remote_draw(request)
         self.scheduler.commit_remote(request, first_token_id)
         outs = self._postprocess(
             [(request, first_token_id)], {request_id: [logprobs]} if logprobs else {}, time.monotonic()
         )
         self.publish_kv_events()
         return outs[0]
+
+    def prefill_choices_here(self, request_id: str) -> None:
+        """n > 1, disaggregated: the prefill worker ended choice 0 on its first token and sent no KV. Its
+        reservation goes back, and the other choices compute the prompt here: the first of them prefills it,
+        the rest fork off it (engine/core/fork.py). Choice 0's output is the caller's (the prefill worker's
+        reply); its state here is dropped."""
+        parent = self.scheduler.requests[request_id]
+        children, parent.pending_forks = parent.pending_forks, []
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        self._finish(parent)
+        if children:
+            children[0].pending_forks = children[1:]
+            self.scheduler.add_request(children[0])
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -238,7 +282,7 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
             start_s = time.perf_counter()
-            sampled, logprobs = self.runner.execute(scheduled)
+            sampled, logprobs, prompt_logprobs = self.runner.execute(scheduled)
             if self.speculator is not None:
                 self.speculator.observe_step(scheduled, sampled, time.perf_counter() - start_s)
         except Exception as exc:  # a failed step must not strand its requests' blocks
@@ -247,15 +291,27 @@ class LLMEngine:
             for item in scheduled.scheduled:
                 request = self.scheduler.finish_request(item.request.request_id, RequestStatus.FINISHED_ERROR)
                 if request is not None:
-                    outs.append(self._finish(request, error=f"engine step failed: {exc}"))
+                    outs.extend(self._finish_with_choices(request, error=f"engine step failed: {exc}"))
             return outs
         # The tokens exist from here: stamped before update_from_output, which stamps finish times, so that a
         # request finishing on its first token never reports a ttft longer than its e2e latency.
         sampled_s = time.monotonic()
+        self._record_prompt_logprobs(prompt_logprobs)
         produced = self.scheduler.update_from_output(scheduled, sampled)
         outs = self._postprocess(produced, logprobs, sampled_s)
         self.publish_kv_events()
         return outs
+
+    def _record_prompt_logprobs(self, prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Keep the step's prompt logprobs on their requests; positions already recorded (a prompt recomputed
+        after a preemption) are not recorded twice."""
+        for request_id, (start, entries) in prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            skip = len(request.prompt_logprobs) - start
+            if skip >= 0:
+                request.prompt_logprobs.extend(entries[skip:])
 
     def _postprocess(
         self, produced: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprobs]], sampled_s: float
@@ -298,7 +354,23 @@ class LLMEngine:
             outs.append(self._finish(request) if request.is_finished else self.outputs.snapshot(request))
         return outs
 
+    def _finish_with_choices(self, request: Request, error: str | None = None) -> list[RequestOutput]:
+        """The final output of a request ended from outside a step (abort, failed step), and of its choices not
+        forked yet (its prompt never finished): they end the same way, having held no block."""
+        pending, request.pending_forks = request.pending_forks, []
+        outs = [self._finish(request, error)]
+        for child in pending:
+            child.status = request.status
+            outs.append(self._finish(child, error))
+        return outs
+
     def _finish(self, request: Request, error: str | None = None) -> RequestOutput:
+        parent_id = parent_request_id(request.request_id, request.index)
+        children = self._children.get(parent_id)
+        if children is not None and request.index:
+            children.remove(request.request_id)
+        if children is not None and not children:
+            del self._children[parent_id]
         self.runner.release(request.request_id)
         if self.speculator is not None:
             self.speculator.release(request.request_id)

@@ -12,11 +12,16 @@ import torch
 
 from engine.attention.int8_kv import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.huge_pages import zeros_with_huge_pages
 from engine.model.llama import LlamaModel
+from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logprobs
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.sampling.sampling_batch import MIN_TEMPERATURE
+
+_PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
 
 
 class ModelRunner:
@@ -49,17 +54,59 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._generators: dict[str, torch.Generator] = {}
 
+    def skip_remote_draw(self, request: Request) -> None:
+        """The request's first token was sampled on another worker (a prefill worker) from the same seed: start
+        its generator here past that draw, so a seeded request samples on two workers what it samples on one."""
+        params = request.sampling_params
+        if params.seed is None or params.temperature < MIN_TEMPERATURE:
+            return
+        generator = torch.Generator().manual_seed(params.seed)
+        # One draw of the sampler's: vocab_size float32 uniforms (rejection_sampler._replay_draws does the same).
+        torch.empty(self.model.config.vocab_size, dtype=torch.float32).uniform_(generator=generator)
+        self._generators[request.request_id] = generator
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator."""
         self._generators.pop(request_id, None)
 
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+    def execute(
+        self, out: SchedulerOutput
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, tuple[int, list[TokenLogprobs]]]]:
         """Run one step. Returns, for each request that samples, its accepted draft tokens followed by the token
-        sampled after them (one token when it has no drafts), and their logprobs where asked."""
+        sampled after them (one token when it has no drafts), and their logprobs where asked; and for each
+        request that asked for prompt logprobs and computed prompt positions this step, (the first position,
+        the logprobs of the tokens after each of them) — see engine/sampling/prompt_logprobs.py."""
         items = step_order(out.scheduled)
         input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = self._prompt_logprobs(items, hidden)
+        sampled, logprobs = self._sample(items, hidden)
+        return sampled, logprobs, prompt_logprobs
 
+    def _prompt_logprobs(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        offset = 0
+        for item in items:
+            request = item.request
+            num_top = request.sampling_params.prompt_logprobs
+            chunk = prompt_positions(item.start, item.num_new_tokens, request.num_prompt_tokens)
+            entries: list[TokenLogprobs] = []
+            # A slice of positions at a time: [positions, vocab_size] float32 logits are large (50k floats each).
+            for first in range(chunk.start, chunk.stop, _PROMPT_LOGPROBS_SLICE) if num_top is not None else ():
+                last = min(first + _PROMPT_LOGPROBS_SLICE, chunk.stop)
+                rows = hidden[offset + first - item.start : offset + last - item.start]  # [last - first, hidden]
+                targets = request.prompt_token_ids[first + 1 : last + 1]
+                entries += prompt_token_logprobs(self.model.compute_logits(rows), targets, num_top or 0)
+            if entries:
+                out[request.request_id] = (chunk.start, entries)
+            offset += item.num_new_tokens
+        return out
+
+    def _sample(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         logit_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         offset = 0

@@ -148,6 +148,8 @@ class PrefillWorker(RuntimeWorker):
             reply.first_token_id = out.token_ids[0]
         if out.logprobs:
             reply.first_logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+        if out.prompt_logprobs:
+            reply.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
         if out.finish_reason != "prefilled":
             reply.finish_reason = out.finish_reason or "error"
             reply.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)

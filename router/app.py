@@ -41,7 +41,7 @@ from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
 from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, GenerationJob
+from router.dispatcher import Dispatcher, GenerationJob, num_choices
 from router.errors import GENERATION_ERRORS, error_body, install_error_handlers, without_validation_errors
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
@@ -285,7 +285,23 @@ def _output_spec(
         stop=tuple(stop_strings(body)),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         include_usage=body.include_usage,
+        n=body.n,
+        num_choices=num_choices(job.params),
+        echo=_echo_text(body, job, tokenizer),
+        prompt_token_ids=tuple(job.prompt_token_ids),
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
+
+
+def _echo_text(body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer) -> str | None:
+    """Completions' echo: the prompt as the client sent it (a text), or its token ids decoded, as vLLM does."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return None
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
+        body.prompt[0], str | list) else body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False)
 
 
 async def _unless_disconnected(

@@ -4,7 +4,7 @@ Per row, each stage running only on the rows that need it (see `sampling_batch.p
 
     raw logits ─┬─▶ logprobs: log_softmax of the raw logits (what the model said, before any shaping)
                 ▼
-    min_tokens: EOS and stop ids masked ─▶ repetition penalty ─▶ frequency & presence penalties
+    min_tokens: EOS and stop ids masked ─▶ logit_bias ─▶ repetition penalty ─▶ frequency & presence penalties
                 │
                 ├─ temperature 0 ─▶ argmax (ties -> lowest id)
                 └─ otherwise ─────▶ / temperature ─▶ min_p ─▶ top_k ─▶ top_p ─▶ Gumbel-max draw
@@ -103,10 +103,12 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens masking, then the penalties, on a float32 copy of logits [num_rows, vocab_size]."""
+        """min_tokens masking, logit_bias, then the penalties, on a float32 copy of logits [num_rows, vocab_size]."""
         logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
         if batch.min_tokens_mask is not None:
             mask_tokens(logits, batch.min_tokens_mask.row_ids, batch.min_tokens_mask.token_ids)
+        if batch.logit_bias is not None:
+            batch.logit_bias.apply(logits)
         if batch.repetition is not None:
             seen = batch.repetition.seen
             apply_repetition_penalty(logits, batch.repetition.penalty, seen.row_ids, seen.token_ids)

@@ -34,6 +34,7 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
+from engine.core.fork import choice_request_id
 from engine.device import resolve_engine_config
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
@@ -195,13 +196,20 @@ class WorkerRuntime:
         """`fn(engine)` on the engine thread between steps; its result or exception, awaited."""
         return await asyncio.wrap_future(self.loop.submit(fn))
 
-    def outputs(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """Listen for `request_id`'s outputs (call on the asyncio loop, before the request can produce any);
-        undo with `self.loop.unlisten(request_id)` (the listener goes by itself after the finished output)."""
+    def outputs(self, request_id: str, num_choices: int = 1) -> asyncio.Queue[RequestOutput]:
+        """Listen for `request_id`'s outputs, those of its `num_choices` choices (n > 1) all in one queue (call on
+        the asyncio loop, before the request can produce any); undo with `unlisten` (each choice's listener goes
+        by itself after its finished output)."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         aio_loop = asyncio.get_running_loop()
-        self.loop.listen(request_id, lambda out: aio_loop.call_soon_threadsafe(queue.put_nowait, out))
+        for index in range(num_choices):
+            self.loop.listen(choice_request_id(request_id, index),
+                             lambda out: aio_loop.call_soon_threadsafe(queue.put_nowait, out))
         return queue
+
+    def unlisten(self, request_id: str, num_choices: int = 1) -> None:
+        for index in range(num_choices):
+            self.loop.unlisten(choice_request_id(request_id, index))
 
     # -- the common RPCs -------------------------------------------------------------------------------------
     def health(self) -> serving_pb2.HealthResponse:

@@ -30,7 +30,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     [
         ({"temperature": -0.5}, "temperature", "temperature must be >= 0"),
         ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
-        ({"n": 2}, "n", "n must be 1"),
+        ({"n": 129}, "n", "n must be in [1, 128]"),
+        ({"n": 3, "best_of": 2}, "best_of", "best_of must be in [n=3, 128]"),
+        ({"best_of": 2, "stream": True}, "best_of", "not supported with stream"),
         ({"prompt": "x" * 64}, "prompt", "maximum context length is 64"),
         ({"prompt": "x" * 60, "max_tokens": 10}, "max_tokens", "you requested 70 tokens"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
@@ -42,8 +44,11 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
         ({"stop": ["ok", ""]}, "stop", "stop strings must be non-empty"),
         ({"seed": 2**64}, "seed", "seed must be in"),
-        ({"echo": True}, "echo", "echo is not supported"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+        ({"suffix": "s"}, "suffix", "suffix is not supported"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias", "logit_bias values must be in [-100, 100]"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias", "logit_bias keys must be token ids"),
+        ({"logit_bias": {"300": 1.0}}, "logit_bias", "logit_bias token ids must be in [0, 259)"),
+        ({"echo": True, "logprobs": 2, "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in"),
     ],
 )
 def test_completion_bad_input_is_400(cluster: Cluster, body: dict, param: str, fragment: str) -> None:
@@ -64,7 +69,7 @@ def test_completion_bad_input_is_400(cluster: Cluster, body: dict, param: str, f
         ({"max_completion_tokens": 1000}, "max_completion_tokens", "maximum context length"),
         ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-        ({"stream": True, "n": 3}, "n", "n must be 1"),
+        ({"stream": True, "n": 0}, "n", "n must be in [1, 128]"),
     ],
 )
 def test_chat_bad_input_is_400(cluster: Cluster, body: dict, param: str, fragment: str) -> None:

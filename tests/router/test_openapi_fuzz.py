@@ -81,7 +81,7 @@ ACCEPTED: dict[str, dict[str, Any]] = {
     "presence_penalty": _optional({"type": "number", "minimum": -2, "maximum": 2}),
     "frequency_penalty": _optional({"type": "number", "minimum": -2, "maximum": 2}),
     "repetition_penalty": _optional({"type": "number", "exclusiveMinimum": 0, "maximum": _FLOAT32_MAX}),
-    "n": _integer(1, 1),
+    "n": _integer(1, 3),
     "min_tokens": _integer(0, 1),
     "max_tokens": _optional(_integer(1, 8)),
     "stop": _optional({"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": 4}]}),
@@ -91,8 +91,8 @@ ACCEPTED: dict[str, dict[str, Any]] = {
     "prompt": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 24},
                          {"type": "array", "items": _TOKEN_ID, "minItems": 1, "maxItems": 24}]},
     "logprobs": {"anyOf": [_integer(0, 5), {"type": "null"}, {"type": "boolean"}]},  # an int, or chat's bool
-    "echo": {"const": False},
-    "best_of": _optional(_integer(1, 1)),
+    "echo": {"type": "boolean"},
+    "best_of": _optional(_integer(1, 3)),
     "suffix": {"type": "null"},
     # chat
     "messages": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
