@@ -174,7 +174,7 @@ def assert_not_a_server_error(response: Any) -> None:
 
 
 @served_schema.parametrize()
-@fuzz_settings(max_examples=200)
+@fuzz_settings(max_examples=120)
 def test_no_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
     """`model` is set to the served model in an object body: a random name is a 404 before anything else is
     looked at, and would hide every other field from the fuzz."""
@@ -184,6 +184,6 @@ def test_no_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case:
 
 
 @accepted_schema.parametrize()
-@fuzz_settings(max_examples=500)
+@fuzz_settings(max_examples=300)
 def test_no_body_near_an_accepted_one_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
     assert_not_a_server_error(case.call(app=fuzzed_app))
