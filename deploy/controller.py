@@ -5,6 +5,11 @@ workers are, health-checks them, restarts the dead and scales each pool on its o
           │  list_workers() ◀── the router's provider polls this
           └─ watch thread: health() on every host; dead or unhealthy → new process, new incarnation, new endpoint
 
+A scale-down drains before it stops: the workers chosen (newest first) are listed `draining` at once (the router
+routes them nothing new, and each refuses new requests itself), finish what they hold within `drain_timeout_s`,
+then their processes stop; a stream still open then is cut and the gateway resumes it on another decode worker
+(router/resumable_stream.py). Their prefix index entries are purged last.
+
 The unit of restart is the host process: a worker that stops answering is replaced together with its process,
 since whatever wedged it (a stuck thread, a leaked lock) lives there too. Every new worker gets a fresh
 incarnation, so the router and the prefix index can tell the new worker from its predecessor.
@@ -79,6 +84,9 @@ class ControllerConfig:
     num_failed_checks_to_restart: int = 3  # consecutive failed checks of a live process before it is replaced
     start_timeout_s: float = 600.0  # one host: process start, model load, servers up
     stop_timeout_s: float = 10.0  # graceful stop of one host before its process is killed
+    # A worker removed by a scale-down finishes its requests for up to this long before it stops (the rest are
+    # migrated by the gateway); 0: stop at once. `serve --drain-timeout`.
+    drain_timeout_s: float = 30.0
     max_restart_backoff_s: float = 30.0  # a host that fails to restart is retried after 1, 2, 4 ... s, up to this
 
     def __post_init__(self) -> None:
@@ -90,6 +98,8 @@ class ControllerConfig:
         for name in ("kv_transfer_timeout_s", "health_timeout_s", "start_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.health_interval_s < 0:
             raise ValueError(f"health_interval_s must be >= 0, got {self.health_interval_s}")
         if self.num_failed_checks_to_restart < 1:
@@ -132,8 +142,8 @@ class ClusterController:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._restarts: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, reason) -> restarts
-        # What a scale call is doing now (guarded by _table_lock), for pool_workers: configs being launched, and
-        # the published infos of workers unpublished and being stopped.
+        # What a scale call is doing now (guarded by _table_lock): configs being launched (not listed yet), and
+        # the workers being drained and stopped (listed with draining=True until they are gone).
         self._starting: list[WorkerConfig] = []
         self._draining: list[WorkerInfo] = []
 
@@ -165,13 +175,15 @@ class ClusterController:
 
     # -- queries ---------------------------------------------------------------------------------------------
     def list_workers(self) -> list[WorkerInfo]:
-        """The workers that are up now, in creation order. A restarting worker is absent until it is healthy."""
+        """The workers that are up now, in creation order, then those a scale-down is draining (`draining=True`:
+        the router keeps reaching them for the requests they hold, but routes them nothing new). A restarting
+        worker is absent until it is healthy."""
         with self._table_lock:
-            return [info for host in self._hosts for info in host.infos]
+            return [info for host in self._hosts for info in host.infos] + list(self._draining)
 
     def pool_workers(self) -> list[tuple[str, WorkerInfo | WorkerConfig]]:
         """Every worker with its state: ("serving", info) for the published, ("starting", config) for those a
-        scale-up is launching, ("draining", info) for those a scale-down unpublished and is stopping."""
+        scale-up is launching, ("draining", info) for those a scale-down is draining and stopping."""
         with self._table_lock:
             return ([("serving", info) for host in self._hosts for info in host.infos]
                     + [("starting", config) for config in self._starting]
@@ -281,8 +293,9 @@ class ClusterController:
 
     # -- scaling ---------------------------------------------------------------------------------------------
     def scale(self, role: str, num_workers: int) -> list[WorkerInfo]:
-        """Grow or shrink the pool of `role` to `num_workers`; the other pools are untouched. Shrinking stops the
-        newest workers first, after unpublishing them. Returns the published workers afterwards."""
+        """Grow or shrink the pool of `role` to `num_workers`; the other pools are untouched. Growing returns once
+        the new workers serve; shrinking drains the newest workers first (see the module docstring) and returns
+        once they are gone. Returns the published workers afterwards."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if num_workers < 0:
@@ -321,19 +334,39 @@ class ClusterController:
 
     def _shrink(self, victims: list[tuple[_Host, str]]) -> None:
         victim_ids = {w for _, w in victims}
-        with self._table_lock:
-            self._draining = [i for h in self._hosts for i in h.infos if i.worker_id in victim_ids]
+        hosts = list({id(h): h for h, _ in victims}.values())
+        with self._table_lock:  # draining from now: listed as such, routed nothing new
+            self._draining = [replace(i, draining=True) for h in hosts for i in h.infos if i.worker_id in victim_ids]
+            for host in hosts:
+                host.infos = [i for i in host.infos if i.worker_id not in victim_ids]
         try:
-            self._shrink_now(victims, victim_ids)
+            self._drain(hosts, victim_ids)
+            self._shrink_now(hosts, victim_ids)
+            self._purge_index(sorted(victim_ids))  # after the stop: a stopped worker publishes nothing more
         finally:
             with self._table_lock:
                 self._draining = []
 
-    def _shrink_now(self, victims: list[tuple[_Host, str]], victim_ids: set[str]) -> None:
+    def _drain(self, hosts: list[_Host], victim_ids: set[str]) -> None:
+        """Each victim refuses new requests at once and gets `drain_timeout_s` to finish what it holds."""
+        timeout_s = self._config.drain_timeout_s
+        started = time.monotonic()
+        refs = [h.actor.drain.remote(sorted(victim_ids & h.configs.keys()), timeout_s) for h in hosts if h.actor]
+        left: dict[str, int] = {}
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 10.0) if refs else ([], [])
+        for ref in ready:
+            try:
+                left.update(ray.get(ref))
+            except (RayActorError, RayTaskError) as exc:  # a dead host has nothing to drain
+                logger.warning("drain failed: %s", _first_line(exc))
+        cut = {w: n for w, n in left.items() if n}
+        logger.info("drained %s in %.1f s%s", ", ".join(sorted(victim_ids)), time.monotonic() - started,
+                    f"; requests left to migrate: {cut}" if cut else "")
+
+    def _shrink_now(self, hosts: list[_Host], victim_ids: set[str]) -> None:
         emptied: list[_Host] = []
         with self._table_lock:
-            for host in {id(h): h for h, _ in victims}.values():
-                host.infos = [i for i in host.infos if i.worker_id not in victim_ids]
+            for host in hosts:
                 for worker_id in victim_ids & host.configs.keys():
                     del host.configs[worker_id]
                 if not host.configs and not self._config.shares_one_process:

@@ -91,6 +91,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the gateway's admin API (POST /admin/scale, GET /admin/pools; "
                         "`splitserve scale`); default: $SPLITSERVE_ADMIN_TOKEN; neither: the admin API is off")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a worker removed by a scale-down may take to finish its requests (it takes no new "
+                        "ones); what is left then resumes on another decode worker (0: at once)")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
     p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
     p.add_argument("--health-check-failure-threshold", type=int, default=3,
@@ -137,6 +140,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.max_migrations < 0:
         raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
     if args.disagg_prefill_threshold < 0:
@@ -168,6 +173,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         health_interval_s=args.health_check_interval,
         health_timeout_s=args.health_check_timeout,
         num_failed_checks_to_restart=args.health_check_failure_threshold,
+        drain_timeout_s=args.drain_timeout,
     )
     return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address,
                        request_timeout_s=args.request_timeout, admission_control=args.admission_control,

@@ -5,7 +5,7 @@ in-process KV transport every prefill and decode worker must live in one process
 host all of them; they then share a single copy of the weights.
 
     WorkerHost(configs) ──start()──▶ [WorkerInfo] ──health()──▶ {worker_id: ok} ──stop()
-                        ──add(configs)──▶ [WorkerInfo]     ──remove(worker_ids)
+                        ──add(configs)──▶ [WorkerInfo]     ──drain(worker_ids, timeout_s)──▶ remove(worker_ids)
 
 This module is plain Python (no Ray) and imports neither torch nor the worker packages until a worker is built,
 so the controller and tests import it anywhere.
@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,6 +48,11 @@ class Worker(Protocol):
 
     def stop(self) -> None:
         """Stop serving and free everything. Idempotent."""
+        ...
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests at once (retryably) and wait up to `timeout_s` for those in flight; return how many
+        are still in flight."""
         ...
 
 
@@ -139,6 +145,17 @@ class WorkerHost:
                 if running is not None:
                     self._stop_one(running)
 
+    def drain(self, worker_ids: Iterable[str], timeout_s: float) -> dict[str, int]:
+        """Drain these workers at once (each refuses new requests now, and finishes what it holds within
+        `timeout_s`); return worker id -> requests still in flight at the end (0: drained). Unknown ids are
+        ignored. The workers keep running: `remove` stops them."""
+        running = [r for w in worker_ids if (r := self._running.get(w)) is not None]
+        if not running:
+            return {}
+        with ThreadPoolExecutor(max_workers=len(running), thread_name_prefix="drain") as pool:
+            left = list(pool.map(lambda r: _drain_one(r, timeout_s), running))
+        return {r.info.worker_id: n for r, n in zip(running, left)}
+
     def stop(self) -> None:
         """Stop every worker here. Idempotent; never raises for a worker that fails to stop."""
         self.remove(list(self._running))
@@ -208,3 +225,11 @@ class WorkerHost:
             running.worker.stop()
         except Exception:  # a failing stop must not keep the other workers running
             logger.exception("worker %s failed to stop cleanly", running.info.worker_id)
+
+
+def _drain_one(running: _Running, timeout_s: float) -> int:
+    try:
+        return running.worker.drain(timeout_s)
+    except Exception:  # a failed drain only means the stop that follows cuts what it held (the gateway migrates)
+        logger.exception("worker %s failed to drain", running.info.worker_id)
+        return -1

@@ -11,8 +11,9 @@ the routes do not exist (404, as any unknown path); a missing or wrong token is 
 constant time and never logged (`AdminApi`'s repr hides it).
 
 `state`: "starting" (being launched by a scale-up, not yet routed to), "serving" (published: the router sends it
-requests), "draining" (unpublished by a scale-down, being stopped). The controller, which does the work, is behind
-the small `PoolController` protocol, so the routes are tested without Ray.
+requests), "draining" (chosen by a scale-down: routed nothing new, finishing its requests within --drain-timeout,
+then stopped). The controller, which does the work, is behind the small `PoolController` protocol, so the routes
+are tested without Ray.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ class WorkerInfo:
     endpoint: str  # "host:port" of its gRPC `Worker` service
     incarnation: int = 0  # changes on every restart: index entries and channels of an older one are stale
     pid: int = 0  # the process hosting it (for operators and tests; 0: not known)
+    # Chosen for removal by a scale-down: still listed (so in-flight calls, Aborts and load polls reach it) but
+    # routed no new request; it refuses new ones itself too (UNAVAILABLE "draining").
+    draining: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -5,6 +5,8 @@
       .aio                   the asyncio loop (its own thread) the server and every handler run on
       .server / .endpoint    grpc.aio.Server bound at construction ("host:port"); role servicers register on it
       .start() / .stop()     loop and server up / down (stop aborts every request, freeing its blocks)
+      .gate / .drain(t)      the request RPCs' gate (engine/serving/request_gate.py); drain: refuse new
+                             requests, wait up to t seconds for those in flight (before a scale-down's stop)
       await .call(fn)        fn(engine) on the engine thread, awaited from a handler without blocking the loop
       .outputs(request_id)   an asyncio.Queue fed with the request's RequestOutputs from the engine thread
 
@@ -41,6 +43,7 @@ from engine.serving.engine_loop import EngineLoop, EngineLoopClosed
 from engine.serving.kv_event_publisher import NullPublisher, RedisKVEventPublisher
 from engine.serving.event_loop_thread import EventLoopThread
 from engine.serving.malloc_tuning import tune_malloc
+from engine.serving.request_gate import RequestGate
 from engine.serving.worker_config import WorkerConfig
 from kv_transfer.grpc_transport import CHANNEL_OPTIONS
 from kv_transfer.layout import KVLayout
@@ -97,6 +100,9 @@ class RuntimeWorker:
     def start(self) -> str:
         return self.runtime.start()
 
+    def drain(self, timeout_s: float) -> int:
+        return self.runtime.drain(timeout_s)
+
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint | None = None) -> None:
@@ -125,6 +131,7 @@ class WorkerRuntime:
             block_size=config.engine.block_size,
             dtype=config.engine.dtype,
         )
+        self.gate = RequestGate()
         self._started = False
         self._stopped = False
 
@@ -140,6 +147,14 @@ class WorkerRuntime:
             self.aio.run(self.server.start())
             logger.info("worker %s (%s) serving on %s", self.config.worker_id, self.config.role, self.endpoint)
         return self.endpoint
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new Generate / Prefill calls (UNAVAILABLE, retryable) and wait up to `timeout_s` for those in
+        flight to end; return how many are still in flight (0: drained). Call from any thread but the loop's; the
+        worker keeps serving Health, GetLoad, Abort and KV transfers until `stop()`."""
+        if self._stopped:
+            return 0
+        return self.aio.run(self.gate.wait_idle(timeout_s), timeout_s=timeout_s + 5.0)
 
     def stop(self, grace_s: float = 2.0, *, before_loop_stops: Callable[[], object] | None = None) -> None:
         """Stop taking RPCs, abort what runs, stop the loop. Idempotent. `before_loop_stops` (a coroutine

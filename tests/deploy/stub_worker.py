@@ -68,6 +68,10 @@ class StubWorker:
         with open(path) as f:
             return self.endpoint in f.read().split()
 
+    def drain(self, timeout_s: float) -> int:
+        self.drained = True  # serves no requests: nothing to wait for
+        return 0
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(grace=None)
