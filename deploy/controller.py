@@ -35,6 +35,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import ray  # noqa: E402
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError  # noqa: E402
 
+from deploy.placement import host_actor_options, local_node_resources
 from deploy.worker_host import LIVE, STALLED, UNRESPONSIVE, WorkerFactory, WorkerHost, WorkerInfo
 from engine.config import EngineConfig
 from engine.serving.log_config import configure_logging
@@ -52,15 +53,17 @@ RESTART_REASONS = (PROCESS_DIED, STALLED, UNRESPONSIVE, RESTART_FAILED)
 
 class WorkerHostProcess(WorkerHost):
     """A WorkerHost as the body of its own process: it logs as every splitserve process does (start-up lines
-    such as the C++ kernels each worker loaded reach the `serve` terminal through Ray)."""
+    such as the C++ kernels each worker loaded reach the `serve` terminal through Ray), and knows its Ray node (its
+    workers bound to 0.0.0.0 advertise the node's IP address)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         configure_logging()
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, node_ip=ray.util.get_node_ip_address(),
+                         node_id=ray.get_runtime_context().get_node_id(), **kwargs)
 
 
-# One actor per worker process; num_cpus=0 so that a 2-core machine fits them all (Ray's CPU accounting would
-# otherwise allow one per core). max_restarts=0: Ray's own restart would rerun the old config with the old
+# One actor per worker process; what it asks Ray for (its pool's resource, CPUs, GPUs) is set per actor by
+# deploy/placement.py (num_cpus=0 here is the embedded local cluster's choice, explained there). max_restarts=0: Ray's own restart would rerun the old config with the old
 # incarnation, so the controller restarts hosts itself.
 WorkerHostActor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(WorkerHostProcess)
 
@@ -75,7 +78,10 @@ class ControllerConfig:
     num_colocated_workers: int = 0
     kv_transport: str = "grpc"
     kv_transfer_timeout_s: float = 30.0
-    worker_host: str = "127.0.0.1"  # the address workers bind and advertise
+    worker_host: str = "127.0.0.1"  # the address workers bind; a wildcard (0.0.0.0) advertises the node's IP
+    # Ask Ray for the CPUs (engine threads) and GPUs each worker uses (deploy/placement.py): on a joined
+    # multi-node cluster; the embedded local one oversubscribes its cores on purpose.
+    reserve_devices: bool = False
     device: str = "cpu"
     worker_env: Mapping[str, str] = field(default_factory=dict)  # environment of every worker process
     redis_url: str | None = None  # the prefix index the workers publish their KV events to; None: no index
@@ -431,10 +437,15 @@ class ClusterController:
         """Create the hosts' actors and start their workers concurrently; wait for all. On any failure raise
         `RuntimeError` naming the workers; the hosts that did start keep their actors (the caller stops them)."""
         env = dict(self._config.worker_env)
-        options: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
+        common: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
+        cluster_resources = ray.cluster_resources()  # now: nodes join and leave
         refs = []
         for host in hosts:
-            host.actor = WorkerHostActor.options(**options).remote(list(host.configs.values()), factory=self._factory)
+            configs = list(host.configs.values())
+            options = host_actor_options([c.role for c in configs], cluster_resources=cluster_resources,
+                                         reserve_devices=self._config.reserve_devices,
+                                         num_threads=configs[0].engine.num_threads or 1, device=self._config.device)
+            host.actor = WorkerHostActor.options(**common, **options).remote(configs, factory=self._factory)
             refs.append(host.actor.start.remote())
         deadline = time.monotonic() + self._config.start_timeout_s
         errors = []
@@ -519,6 +530,7 @@ def init_local_ray(*, address: str | None = None) -> None:
     - object_store_memory=128 MiB: only small control messages pass through the object store.
     - logging_level=WARNING; worker output still reaches the terminal, prefixed by Ray with the actor and pid.
     - worker_niceness=0 (Ray's default is 15); a cluster joined by address keeps its own setting.
+    - the one node gets every pool's resource (deploy/placement.py), so it hosts every pool's workers.
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
@@ -532,6 +544,7 @@ def init_local_ray(*, address: str | None = None) -> None:
         include_dashboard=False,
         logging_level=logging.WARNING,
         object_store_memory=128 << 20,
+        resources=local_node_resources(ROLES),
         # worker_niceness 0: Ray starts its workers at nice 15 by default, which on a busy machine hands the CPU to
         # everything else first; our workers are the serving path.
         _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False, "worker_niceness": 0},

@@ -107,7 +107,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--disagg-prefill-threshold", type=int, default=DEFAULT_DISAGG_PREFILL_THRESHOLD,
                    help="tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled "
                         "there, with no KV handoff (0: always disaggregate)")
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster instead of starting a local one; nodes started with "
+                        "--resources '{\"splitserve_prefill\": N}' (or splitserve_decode) host only that pool's "
+                        "workers, N of them")
+    p.add_argument("--worker-host", default=None,
+                   help="the address workers bind; 0.0.0.0 makes each advertise its node's IP (default: 127.0.0.1 "
+                        "on the local cluster, 0.0.0.0 with --ray-address)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -174,6 +180,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         health_timeout_s=args.health_check_timeout,
         num_failed_checks_to_restart=args.health_check_failure_threshold,
         drain_timeout_s=args.drain_timeout,
+        worker_host=args.worker_host or ("0.0.0.0" if args.ray_address else "127.0.0.1"),
+        reserve_devices=args.ray_address is not None,
     )
     return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address,
                        request_timeout_s=args.request_timeout, admission_control=args.admission_control,
@@ -266,7 +274,8 @@ class WorkerDirectory:
             return []
         listed = ray.get(self._controller.pool_workers.remote(), timeout=self._timeout_s)
         return [PoolWorker(worker_id=w.worker_id, role=w.role, state=state, endpoint=getattr(w, "endpoint", ""),
-                           pid=getattr(w, "pid", 0), incarnation=w.incarnation) for state, w in listed]
+                           pid=getattr(w, "pid", 0), incarnation=w.incarnation, node_id=getattr(w, "node_id", ""))
+                for state, w in listed]
 
     def restart_counts(self) -> list[tuple[str, str, int]]:
         """(role, reason, restarts) as of the last refresh, for the router's splitserve:worker_restarts_total."""

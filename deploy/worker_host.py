@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # A worker's liveness, as `WorkerHost.health` reports it (and the controller's restart reasons name it).
 LIVE, STALLED, UNRESPONSIVE = "live", "stalled", "unresponsive"
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # a worker bound to one of these advertises its node's address instead
 
 
 class Worker(Protocol):
@@ -103,7 +105,10 @@ class WorkerHost:
     everything and may be called any number of times.
     """
 
-    def __init__(self, configs: Sequence[WorkerConfig] = (), *, factory: WorkerFactory | None = None) -> None:
+    def __init__(self, configs: Sequence[WorkerConfig] = (), *, factory: WorkerFactory | None = None,
+                 node_ip: str = "127.0.0.1", node_id: str = "") -> None:
+        """`node_ip`: the address peers reach this machine at, advertised by workers that bind a wildcard
+        address; `node_id`: the Ray node this process runs on, published with each worker."""
         ids = [c.worker_id for c in configs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate worker ids: {ids}")
@@ -112,6 +117,8 @@ class WorkerHost:
         self._checkpoints: dict[tuple[str, str], Any] = {}  # (model, dtype) -> shared checkpoint
         self._running: dict[str, _Running] = {}
         self._lock = threading.Lock()  # cheap insurance for in-process (non-actor) use from several threads
+        self._node_ip = node_ip
+        self._node_id = node_id
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> list[WorkerInfo]:
@@ -200,6 +207,8 @@ class WorkerHost:
     def _start_one(self, config: WorkerConfig) -> _Running:
         from engine.serving.fresh_thread import run_on_fresh_thread
 
+        if config.host in WILDCARD_HOSTS and not config.advertise_host:
+            config = replace(config, advertise_host=self._node_ip)
         # Weights and engine are built on a thread that then exits: the engine loop's thread must be this
         # process's only OpenMP master (engine/serving/fresh_thread.py).
         worker = run_on_fresh_thread(lambda: self._factory.build(config, self._checkpoint_for(config.engine)))
@@ -214,6 +223,7 @@ class WorkerHost:
             endpoint=endpoint,
             incarnation=config.incarnation,
             pid=os.getpid(),
+            node_id=self._node_id,
         )
         logger.info("started %s (incarnation %d) at %s", info.worker_id, info.incarnation, endpoint)
         return _Running(worker=worker, info=info, channel=grpc.insecure_channel(endpoint))

@@ -122,7 +122,7 @@ class WorkerRuntime:
         if port == 0:
             self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
-        self.endpoint = f"{config.host}:{port}"
+        self.endpoint = f"{config.advertise_host or config.host}:{port}"
         mc = self.engine.model_config
         self.layout = KVLayout(
             num_layers=mc.num_layers,

@@ -47,6 +47,7 @@ class StubWorker:
         self.checkpoint = checkpoint
         self.endpoint = ""
         self._host = config.host
+        self._advertise_host = config.advertise_host or config.host
         self._port = config.port
         self._server: grpc.Server | None = None
 
@@ -56,7 +57,7 @@ class StubWorker:
         port = server.add_insecure_port(f"{self._host}:{self._port}")
         server.start()
         self._server = server
-        self.endpoint = f"{self._host}:{port}"
+        self.endpoint = f"{self._advertise_host}:{port}"
         return self.endpoint
 
     def told_unhealthy(self) -> bool:
