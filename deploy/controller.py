@@ -63,8 +63,8 @@ class WorkerHostProcess(WorkerHost):
 
 
 # One actor per worker process; what it asks Ray for (its pool's resource, CPUs, GPUs) is set per actor by
-# deploy/placement.py (num_cpus=0 here is the embedded local cluster's choice, explained there). max_restarts=0: Ray's own restart would rerun the old config with the old
-# incarnation, so the controller restarts hosts itself.
+# deploy/placement.py (num_cpus=0 here is the embedded local cluster's choice, explained there). max_restarts=0:
+# Ray's own restart would rerun the old config with the old incarnation, so the controller restarts hosts itself.
 WorkerHostActor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(WorkerHostProcess)
 
 
@@ -366,8 +366,11 @@ class ClusterController:
             except (RayActorError, RayTaskError) as exc:  # a dead host has nothing to drain
                 logger.warning("drain failed: %s", _first_line(exc))
         cut = {w: n for w, n in left.items() if n}
-        logger.info("drained %s in %.1f s%s", ", ".join(sorted(victim_ids)), time.monotonic() - started,
-                    f"; requests left to migrate: {cut}" if cut else "")
+        elapsed_s = time.monotonic() - started
+        if cut:  # what the stop will cut, and the gateway resume elsewhere
+            logger.warning("drain of %s timed out after %.1f s; requests left: %s", sorted(victim_ids), elapsed_s, cut)
+        else:
+            logger.info("drained %s in %.1f s", ", ".join(sorted(victim_ids)), elapsed_s)
 
     def _shrink_now(self, hosts: list[_Host], victim_ids: set[str]) -> None:
         emptied: list[_Host] = []
