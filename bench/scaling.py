@@ -109,7 +109,8 @@ def pools(url: str, token: str) -> list[dict]:
 
 def scale(url: str, token: str, **sizes: int) -> None:
     response = httpx.post(f"{url}/admin/scale", headers={"Authorization": f"Bearer {token}"}, json=sizes, timeout=900)
-    response.raise_for_status()
+    if response.status_code != 200:
+        raise RuntimeError(f"POST /admin/scale {sizes}: {response.status_code} {response.text[:500]}")
 
 
 def served_something(endpoint: str) -> bool:
@@ -179,13 +180,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--phase-s", type=float, default=20.0, help="seconds of load at 1+1, 2+2 and 1+1 again")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--serve-log", default=None, help="write serve's stderr here")
     # every prompt through a prefill worker (the default threshold would prefill these short prompts on the decode
     # worker, leaving the prefill pool idle)
     parser.add_argument("--serve-flags", default="--max-model-len 512 --disagg-prefill-threshold 0")
     args = parser.parse_args()
     token = secrets.token_hex(16)
     server = Serve(["--prefill-workers", "1", "--decode-workers", "1", "--admin-token", token,
-                    "--drain-timeout", str(args.drain_timeout), *shlex.split(args.serve_flags)])
+                    "--drain-timeout", str(args.drain_timeout), *shlex.split(args.serve_flags)],
+                   stderr_path=args.serve_log)
     try:
         load = Load(server.url, args.clients, args.max_tokens).start()
         marks = [("1+1", time.perf_counter())]

@@ -256,13 +256,21 @@ class WorkerDirectory:
 
 
     def scale(self, role: str, num_workers: int) -> None:
-        """The admin API's scale (router/admin.py): blocks until the controller resized the pool."""
+        """The admin API's scale (router/admin.py): blocks until the controller resized the pool. RuntimeError
+        when it could not (the admin API answers 503 with it)."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         if self._controller is None or self.lost:
             raise RuntimeError("the cluster controller is not running")
-        ray.get(self._controller.scale.remote(role, num_workers))
-        self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+        try:
+            ray.get(self._controller.scale.remote(role, num_workers))
+        except RayActorError as exc:
+            raise RuntimeError(f"the cluster controller died: {exc}") from None
+        try:
+            self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+        except GetTimeoutError:
+            pass  # resized; a busy controller's list reaches the router on the next refresh
 
     def pool_workers(self) -> list[Any]:
         """Every worker and its state, for GET /admin/pools."""
