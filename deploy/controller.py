@@ -187,6 +187,14 @@ class ClusterController:
         with self._table_lock:
             return [info for host in self._hosts for info in host.infos] + list(self._draining)
 
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's configured size, a restarting worker included (the autoscaler's count; `list_workers` omits
+        a worker while it restarts), a draining one not (a scale-down already decided it goes)."""
+        with self._table_lock:
+            draining = {info.worker_id for info in self._draining}
+            return dict(collections.Counter(c.role for host in self._hosts for w, c in host.configs.items()
+                                            if w not in draining))
+
     def pool_workers(self) -> list[tuple[str, WorkerInfo | WorkerConfig]]:
         """Every worker with its state: ("serving", info) for the published, ("starting", config) for those a
         scale-up is launching, ("draining", info) for those a scale-down is draining and stopping."""

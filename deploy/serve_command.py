@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.serving.worker_config import WorkerInfo
+from deploy.autoscale_args import add_autoscale_args, autoscaler_from_args
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
 from router.routing import POLICIES as ROUTING_POLICIES
@@ -34,6 +35,7 @@ from router.routing import POLICIES as ROUTING_POLICIES
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
+    from router.autoscaler import AutoscalerConfig
 
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 
@@ -61,6 +63,8 @@ class ServeConfig:
     redis_url: str | None = None
     routing_policy: str = "prefix-aware"
     disagg_prefill_threshold_tokens: int = DEFAULT_DISAGG_PREFILL_THRESHOLD
+    signal_window_s: float = 60.0  # the autoscaling signals' latency window
+    autoscaler: AutoscalerConfig | None = None  # the built-in autoscaler; None: the pools keep their sizes
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
@@ -114,6 +118,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-host", default=None,
                    help="the address workers bind; 0.0.0.0 makes each advertise its node's IP (default: 127.0.0.1 "
                         "on the local cluster, 0.0.0.0 with --ray-address)")
+    add_autoscale_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -154,11 +159,16 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
     if args.redis_url is not None and not args.prefix_index:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
+    autoscaler, num_prefill, num_decode = autoscaler_from_args(args, num_prefill, num_decode, colocated)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
-    # they do not oversubscribe them; --num-threads overrides.
-    num_processes = 1 if args.kv_transport == "inproc" else num_prefill + num_decode + num_colocated
+    # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
+    num_processes = num_prefill + num_decode + num_colocated
+    if autoscaler is not None:
+        num_processes = autoscaler.policy.prefill.max_workers + autoscaler.policy.decode.max_workers
+    if args.kv_transport == "inproc":
+        num_processes = 1
     num_threads = engine.num_threads or max(1, len(os.sched_getaffinity(0)) // num_processes)
     engine = dataclasses.replace(engine, num_threads=num_threads)
     worker_env = {
@@ -190,7 +200,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                        admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
                        prefix_index=args.prefix_index, redis_url=args.redis_url,
                        routing_policy=args.routing_policy,
-                       disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
+                       disagg_prefill_threshold_tokens=args.disagg_prefill_threshold,
+                       signal_window_s=args.autoscale_window, autoscaler=autoscaler)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,6 +282,14 @@ class WorkerDirectory:
             self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
         except GetTimeoutError:
             pass  # resized; a busy controller's list reaches the router on the next refresh
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's configured size, for the autoscaler (router/autoscaler.py); blocks on the controller."""
+        import ray
+
+        if self._controller is None or self.lost:
+            raise RuntimeError("the cluster controller is not running")
+        return dict(ray.get(self._controller.pool_sizes.remote(), timeout=self._timeout_s))
 
     def pool_workers(self) -> list[Any]:
         """Every worker and its state, for GET /admin/pools."""
@@ -409,6 +428,9 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
         redis_url=redis_url,
         routing_policy=config.routing_policy,
         disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
+        signal_window_s=config.signal_window_s,
+        autoscaler=config.autoscaler,
+        pool_controller=directory if config.autoscaler is not None else None,
     )
 
 

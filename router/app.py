@@ -3,7 +3,8 @@
     POST /v1/completions, /v1/chat/completions   validate -> tokenize -> route -> worker Generate -> JSON | SSE
     GET  /v1/models                              the served model names, in OpenAI's list shape
     GET  /health                                 200 when each role the mode needs has a healthy worker, else 503
-    GET  /metrics                                Prometheus text; refreshes worker loads first
+    GET  /metrics                                Prometheus text; refreshes worker loads first (the pools'
+                                                 autoscaling signals among it: router/pool_signals.py)
     POST /admin/scale, GET /admin/pools          the admin API (router/admin.py), only with an admin token
     GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
 
@@ -32,11 +33,13 @@ from starlette.types import Receive, Scope, Send
 
 from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
+from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob
 from router.errors import GENERATION_ERRORS, error_body, install_error_handlers, without_validation_errors
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
+from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
 from router.prefix_routing import PrefixIndex
 from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens
 from router.protocol import (
@@ -69,14 +72,21 @@ def create_app(
     prefix_index: PrefixIndex | None = None,
     restart_counts: RestartCounts | None = None,
     admin: AdminApi | None = None,
+    autoscaler: AutoscalerConfig | None = None,
+    pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `config.served_model_names` through the workers `registry` knows.
 
     `prefix_index` (optional): the Redis prefix index; without it (or with Redis down) workers are chosen by load.
     `restart_counts` (optional): the cluster controller's worker restarts, for /metrics.
     `admin` (optional): the admin API's token and controller (router/admin.py); without it /admin/* is a 404.
+    `autoscaler` (optional, disaggregated only): run the built-in autoscaler (router/autoscaler.py) in the app's
+    lifespan, resizing the pools through `pool_controller`.
     """
-    metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts)
+    if autoscaler is not None and (pool_controller is None or config.mode != "disaggregated"):
+        raise ValueError("the autoscaler needs a pool controller and the disaggregated mode")
+    metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts,
+                            signal_window_s=config.signal_window_s)
     if prefix_index is not None:
         metrics.registry.register(PrefixIndexCollector(prefix_index.client))
     admission = Admission(
@@ -88,6 +98,22 @@ def create_app(
     metrics.admission_queue_requests.set_function(lambda: admission.num_queued)
     metrics.admission_in_flight_requests.set_function(lambda: admission.in_flight.num_requests)
     registry.add_listener(lambda: admission.update(registry.loads()))
+
+    def signals() -> dict[str, PoolSignals]:
+        now_s = time.monotonic()
+        return pool_signals(registry.snapshots(), config.roles_needed, ttft_s=metrics.ttft_window.quantiles(now_s),
+                            tpot_s=metrics.tpot_window.quantiles(now_s), num_gateway_queued=admission.num_queued,
+                            target_role=config.target_role)
+
+    metrics.registry.register(PoolSignalCollector(signals))
+    scaler = None
+    if autoscaler is not None and pool_controller is not None:
+        for pool in config.roles_needed:
+            for direction in ("up", "down"):
+                metrics.autoscaler_decisions.labels(pool=pool, direction=direction)
+        scaler = Autoscaler(autoscaler, pool_controller, signals, refresh=registry.refresh,
+                            on_resize=lambda pool, direction: metrics.autoscaler_decisions.labels(
+                                pool=pool, direction=direction).inc())
     dispatcher = Dispatcher(config=config, registry=registry, admission=admission, prefix_index=prefix_index,
                             on_route=metrics.count_route)
     created = int(time.time())
@@ -97,9 +123,14 @@ def create_app(
         await registry.start()
         if prefix_index is not None:
             await prefix_index.client.start()
+        scaling = asyncio.create_task(scaler.run(), name="autoscaler") if scaler is not None else None
         try:
             yield
         finally:
+            if scaling is not None:
+                scaling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scaling
             if prefix_index is not None:
                 await prefix_index.close()
             await registry.close()

@@ -20,6 +20,14 @@ Measured here, per request (router clock):
                                                            past --max-migrations: request_failure{migration_limit}
     splitserve:prompt_tokens_total, splitserve:generation_tokens_total   counters
 
+Autoscaling (router/pool_signals.py; per pool, label pool = prefill | decode | colocated):
+    splitserve:pool_num_workers, splitserve:pool_num_requests_waiting, splitserve:pool_num_requests_running,
+    splitserve:pool_num_queued_prompt_tokens, splitserve:pool_kv_cache_usage_perc{stat=mean|max}    gauges
+    splitserve:pool_time_to_first_token_seconds{quantile}, splitserve:pool_time_per_output_token_seconds{quantile}
+                                                gauges     p50/p90/p99 over the last --autoscale-window seconds
+    splitserve:pool_latency_window_samples{metric}  gauge  requests behind those percentiles (ttft | tpot)
+    splitserve:autoscaler_decisions_total{pool,direction}  counter  the built-in autoscaler's resizes: up | down
+
 Admission (router/admission.py):
     splitserve:admission_queue_requests         gauge      requests waiting in this gateway's queue
     splitserve:admission_in_flight_requests     gauge      requests this gateway dispatched and not yet ended
@@ -68,6 +76,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from protos import serving_pb2
+from router.pool_signals import LatencyWindow
 
 if TYPE_CHECKING:
     from router.prefix_index_client import PrefixIndexClient
@@ -97,9 +106,15 @@ class RouterMetrics:
     """Owns the registry. `render()` is the /metrics body; refresh worker loads before calling it."""
 
     def __init__(self, snapshots: Callable[[], Sequence[WorkerSnapshot]], *, roles: Sequence[str] = (),
-                 restart_counts: RestartCounts | None = None) -> None:
+                 restart_counts: RestartCounts | None = None, signal_window_s: float = 60.0) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
+        # The autoscaling signals' sliding windows (router/pool_signals.py), on time.monotonic().
+        self.ttft_window = LatencyWindow(signal_window_s)
+        self.tpot_window = LatencyWindow(signal_window_s)
+        self.autoscaler_decisions = Counter(
+            f"{PREFIX}autoscaler_decisions", "Pool resizes the built-in autoscaler decided, by pool and direction.",
+            ["pool", "direction"], registry=registry)
         self.time_to_first_token = Histogram(
             f"{PREFIX}time_to_first_token_seconds", "Time to first token, seen by the router.",
             buckets=_TTFT_BUCKETS_S, registry=registry)
@@ -177,6 +192,8 @@ class RequestTracker:
         self.arrival_s = arrival_s
         self.router_queue_s = 0.0
         self._last_token_s: float | None = None
+        self._first_token_s: float | None = None
+        self._num_tokens = 0
         self._timings_seen = False
         self._done = False
 
@@ -193,15 +210,19 @@ class RequestTracker:
         if message.token_ids:
             if self._last_token_s is None:
                 self._metrics.time_to_first_token.observe(now - self.arrival_s)
+                self._metrics.ttft_window.add(time.monotonic(), now - self.arrival_s)
+                self._first_token_s = now
             else:
                 self._metrics.inter_token_latency.observe(now - self._last_token_s)
             self._last_token_s = now
+            self._num_tokens += len(message.token_ids)
 
     def finished(self, finish_reason: str, *, num_prompt_tokens: int, num_generated_tokens: int) -> None:
         """The request ended with `finish_reason` (stop | length | abort); counted once."""
         if self._done:
             return
         self._done = True
+        self._observe_tpot()
         metrics = self._metrics
         metrics.e2e_request_latency.observe(time.perf_counter() - self.arrival_s)
         metrics.request_success.labels(finished_reason=finish_reason).inc()
@@ -220,7 +241,14 @@ class RequestTracker:
         if self._done:
             return
         self._done = True
+        self._observe_tpot()
         self._metrics.request_failure.labels(reason=reason).inc()
+
+    def _observe_tpot(self) -> None:
+        """The request's time per output token, into the signal window, once it streamed two tokens or more."""
+        if self._first_token_s is not None and self._last_token_s is not None and self._num_tokens >= 2:
+            tpot_s = (self._last_token_s - self._first_token_s) / (self._num_tokens - 1)
+            self._metrics.tpot_window.add(time.monotonic(), tpot_s)
 
     def _observe_stages(self, timings: serving_pb2.StageTimings) -> None:
         stage = self._metrics.ttft_stage_seconds

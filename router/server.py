@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from engine.tokenizer.tokenizer import Tokenizer
     from router.admin import AdminApi
+    from router.autoscaler import AutoscalerConfig, ScalableCluster
     from router.metrics import RestartCounts
 
 
@@ -55,13 +56,17 @@ def build_router_app(
     max_migrations: int = 3,
     admin: AdminApi | None = None,
     restart_counts: RestartCounts | None = None,
+    signal_window_s: float = 60.0,
+    autoscaler: AutoscalerConfig | None = None,
+    pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
 
     A factory, so it does I/O: resolves the model (fetching a registered one on first use) and loads its
     tokenizer. `served_model_names` defaults to `(model,)`; `max_model_len` to the checkpoint's context length
     (pass the workers' own value when they are configured shorter). `redis_url`: the prefix index (None: route
-    by load only).
+    by load only). `signal_window_s`: the autoscaling signals' latency window; `autoscaler`: run the built-in
+    autoscaler, resizing through `pool_controller` (router/autoscaler.py).
     """
     tokenizer, context_length = load_tokenizer(model)
     config = RouterConfig(
@@ -76,6 +81,7 @@ def build_router_app(
         max_migrations=max_migrations,
         routing_policy=routing_policy,
         disagg_prefill_threshold_tokens=disagg_prefill_threshold_tokens,
+        signal_window_s=signal_window_s,
     )
     registry = WorkerRegistry(worker_provider, refresh_interval_s=refresh_interval_s)
     prefix_index = None
@@ -86,7 +92,7 @@ def build_router_app(
         prefix_index = PrefixIndex(PrefixIndexClient(redis_url), namespace=registry.hash_namespace,
                                    live_workers=registry.incarnations)
     return create_app(config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts,
-                      admin=admin)
+                      admin=admin, autoscaler=autoscaler, pool_controller=pool_controller)
 
 
 def load_tokenizer(model: str) -> tuple[Tokenizer, int]:

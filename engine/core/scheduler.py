@@ -184,6 +184,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed, over the waiting and running requests (a waiting prompt, the rest of a
+        chunked prefill, a preempted request's prompt): the prefill work queued here, an autoscaling signal."""
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in (*self.waiting, *self.running))
+
     # -- one step --------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

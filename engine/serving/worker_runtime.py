@@ -238,6 +238,7 @@ class WorkerRuntime:
                 **spec_decode,  # type: ignore[arg-type]
                 num_requests_running=engine.scheduler.num_running,
                 num_requests_waiting=engine.scheduler.num_waiting,
+                num_queued_prompt_tokens=engine.scheduler.num_queued_prompt_tokens,
                 kv_blocks_used=pool.num_used_blocks,
                 kv_blocks_free=pool.num_free_blocks,
                 kv_blocks_total=engine.num_kv_blocks,
