@@ -87,7 +87,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_gateway_args(p)
     add_pool_args(p)
     add_index_args(p)
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster instead of starting a local one; nodes started with "
+                        "--resources '{\"splitserve_prefill\": N}' (or splitserve_decode) host only that pool's "
+                        "workers, N of them")
     add_autoscale_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -148,6 +151,12 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
     p.add_argument("--health-check-failure-threshold", type=int, default=3,
                    help="failed liveness checks in a row before a worker is restarted")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a worker removed by a scale-down may take to finish its requests (it takes no new "
+                        "ones); what is left then resumes on another decode worker (0: at once)")
+    p.add_argument("--worker-host", default=None,
+                   help="the address workers bind; 0.0.0.0 makes each advertise its node's IP (default: 127.0.0.1 "
+                        "on the local cluster, 0.0.0.0 with --ray-address)")
     # The secret every gRPC link of the cluster carries (the gateway takes the controller's: `gateway`).
     add_cluster_auth_args(p.add_argument_group("cluster links (docs/security.md)"))
 
@@ -233,6 +242,8 @@ def _pools_from_args(args: argparse.Namespace, *,
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.health_check_failure_threshold < 1:
         raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.redis_url is not None and not args.prefix_index:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
     autoscaler = None
@@ -277,6 +288,9 @@ def _pools_from_args(args: argparse.Namespace, *,
         health_timeout_s=args.health_check_timeout,
         num_failed_checks_to_restart=args.health_check_failure_threshold,
         auth=auth,
+        drain_timeout_s=args.drain_timeout,
+        worker_host=args.worker_host or ("0.0.0.0" if args.ray_address else "127.0.0.1"),
+        reserve_devices=args.ray_address is not None,
     ), autoscaler
 
 
@@ -371,13 +385,21 @@ class WorkerDirectory:
 
 
     def scale(self, role: str, num_workers: int) -> None:
-        """The admin API's scale (router/admin.py): blocks until the controller resized the pool."""
+        """The admin API's scale (router/admin.py): blocks until the controller resized the pool. RuntimeError
+        when it could not (the admin API answers 503 with it)."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         if self._controller is None or self.lost:
             raise RuntimeError("the cluster controller is not running")
-        ray.get(self._controller.scale.remote(role, num_workers))
-        self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+        try:
+            ray.get(self._controller.scale.remote(role, num_workers))
+        except RayActorError as exc:
+            raise RuntimeError(f"the cluster controller died: {exc}") from None
+        try:
+            self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+        except GetTimeoutError:
+            pass  # resized; a busy controller's list reaches the router on the next refresh
 
     def pool_sizes(self) -> dict[str, int]:
         """Each pool's configured size, for the autoscaler (router/autoscaler.py); blocks on the controller."""
@@ -397,7 +419,8 @@ class WorkerDirectory:
             return []
         listed = ray.get(self._controller.pool_workers.remote(), timeout=self._timeout_s)
         return [PoolWorker(worker_id=w.worker_id, role=w.role, state=state, endpoint=getattr(w, "endpoint", ""),
-                           pid=getattr(w, "pid", 0), incarnation=w.incarnation) for state, w in listed]
+                           pid=getattr(w, "pid", 0), incarnation=w.incarnation, node_id=getattr(w, "node_id", ""))
+                for state, w in listed]
 
     def restart_counts(self) -> list[tuple[str, str, int]]:
         """(role, reason, restarts) as of the last refresh, for the router's splitserve:worker_restarts_total."""

@@ -98,7 +98,7 @@ def pool_signals(snapshots: Sequence[WorkerSnapshot], roles: Sequence[str], *, t
     Generate goes to (decode, or colocated), whose room the gateway's admission queue waits for."""
     signals = {}
     for role in roles:
-        pool = [s for s in snapshots if s.info.role == role]
+        pool = [s for s in snapshots if s.info.role == role and not s.info.draining]  # a leaving worker: no signal
         loads = [s.stats for s in pool if s.stats is not None]
         usage = [stats.kv_cache_usage for stats in loads]
         signals[role] = PoolSignals(

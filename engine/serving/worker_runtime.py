@@ -5,6 +5,8 @@
       .aio                   the asyncio loop (its own thread) the server and every handler run on
       .server / .endpoint    grpc.aio.Server bound at construction ("host:port"); role servicers register on it
       .start() / .stop()     loop and server up / down (stop aborts every request, freeing its blocks)
+      .gate / .drain(t)      the request RPCs' gate (engine/serving/request_gate.py); drain: refuse new
+                             requests, wait up to t seconds for those in flight (before a scale-down's stop)
       await .call(fn)        fn(engine) on the engine thread, awaited from a handler without blocking the loop
       .outputs(request_id)   an asyncio.Queue fed with the request's RequestOutputs from the engine thread
 
@@ -43,6 +45,7 @@ from engine.serving.engine_loop import EngineLoop, EngineLoopClosed
 from engine.serving.kv_event_publisher import NullPublisher, RedisKVEventPublisher
 from engine.serving.event_loop_thread import EventLoopThread
 from engine.serving.malloc_tuning import tune_malloc
+from engine.serving.request_gate import RequestGate
 from engine.serving.worker_config import WorkerConfig
 from kv_transfer.grpc_transport import CHANNEL_OPTIONS
 from kv_transfer.layout import KVLayout
@@ -100,6 +103,9 @@ class RuntimeWorker:
     def start(self) -> str:
         return self.runtime.start()
 
+    def drain(self, timeout_s: float) -> int:
+        return self.runtime.drain(timeout_s)
+
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint | None = None) -> None:
@@ -125,7 +131,7 @@ class WorkerRuntime:
         if port == 0:
             self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
-        self.endpoint = f"{config.host}:{port}"
+        self.endpoint = f"{config.advertise_host or config.host}:{port}"
         mc = self.engine.model_config
         self.layout = KVLayout(
             num_layers=mc.num_layers,
@@ -134,6 +140,7 @@ class WorkerRuntime:
             block_size=engine_config.block_size,
             dtype=engine_config.dtype,
         )
+        self.gate = RequestGate()
         self._started = False
         self._stopped = False
 
@@ -151,6 +158,14 @@ class WorkerRuntime:
             self.aio.run(self.server.start())
             logger.info("worker %s (%s) serving on %s", self.config.worker_id, self.config.role, self.endpoint)
         return self.endpoint
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new Generate / Prefill calls (UNAVAILABLE, retryable) and wait up to `timeout_s` for those in
+        flight to end; return how many are still in flight (0: drained). Call from any thread but the loop's; the
+        worker keeps serving Health, GetLoad, Abort and KV transfers until `stop()`."""
+        if self._stopped:
+            return 0
+        return self.aio.run(self.gate.wait_idle(timeout_s), timeout_s=timeout_s + 5.0)
 
     def stop(self, grace_s: float = 2.0, *, before_loop_stops: Callable[[], object] | None = None) -> None:
         """Stop taking RPCs, abort what runs, stop the loop. Idempotent. `before_loop_stops` (a coroutine

@@ -196,6 +196,51 @@ def test_no_room_on_the_decode_worker_is_resource_exhausted(smollm2_checkpoint) 
         decode.stop()
 
 
+def test_a_draining_pair_refuses_new_requests_and_finishes_the_one_it_holds(
+    smollm2_checkpoint, prompt_ids, offline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
+    from protos import serving_pb2
+
+    prefill = start_worker("prefill", smollm2_checkpoint, worker_id="p-drain")
+    monkeypatch.setenv(FAULT_STEP_SLEEP_ENV, "0.05")  # decode steps paced: the held stream lasts about a second
+    decode = start_worker("decode", smollm2_checkpoint, worker_id="d-drain")
+    try:
+        held: dict = {}
+        stream = threading.Thread(target=lambda: held.update(
+            result=generate(stub(decode), "held", prompt_ids[0], GREEDY, prefill.endpoint)))
+        stream.start()
+        deadline = time.monotonic() + 30
+        while not stub(decode).GetLoad(serving_pb2.LoadRequest(), timeout=10).num_requests_running:
+            assert time.monotonic() < deadline and stream.is_alive(), "the held request never ran"
+            time.sleep(0.01)
+        drained: dict = {}
+        drains = [threading.Thread(target=lambda w=w: drained.update({w.worker_id: w.drain(30.0)}))
+                  for w in (decode, prefill)]
+        for thread in drains:
+            thread.start()
+        while not (decode.runtime.gate.draining and prefill.runtime.gate.draining):
+            time.sleep(0.001)
+        assert decode.runtime.gate.num_in_flight == 1  # the held stream, still running
+        with pytest.raises(grpc.RpcError) as refused:  # a new request: refused at once, retryably
+            generate(stub(decode), "new", prompt_ids[1], GREEDY, prefill.endpoint)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(prefill).Prefill(serving_pb2.PrefillRequest(request=serving_pb2.GenerateRequest(
+                request_id="new-prefill", prompt_token_ids=prompt_ids[1])), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        stream.join(60)
+        for thread in drains:
+            thread.join(60)
+        assert drained == {"d-drain": 0, "p-drain": 0}  # both drained within the timeout
+        result = held["result"]
+        assert (result.token_ids, result.finish_reason) == offline[0]  # finished, untouched by the drain
+        wait_blocks_free(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculating_decode_worker_matches_offline(smollm2_checkpoint, smollm2_gguf, prompt_ids, offline,
                                                    method: str) -> None:

@@ -151,6 +151,7 @@ def _scale_watching_states(controller: ClusterController, role: str, num_workers
     thread.start()
     while thread.is_alive():
         seen.update((state, w.worker_id) for state, w in controller.pool_workers())
+        seen.update(("listed draining", w.worker_id) for w in controller.list_workers() if w.draining)
         time.sleep(0.001)
     thread.join()
     return result[0]
@@ -174,6 +175,9 @@ def test_scale_grows_and_shrinks_one_pool_newest_first() -> None:
         seen.clear()
         shrunk = by_id(_scale_watching_states(controller, "decode", 1, seen))
         assert {("draining", "decode-1"), ("draining", "decode-2")} <= seen
+        # still listed meanwhile, flagged: the router keeps reaching them but routes them nothing new
+        assert {("listed draining", "decode-1"), ("listed draining", "decode-2")} <= seen
+        assert not any(w.draining for w in controller.list_workers())
         assert {state for state, _ in controller.pool_workers()} == {"serving"}
         assert list(shrunk) == ["prefill-0", "decode-0"]
         assert controller.pool_sizes() == {"prefill": 1, "decode": 1}
