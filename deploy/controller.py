@@ -83,6 +83,7 @@ class ControllerConfig:
     # Ask Ray for the CPUs (engine threads) and GPUs each worker uses (deploy/placement.py): on a joined
     # multi-node cluster; the embedded local one oversubscribes its cores on purpose.
     reserve_devices: bool = False
+    place_by_pool: bool = False  # always ask for the pool resources (`splitserve head`: pool nodes join later)
     worker_env: Mapping[str, str] = field(default_factory=dict)  # environment of every worker process
     redis_url: str | None = field(default=None, repr=False)  # the workers' prefix index (may hold a password)
     auth: ClusterAuth = OPEN  # the cluster secret and gRPC TLS every worker serves and calls with
@@ -456,7 +457,8 @@ class ClusterController:
             configs = list(host.configs.values())
             options = host_actor_options([c.role for c in configs], cluster_resources=cluster_resources,
                                          reserve_devices=self._config.reserve_devices,
-                                         num_threads=configs[0].engine.num_threads or 1, device=configs[0].engine.device)
+                                         num_threads=configs[0].engine.num_threads or 1, device=configs[0].engine.device,
+                                         by_pool=self._config.place_by_pool)
             host.actor = WorkerHostActor.options(**common, **options).remote(configs, factory=self._factory)
             refs.append(host.actor.start.remote())
         deadline = time.monotonic() + self._config.start_timeout_s

@@ -50,4 +50,6 @@ def _parse(action: argparse.Action, name: str, raw: str) -> object:
         raise ValueError(f"${name}: {exc or 'invalid value'} (got {raw!r})") from None
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"${name} must be one of {', '.join(map(str, action.choices))}, got {raw!r}")
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag (--api-key): the variable is one value
+        return [value]
     return value

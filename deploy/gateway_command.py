@@ -19,6 +19,7 @@ of its own: deploy/ray_node.py. Flags may come from the environment (SPLITSERVE_
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from deploy.env_defaults import apply_env_defaults
@@ -69,9 +70,11 @@ def run(args: argparse.Namespace) -> int:
                              redis_url=c.redis_url, **options)
         directory = WorkerDirectory()
         directory.attach(controller, ray.get(controller.list_workers.remote()))
-        app = _build_router_app(config, c, directory, c.redis_url)
+        app, access = _build_router_app(config, c, directory, c.redis_url)
+        if access is not None and config.api_key_file is not None:  # SIGHUP re-reads the key file, as in `serve`
+            signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())
         try:
-            server = RouterServer(app, host=config.host, port=config.port)
+            server = RouterServer(app, host=config.host, port=config.port, tls=config.tls)
         except OSError as exc:
             raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
         server.start(timeout_s=60.0)

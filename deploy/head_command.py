@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
                          "(or --no-prefix-index)")
     if args.ray_join_timeout <= 0:
         raise ValueError(f"--ray-join-timeout must be positive, got {args.ray_join_timeout}")
-    config = dataclasses.replace(config, redis_url=args.redis_url if args.prefix_index else None)
+    # The pools' workers go only to nodes of their pool (deploy/placement.py), which may join after the head.
+    config = dataclasses.replace(config, redis_url=args.redis_url if args.prefix_index else None, place_by_pool=True)
     from deploy.ray_node import RayNode
     from engine.loader.model_registry import resolve_model
 

@@ -10,7 +10,8 @@ actor it creates (`deploy/controller.py`).
   that joins with some adds room to the pool, one that leaves takes its room away, and a pool grows only as far as
   its nodes allow (a scale-up past that, or into a pool with no node yet, waits for a node, up to the controller's
   start timeout). A cluster with no such resource at all (a plain `--ray-address` cluster) places workers
-  anywhere, as before. The embedded local cluster
+  anywhere, as before — except under `splitserve head` (`by_pool`), which always asks: its pool nodes may join
+  after it starts, and a worker placed before they do would land on whatever node came first. The embedded local cluster
   (`init_local_ray`) gives its one node `LOCAL_POOL_UNITS` of each, so `serve` on one machine is unchanged.
 - **CPUs and GPUs.** On a joined cluster (`reserve_devices`), a worker asks for its engine's threads as CPUs and,
   on CUDA, one GPU, so that Ray's accounting matches what runs on each node. The embedded local cluster asks for
@@ -40,14 +41,14 @@ def local_node_resources(roles: Sequence[str]) -> dict[str, float]:
 
 def host_actor_options(
     roles: Sequence[str], *, cluster_resources: Mapping[str, float], reserve_devices: bool, num_threads: int,
-    device: str,
+    device: str, by_pool: bool = False,
 ) -> dict[str, Any]:
     """Ray actor options of a host running one worker per entry of `roles` (one entry, except the in-process KV
     transport's shared host): its pools' resources when the cluster uses them, and on a joined cluster the CPUs
     (engine threads) and GPUs (one per CUDA worker) the workers use. `cluster_resources`: `ray.cluster_resources()`
-    now (nodes come and go)."""
+    now (nodes come and go); `by_pool`: ask for the pools' resources whatever the cluster has now."""
     resources: dict[str, float] = {}
-    if any(name.startswith(POOL_RESOURCE_PREFIX) and amount > 0 for name, amount in cluster_resources.items()):
+    if by_pool or any(name.startswith(POOL_RESOURCE_PREFIX) and amount > 0 for name, amount in cluster_resources.items()):
         for role in roles:
             name = pool_resource(role)
             resources[name] = resources.get(name, 0.0) + WORKER_UNITS

@@ -36,6 +36,14 @@ def test_a_variable_sets_the_default_and_a_flag_still_wins() -> None:
     assert (args.prefill_workers, args.admission_control) == (5, True)
 
 
+def test_a_repeatable_flag_takes_the_variable_as_one_value() -> None:
+    # `--api-key` from $SPLITSERVE_API_KEY: one key, not one key per character
+    p = argparse.ArgumentParser()
+    p.add_argument("--api-key", action="append", default=None)
+    apply_env_defaults(p, {"SPLITSERVE_API_KEY": "sk-test"})
+    assert p.parse_args([]).api_key == ["sk-test"]
+
+
 def test_an_empty_variable_is_unset() -> None:
     p = _parser()
     apply_env_defaults(p, {"SPLITSERVE_PREFILL_WORKERS": ""})

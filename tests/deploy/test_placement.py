@@ -19,6 +19,11 @@ def test_a_cluster_without_pool_resources_places_anywhere() -> None:
                               device="cpu") == {"num_cpus": 0, "num_gpus": 0}
 
 
+def test_the_head_asks_for_the_pools_resource_before_any_pool_node_joined() -> None:
+    assert host_actor_options(["decode"], cluster_resources={"CPU": 8.0}, reserve_devices=True, num_threads=2,
+                              device="cpu", by_pool=True)["resources"] == {"splitserve_decode": 1.0}
+
+
 def test_a_pool_with_no_node_yet_waits_for_one() -> None:
     only_prefill = {"CPU": 8.0, "splitserve_prefill": 1.0}  # the layout is in use, but no decode node (yet)
     assert host_actor_options(["decode"], cluster_resources=only_prefill, reserve_devices=False, num_threads=1,

@@ -110,9 +110,6 @@ def test_a_chat_completion_goes_through_the_gateway_and_both_pools(serving: Loca
     assert roles == ["decode", "prefill"]
 
 
-@pytest.mark.xfail(strict=True, reason="waits for issue 18 item 4 (branch pools-drain): the controller does not yet "
-                   "ask Ray for the pool resources splitserve_prefill / splitserve_decode when it places workers, so "
-                   "they land on any node (the head's); remove this mark once that is merged")
 def test_each_pools_workers_run_on_that_pools_nodes(serving: LocalCluster) -> None:
     cluster = serving
     cluster.remember_trees()
