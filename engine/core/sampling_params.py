@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.spec import GrammarSpec
+
 
 @dataclass(kw_only=True)
 class SamplingParams:
@@ -28,6 +30,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs to return with each token (the sampled one is extra)
     skip_special_tokens: bool = True
+    structured_outputs: GrammarSpec | None = None  # the grammar every sampled token must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,3 +72,5 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()

@@ -4,6 +4,8 @@ Per row, each stage running only on the rows that need it (see `sampling_batch.p
 
     raw logits ─┬─▶ logprobs: log_softmax of the raw logits (what the model said, before any shaping)
                 ▼
+    grammar bitmask (structured outputs: tokens the row's grammar rejects -> -inf, whole batch in one call)
+                ▼
     min_tokens: EOS and stop ids masked ─▶ repetition penalty ─▶ frequency & presence penalties
                 │
                 ├─ temperature 0 ─▶ argmax (ties -> lowest id)
@@ -28,6 +30,7 @@ from engine.sampling.logit_filters import min_p_threshold, top_k_threshold, top_
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.penalties import apply_frequency_presence_penalties, apply_repetition_penalty, mask_tokens
 from engine.sampling.sampling_batch import LogprobStage, RandomStage, SamplingBatch
+from engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs"]
 
@@ -65,8 +68,11 @@ class Sampler:
         self._seed = seed
         self._default_generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Pick a token for each row.
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: TokenBitmask | None = None
+    ) -> SamplerOutput:
+        """Pick a token for each row; `token_bitmask` (structured outputs) limits the rows it names to the tokens
+        their grammars allow.
 
         logits: [num_rows, vocab_size], float32 (other float dtypes are processed in float32); not modified.
         Rows whose params agree share every tensor operation; the per-row Python work is reading params and
@@ -82,6 +88,9 @@ class Sampler:
         if batch.logprobs is not None:  # before anything shapes the logits
             raw_logprobs = batch.logprobs.rows.gather(logits).float().log_softmax(dim=-1)  # [num_lp, vocab_size]
 
+        if token_bitmask is not None:
+            logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
+            apply_token_bitmask(logits, token_bitmask)
         if batch.adjusts_logits:
             logits = self._adjust(logits, batch)
 
