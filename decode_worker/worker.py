@@ -20,6 +20,7 @@ late block write can land, then abort the request in the engine).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -82,9 +83,10 @@ class DecodeWorker(RuntimeWorker):
         runtime = self.runtime
         request_id = request.request_id
         try:
-            req = runtime.engine.make_request(
-                request_id, list(request.prompt_token_ids), sampling_params_from_proto(request.params)
-            )
+            params = sampling_params_from_proto(request.params)
+            make = functools.partial(runtime.engine.make_request, request_id, list(request.prompt_token_ids), params)
+            # A grammar compiles in make_request (up to a second): off the event loop, which serves every stream.
+            req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         outputs = runtime.outputs(request_id)

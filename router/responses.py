@@ -87,11 +87,15 @@ def response_body(
     stop_reason: str | int | None,
     logprobs: dict[str, Any] | None,
     usage: Usage,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming body of a completion or chat completion."""
+    """The non-streaming body of a completion or chat completion; chat's message carries `tool_calls` when
+    given (then `text` may be None)."""
     choice: dict[str, Any] = {"index": 0}
     if header.chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            choice["message"]["tool_calls"] = tool_calls
     else:
         choice["text"] = text
     choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
@@ -114,13 +118,17 @@ def chunk_body(
     logprobs: dict[str, Any] | None = None,
     include_usage: bool = False,
     role: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One stream chunk. Chat: `role` makes the opening delta {"role": "assistant", "content": ""}."""
+    """One stream chunk. Chat: `role` makes the opening delta {"role": "assistant", "content": ""};
+    `tool_calls` are tool-call deltas (router/tools.py)."""
     choice: dict[str, Any] = {"index": 0}
     if header.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

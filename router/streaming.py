@@ -36,6 +36,7 @@ from router.responses import (
 
 if TYPE_CHECKING:
     from engine.tokenizer.tokenizer import Tokenizer
+    from router.tools import ToolPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,7 @@ class OutputSpec:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     include_usage: bool = False
+    tools: ToolPlan | None = None  # chat with tools: the output becomes content and tool_calls (router/tools.py)
 
 
 async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[str, Any]:
@@ -61,10 +63,17 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
             entries.extend(message.logprobs)
             if message.finish_reason:
                 break
+        text: str | None = "".join(texts)
+        finish_reason = message.finish_reason
+        tool_calls = None
+        if spec.tools is not None:
+            text, tool_calls = spec.tools.parser().parse(text or "")
+            finish_reason = _tool_finish_reason(finish_reason, bool(tool_calls))
         return response_body(
             spec.header,
-            text="".join(texts),
-            finish_reason=message.finish_reason,
+            text=text,
+            tool_calls=tool_calls,
+            finish_reason=finish_reason,
             stop_reason=openai_stop_reason(message.finish_reason, message.stop_reason, spec.stop,
                                            spec.stop_token_ids),
             logprobs=_logprobs(entries, spec, 0)[0] if spec.num_logprobs is not None else None,
@@ -82,6 +91,7 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
         if header.chat:
             yield sse_event(chunk_body(header, text=None, role=True, include_usage=spec.include_usage))
         text_offset = 0
+        parser = spec.tools.parser() if spec.tools is not None else None
         while True:
             try:
                 message = await _next(stream)
@@ -92,7 +102,16 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
             if spec.num_logprobs is not None and message.logprobs:
                 logprobs, text_offset = _logprobs(message.logprobs, spec, text_offset)
             finish_reason = message.finish_reason or None
-            if message.text_delta or logprobs is not None or finish_reason is not None:
+            if parser is not None:  # the text becomes content and tool-call deltas
+                for piece in parser.feed(message.text_delta) + (parser.finish() if finish_reason else []):
+                    yield sse_event(chunk_body(header, text=piece.get("content"), tool_calls=piece.get("tool_calls"),
+                                               include_usage=spec.include_usage))
+                if finish_reason is not None:
+                    finish_reason = _tool_finish_reason(finish_reason, bool(parser.calls))
+                if logprobs is not None or finish_reason is not None:
+                    yield sse_event(chunk_body(header, text=None, finish_reason=finish_reason, logprobs=logprobs,
+                                               include_usage=spec.include_usage))
+            elif message.text_delta or logprobs is not None or finish_reason is not None:
                 stop_reason = openai_stop_reason(message.finish_reason, message.stop_reason, spec.stop,
                                                  spec.stop_token_ids)
                 yield sse_event(chunk_body(header, text=message.text_delta, finish_reason=finish_reason,
@@ -105,6 +124,11 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
         yield SSE_DONE
     finally:
         stream.close()
+
+
+def _tool_finish_reason(finish_reason: str, has_calls: bool) -> str:
+    """OpenAI's "tool_calls" when the output ended by itself with calls in it."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
 
 
 async def _next(stream: ResumableStream) -> serving_pb2.GenerateResponse:

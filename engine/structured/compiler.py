@@ -73,8 +73,8 @@ class GrammarCompilerCache:
             if spec.kind == "json_schema":
                 # Compact whitespace (json.dumps' separators): free whitespace lets a small model pad forever.
                 return compiler.compile_json_schema(spec.source, any_whitespace=False)
-            if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # OpenAI's: an object (xgrammar's builtin JSON takes any value)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
             if spec.kind == "choice":
