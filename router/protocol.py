@@ -272,6 +272,8 @@ def _check_message_text(message: ChatMessage, where: str) -> None:
     check_text(message.role, param="messages", where=f"{where}.role", allow_nul=False)
     if message.name is not None:
         check_text(message.name, param="messages", where=f"{where}.name", allow_nul=False)
+    if message.tool_call_id is not None:
+        check_text(message.tool_call_id, param="messages", where=f"{where}.tool_call_id", allow_nul=False)
     if isinstance(message.content, str):
         check_text(message.content, param="messages", where=f"{where}.content", allow_nul=False)
     for index, part in enumerate(message.content if isinstance(message.content, list) else ()):

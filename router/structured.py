@@ -77,11 +77,11 @@ def _response_format(response_format: dict[str, object]) -> GrammarSpec | None:
 
 def _schema(schema: object, param: str) -> GrammarSpec:
     if isinstance(schema, str):
+        check_text(schema, param=param)
         try:
             json.loads(schema)
         except json.JSONDecodeError as error:
             raise bad_request(f"{param}: the schema is not valid JSON: {error}", param) from None
-        check_text(schema, param=param)
         return GrammarSpec.json_schema(schema)
     if not isinstance(schema, dict | bool):
         raise bad_request(f"{param}: the schema must be a JSON object, got {type(schema).__name__}", param)
