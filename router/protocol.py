@@ -177,7 +177,7 @@ def check_text(text: str, *, param: str, where: str | None = None, allow_nul: bo
     JSON may escape a lone surrogate ("\\ud800"), and Python's json decodes the raw bytes ED A0 80 to one as
     well; such a string cannot be encoded as UTF-8, so it can reach neither the tokenizer nor a protobuf
     `string` field. The check_*_request functions hold every declared string field to this, used or not, so
-    that one rule answers for all of them (free-form objects are re-serialized as ASCII JSON before they travel). NUL is no character of any prompt; refusing it in the text that
+    that one rule answers for all of them. NUL is no character of any prompt; refusing it in the text that
     becomes the prompt (prompt, messages) keeps it from meaning something else to each C-string consumer
     downstream (tokenizers in C, logs). `where` says where the text sits (e.g. "messages[2].content"), default
     `param`. The fields of a free-form object (tools, response_format, structured_outputs, logit_bias) are

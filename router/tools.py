@@ -247,7 +247,8 @@ class ToolCallParser:
                 start = self._buffer.find(TOOL_CALL_START)
                 if start < 0:
                     keep = 0 if final else _partial_suffix(self._buffer, TOOL_CALL_START)
-                    text, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                    cut = len(self._buffer) - keep
+                    text, self._buffer = self._buffer[:cut], self._buffer[cut:]
                     if text:
                         deltas.append({"content": text})
                     break

@@ -161,7 +161,8 @@ def test_tool_turns_and_the_tool_prompt_render_as_text() -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ])
     plan = plan_tools(request)
