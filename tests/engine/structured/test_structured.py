@@ -212,3 +212,12 @@ def test_grammar_spec_validation() -> None:
         SamplingParams(structured_outputs=GrammarSpec(kind="regex")).validate()
     assert json.loads(GrammarSpec.json_schema({"b": 1, "a": 2}).source) == {"b": 1, "a": 2}
     GrammarSpec(kind="json_object").validate()
+
+
+def test_the_spec_crosses_processes_in_the_proto() -> None:
+    from engine.serving.convert import sampling_params_from_proto, sampling_params_to_proto
+
+    spec = GrammarSpec.choice(["yes", "no"])
+    params = sampling_params_from_proto(sampling_params_to_proto(SamplingParams(structured_outputs=spec)))
+    assert params.structured_outputs == spec
+    assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())).structured_outputs is None
