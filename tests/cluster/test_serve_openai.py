@@ -85,8 +85,8 @@ def cluster(request, smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[str,
         serve.close()
 
 
-def client_for(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client_for(url: str, timeout_s: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
 
 
 def test_openai_client_gets_exact_greedy_answers(cluster, offline, smollm2_checkpoint, smollm2_gguf) -> None:
@@ -212,7 +212,7 @@ def test_structured_outputs_and_tool_calls(cluster, smollm2_gguf) -> None:
     mode, _serve, url = cluster
     if mode in ("torch", "inproc"):
         pytest.skip("the grammar crosses the handoff in the request, whatever the KV transport: grpc covers it")
-    client = client_for(url)
+    client = client_for(url, timeout_s=600)  # ten requests at once on two shared cores
     schemas = [generated_schema(seed) for seed in range(100, 110)]
 
     def answer(schema: dict) -> tuple[dict, str, str]:
@@ -238,6 +238,13 @@ def test_structured_outputs_and_tool_calls(cluster, smollm2_gguf) -> None:
     [call] = called.choices[0].message.tool_calls
     assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    stream = client.chat.completions.create(  # the same, streamed: OpenAI's tool-call deltas
+        model=smollm2_gguf, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64,
+        temperature=0, stream=True)
+    deltas = [d for chunk in stream if chunk.choices for d in chunk.choices[0].delta.tool_calls or ()]
+    assert deltas[0].function.name == "get_weather" and {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
     completion = client.completions.create(model=smollm2_gguf, prompt="The sky is", max_tokens=8, temperature=0,
                                            extra_body={"guided_choice": ["blue", "green"]})
