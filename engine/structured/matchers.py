@@ -48,6 +48,8 @@ class GrammarMatchers:
         self.compilers = compilers
         self.vocab_size = compilers.vocab_size
         self._grammars: dict[str, _RequestGrammar] = {}
+        # Rows are filled on as many threads as torch computes on (idle between the forward passes).
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
 
     @property
     def num_requests(self) -> int:
@@ -64,8 +66,13 @@ class GrammarMatchers:
     def fill(self, requests: Sequence[Request], row_indices: Sequence[int]) -> TokenBitmask:
         """The bitmask for the next token of each (structured) request, constraining logits row `row_indices[i]`."""
         bitmask = self.allocate(len(requests))
-        for i, request in enumerate(requests):
-            self._fill_row(self._synced(request), bitmask, i)
+        grammars = [self._synced(request) for request in requests]
+        live = [i for i, g in enumerate(grammars) if not g.broken and not g.matcher.is_terminated()]
+        if len(live) > 1:
+            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], bitmask, indices=live)
+        for i, grammar in enumerate(grammars):
+            if len(live) <= 1 or i not in live:
+                self._fill_row(grammar, bitmask, i)
         return TokenBitmask(bitmask=bitmask, row_indices=list(row_indices))
 
     def fill_with_drafts(self, request: Request, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int

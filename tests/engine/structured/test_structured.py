@@ -221,3 +221,14 @@ def test_the_spec_crosses_processes_in_the_proto() -> None:
     params = sampling_params_from_proto(sampling_params_to_proto(SamplingParams(structured_outputs=spec)))
     assert params.structured_outputs == spec
     assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())).structured_outputs is None
+
+
+def test_a_batch_fills_as_its_rows_one_by_one(compilers: GrammarCompilerCache) -> None:
+    specs = [GrammarSpec.choice(["abc", "abd"]), GrammarSpec(kind="regex", source="a[xy]+"), GrammarSpec.choice(["ab"])]
+    outputs = [[ord("a")], [ord("a"), ord("x")], [token_id("ab"), EOS_ID]]  # the last one is terminated
+    requests = [request_with(spec, out, request_id=f"b{i}") for i, (spec, out) in enumerate(zip(specs, outputs))]
+    batch = GrammarMatchers(compilers).fill(requests, [4, 1, 2])
+    assert batch.row_indices == [4, 1, 2]
+    for i, request in enumerate(requests):
+        alone = GrammarMatchers(compilers).fill([request], [0]).bitmask
+        assert torch.equal(batch.bitmask[i], alone[0])
