@@ -206,6 +206,7 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city", "unit"]}}}
 
 
+@pytest.mark.timeout(900)  # with the cluster's start-up, which pytest-timeout counts too
 def test_structured_outputs_and_tool_calls(cluster, smollm2_gguf) -> None:
     """JSON schemas (10 generated ones, at once; 50 more run offline in tests/engine/structured/), a pydantic model
     through `parse`, a named tool choice, a choice on completions, and a bad schema's 400; every block freed."""
