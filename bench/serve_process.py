@@ -28,11 +28,12 @@ AIPERF = os.environ.get("AIPERF", "/tmp/aiperf-venv/bin/aiperf")
 class Serve:
     """`splitserve serve --model <model> --port 0 <flags>` in its own process group, until `stop()`."""
 
-    def __init__(self, flags: list[str], *, model: str = MODEL) -> None:
+    def __init__(self, flags: list[str], *, model: str = MODEL, stderr_path: str | None = None) -> None:
         self.flags = flags
+        stderr = open(stderr_path, "wb") if stderr_path else subprocess.DEVNULL  # noqa: SIM115 - the child's
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "serve", "--model", model, "--port", "0", *flags],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+            cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
         )
         assert self.proc.stdout is not None
         for line in self.proc.stdout:

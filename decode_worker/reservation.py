@@ -8,17 +8,25 @@ A reservation's states (its lock makes each transition atomic with respect to bl
 
 `cancel` is what the owner calls before freeing the blocks on abort or timeout: once it returns, no write is in
 flight and none will start, so a late sender can never write into blocks that another request now owns.
+
+No block enters the cache that nobody asked for: the sink opens a handoff only for a reservation this worker made
+itself, and only when the handoff names the reservation's transfer id (a fresh random one per attempt, given to the
+prefill worker in the Prefill call), comes from the prefill worker the gateway named, and carries the block count
+and layout reserved. Anything else is refused (KVRefused / KVLayoutMismatch, counted by the receiver) before a
+byte is written. Even a written block reaches the prefix cache only when the request commits (a failed handoff
+frees its blocks unregistered).
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
 import threading
 
 import torch
 
 from kv_transfer.block_copy import copy_checked
-from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
+from kv_transfer.layout import KVHandoff, KVLayout, KVRefused, KVTransferError
 
 
 class ReservationState(enum.Enum):
@@ -33,11 +41,14 @@ class Reservation:
 
     def __init__(
         self, request_id: str, num_tokens: int, block_ids: list[int], kv_cache: torch.Tensor, layout: KVLayout,
-        *, first_block: int = 0,
+        *, first_block: int = 0, transfer_id: str = "", source_endpoint: str = "",
     ) -> None:
         """`block_ids[:first_block]` are held already (this worker's prefix cache, shared with other requests):
-        the handoff must skip them, and no write may touch them."""
+        the handoff must skip them, and no write may touch them. `transfer_id` and `source_endpoint` ("": any)
+        are what the one handoff it accepts must name."""
         self.request_id = request_id
+        self.transfer_id = transfer_id
+        self.source_endpoint = source_endpoint
         self.num_tokens = num_tokens
         self.block_ids = block_ids
         self.first_block = first_block
@@ -51,17 +62,25 @@ class Reservation:
 
     def open(self, handoff: KVHandoff) -> None:
         with self._lock:
+            if self.transfer_id and not hmac.compare_digest(handoff.transfer_id.encode(), self.transfer_id.encode()):
+                raise KVRefused(f"request {self.request_id}: no transfer {handoff.transfer_id!r} was reserved",
+                                reason="unknown_transfer")
+            if self.source_endpoint and handoff.source_endpoint != self.source_endpoint:
+                raise KVRefused(f"request {self.request_id}: KV expected from {self.source_endpoint}, the handoff "
+                                f"comes from {handoff.source_endpoint or 'an unnamed sender'}", reason="wrong_source")
             if self.state is not ReservationState.RESERVED:
-                raise KVTransferError(f"request {self.request_id}: KV already {self.state.value}, refusing a transfer")
+                raise KVRefused(f"request {self.request_id}: KV already {self.state.value}, refusing a transfer",
+                                reason="unknown_transfer")
             if handoff.num_tokens != self.num_tokens or handoff.num_blocks > len(self.block_ids):
-                raise KVTransferError(
+                raise KVRefused(
                     f"request {self.request_id}: reserved {self.num_tokens} tokens in {len(self.block_ids)} blocks, "
-                    f"the handoff carries {handoff.num_tokens} tokens in {handoff.num_blocks} blocks"
+                    f"the handoff carries {handoff.num_tokens} tokens in {handoff.num_blocks} blocks",
+                    reason="block_count",
                 )
             if handoff.first_block != self.first_block:
-                raise KVTransferError(
+                raise KVRefused(
                     f"request {self.request_id}: this worker holds the first {self.first_block} blocks, the handoff "
-                    f"starts at block {handoff.first_block}"
+                    f"starts at block {handoff.first_block}", reason="block_count",
                 )
             self.state = ReservationState.RECEIVING
 
@@ -115,6 +134,7 @@ class DecodeKVSink:
         with self._lock:
             reservation = self._reservations.get(handoff.request_id)
         if reservation is None:
-            raise KVTransferError(f"no blocks are reserved for request {handoff.request_id} on this decode worker")
+            raise KVRefused(f"no blocks are reserved for request {handoff.request_id} on this decode worker",
+                            reason="unknown_transfer")
         reservation.open(handoff)
         return reservation

@@ -22,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
-import torch
 
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
@@ -39,6 +38,7 @@ from engine.serving.worker_runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRun
 from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from kv_transfer.registry import make_receiver
 from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class DecodeWorker(RuntimeWorker):
             raise ValueError(f"DecodeWorker needs role 'decode' or 'colocated', got {config.role!r}")
         self.config = config
         self.runtime = WorkerRuntime(config, checkpoint)
-        self.sink = DecodeKVSink(self.runtime.layout, torch.device(config.device))
+        self.sink = DecodeKVSink(self.runtime.layout, self.runtime.device)
         self.receiver = None
         if config.role == "decode":  # a colocated worker receives no KV
             self.receiver = make_receiver(config.kv_transport, self.sink)
@@ -82,35 +82,48 @@ class DecodeWorker(RuntimeWorker):
         arrival_s = time.monotonic()
         runtime = self.runtime
         request_id = request.request_id
+        params = sampling_params_from_proto(request.params)
         try:
-            params = sampling_params_from_proto(request.params)
             make = functools.partial(runtime.engine.make_request, request_id, list(request.prompt_token_ids), params)
             # A grammar compiles in make_request (up to a second): off the event loop, which serves every stream.
             req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs = runtime.outputs(request_id)
+        num_choices = params.num_sequences  # n > 1: one stream, each message tagged with its choice
+        outputs = runtime.outputs(request_id, num_choices)
         timings = serving_pb2.StageTimings(router_queue_s=request.router_queue_s)
         reservation: Reservation | None = None
         finished = False
+        num_left = num_choices
+        num_completion_tokens = 0
+        first = True  # the first message carries the stage timings
+        prompt_logprobs: list[serving_pb2.TokenLogprobs] = []  # disaggregated: computed by the prefill worker
         try:
             if request.prefill_endpoint:
-                reservation = await self._reserve(req)
+                reservation = await self._reserve(req, request.prefill_endpoint)
                 timings.decode_queue_s = time.monotonic() - arrival_s
-                early = await self._prefill_remote(req, request, reservation, timings)
+                early, prompt_logprobs = await self._prefill_remote(req, request, reservation, timings)
                 if early is not None:  # the first token ended it on the prefill worker: no KV came
-                    self._abandon(req, reservation)
-                    finished = True
                     early.timings.CopyFrom(timings)
+                    if num_choices == 1:
+                        self._abandon(req, reservation)
+                        finished = True
+                        yield early
+                        return
+                    # The other choices compute the prompt here (no KV came for them to share).
+                    reservation.cancel("choice 0 ended on the prefill worker")
+                    await runtime.call(lambda e: e.prefill_choices_here(request_id))
+                    num_left -= 1
+                    num_completion_tokens += 1
+                    early.usage.completion_tokens = num_completion_tokens
+                    first = False
                     yield early
-                    return
             else:
                 try:
                     await runtime.call(lambda e: e.enqueue(req))
                 except ValueError as exc:
                     raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            first = True
-            while not finished:
+            while num_left:
                 out = await outputs.get()
                 msg = output_to_response(out)
                 if first:
@@ -119,20 +132,27 @@ class DecodeWorker(RuntimeWorker):
                         timings.prefill_queue_s = _queue_s(req)
                         timings.prefill_s = max(_first_token_s(req) - _queue_s(req), 0.0)
                     msg.timings.CopyFrom(timings)
-                finished = out.finished
+                if prompt_logprobs and out.index == 0:
+                    msg.prompt_logprobs.extend(prompt_logprobs)
+                    prompt_logprobs = []
+                if out.finished:
+                    num_left -= 1
+                    num_completion_tokens += len(out.token_ids)
+                    msg.usage.completion_tokens = num_completion_tokens  # every choice so far; the prompt once
+                finished = not num_left
                 yield msg
         except GenerateFailed as exc:
             finished = False
             await context.abort(exc.code, str(exc))
         finally:
-            runtime.loop.unlisten(request_id)
+            runtime.unlisten(request_id, num_choices)
             if not finished:
                 self._abandon(req, reservation)
             self.sink.remove(request_id)
 
-    async def _reserve(self, req: Request) -> Reservation:
+    async def _reserve(self, req: Request, prefill_endpoint: str) -> Reservation:
         """Blocks for the request to start, waiting while the pool is full (decode queue). Registers the
-        reservation."""
+        reservation, which accepts one handoff: from `prefill_endpoint`, under a fresh random transfer id."""
         runtime = self.runtime
         deadline = time.monotonic() + self.config.kv_transfer_timeout_s
         while True:
@@ -151,7 +171,7 @@ class DecodeWorker(RuntimeWorker):
             await asyncio.sleep(RESERVE_POLL_S)
         reservation = Reservation(
             req.request_id, req.num_prompt_tokens, reserved.block_ids, runtime.engine.runner.kv_cache, runtime.layout,
-            first_block=reserved.num_held_blocks,
+            first_block=reserved.num_held_blocks, transfer_id=secrets.token_hex(16), source_endpoint=prefill_endpoint,
         )
         self.sink.add(reservation)
         return reservation
@@ -162,10 +182,11 @@ class DecodeWorker(RuntimeWorker):
         request: serving_pb2.GenerateRequest,
         reservation: Reservation,
         timings: serving_pb2.StageTimings,
-    ) -> serving_pb2.GenerateResponse | None:
-        """Ask the prefill worker for the prompt and its KV; commit. Returns a final message if the request ended
-        on its first token; raises GenerateFailed on any failure (the caller frees the reservation). Cancelling
-        this coroutine (the client left) cancels the Prefill call, and the prefill worker aborts too."""
+    ) -> tuple[serving_pb2.GenerateResponse | None, list[serving_pb2.TokenLogprobs]]:
+        """Ask the prefill worker for the prompt and its KV; commit. Returns a final message if the request (its
+        choice 0) ended on its first token, and the prompt logprobs the prefill worker computed, if asked for;
+        raises GenerateFailed on any failure (the caller frees the reservation). Cancelling this coroutine (the
+        client left) cancels the Prefill call, and the prefill worker aborts too."""
         stub = self._prefill_stub(request.prefill_endpoint)
         try:
             reply: serving_pb2.PrefillResponse = await stub.Prefill(
@@ -173,7 +194,7 @@ class DecodeWorker(RuntimeWorker):
                     request=request,
                     decode_endpoint=self.runtime.endpoint,
                     decode_worker_id=self.config.worker_id,
-                    transfer_id=uuid.uuid4().hex,
+                    transfer_id=reservation.transfer_id,
                     decode_cached_blocks=reservation.first_block,
                 ),
                 # The prefill worker's own queue plus the handoff: generous, but never unbounded.
@@ -193,6 +214,7 @@ class DecodeWorker(RuntimeWorker):
         timings.kv_transfer_bytes = reply.timings.kv_transfer_bytes
         if reply.error:  # the prompt ran but its KV never arrived: this pair failed, not the request
             raise GenerateFailed(grpc.StatusCode.ABORTED, reply.error)
+        prompt_logprobs = list(reply.prompt_logprobs)
         if reply.finish_reason:
             return serving_pb2.GenerateResponse(
                 request_id=req.request_id,
@@ -204,7 +226,8 @@ class DecodeWorker(RuntimeWorker):
                 usage=serving_pb2.Usage(
                     prompt_tokens=req.num_prompt_tokens, completion_tokens=1, cached_tokens=reply.num_cached_tokens
                 ),
-            )
+                prompt_logprobs=prompt_logprobs,
+            ), []
         # The sender returns only after the receiver committed, so anything else is a protocol error.
         if reservation.state is not ReservationState.COMMITTED:
             raise GenerateFailed(
@@ -216,7 +239,7 @@ class DecodeWorker(RuntimeWorker):
         await self.runtime.call(
             lambda e: e.commit_remote(req.request_id, reply.first_token_id, first_logprobs, reply.num_cached_tokens)
         )
-        return None
+        return None, prompt_logprobs
 
     def _abandon(self, req: Request, reservation: Reservation | None) -> None:
         """Free what the request holds, without waiting (this runs on the asyncio loop, maybe cancelled)."""
@@ -231,7 +254,7 @@ class DecodeWorker(RuntimeWorker):
         """An aio stub on this worker's asyncio loop (only called there, so no lock)."""
         stub = self._prefill_stubs.get(endpoint)
         if stub is None:
-            channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            channel = aio_channel(endpoint, self.config.auth, options=GRPC_OPTIONS)
             self._prefill_channels.append(channel)
             stub = self._prefill_stubs[endpoint] = serving_pb2_grpc.WorkerStub(channel)
         return stub
@@ -260,8 +283,22 @@ class DecodeServicer(WorkerServicer):
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         # An async generator function itself: that is how grpc.aio tells a streaming handler from a unary one.
-        async for message in self.worker.generate(request, context):
-            yield message
+        gate = self.worker.runtime.gate
+        if not gate.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker.worker_id} is draining")
+        try:
+            async for message in self.worker.generate(request, context):
+                yield message
+        finally:
+            gate.exit()
 
     async def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")
+
+    async def GetLoad(
+        self, request: serving_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.LoadStats:
+        stats = await super().GetLoad(request, context)
+        if self.worker.receiver is not None:
+            stats.kv_transfers_rejected.update(self.worker.receiver.rejections())
+        return stats

@@ -12,19 +12,25 @@ from engine.serving.log_config import configure_logging
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    from deploy import scale_command, serve_command
+    from deploy import gateway_command, head_command, scale_command, serve_command
     from engine import generate_command
     from engine.kernels import build_command
 
     generate_command.add_parser(sub)
     serve_command.add_parser(sub)
+    head_command.add_parser(sub)
+    gateway_command.add_parser(sub)
     scale_command.add_parser(sub)
     build_command.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # reads the SPLITSERVE_* defaults of `head` and `gateway` (deploy/env_defaults.py)
+    except ValueError as exc:
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     configure_logging()
     try:

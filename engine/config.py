@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from engine.spec_decode.config import SpeculativeConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on cuda, float32 on cpu (engine/device.py)
+DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is taken too; "auto": cuda when torch sees a GPU
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names; "dummy": seeded random weights of a named shape
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model's dtype; int8: per-block-per-head scales; fp8: GPU only
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str = "smollm2-135m"
-    dtype: str = "float32"
+    # Both made concrete once, at start-up, by engine/device.py's resolve_engine_config (this module does no I/O).
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -22,7 +31,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 2 << 30
     seed: int | None = None  # for requests without their own seed
-    attention_backend: str = "auto"  # "cpu" (C++ paged decode kernel) when it builds, else "torch"
+    # "auto": on cuda "triton" (engine/kernels/triton/) when triton imports, else "torch"; on cpu "cpu" (the C++
+    # paged decode kernel) when it builds, else "torch"; an int8 KV cache always takes "torch" (it dequantizes).
+    attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # What namespaces KV block hashes (with block size and dtype): None: a digest of the checkpoint's weights
     # (engine/loader/model_identity.py), so two copies of the same weights share hashes wherever they live.
@@ -35,6 +46,14 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not _DEVICE.match(self.device):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), got {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.device == "cpu":
+            raise ValueError("kv_cache_dtype fp8 needs a CUDA device (--device cuda); on cpu use int8")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -24,7 +24,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=d.model, help="model name (smollm2-135m), a .gguf file or an HF directory")
-    g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    g.add_argument("--device", default=d.device, metavar="{" + ",".join(DEVICES) + "}",
+                   help="where the engine runs (cuda:N too); auto: cuda when a GPU is visible, else cpu")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="auto: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                   help="dummy: seeded random weights of the named shape (smollm2-135m, llama-3.2-1b, qwen2.5-1.5b)")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; int8: per-block-per-head scales; fp8: cuda only")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -36,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-memory", type=parse_size_bytes, default=d.kv_cache_memory_bytes, help="KV cache size, e.g. 2GiB"
     )
-    g.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "cpu", "torch"))
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "cpu", "torch", "triton"))
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--model-id", default=None,
@@ -58,7 +64,10 @@ def _speculative_config(text: str) -> SpeculativeConfig:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        device=args.device,
         dtype=args.dtype,
+        load_format=args.load_format,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

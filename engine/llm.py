@@ -43,6 +43,8 @@ class LLM:
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         for p in per_prompt:
             p.validate()
+            if p.num_sequences > 1:  # one finished output per prompt is this API's contract
+                raise ValueError("n > 1 and best_of are served by the workers' Generate stream, not LLM.generate")
         requests = [
             self.engine.make_request(f"offline-{next(self._ids)}", prompt, p)
             for prompt, p in zip(prompts, per_prompt, strict=True)

@@ -21,13 +21,16 @@ import torch
 from engine.attention.backend import get_attention_backend
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
+from engine.core.fork import choice_params, choice_request_id, parent_request_id
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.stats import EngineStats, RequestStats
+from engine.device import TORCH_DTYPES, resolve_engine_config
 from engine.kernels.registry import load_all
-from engine.loader.checkpoint import Checkpoint, load_checkpoint
+from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
+from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RemoteReservation, RequestOutput
@@ -47,16 +50,16 @@ KVEventSink = Callable[[Sequence[KVEvent]], None]
 
 logger = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
-        self.config = config
+        # Device and dtype made concrete first: `--device cuda` without a GPU fails here, before any weight loads.
+        self.config = config = resolve_engine_config(config)
+        self.device = device = torch.device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = TORCH_DTYPES[config.dtype]
-        checkpoint = checkpoint or load_checkpoint(config.model, dtype=dtype)
+        checkpoint = checkpoint or load_engine_checkpoint(config, device)
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
 
@@ -65,9 +68,12 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context length {mc.max_position_embeddings}"
             )
-        block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        block_bytes = kv_block_bytes(mc, config.block_size, dtype, config.kv_cache_dtype)
         spec = config.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
+        if spec is not None and spec.method in ("draft_model", "layer_skip") and device.type != "cpu":
+            raise ValueError(f"speculative method {spec.method!r} runs on cpu only so far (its drafter builds its "
+                             "step on the host); ngram runs on any device")
         draft_checkpoint = None
         if spec is not None and spec.method == "draft_model":  # its KV blocks come out of the same memory
             assert spec.model is not None
@@ -82,9 +88,18 @@ class LLMEngine:
 
         # The C++ kernels load here (and build here only on a machine nobody built them for), never inside the
         # first request's forward pass.
-        self.cpu_kernels = load_all()
-        attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5)
-        model = LlamaModel(mc, checkpoint.weights, attention, max_positions=self.max_model_len)
+        self.cpu_kernels = load_all() if device.type == "cpu" else []
+        attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5, device=device,
+                                          kv_cache_dtype=config.kv_cache_dtype)
+        self.attention_backend_name = attention.name
+        logger.info("engine on %s, %s, KV cache %s, attention backend %s", device, config.dtype,
+                    config.kv_cache_dtype, attention.name)
+        weights = checkpoint.weights
+        if device.type != "cpu" or any(t.dtype != dtype for t in weights.values()):
+            # A copy per engine (the checkpoint's CPU tensors may be shared by other engines), in the engine's
+            # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
+            weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
+        model = LlamaModel(mc, weights, attention, max_positions=self.max_model_len)
         self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(
             self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -97,10 +112,11 @@ class LLMEngine:
             ),
             self.kv_cache,
         )
-        self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed)
+        self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self.hash_namespace = BlockHashNamespace(
-            model=config.model_id or model_identity(checkpoint.path), block_size=config.block_size,
-            kv_dtype=config.dtype)
+            model=config.model_id or checkpoint.model_id or model_identity(checkpoint.path),
+            block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
         self.speculator: Speculator | None = None
         if spec is not None:
             proposer = make_proposer(spec, self.runner, draft_checkpoint=draft_checkpoint,
@@ -115,6 +131,7 @@ class LLMEngine:
         # Structured outputs: xgrammar loads with the first request that has a grammar (see grammar_compilers).
         self._grammar_compilers: GrammarCompilerCache | None = None
         self._grammar_lock = threading.Lock()
+        self._children: dict[str, list[str]] = {}  # n > 1: a request's other choices that have not finished
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
@@ -149,6 +166,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within "
@@ -156,15 +176,24 @@ class LLMEngine:
             )
         room = self.max_model_len - len(prompt_ids)
         eos = tuple(self.tokenizer.eos_token_ids)
-        return Request(
-            request_id,
-            prompt_ids,
-            params,
-            eos_token_ids=eos,
-            max_tokens=min(params.max_tokens or room, room),
-            hash_namespace=self.hash_namespace if self.config.enable_prefix_caching else None,
-            remote_decode=remote_decode,
-        )
+        # n > 1 (best_of): the other choices wait on choice 0 until its prompt is computed (engine/core/fork.py).
+        # A prefill worker computes only choice 0's prompt and first token; its decode worker forks the rest.
+        num_sequences = 1 if remote_decode else params.num_sequences
+        requests = [
+            Request(
+                choice_request_id(request_id, index),
+                prompt_ids,
+                choice_params(params, index) if params.num_sequences > 1 else params,
+                eos_token_ids=eos,
+                max_tokens=min(params.max_tokens or room, room),
+                hash_namespace=self.hash_namespace if self.config.enable_prefix_caching else None,
+                remote_decode=remote_decode,
+                index=index,
+            )
+            for index in range(num_sequences)
+        ]
+        requests[0].pending_forks = requests[1:]
+        return requests[0]
 
     def grammar_compilers(self) -> GrammarCompilerCache:
         """The engine's grammar compiler cache, made (and its matchers given to the runner) on first use, from
@@ -181,18 +210,31 @@ class LLMEngine:
 
     def enqueue(self, request: Request) -> None:
         """Queue a request from `make_request`. Raises ValueError (and queues nothing) if its id is in use."""
+        for child in request.pending_forks:
+            if child.request_id in self.scheduler.requests:
+                raise ValueError(f"request id {child.request_id!r} is already in use")
         self.scheduler.add_request(request)
-        self.outputs.add(request)
+        self._add_outputs(request)
         self._counters.num_prompt_tokens += request.num_prompt_tokens
 
+    def _add_outputs(self, request: Request) -> None:
+        """Output state for a request and its pending choices; the engine aborts them with it (`_children`)."""
+        self.outputs.add(request)
+        for child in request.pending_forks:
+            self.outputs.add(child)
+        if request.pending_forks:
+            self._children[request.request_id] = [child.request_id for child in request.pending_forks]
+
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Abort requests, each with every choice of it (n > 1) still running."""
         outs = []
         for request_id in request_ids:
             if self.scheduler.release_held(request_id):  # its output already went out as "prefilled"
                 continue
-            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-            if request is not None:
-                outs.append(self._finish(request))
+            for choice_id in [request_id, *self._children.get(request_id, ())]:
+                request = self.scheduler.finish_request(choice_id, RequestStatus.FINISHED_ABORTED)
+                if request is not None:
+                    outs.extend(self._finish_with_choices(request))
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -217,9 +259,12 @@ class LLMEngine:
     def reserve_remote(self, request: Request) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
         here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`."""
+        for child in request.pending_forks:
+            if child.request_id in self.scheduler.requests:
+                raise ValueError(f"request id {child.request_id!r} is already in use")
         if not self.scheduler.reserve_remote(request):
             return None
-        self.outputs.add(request)
+        self._add_outputs(request)
         self._counters.num_prompt_tokens += request.num_prompt_tokens
         return RemoteReservation(block_ids=self.kv_cache.block_ids(request.request_id),
                                  num_held_blocks=self.kv_cache.num_cached_blocks(request.request_id))
@@ -230,12 +275,26 @@ class LLMEngine:
         """The reserved blocks now hold the prompt's KV: queue the request for decode with its first token."""
         request = self.scheduler.requests[request_id]
         request.num_cached_tokens = num_cached_tokens
+        self.runner.skip_remote_draw(request)
         self.scheduler.commit_remote(request, first_token_id)
         outs = self._postprocess(
             [(request, first_token_id)], {request_id: [logprobs]} if logprobs else {}, time.monotonic()
         )
         self.publish_kv_events()
         return outs[0]
+
+    def prefill_choices_here(self, request_id: str) -> None:
+        """n > 1, disaggregated: the prefill worker ended choice 0 on its first token and sent no KV. Its
+        reservation goes back, and the other choices compute the prompt here: the first of them prefills it,
+        the rest fork off it (engine/core/fork.py). Choice 0's output is the caller's (the prefill worker's
+        reply); its state here is dropped."""
+        parent = self.scheduler.requests[request_id]
+        children, parent.pending_forks = parent.pending_forks, []
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        self._finish(parent)
+        if children:
+            children[0].pending_forks = children[1:]
+            self.scheduler.add_request(children[0])
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -249,7 +308,7 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
             start_s = time.perf_counter()
-            sampled, logprobs = self.runner.execute(scheduled)
+            sampled, logprobs, prompt_logprobs = self.runner.execute(scheduled)
             if self.speculator is not None:
                 self.speculator.observe_step(scheduled, sampled, time.perf_counter() - start_s)
         except Exception as exc:  # a failed step must not strand its requests' blocks
@@ -258,15 +317,27 @@ class LLMEngine:
             for item in scheduled.scheduled:
                 request = self.scheduler.finish_request(item.request.request_id, RequestStatus.FINISHED_ERROR)
                 if request is not None:
-                    outs.append(self._finish(request, error=f"engine step failed: {exc}"))
+                    outs.extend(self._finish_with_choices(request, error=f"engine step failed: {exc}"))
             return outs
         # The tokens exist from here: stamped before update_from_output, which stamps finish times, so that a
         # request finishing on its first token never reports a ttft longer than its e2e latency.
         sampled_s = time.monotonic()
+        self._record_prompt_logprobs(prompt_logprobs)
         produced = self.scheduler.update_from_output(scheduled, sampled)
         outs = self._postprocess(produced, logprobs, sampled_s)
         self.publish_kv_events()
         return outs
+
+    def _record_prompt_logprobs(self, prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Keep the step's prompt logprobs on their requests; positions already recorded (a prompt recomputed
+        after a preemption) are not recorded twice."""
+        for request_id, (start, entries) in prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            skip = len(request.prompt_logprobs) - start
+            if skip >= 0:
+                request.prompt_logprobs.extend(entries[skip:])
 
     def _postprocess(
         self, produced: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprobs]], sampled_s: float
@@ -309,7 +380,23 @@ class LLMEngine:
             outs.append(self._finish(request) if request.is_finished else self.outputs.snapshot(request))
         return outs
 
+    def _finish_with_choices(self, request: Request, error: str | None = None) -> list[RequestOutput]:
+        """The final output of a request ended from outside a step (abort, failed step), and of its choices not
+        forked yet (its prompt never finished): they end the same way, having held no block."""
+        pending, request.pending_forks = request.pending_forks, []
+        outs = [self._finish(request, error)]
+        for child in pending:
+            child.status = request.status
+            outs.append(self._finish(child, error))
+        return outs
+
     def _finish(self, request: Request, error: str | None = None) -> RequestOutput:
+        parent_id = parent_request_id(request.request_id, request.index)
+        children = self._children.get(parent_id)
+        if children is not None and request.index:
+            children.remove(request.request_id)
+        if children is not None and not children:
+            del self._children[parent_id]
         self.runner.release(request.request_id)
         if self.speculator is not None:
             self.speculator.release(request.request_id)

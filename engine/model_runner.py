@@ -2,7 +2,8 @@
 verifying their draft tokens (if any) in the same pass.
 
 The runner owns the KV tensors (one per layer) and the per-request seeded generators; the control plane owns
-the block ids that index them.
+the block ids that index them. It runs where the model's weights are: the KV cache is allocated there, and each
+step's inputs are built on the host and copied there once.
 """
 
 from __future__ import annotations
@@ -11,35 +12,66 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention.int8_kv import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.huge_pages import zeros_with_huge_pages
 from engine.model.llama import LlamaModel
+from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logprobs
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.sampling.sampling_batch import MIN_TEMPERATURE
 from engine.structured.bitmask import TokenBitmask
 
 if TYPE_CHECKING:
     from engine.structured.matchers import GrammarMatchers
 
+_PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, seed: int | None = None) -> None:
+    def __init__(
+        self, model: LlamaModel, *, num_blocks: int, block_size: int, seed: int | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         c = model.config
         self.model = model
+        self.device = model.device
         self.block_size = block_size
         # Every layer's KV in one tensor, so that one block across all layers (what a KV handoff moves) is read
         # or written in a single strided copy: kv_cache[:, :, block_id] is [num_layers, 2, block_size, Hkv, D].
         # [num_layers, 2, num_blocks, block_size, Hkv, D]
-        self.kv_cache = zeros_with_huge_pages(
-            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype
-        )
-        self.kv_caches = list(self.kv_cache.unbind(0))  # per layer [2, num_blocks, block_size, Hkv, D], contiguous
+        shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        kv_dtype = {"auto": model.dtype, "int8": torch.int8, "fp8": fp8}[kv_cache_dtype]
+        if self.device.type == "cpu":
+            self.kv_cache = zeros_with_huge_pages(*shape, dtype=kv_dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        # Per layer [2, num_blocks, block_size, Hkv, D], contiguous; an int8 cache's layers carry their scales.
+        self.kv_caches: list[torch.Tensor] | list[Int8KVCache] = list(self.kv_cache.unbind(0))
+        self.kv_scales: torch.Tensor | None = None  # int8 only: [num_layers, 2, num_blocks, Hkv] float32
+        if kv_cache_dtype == "int8":
+            self.kv_scales = torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, device=self.device)
+            self.kv_caches = [Int8KVCache(data, scales)
+                              for data, scales in zip(self.kv_cache.unbind(0), self.kv_scales.unbind(0), strict=True)]
         self.sampler = Sampler(seed=seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._generators: dict[str, torch.Generator] = {}
         # Structured outputs: the requests' grammar matchers (set by the engine; None: no request may have one).
         self.grammars: GrammarMatchers | None = None
+
+    def skip_remote_draw(self, request: Request) -> None:
+        """The request's first token was sampled on another worker (a prefill worker) from the same seed: start
+        its generator here past that draw, so a seeded request samples on two workers what it samples on one."""
+        params = request.sampling_params
+        if params.seed is None or params.temperature < MIN_TEMPERATURE:
+            return
+        generator = torch.Generator().manual_seed(params.seed)
+        # One draw of the sampler's: vocab_size float32 uniforms (rejection_sampler._replay_draws does the same).
+        torch.empty(self.model.config.vocab_size, dtype=torch.float32).uniform_(generator=generator)
+        self._generators[request.request_id] = generator
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator and grammar matcher."""
@@ -47,13 +79,44 @@ class ModelRunner:
         if self.grammars is not None:
             self.grammars.release(request_id)
 
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+    def execute(
+        self, out: SchedulerOutput
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, tuple[int, list[TokenLogprobs]]]]:
         """Run one step. Returns, for each request that samples, its accepted draft tokens followed by the token
-        sampled after them (one token when it has no drafts), and their logprobs where asked."""
+        sampled after them (one token when it has no drafts), and their logprobs where asked; and for each
+        request that asked for prompt logprobs and computed prompt positions this step, (the first position,
+        the logprobs of the tokens after each of them) — see engine/sampling/prompt_logprobs.py."""
         items = step_order(out.scheduled)
-        input_ids, positions, meta = prepare_step(items, self.block_size)
+        input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = self._prompt_logprobs(items, hidden)
+        sampled, logprobs = self._sample(items, hidden)
+        return sampled, logprobs, prompt_logprobs
 
+    def _prompt_logprobs(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        offset = 0
+        for item in items:
+            request = item.request
+            num_top = request.sampling_params.prompt_logprobs
+            chunk = prompt_positions(item.start, item.num_new_tokens, request.num_prompt_tokens)
+            entries: list[TokenLogprobs] = []
+            # A slice of positions at a time: [positions, vocab_size] float32 logits are large (50k floats each).
+            for first in range(chunk.start, chunk.stop, _PROMPT_LOGPROBS_SLICE) if num_top is not None else ():
+                last = min(first + _PROMPT_LOGPROBS_SLICE, chunk.stop)
+                rows = hidden[offset + first - item.start : offset + last - item.start]  # [last - first, hidden]
+                targets = request.prompt_token_ids[first + 1 : last + 1]
+                entries += prompt_token_logprobs(self.model.compute_logits(rows), targets, num_top or 0)
+            if entries:
+                out[request.request_id] = (chunk.start, entries)
+            offset += item.num_new_tokens
+        return out
+
+    def _sample(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         logit_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         offset = 0
@@ -154,9 +217,10 @@ def step_order(items: list[ScheduledRequest]) -> list[ScheduledRequest]:
 
 
 def prepare_step(
-    items: list[ScheduledRequest], block_size: int
+    items: list[ScheduledRequest], block_size: int, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Token ids, positions and attention metadata of `items` (in `step_order`), flattened in that order."""
+    """Token ids, positions and attention metadata of `items` (in `step_order`), flattened in that order, on
+    `device` (default: the CPU), built on the host and copied once."""
     bs = block_size
     ids: list[int] = []
     pos: list[int] = []
@@ -164,6 +228,7 @@ def prepare_step(
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
     prefills: list[PrefillChunk] = []
+    prefill_tables: list[list[int]] = []
     for item in items:
         start, n, table = item.start, item.num_new_tokens, item.block_ids
         ids.extend(item.request.all_token_ids[start : start + n - len(item.spec_token_ids)])
@@ -177,19 +242,32 @@ def prepare_step(
         else:
             context_slots = None
             if start > 0:
-                context_slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
+                context_slots = _to(torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)]), device)
+            prefill_tables.append(table)
             prefills.append(
                 PrefillChunk(
                     query_start=len(ids) - n, query_len=n, context_len=start + n, context_slots=context_slots
                 )
             )
-    width = max((len(t) for t in decode_tables), default=0)
     meta = AttentionMetadata(
         num_tokens=len(ids),
-        slot_mapping=torch.tensor(slots),
+        slot_mapping=_to(torch.tensor(slots), device),
         num_decode_tokens=len(decode_tables),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int64),
-        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
+        decode_block_tables=_to(_padded(decode_tables), device),
+        decode_seq_lens=_to(torch.tensor(decode_lens, dtype=torch.int64), device),
         prefills=tuple(prefills),
+        prefill_block_tables=_to(_padded(prefill_tables), device),
     )
-    return torch.tensor(ids), torch.tensor(pos), meta
+    return _to(torch.tensor(ids), device), _to(torch.tensor(pos), device), meta
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [len(tables), longest] int64 tensor, padded with block 0 (never read past a length)."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    if device is None or device.type == "cpu":
+        return tensor
+    return tensor.to(device)  # pinned, reused host buffers come with CUDA graphs (issue 22, item 3)

@@ -18,6 +18,7 @@ class _OutputState:
     logprobs: list[TokenLogprobs] | None
     delta_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs_due: bool = False  # asked for, and not handed out yet
 
 
 class OutputProcessor:
@@ -35,6 +36,7 @@ class OutputProcessor:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             ),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs_due=params.prompt_logprobs is not None,
         )
 
     def append_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
@@ -74,6 +76,10 @@ class OutputProcessor:
             new_token_ids=state.new_token_ids,
             delta_text=state.delta_text,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            index=request.index,
         )
+        if state.prompt_logprobs_due and state.new_token_ids:
+            state.prompt_logprobs_due = False
+            out.prompt_logprobs = list(request.prompt_logprobs)
         state.delta_text, state.new_token_ids = "", []
         return out

@@ -22,6 +22,8 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
     error: str | None = None
     stats: RequestStats | None = None  # set when finished
+    index: int = 0  # the choice (n > 1), engine/core/fork.py
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output with a token, when asked for
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ frees a reservation whose transfer never completed.
 from __future__ import annotations
 
 import abc
+import collections
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,7 +25,7 @@ from typing import Protocol
 import grpc
 import torch
 
-from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVTransferError, block_checksum
+from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVTransferError, block_checksum, rejection_reason
 
 
 class KVBlockSource(Protocol):
@@ -170,6 +171,20 @@ class KVReceiver(abc.ABC):
 
     def __init__(self, sink: KVSink) -> None:
         self.sink = sink
+        self._rejections: collections.Counter[str] = collections.Counter()
+        self._rejections_lock = threading.Lock()
+
+    def note_failure(self, exc: BaseException) -> None:
+        """Count a handoff refused or failed on this side, when the error is a refusal (`rejection_reason`)."""
+        reason = rejection_reason(exc)
+        if reason is not None:
+            with self._rejections_lock:
+                self._rejections[reason] += 1
+
+    def rejections(self) -> dict[str, int]:
+        """Handoffs refused so far, by reason (splitserve:kv_transfers_rejected_total)."""
+        with self._rejections_lock:
+            return dict(self._rejections)
 
     @abc.abstractmethod
     def attach(self, server: grpc.Server, endpoint: str) -> None:

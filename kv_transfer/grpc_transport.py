@@ -42,8 +42,9 @@ from kv_transfer.base import (
 )
 from kv_transfer.block_copy import frame, gather
 from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_message
-from kv_transfer.layout import KVHandoff, KVTransferError, error_from_kind, error_kind
+from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError, error_from_kind, error_kind
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 
 # A block larger than this is split (into runs of whole layers where it can be); every message stays below gRPC's
 # 4 MiB default limit. Blocks of real models are ~1-3 MiB (Llama-3-8B, 16 tokens of bf16: 2 MiB) and go whole: a
@@ -74,9 +75,10 @@ T = TypeVar("T")
 
 
 class ChannelCache:
-    """One insecure channel per receiver endpoint, made on first use; thread-safe."""
+    """One channel per receiver endpoint, made on first use, carrying the cluster secret; thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: ClusterAuth = OPEN) -> None:
+        self._auth = auth
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
@@ -84,7 +86,7 @@ class ChannelCache:
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+                channel = sync_channel(endpoint, self._auth, options=CHANNEL_OPTIONS)
                 self._channels[endpoint] = channel
         return channel
 
@@ -214,16 +216,17 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         try:
             first = next(request_iterator)
         except StopIteration:
-            return error_ack(KVTransferError("empty KV transfer stream"))
+            return self._refuse(KVRefused("empty KV transfer stream", reason="malformed"))
         except grpc.RpcError:  # the sender went away before saying anything: nothing was opened
             return error_ack(KVTransferError("sender cancelled before the descriptor"))
         if not isinstance(first, kv_transfer_pb2.KVTransferMessage) or first.WhichOneof("kind") != "descriptor":
-            return error_ack(KVTransferError("KV transfer stream must start with the handoff descriptor"))
+            return self._refuse(KVRefused("KV transfer stream must start with the handoff descriptor",
+                                          reason="malformed"))
         try:
             handoff = KVHandoff.from_proto(first.descriptor)
             dest = self._receiver.open(handoff)
         except Exception as exc:  # refused before any byte was accepted; the sink opened nothing (or refused)
-            return error_ack(exc)
+            return self._refuse(exc)
         messages = _read_ahead(request_iterator, READ_AHEAD)
         try:
             self._receiver.receive(handoff, dest, messages)
@@ -231,11 +234,16 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         except Exception as exc:  # a broken stream (grpc.RpcError on cancel or deadline) included
             reason = str(refusal(exc)) if not isinstance(exc, grpc.RpcError) else "sender cancelled or timed out"
             dest.fail(f"gRPC KV transfer {handoff.transfer_id} failed: {reason}")
+            self._receiver.note_failure(exc)
             return error_ack(exc if not isinstance(exc, grpc.RpcError) else KVTransferError(reason))
         finally:
             messages.close()  # stops the read-ahead thread now, not when the generator is collected
             self._receiver.forget(dest)
         return kv_transfer_pb2.KVTransferAck(ok=True, num_bytes=handoff.num_bytes)
+
+    def _refuse(self, exc: Exception) -> kv_transfer_pb2.KVTransferAck:
+        self._receiver.note_failure(exc)
+        return error_ack(exc)
 
 
 class Receiver(KVReceiver):
@@ -302,17 +310,19 @@ class Receiver(KVReceiver):
         index, filled = handoff.first_block, 0
         for msg in messages:
             if isinstance(msg, Malformed):
-                raise KVTransferError(f"handoff {handoff.transfer_id}: {msg.reason}")
+                raise KVRefused(f"handoff {handoff.transfer_id}: {msg.reason}", reason="malformed")
             if not isinstance(msg, Chunk):
-                raise KVTransferError(f"handoff {handoff.transfer_id}: a second descriptor in the stream")
+                raise KVRefused(f"handoff {handoff.transfer_id}: a second descriptor in the stream", reason="malformed")
             if index >= handoff.num_blocks or msg.block_index != index or msg.offset != filled:
-                raise KVTransferError(
+                raise KVRefused(
                     f"handoff {handoff.transfer_id}: chunk of block {msg.block_index} at offset {msg.offset} "
-                    f"out of order (expected block {index} at offset {filled} of {handoff.num_blocks} blocks)"
+                    f"out of order (expected block {index} at offset {filled} of {handoff.num_blocks} blocks)",
+                    reason="malformed",
                 )
             end = filled + len(msg.data)
             if end > block_nbytes:
-                raise KVTransferError(f"handoff {handoff.transfer_id}: block {index} overflows {block_nbytes} bytes")
+                raise KVRefused(f"handoff {handoff.transfer_id}: block {index} overflows {block_nbytes} bytes",
+                                reason="malformed")
             if not msg.last:
                 view[filled:end] = msg.data
                 filled = end
@@ -322,7 +332,8 @@ class Receiver(KVReceiver):
                     f"handoff {handoff.transfer_id}: block {index} ended at {end} of {block_nbytes} bytes"
                 )
             if msg.crc32c is None:
-                raise KVTransferError(f"handoff {handoff.transfer_id}: block {index} came without its CRC-32C")
+                raise KVRefused(f"handoff {handoff.transfer_id}: block {index} came without its CRC-32C",
+                                reason="malformed")
             if filled == 0:  # the whole block in one chunk: copied straight out of the message
                 block = torch.frombuffer(msg.data, dtype=dtype).view(layout.block_shape)
             else:
@@ -345,11 +356,12 @@ class Sender(KVSender):
 
     name = "grpc"
 
-    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None) -> None:
+    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
+                 auth: ClusterAuth = OPEN) -> None:
         self.worker_id = worker_id
         self.device = torch.device(device)
         self.fault = fault or TransferFault()
-        self._channels = ChannelCache()
+        self._channels = ChannelCache(auth)
 
     def close(self) -> None:
         self._channels.close()

@@ -104,7 +104,8 @@ class Receiver(KVReceiver):
 class Sender(KVSender):
     name = "inproc"
 
-    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None) -> None:
+    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
+                 auth: object = None) -> None:  # auth: nothing leaves the process
         self.worker_id = worker_id
         self.device = torch.device(device)
         self.fault = fault or TransferFault()

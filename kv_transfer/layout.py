@@ -37,6 +37,27 @@ class KVChecksumError(KVTransferError):
     """A block's bytes do not match the checksum the sender computed."""
 
 
+class KVRefused(KVTransferError):
+    """The receiver refused a handoff it never asked for, or a stream that breaks the protocol; `reason` is the
+    label of splitserve:kv_transfers_rejected_total (unknown_transfer | wrong_source | block_count | malformed)."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def rejection_reason(exc: BaseException) -> str | None:
+    """The rejection label of a receiver-side error; None for a failure that is no refusal (a timeout, a sender
+    that went away)."""
+    if isinstance(exc, KVLayoutMismatch):
+        return "layout_mismatch"
+    if isinstance(exc, KVChecksumError):
+        return "checksum"
+    if isinstance(exc, KVRefused):
+        return exc.reason
+    return None
+
+
 def error_kind(exc: KVTransferError) -> kv_transfer_pb2.KVErrorKind.ValueType:
     """The wire tag of a receiver-side error, so that the sender re-raises the same subclass."""
     if isinstance(exc, KVLayoutMismatch):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from protos.cluster_auth import OPEN, ClusterAuth
+
 if TYPE_CHECKING:
     import torch
 
@@ -28,8 +30,9 @@ def _module(name: str):
     return importlib.import_module(_MODULES[name])
 
 
-def make_sender(name: str, *, worker_id: str, device: torch.device) -> KVSender:
-    return _module(name).Sender(worker_id=worker_id, device=device)
+def make_sender(name: str, *, worker_id: str, device: torch.device, auth: ClusterAuth = OPEN) -> KVSender:
+    """`auth`: the cluster secret (and TLS) its control calls to receivers carry."""
+    return _module(name).Sender(worker_id=worker_id, device=device, auth=auth)
 
 
 def make_receiver(name: str, sink: KVSink) -> KVReceiver:

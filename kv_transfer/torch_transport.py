@@ -33,7 +33,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-import uuid
+import secrets
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -64,6 +64,7 @@ from kv_transfer.pair_group import (
     split_host_port,
 )
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos.cluster_auth import OPEN, ClusterAuth
 
 DEFAULT_TIMEOUT_S = 60.0  # the receiver's deadline when a sender's Open carries none
 IDLE_GROUP_S = 600.0  # the receiver drops a pair group unused this long (its sender restarted or left)
@@ -159,6 +160,7 @@ class Receiver(KVReceiver):
                     raise KVTransferError("KV receiver is closed")
             dest = SettleOnce(self.sink.open(handoff))
         except Exception as exc:  # refused before any byte moved; nothing opened
+            self.note_failure(exc)
             err = refusal(exc)
             return kv_transfer_pb2.KVOpenAck(ok=False, error=str(err), error_kind=error_kind(err))
         pair = self._pair(request.pair_key)
@@ -186,7 +188,9 @@ class Receiver(KVReceiver):
                     stale.drop()
             pair = self._pairs.get(key)
             if pair is None or pair.broken:
-                pair = PairGroup(f"kvpair-{uuid.uuid4().hex}", self.backend)
+                # Unguessable, and handed out only in the Open reply, which only a caller holding the cluster
+                # secret gets: the peers that may join a pair group are those that presented it over gRPC.
+                pair = PairGroup(f"kvpair-{secrets.token_hex(16)}", self.backend)
                 self._pairs[pair.key] = pair
             pair.last_used_s = now_s
             return pair
@@ -226,6 +230,7 @@ class Receiver(KVReceiver):
                 pair.lock.release()
             item.ack = kv_transfer_pb2.KVTransferAck(ok=True, num_bytes=handoff.num_bytes)
         except Exception as exc:
+            self.note_failure(exc)
             err = refusal(exc)
             dest.fail(f"torch KV transfer {handoff.transfer_id} failed: {err}")
             item.ack = kv_transfer_pb2.KVTransferAck(ok=False, error=str(err), error_kind=error_kind(err))
@@ -286,12 +291,13 @@ class Sender(KVSender):
 
     name = "torch"
 
-    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None) -> None:
+    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
+                 auth: ClusterAuth = OPEN) -> None:
         self.worker_id = worker_id
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         self.fault = fault or TransferFault()
-        self._channels = ChannelCache()
+        self._channels = ChannelCache(auth)
         self._lock = threading.Lock()
         self._pairs: dict[str, PairGroup] = {}  # by receiver endpoint
 

@@ -77,7 +77,8 @@ class PrefillWorker(RuntimeWorker):
             raise ValueError(f"PrefillWorker needs role 'prefill', got {config.role!r}")
         self.config = config
         self.runtime = WorkerRuntime(config, checkpoint)
-        self.sender = make_sender(config.kv_transport, worker_id=config.worker_id, device=torch.device(config.device))
+        self.sender = make_sender(config.kv_transport, worker_id=config.worker_id, device=self.runtime.device,
+                                  auth=config.auth)
         self._cuts_left = int(os.environ.get(FAULT_KV_CUTS_ENV, "0") or 0)
         self._cuts_lock = threading.Lock()
         serving_pb2_grpc.add_WorkerServicer_to_server(PrefillServicer(self), self.runtime.server)
@@ -150,6 +151,8 @@ class PrefillWorker(RuntimeWorker):
             reply.first_token_id = out.token_ids[0]
         if out.logprobs:
             reply.first_logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+        if out.prompt_logprobs:
+            reply.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
         if out.finish_reason != "prefilled":
             reply.finish_reason = out.finish_reason or "error"
             reply.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
@@ -198,7 +201,13 @@ class PrefillServicer(WorkerServicer):
     async def Prefill(
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.PrefillResponse:
-        return await self.worker.prefill(request, context)
+        gate = self.worker.runtime.gate
+        if not gate.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker.worker_id} is draining")
+        try:
+            return await self.worker.prefill(request, context)
+        finally:
+            gate.exit()
 
     async def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -7,6 +7,8 @@ Imports nothing heavy, and the whole package never imports torch or ray: the rou
     prompt.py           prompt / chat messages -> token ids; max_tokens against the context length
     responses.py        OpenAI response and stream-chunk shapes, logprobs shapes
     errors.py           ApiError and OpenAI's JSON error shape
+    api_keys.py         API keys: an ASGI guard on /v1/* (401), the key ring (file reloaded on SIGHUP)
+    rate_limit.py       per-key token buckets (requests and tokens per minute; 429 with Retry-After)
     routing.py          the routing policy: pure functions over worker load snapshots
     worker_registry.py  the workers: gRPC channels, periodic GetLoad polling, health
     dispatcher.py       one request's Generate call: route, dispatch, retry, cancel + Abort

@@ -3,16 +3,18 @@
     POST /admin/scale   {"prefill": N, "decode": M} (or {"colocated": K})  → 200 {"workers": [...]} once each named
                         pool has its new size (new workers serve, removed ones are gone); the pools scale one by one,
                         each on its own (a pool not named is left alone)
-    GET  /admin/pools   → 200 {"workers": [{"worker_id", "role", "state", "endpoint", "pid", "node", "incarnation",
-                                            "load": {...} | null}]}
+    GET  /admin/pools   → 200 {"workers": [{"worker_id", "role", "state", "endpoint", "pid", "node", "node_id",
+                                            "incarnation", "load": {...} | null}]}
+                        ("node": the host of its endpoint; "node_id": its Ray node, "" when not known)
 
 Guarded by `Authorization: Bearer <token>` (`--admin-token` / SPLITSERVE_ADMIN_TOKEN): without a token configured
 the routes do not exist (404, as any unknown path); a missing or wrong token is a 401. The token is compared in
 constant time and never logged (`AdminApi`'s repr hides it).
 
 `state`: "starting" (being launched by a scale-up, not yet routed to), "serving" (published: the router sends it
-requests), "draining" (unpublished by a scale-down, being stopped). The controller, which does the work, is behind
-the small `PoolController` protocol, so the routes are tested without Ray.
+requests), "draining" (chosen by a scale-down: routed nothing new, finishing its requests within --drain-timeout,
+then stopped). The controller, which does the work, is behind the small `PoolController` protocol, so the routes
+are tested without Ray.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class PoolWorker:
     endpoint: str = ""  # "" while starting
     pid: int = 0
     incarnation: int = 0
+    node_id: str = ""  # its Ray node
 
 
 class PoolController(Protocol):
@@ -130,7 +133,7 @@ async def _pools(admin: AdminApi, registry: WorkerRegistry) -> list[dict[str, An
         stats = snapshot.stats if snapshot is not None else None
         listed.append({
             "worker_id": worker.worker_id, "role": worker.role, "state": worker.state, "endpoint": worker.endpoint,
-            "pid": worker.pid, "node": worker.endpoint.rpartition(":")[0] or None,
+            "pid": worker.pid, "node": worker.endpoint.rpartition(":")[0] or None, "node_id": worker.node_id,
             "incarnation": worker.incarnation,
             "load": None if stats is None else {
                 "healthy": snapshot.healthy,  # type: ignore[union-attr]

@@ -3,9 +3,14 @@
     POST /v1/completions, /v1/chat/completions   validate -> tokenize -> route -> worker Generate -> JSON | SSE
     GET  /v1/models                              the served model names, in OpenAI's list shape
     GET  /health                                 200 when each role the mode needs has a healthy worker, else 503
-    GET  /metrics                                Prometheus text; refreshes worker loads first
+    GET  /live                                   200 while this process's event loop answers (liveness, not readiness)
+    GET  /metrics                                Prometheus text; refreshes worker loads first (the pools'
+                                                 autoscaling signals among it: router/pool_signals.py)
     POST /admin/scale, GET /admin/pools          the admin API (router/admin.py), only with an admin token
     GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
+
+With API keys (router/api_keys.py), /v1/* (and /metrics with --metrics-require-key) need a bearer key; /health
+stays open.
 
 `create_app` owns the registry's and the prefix index client's lifecycles: the app's lifespan starts them
 (inside the serving event loop, where their gRPC channels and Redis connections must live) and closes them.
@@ -33,11 +38,14 @@ from starlette.types import Receive, Scope, Send
 
 from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
+from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
+from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, GenerationJob
+from router.dispatcher import Dispatcher, GenerationJob, num_choices
 from router.errors import GENERATION_ERRORS, bad_request, error_body, install_error_handlers, without_validation_errors
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
+from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
 from router.prefix_routing import PrefixIndex
 from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens
 from router.protocol import (
@@ -72,14 +80,23 @@ def create_app(
     prefix_index: PrefixIndex | None = None,
     restart_counts: RestartCounts | None = None,
     admin: AdminApi | None = None,
+    access: AccessControl | None = None,
+    autoscaler: AutoscalerConfig | None = None,
+    pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `config.served_model_names` through the workers `registry` knows.
 
     `prefix_index` (optional): the Redis prefix index; without it (or with Redis down) workers are chosen by load.
     `restart_counts` (optional): the cluster controller's worker restarts, for /metrics.
     `admin` (optional): the admin API's token and controller (router/admin.py); without it /admin/* is a 404.
+    `access` (optional): API keys and per-key rate limits (router/api_keys.py); without it /v1/* is open.
+    `autoscaler` (optional, disaggregated only): run the built-in autoscaler (router/autoscaler.py) in the app's
+    lifespan, resizing the pools through `pool_controller`.
     """
-    metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts)
+    if autoscaler is not None and (pool_controller is None or config.mode != "disaggregated"):
+        raise ValueError("the autoscaler needs a pool controller and the disaggregated mode")
+    metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts,
+                            signal_window_s=config.signal_window_s)
     if prefix_index is not None:
         metrics.registry.register(PrefixIndexCollector(prefix_index.client))
     admission = Admission(
@@ -91,6 +108,22 @@ def create_app(
     metrics.admission_queue_requests.set_function(lambda: admission.num_queued)
     metrics.admission_in_flight_requests.set_function(lambda: admission.in_flight.num_requests)
     registry.add_listener(lambda: admission.update(registry.loads()))
+
+    def signals() -> dict[str, PoolSignals]:
+        now_s = time.monotonic()
+        return pool_signals(registry.snapshots(), config.roles_needed, ttft_s=metrics.ttft_window.quantiles(now_s),
+                            tpot_s=metrics.tpot_window.quantiles(now_s), num_gateway_queued=admission.num_queued,
+                            target_role=config.target_role)
+
+    metrics.registry.register(PoolSignalCollector(signals))
+    scaler = None
+    if autoscaler is not None and pool_controller is not None:
+        for pool in config.roles_needed:
+            for direction in ("up", "down"):
+                metrics.autoscaler_decisions.labels(pool=pool, direction=direction)
+        scaler = Autoscaler(autoscaler, pool_controller, signals, refresh=registry.refresh,
+                            on_resize=lambda pool, direction: metrics.autoscaler_decisions.labels(
+                                pool=pool, direction=direction).inc())
     dispatcher = Dispatcher(config=config, registry=registry, admission=admission, prefix_index=prefix_index,
                             on_route=metrics.count_route)
     created = int(time.time())
@@ -100,9 +133,14 @@ def create_app(
         await registry.start()
         if prefix_index is not None:
             await prefix_index.client.start()
+        scaling = asyncio.create_task(scaler.run(), name="autoscaler") if scaler is not None else None
         try:
             yield
         finally:
+            if scaling is not None:
+                scaling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scaling
             if prefix_index is not None:
                 await prefix_index.close()
             await registry.close()
@@ -111,6 +149,10 @@ def create_app(
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.add_middleware(BodyLimit, max_body_bytes=config.max_request_body_bytes)  # 413 before any parsing
+    if access is not None:  # added last: outermost, so a request without a key is refused before its body is read
+        app.add_middleware(ApiKeyGuard, access=access,
+                           on_rejected=lambda reason: metrics.api_key_rejections.labels(reason=reason).inc(),
+                           on_admitted=lambda kid: metrics.api_key_requests.labels(key_id=kid).inc())
     install_error_handlers(app)
     app.state.metrics = metrics
     app.state.registry = registry
@@ -131,7 +173,7 @@ def create_app(
                             params=to_sampling_params(body, max_tokens=max_tokens,
                                                       structured_outputs=structured_outputs))
         return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=False), body.stream,
-                               metrics.tracker(arrival_s))
+                               _tracker(raw, arrival_s))
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -154,8 +196,15 @@ def create_app(
                             params=to_sampling_params(body, max_tokens=max_tokens,
                                                       structured_outputs=structured_outputs))
         spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=True), tools=tools)
-        return await _generate(raw, job, spec, body.stream,
-                               metrics.tracker(arrival_s))
+        return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
+
+    def _tracker(raw: Request, arrival_s: float) -> RequestTracker:
+        tracker = metrics.tracker(arrival_s)
+        limiter = access.limiter if access is not None else None
+        kid = getattr(raw.state, KEY_ID_STATE, None)
+        if limiter is not None and kid is not None:  # the key pays for its tokens once they are known
+            tracker.on_finished = lambda num_tokens: limiter.charge_tokens(kid, num_tokens)
+        return tracker
 
     async def _generate(
         raw: Request, job: GenerationJob, spec: OutputSpec, stream: bool, tracker: RequestTracker
@@ -202,6 +251,12 @@ def create_app(
                    for s in registry.snapshots()]
         return JSONResponse({"status": "ok", "mode": config.mode, "workers": workers})
 
+    @app.get("/live")
+    async def live() -> JSONResponse:
+        """Liveness apart from readiness: the gateway answers whatever its workers do (a cluster without a healthy
+        worker is not ready, /health says so, but restarting the gateway would not help it)."""
+        return JSONResponse({"status": "live"})
+
     @app.get("/v1/prefix_index")
     async def prefix_index_stats() -> JSONResponse:
         """The prefix index as operators see it: up or down, and blocks indexed per worker and incarnation."""
@@ -243,7 +298,23 @@ def _output_spec(
         stop=tuple(stop_strings(body)),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         include_usage=body.include_usage,
+        n=body.n,
+        num_choices=num_choices(job.params),
+        echo=_echo_text(body, job, tokenizer),
+        prompt_token_ids=tuple(job.prompt_token_ids),
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
+
+
+def _echo_text(body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer) -> str | None:
+    """Completions' echo: the prompt as the client sent it (a text), or its token ids decoded, as vLLM does."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return None
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
+        body.prompt[0], str | list) else body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False)
 
 
 async def _unless_disconnected(

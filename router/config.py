@@ -46,6 +46,9 @@ class RouterConfig:
     # decode worker lacks at most this many tokens is prefilled there, with no KV handoff (0: never).
     routing_policy: str = "prefix-aware"
     disagg_prefill_threshold_tokens: int = 0
+    # The autoscaling signals' sliding window (router/pool_signals.py): TTFT and TPOT percentiles cover the
+    # requests measured in the last this many seconds.
+    signal_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not name for name in self.served_model_names):
@@ -62,7 +65,7 @@ class RouterConfig:
             raise ValueError(f"disagg_prefill_threshold_tokens must be >= 0, got {self.disagg_prefill_threshold_tokens}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        for name in ("request_timeout_s", "abort_timeout_s", "queue_timeout_s"):
+        for name in ("request_timeout_s", "abort_timeout_s", "queue_timeout_s", "signal_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_request_body_bytes < 1:

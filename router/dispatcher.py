@@ -79,6 +79,11 @@ class GenerationJob:
     params: serving_pb2.SamplingParams
 
 
+def num_choices(params: serving_pb2.SamplingParams) -> int:
+    """How many sequences a Generate stream carries (each ends with its own finish_reason): best_of, else n."""
+    return params.best_of if params.HasField("best_of") else max(params.n, 1)
+
+
 def api_error_from_rpc(error: grpc.aio.AioRpcError) -> tuple[ApiError, str]:
     """The HTTP error for a failed Generate call, and the failure reason to count."""
     status, reason = _RPC_ERRORS.get(error.code(), (500, "worker_error"))
@@ -121,6 +126,7 @@ class GenerationStream:
         self._abort_timeout_s = abort_timeout_s
         self._buffered: list[serving_pb2.GenerateResponse] = []
         self.num_generated_tokens = 0
+        self._num_choices_left = num_choices(job.params)  # n > 1: the stream ends after every choice's finish
         self.usage: serving_pb2.Usage | None = None
         self.finished = False  # ended: with a finish_reason, an error, or end of stream
         self._closed = False
@@ -172,6 +178,8 @@ class GenerationStream:
         elif message_failure(message) is not None:
             self.finished = True
             self._tracker.failed("worker_error")
+        elif message.finish_reason and self._num_choices_left > 1:
+            self._num_choices_left -= 1
         elif message.finish_reason:
             self.finished = True
             if message.HasField("usage"):

@@ -20,6 +20,18 @@ Measured here, per request (router clock):
                                                            past --max-migrations: request_failure{migration_limit}
     splitserve:prompt_tokens_total, splitserve:generation_tokens_total   counters
 
+API keys (router/api_keys.py; a key is named by its id, never by itself):
+    splitserve:api_key_requests_total{key_id}   counter    requests admitted, per key id ("key-" + 8 hex digits)
+    splitserve:api_key_rejections_total{reason} counter    missing_key | invalid_key (401) | rate_limited (429)
+
+Autoscaling (router/pool_signals.py; per pool, label pool = prefill | decode | colocated):
+    splitserve:pool_num_workers, splitserve:pool_num_requests_waiting, splitserve:pool_num_requests_running,
+    splitserve:pool_num_queued_prompt_tokens, splitserve:pool_kv_cache_usage_perc{stat=mean|max}    gauges
+    splitserve:pool_time_to_first_token_seconds{quantile}, splitserve:pool_time_per_output_token_seconds{quantile}
+                                                gauges     p50/p90/p99 over the last --autoscale-window seconds
+    splitserve:pool_latency_window_samples{metric}  gauge  requests behind those percentiles (ttft | tpot)
+    splitserve:autoscaler_decisions_total{pool,direction}  counter  the built-in autoscaler's resizes: up | down
+
 Admission (router/admission.py):
     splitserve:admission_queue_requests         gauge      requests waiting in this gateway's queue
     splitserve:admission_in_flight_requests     gauge      requests this gateway dispatched and not yet ended
@@ -50,6 +62,9 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total (tokens),
              splitserve:kv_transfer_bytes_total, splitserve:num_preemptions_total,
              splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total,
+             splitserve:kv_transfers_rejected_total{worker,reason} (KV pushes a decode worker refused before any
+             block reached its cache: unknown_transfer | wrong_source | layout_mismatch | block_count | checksum |
+             malformed)
              splitserve:spec_decode_num_drafts_total, splitserve:spec_decode_num_draft_tokens_total,
              splitserve:spec_decode_num_accepted_tokens_total,
              splitserve:spec_decode_num_accepted_tokens_per_pos_total{worker,position} (speculating workers)
@@ -68,6 +83,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from protos import serving_pb2
+from router.pool_signals import LatencyWindow
 
 if TYPE_CHECKING:
     from router.prefix_index_client import PrefixIndexClient
@@ -97,9 +113,15 @@ class RouterMetrics:
     """Owns the registry. `render()` is the /metrics body; refresh worker loads before calling it."""
 
     def __init__(self, snapshots: Callable[[], Sequence[WorkerSnapshot]], *, roles: Sequence[str] = (),
-                 restart_counts: RestartCounts | None = None) -> None:
+                 restart_counts: RestartCounts | None = None, signal_window_s: float = 60.0) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
+        # The autoscaling signals' sliding windows (router/pool_signals.py), on time.monotonic().
+        self.ttft_window = LatencyWindow(signal_window_s)
+        self.tpot_window = LatencyWindow(signal_window_s)
+        self.autoscaler_decisions = Counter(
+            f"{PREFIX}autoscaler_decisions", "Pool resizes the built-in autoscaler decided, by pool and direction.",
+            ["pool", "direction"], registry=registry)
         self.time_to_first_token = Histogram(
             f"{PREFIX}time_to_first_token_seconds", "Time to first token, seen by the router.",
             buckets=_TTFT_BUCKETS_S, registry=registry)
@@ -152,6 +174,11 @@ class RouterMetrics:
             ["path"], registry=registry)
         for path in PREFILL_PATHS:
             self.prefill_path.labels(path=path)
+        self.api_key_requests = Counter(
+            f"{PREFIX}api_key_requests", "Requests admitted, by API key id.", ["key_id"], registry=registry)
+        self.api_key_rejections = Counter(
+            f"{PREFIX}api_key_rejections", "Requests refused by API key checks, by reason.", ["reason"],
+            registry=registry)
         registry.register(WorkerLoadCollector(snapshots))
         registry.register(RestartCollector(roles, restart_counts or (lambda: ())))
 
@@ -177,8 +204,12 @@ class RequestTracker:
         self.arrival_s = arrival_s
         self.router_queue_s = 0.0
         self._last_token_s: float | None = None
+        self._first_token_s: float | None = None
+        self._num_tokens = 0
         self._timings_seen = False
         self._done = False
+        # Called once with prompt + generated tokens when the request finishes (the API key's token charge).
+        self.on_finished: Callable[[int], None] | None = None
 
     def dispatched(self) -> float:
         """Mark the request as sent to a worker; returns the router_queue_s to send along."""
@@ -193,20 +224,26 @@ class RequestTracker:
         if message.token_ids:
             if self._last_token_s is None:
                 self._metrics.time_to_first_token.observe(now - self.arrival_s)
+                self._metrics.ttft_window.add(time.monotonic(), now - self.arrival_s)
+                self._first_token_s = now
             else:
                 self._metrics.inter_token_latency.observe(now - self._last_token_s)
             self._last_token_s = now
+            self._num_tokens += len(message.token_ids)
 
     def finished(self, finish_reason: str, *, num_prompt_tokens: int, num_generated_tokens: int) -> None:
         """The request ended with `finish_reason` (stop | length | abort); counted once."""
         if self._done:
             return
         self._done = True
+        self._observe_tpot()
         metrics = self._metrics
         metrics.e2e_request_latency.observe(time.perf_counter() - self.arrival_s)
         metrics.request_success.labels(finished_reason=finish_reason).inc()
         metrics.prompt_tokens.inc(num_prompt_tokens)
         metrics.generation_tokens.inc(num_generated_tokens)
+        if self.on_finished is not None:
+            self.on_finished(num_prompt_tokens + num_generated_tokens)
 
     def retried(self, reason: str) -> None:
         """One attempt failed before any token and the request goes out again."""
@@ -220,7 +257,14 @@ class RequestTracker:
         if self._done:
             return
         self._done = True
+        self._observe_tpot()
         self._metrics.request_failure.labels(reason=reason).inc()
+
+    def _observe_tpot(self) -> None:
+        """The request's time per output token, into the signal window, once it streamed two tokens or more."""
+        if self._first_token_s is not None and self._last_token_s is not None and self._num_tokens >= 2:
+            tpot_s = (self._last_token_s - self._first_token_s) / (self._num_tokens - 1)
+            self._metrics.tpot_window.add(time.monotonic(), tpot_s)
 
     def _observe_stages(self, timings: serving_pb2.StageTimings) -> None:
         stage = self._metrics.ttft_stage_seconds
@@ -273,6 +317,14 @@ class WorkerLoadCollector(Collector):
                 if snapshot.stats is not None:
                     family.add_metric([snapshot.info.worker_id], float(read(snapshot.stats)))
             yield family
+        rejected = CounterMetricFamily(f"{PREFIX}kv_transfers_rejected",
+                                       "KV pushes the decode worker refused before any block reached its cache.",
+                                       labels=["worker", "reason"])
+        for snapshot in snapshots:
+            if snapshot.stats is not None:
+                for reason, n in sorted(snapshot.stats.kv_transfers_rejected.items()):
+                    rejected.add_metric([snapshot.info.worker_id, reason], float(n))
+        yield rejected
         yield from _spec_decode_families(snapshots)
         hit_rate = GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_rate",
                                      "Prefix-cache hits / queries, in tokens, since the worker started.",

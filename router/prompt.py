@@ -4,7 +4,7 @@ Completions take text (tokenized with the model's own special-token policy, e.g.
 Chat renders the model's chat template and tokenizes the result with `add_special_tokens=False`: the template
 writes any BOS itself. Every problem is a 400 naming the field.
 
-Token ids a client writes (a prompt of ids, stop_token_ids) must lie in [0, vocab_size): the router holds the
+Token ids a client writes (a prompt of ids, stop_token_ids, logit_bias keys) must lie in [0, vocab_size): the router holds the
 tokenizer, so it refuses them here rather than letting a worker fail the request. The text was checked by
 `check_*_request` (router/protocol.py) before it gets here: it encodes as UTF-8.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.errors import bad_request
-from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, logit_bias
 from router.tools import ToolPlan, tool_messages
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer
     A 400 for ids outside the vocabulary, in the prompt or in `stop_token_ids`.
     """
     _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
+    _check_in_vocab(list(logit_bias(request)), tokenizer, "logit_bias", what="logit_bias token ids")
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -49,6 +50,7 @@ def chat_prompt_token_ids(
     """The token ids of the chat template rendered over `request.messages` (tool turns and the `tools` plan's
     tool prompt written in by router/tools.py); a 400 for `stop_token_ids` outside the vocabulary."""
     _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
+    _check_in_vocab(list(logit_bias(request)), tokenizer, "logit_bias", what="logit_bias token ids")
     messages = [{"role": message.role, "content": _text_of(message, index)}
                 for index, message in enumerate(request.messages)]
     messages = tool_messages(request, messages, tools)

@@ -32,6 +32,7 @@ _FLOAT32_MAX = 3.4028234663852886e38  # a larger float becomes inf in a protobuf
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI documents no cap; OpenAI's own API takes 300 entries
 
 
 class StreamOptions(BaseModel):
@@ -64,7 +65,8 @@ class _SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    prompt_logprobs: int | None = None  # vLLM's
     user: str | None = None
     # Structured outputs (router/structured.py): OpenAI's response_format, vLLM's guided fields and object.
     response_format: dict[str, object] | None = None
@@ -151,10 +153,9 @@ def check_completion_request(request: CompletionRequest) -> None:
             check_text(text, param="prompt", where=f"prompt[{index}]", allow_nul=False)  # type: ignore[arg-type]
     if request.suffix is not None:
         check_text(request.suffix, param="suffix")
-    if request.echo:
-        raise bad_request("echo is not supported", "echo")
-    if request.best_of not in (None, 1):
-        raise bad_request(f"best_of must be 1, got {request.best_of}", "best_of")
+    if request.best_of is not None and request.best_of != request.n and request.stream:
+        raise bad_request("best_of is not supported with stream (the best choices are known only at the end)",
+                          "best_of")
     if request.suffix:
         raise bad_request("suffix is not supported", "suffix")
 
@@ -180,9 +181,9 @@ def check_text(text: str, *, param: str, where: str | None = None, allow_nul: bo
     that one rule answers for all of them. NUL is no character of any prompt; refusing it in the text that
     becomes the prompt (prompt, messages) keeps it from meaning something else to each C-string consumer
     downstream (tokenizers in C, logs). `where` says where the text sits (e.g. "messages[2].content"), default
-    `param`. The fields of a free-form object (tools, response_format, structured_outputs, logit_bias) are
-    not walked here: what the router takes from them is checked where it is read, or travels re-serialized as
-    ASCII JSON.
+    `param`. The fields of a free-form object (tools, response_format, structured_outputs) are not walked here:
+    what the router takes from them is checked where it is read, or travels re-serialized as ASCII JSON;
+    logit_bias keys must parse as integers.
     """
     try:
         text.encode("utf-8")
@@ -203,6 +204,29 @@ def num_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | No
     return request.logprobs
 
 
+def logit_bias(request: CompletionRequest | ChatCompletionRequest) -> dict[int, float]:
+    """The request's logit_bias with integer keys (JSON keys are strings); a 400 for a key that is no integer.
+    The values' range is `SamplingParams.validate()`'s to check, the ids' the tokenizer's (router/prompt.py)."""
+    biases: dict[int, float] = {}
+    for key, bias in (request.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r:.40}", "logit_bias") from None
+        if not 0 <= token_id < 2**32:
+            raise bad_request(f"logit_bias token ids must be in [0, vocab_size), got {token_id}", "logit_bias")
+        biases[token_id] = bias
+    return biases
+
+
+def num_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """vLLM's prompt_logprobs; a completion with echo and logprobs asks for them too (OpenAI's echo shape)."""
+    echoed = request.logprobs if isinstance(request, CompletionRequest) and request.echo else None
+    if echoed is None:
+        return request.prompt_logprobs
+    return echoed if request.prompt_logprobs is None else max(echoed, request.prompt_logprobs)
+
+
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
     structured_outputs: GrammarSpec | None = None,
@@ -213,8 +237,15 @@ def to_sampling_params(
     Validated by the engine's `SamplingParams.validate()`; a bad value is a 400 naming the parameter.
     """
     defaults = SamplingParams()
+    best_of = request.best_of if isinstance(request, CompletionRequest) else None
+    logprobs = num_logprobs(request)
+    if best_of is not None and best_of > request.n and logprobs is None:
+        logprobs = 0  # the best choices are those of highest cumulative logprob: the router ranks them
     engine_params = SamplingParams(
         n=request.n,
+        best_of=best_of,
+        logit_bias=logit_bias(request),
+        prompt_logprobs=num_prompt_logprobs(request),
         temperature=_or(request.temperature, defaults.temperature),
         top_p=_or(request.top_p, defaults.top_p),
         top_k=_or(request.top_k, defaults.top_k),
@@ -229,7 +260,7 @@ def to_sampling_params(
         stop_token_ids=list(request.stop_token_ids or []),
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        logprobs=num_logprobs(request),
+        logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
         structured_outputs=structured_outputs,
     )
@@ -249,10 +280,7 @@ def stop_strings(request: CompletionRequest | ChatCompletionRequest) -> list[str
 
 
 def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
-    if request.n != 1:
-        raise bad_request(f"n must be 1 (one choice per request), got {request.n}", "n")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    logit_bias(request)  # 400 on a key that is no token id
     if request.user is not None:
         check_text(request.user, param="user")
     for name in ("guided_regex", "guided_grammar"):
@@ -310,6 +338,8 @@ def _param_of(message: str, request: CompletionRequest | ChatCompletionRequest) 
     first_word = message.split(" ", 1)[0]
     if first_word == "stop":
         return "stop"
+    if first_word == "prompt_logprobs" and request.prompt_logprobs is None:
+        return "logprobs"  # asked for through echo
     if first_word == "logprobs" and isinstance(request, ChatCompletionRequest):
         return "top_logprobs"
     if first_word == "max_tokens" and isinstance(request, ChatCompletionRequest):

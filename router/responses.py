@@ -82,16 +82,33 @@ def openai_stop_reason(
 def response_body(
     header: ResponseHeader,
     *,
-    text: str,
+    text: str | None,
     finish_reason: str,
     stop_reason: str | int | None,
     logprobs: dict[str, Any] | None,
     usage: Usage,
     tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming body of a completion or chat completion; chat's message carries `tool_calls` when
-    given (then `text` may be None)."""
-    choice: dict[str, Any] = {"index": 0}
+    """The non-streaming body of a completion or chat completion with one choice; chat's message carries
+    `tool_calls` when given (then `text` may be None)."""
+    choice = choice_body(header, index=0, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
+                         logprobs=logprobs, tool_calls=tool_calls)
+    return choices_response_body(header, [choice], usage)
+
+
+def choice_body(
+    header: ResponseHeader,
+    *,
+    index: int,
+    text: str | None,
+    finish_reason: str,
+    stop_reason: str | int | None,
+    logprobs: dict[str, Any] | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One choice of a non-streaming body; chat's message carries `tool_calls` when given (then `text` may be
+    None)."""
+    choice: dict[str, Any] = {"index": index}
     if header.chat:
         choice["message"] = {"role": "assistant", "content": text}
         if tool_calls:
@@ -99,14 +116,30 @@ def response_body(
     else:
         choice["text"] = text
     choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
-    return {
+    return choice
+
+
+def choices_response_body(
+    header: ResponseHeader, choices: list[dict[str, Any]], usage: Usage,
+    prompt_logprobs: list[dict[str, Any] | None] | None = None,
+) -> dict[str, Any]:
+    """The non-streaming body of a completion or chat completion (n choices). vLLM's `prompt_logprobs`, when
+    asked for: on each choice of a completion, on the body of a chat completion (where vLLM puts them)."""
+    body = {
         "id": header.request_id,
         "object": "chat.completion" if header.chat else "text_completion",
         "created": header.created,
         "model": header.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage.body(),
     }
+    if prompt_logprobs is not None:
+        if header.chat:
+            body["prompt_logprobs"] = prompt_logprobs
+        else:
+            for choice in choices:
+                choice["prompt_logprobs"] = prompt_logprobs
+    return body
 
 
 def chunk_body(
@@ -119,10 +152,11 @@ def chunk_body(
     include_usage: bool = False,
     role: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One stream chunk. Chat: `role` makes the opening delta {"role": "assistant", "content": ""};
-    `tool_calls` are tool-call deltas (router/tools.py)."""
-    choice: dict[str, Any] = {"index": 0}
+    """One stream chunk of choice `index`. Chat: `role` makes the opening delta {"role": "assistant",
+    "content": ""}; `tool_calls` are tool-call deltas (router/tools.py)."""
+    choice: dict[str, Any] = {"index": index}
     if header.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
@@ -185,6 +219,42 @@ def completion_logprobs(
     body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
     return body, text_offset
+
+
+def echo_logprobs(
+    prompt_token_ids: Sequence[int], entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Tokenizer
+) -> tuple[dict[str, Any], int]:
+    """Completions' logprobs of an echoed prompt, as OpenAI writes them: the first prompt token has no logprob
+    (null, and null top_logprobs); `entries` are the prompt logprobs of the tokens after it. Returns the body
+    and the text offset after the prompt, where the generated tokens' offsets go on."""
+    first = token_text(tokenizer, prompt_token_ids[0])
+    body, text_offset = completion_logprobs(entries, tokenizer, text_offset=len(first))
+    body["tokens"].insert(0, first)
+    body["token_logprobs"].insert(0, None)
+    body["top_logprobs"].insert(0, None)
+    body["text_offset"].insert(0, 0)
+    return body, text_offset
+
+
+def join_completion_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """Two completions' logprobs bodies, one after the other (an echoed prompt's, then the output's)."""
+    return {key: head[key] + tail[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def vllm_prompt_logprobs(
+    entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Tokenizer
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` shape: None for the first prompt token, then per token {token id: {"logprob",
+    "rank", "decoded_token"}} holding the prompt token and the top alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for entry in entries:
+        item = {str(alt.token_id): {"logprob": _finite(alt.logprob), "rank": rank,
+                                    "decoded_token": token_text(tokenizer, alt.token_id)}
+                for rank, alt in enumerate(entry.top, start=1)}
+        item[str(entry.token_id)] = {"logprob": _finite(entry.logprob), "rank": entry.rank,
+                                     "decoded_token": token_text(tokenizer, entry.token_id)}
+        out.append(item)
+    return out
 
 
 def chat_logprobs(entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Tokenizer) -> dict[str, Any]:

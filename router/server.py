@@ -5,6 +5,7 @@ caller (the `splitserve serve` command, tests) shuts down programmatically.
     run_router(app, host="0.0.0.0", port=8000)       # blocks until SIGINT / SIGTERM
 
     server = RouterServer(app, host="127.0.0.1", port=0).start()    # returns once it listens
+    server = RouterServer(app, tls=GatewayTls(keyfile=..., certfile=...))   # HTTPS (vLLM's --ssl-* flags)
     ... server.url ...
     server.stop()                                    # graceful: the lifespan closes the worker registry
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,12 +31,32 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from engine.tokenizer.tokenizer import Tokenizer
+    from protos.cluster_auth import ClusterAuth
     from router.admin import AdminApi
+    from router.api_keys import AccessControl
+    from router.autoscaler import AutoscalerConfig, ScalableCluster
     from router.metrics import RestartCounts
 
 
 # grpc.aio is built for asyncio's own loop; uvicorn would pick uvloop whenever it happens to be installed.
 _LOOP = "asyncio"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayTls:
+    """HTTPS at the gateway, with vLLM's flag names: `--ssl-keyfile`, `--ssl-certfile`, and `--ssl-ca-certs`,
+    which here also requires every client to present a certificate that CA signed (vLLM asks for that with a
+    separate `--ssl-cert-reqs 2`; a CA given for nothing else would be a surprise)."""
+
+    keyfile: str
+    certfile: str
+    ca_certs: str | None = None
+
+    def uvicorn_options(self) -> dict[str, object]:
+        options: dict[str, object] = {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile}
+        if self.ca_certs is not None:
+            options.update(ssl_ca_certs=self.ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return options
 
 
 def build_router_app(
@@ -55,13 +78,20 @@ def build_router_app(
     max_migrations: int = 3,
     admin: AdminApi | None = None,
     restart_counts: RestartCounts | None = None,
+    auth: ClusterAuth | None = None,
+    access: AccessControl | None = None,
+    signal_window_s: float = 60.0,
+    autoscaler: AutoscalerConfig | None = None,
+    pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
 
     A factory, so it does I/O: resolves the model (fetching a registered one on first use) and loads its
     tokenizer. `served_model_names` defaults to `(model,)`; `max_model_len` to the checkpoint's context length
     (pass the workers' own value when they are configured shorter). `redis_url`: the prefix index (None: route
-    by load only).
+    by load only). `auth`: the cluster secret (and TLS) of the calls to the workers. `access`: API keys and rate
+    limits (None: /v1/* is open). `signal_window_s`: the autoscaling signals' latency window; `autoscaler`: run
+    the built-in autoscaler, resizing through `pool_controller` (router/autoscaler.py).
     """
     tokenizer, context_length = load_tokenizer(model)
     config = RouterConfig(
@@ -76,8 +106,10 @@ def build_router_app(
         max_migrations=max_migrations,
         routing_policy=routing_policy,
         disagg_prefill_threshold_tokens=disagg_prefill_threshold_tokens,
+        signal_window_s=signal_window_s,
     )
-    registry = WorkerRegistry(worker_provider, refresh_interval_s=refresh_interval_s)
+    registry = WorkerRegistry(worker_provider, refresh_interval_s=refresh_interval_s,
+                              **({"auth": auth} if auth is not None else {}))
     prefix_index = None
     if redis_url is not None:
         from router.prefix_index_client import PrefixIndexClient
@@ -86,7 +118,7 @@ def build_router_app(
         prefix_index = PrefixIndex(PrefixIndexClient(redis_url), namespace=registry.hash_namespace,
                                    live_workers=registry.incarnations)
     return create_app(config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts,
-                      admin=admin)
+                      admin=admin, access=access, autoscaler=autoscaler, pool_controller=pool_controller)
 
 
 def load_tokenizer(model: str) -> tuple[Tokenizer, int]:
@@ -106,9 +138,10 @@ def load_tokenizer(model: str) -> tuple[Tokenizer, int]:
     return Tokenizer.from_gguf(reader), context_length
 
 
-def run_router(app: FastAPI, host: str, port: int, *, log_level: str = "info") -> None:
+def run_router(app: FastAPI, host: str, port: int, *, log_level: str = "info", tls: GatewayTls | None = None) -> None:
     """Serve `app` in the foreground until SIGINT or SIGTERM (uvicorn installs the handlers)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, loop=_LOOP)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, loop=_LOOP,
+                **(tls.uvicorn_options() if tls is not None else {}))  # type: ignore[arg-type]
 
 
 class RouterServer:
@@ -120,15 +153,17 @@ class RouterServer:
 
     def __init__(
         self, app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-        graceful_shutdown_s: float = 5.0,
+        graceful_shutdown_s: float = 5.0, tls: GatewayTls | None = None,
     ) -> None:
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host = host
         self.port: int = self._socket.getsockname()[1]
+        self.tls = tls
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s,
-                                lifespan="on", loop=_LOOP)
+                                lifespan="on", loop=_LOOP,
+                                **(tls.uvicorn_options() if tls is not None else {}))  # type: ignore[arg-type]
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=f"router-{self.port}", daemon=True)
         self._error: BaseException | None = None
@@ -136,7 +171,7 @@ class RouterServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> RouterServer:
         """Start serving; returns once uvicorn has started (lifespan done, socket listening)."""

@@ -1,7 +1,11 @@
 """Turning an open ResumableStream into the client's answer: one JSON body, or Server-Sent Events.
 
-    SSE:  [chat: role chunk] ─ one chunk per worker message that carries text, logprobs or a finish_reason ─
-          [usage chunk, when stream_options.include_usage] ─ "data: [DONE]"
+    SSE:  [chat: role chunk per choice] ─ one chunk per worker message that carries text, logprobs or a
+          finish_reason, tagged with its choice's index ─ [usage chunk, when stream_options.include_usage] ─
+          "data: [DONE]"
+
+n > 1: the worker's one stream carries every choice; it ends after each choice's finish. best_of (not
+streamed): every sequence is read, the n of highest cumulative logprob are returned (`best_choices`).
 
 A failure after the first byte cannot change the HTTP status any more, so it becomes an error event in OpenAI's
 shape, `data: {"error": {...}}`, followed by `data: [DONE]`. Both paths close the stream whatever happens,
@@ -12,7 +16,7 @@ replaced under the stream (router/resumable_stream.py); only a request that cann
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc.aio
@@ -26,17 +30,21 @@ from router.responses import (
     ResponseHeader,
     Usage,
     chat_logprobs,
+    choice_body,
+    choices_response_body,
     chunk_body,
     completion_logprobs,
+    echo_logprobs,
+    join_completion_logprobs,
     openai_stop_reason,
-    response_body,
     sse_event,
     usage_chunk_body,
+    vllm_prompt_logprobs,
 )
 
 if TYPE_CHECKING:
     from engine.tokenizer.tokenizer import Tokenizer
-    from router.tools import ToolPlan
+    from router.tools import ToolCallParser, ToolPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,77 +58,146 @@ class OutputSpec:
     stop_token_ids: tuple[int, ...]
     include_usage: bool = False
     tools: ToolPlan | None = None  # chat with tools: the output becomes content and tool_calls (router/tools.py)
+    n: int = 1  # choices returned
+    num_choices: int = 1  # sequences the stream carries: best_of (the n best are returned), else n
+    echo: str | None = None  # completions' echo: the prompt's text, written before each choice's
+    prompt_token_ids: tuple[int, ...] = ()  # for echo's logprobs and prompt_logprobs
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: returned in the body
+
+
+@dataclass
+class _Choice:
+    """One choice's messages, gathered."""
+
+    texts: list[str] = field(default_factory=list)
+    entries: list[serving_pb2.TokenLogprobs] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str = ""
+    stop_reason: str = ""
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(entry.logprob for entry in self.entries)
+
+
+def best_choices(choices: dict[int, _Choice], n: int) -> list[_Choice]:
+    """The choices to return: all, in index order, or (best_of > n) the n of highest cumulative logprob, best
+    first, as vLLM returns them."""
+    if len(choices) <= n:
+        return [choices[index] for index in sorted(choices)]
+    ranked = sorted(sorted(choices), key=lambda index: -choices[index].cumulative_logprob)
+    return [choices[index] for index in ranked[:n]]
 
 
 async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[str, Any]:
-    """Read `stream` to its end and build the non-streaming body. ApiError when the request failed."""
+    """Read `stream` to its end (every choice's finish) and build the non-streaming body. ApiError when the
+    request failed."""
     try:
-        texts: list[str] = []
-        entries: list[serving_pb2.TokenLogprobs] = []
-        while True:
+        choices: dict[int, _Choice] = {}
+        prompt_entries: list[serving_pb2.TokenLogprobs] = []
+        num_left = spec.num_choices
+        while num_left:
             message = await _next(stream)
-            texts.append(message.text_delta)
-            entries.extend(message.logprobs)
+            if message.prompt_logprobs and not prompt_entries:
+                prompt_entries = list(message.prompt_logprobs)
+            choice = choices.setdefault(message.index, _Choice())
+            choice.texts.append(message.text_delta)
+            choice.entries.extend(message.logprobs)
+            choice.num_tokens += len(message.token_ids)
             if message.finish_reason:
-                break
-        text: str | None = "".join(texts)
-        finish_reason = message.finish_reason
-        tool_calls = None
-        if spec.tools is not None:
-            text, tool_calls = spec.tools.parser().parse(text or "")
-            finish_reason = _tool_finish_reason(finish_reason, bool(tool_calls))
-        return response_body(
-            spec.header,
-            text=text,
-            tool_calls=tool_calls,
-            finish_reason=finish_reason,
-            stop_reason=openai_stop_reason(message.finish_reason, message.stop_reason, spec.stop,
-                                           spec.stop_token_ids),
-            logprobs=_logprobs(entries, spec, 0)[0] if spec.num_logprobs is not None else None,
-            usage=_usage(stream),
-        )
+                choice.finish_reason, choice.stop_reason = message.finish_reason, message.stop_reason
+                num_left -= 1
+        selected = best_choices(choices, spec.n)
+        usage = _usage(stream)
+        if len(selected) < len(choices):  # best_of: usage counts the choices returned, as vLLM's
+            usage = Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=sum(c.num_tokens for c in selected),
+                          cached_tokens=usage.cached_tokens)
+        echo_logprobs_body, echo_offset = None, 0
+        if spec.echo is not None and spec.num_logprobs is not None:
+            echo_logprobs_body, echo_offset = echo_logprobs(spec.prompt_token_ids, prompt_entries, spec.tokenizer)
+        bodies = []
+        for index, choice in enumerate(selected):
+            logprobs = None
+            if spec.num_logprobs is not None:
+                logprobs = _logprobs(choice.entries, spec, echo_offset)[0]
+                if echo_logprobs_body is not None:
+                    logprobs = join_completion_logprobs(echo_logprobs_body, logprobs)
+            text: str | None = (spec.echo or "") + "".join(choice.texts)
+            finish_reason, tool_calls = choice.finish_reason, None
+            if spec.tools is not None:  # each choice's text becomes its content and tool_calls
+                text, tool_calls = spec.tools.parser().parse(text or "")
+                finish_reason = _tool_finish_reason(finish_reason, bool(tool_calls))
+            bodies.append(choice_body(
+                spec.header, index=index, text=text, tool_calls=tool_calls, finish_reason=finish_reason,
+                stop_reason=openai_stop_reason(choice.finish_reason, choice.stop_reason, spec.stop,
+                                               spec.stop_token_ids),
+                logprobs=logprobs))
+        prompt_logprobs = vllm_prompt_logprobs(prompt_entries, spec.tokenizer) if spec.prompt_logprobs else None
+        return choices_response_body(spec.header, bodies, usage, prompt_logprobs)
     finally:
         stream.close()
 
 
 async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator[str]:
     """The SSE body of a streaming request. The caller must also `close()` the stream if this generator is
-    never iterated (see app.py's response class)."""
+    never iterated (see app.py's response class). n > 1: each chunk names its choice's `index`; an echoed
+    prompt opens each choice's first chunk."""
     header = spec.header
     try:
         if header.chat:
-            yield sse_event(chunk_body(header, text=None, role=True, include_usage=spec.include_usage))
-        text_offset = 0
-        parser = spec.tools.parser() if spec.tools is not None else None
-        while True:
+            for index in range(spec.num_choices):
+                yield sse_event(chunk_body(header, text=None, role=True, include_usage=spec.include_usage,
+                                           index=index))
+        text_offsets: dict[int, int] = {}  # per choice; a choice not in it has not had a chunk yet
+        prompt_entries: list[serving_pb2.TokenLogprobs] = []
+        num_left = spec.num_choices
+        parsers: dict[int, ToolCallParser] = {}  # chat with tools: per choice, its text becoming content and tool-call deltas
+        while num_left:
             try:
                 message = await _next(stream)
             except ApiError as error:
                 yield sse_event(error.body())
                 break
+            if message.prompt_logprobs and not prompt_entries:
+                prompt_entries = list(message.prompt_logprobs)
+            index = message.index
+            text = message.text_delta
             logprobs = None
+            echo_body = None
+            if index not in text_offsets:
+                text_offsets[index] = 0
+                if spec.echo is not None:
+                    text = spec.echo + text
+                    if spec.num_logprobs is not None:
+                        echo_body, text_offsets[index] = echo_logprobs(spec.prompt_token_ids, prompt_entries,
+                                                                       spec.tokenizer)
             if spec.num_logprobs is not None and message.logprobs:
-                logprobs, text_offset = _logprobs(message.logprobs, spec, text_offset)
+                logprobs, text_offsets[index] = _logprobs(message.logprobs, spec, text_offsets[index])
+            if echo_body is not None:
+                logprobs = echo_body if logprobs is None else join_completion_logprobs(echo_body, logprobs)
             finish_reason = message.finish_reason or None
+            if spec.tools is not None and index not in parsers:
+                parsers[index] = spec.tools.parser()
+            parser = parsers.get(index)
             if parser is not None:  # the text becomes content and tool-call deltas
-                for piece in parser.feed(message.text_delta) + (parser.finish() if finish_reason else []):
+                for piece in parser.feed(text) + (parser.finish() if finish_reason else []):
                     yield sse_event(chunk_body(header, text=piece.get("content"), tool_calls=piece.get("tool_calls"),
-                                               include_usage=spec.include_usage))
+                                               include_usage=spec.include_usage, index=index))
                 if finish_reason is not None:
                     finish_reason = _tool_finish_reason(finish_reason, bool(parser.calls))
                 if logprobs is not None or finish_reason is not None:
                     yield sse_event(chunk_body(header, text=None, finish_reason=finish_reason, logprobs=logprobs,
-                                               include_usage=spec.include_usage))
-            elif message.text_delta or logprobs is not None or finish_reason is not None:
+                                               include_usage=spec.include_usage, index=index))
+            elif text or logprobs is not None or finish_reason is not None:
                 stop_reason = openai_stop_reason(message.finish_reason, message.stop_reason, spec.stop,
                                                  spec.stop_token_ids)
-                yield sse_event(chunk_body(header, text=message.text_delta, finish_reason=finish_reason,
+                yield sse_event(chunk_body(header, text=text, finish_reason=finish_reason,
                                            stop_reason=stop_reason, logprobs=logprobs,
-                                           include_usage=spec.include_usage))
+                                           include_usage=spec.include_usage, index=index))
             if finish_reason is not None:
-                if spec.include_usage:
+                num_left -= 1
+                if not num_left and spec.include_usage:
                     yield sse_event(usage_chunk_body(header, _usage(stream)))
-                break
         yield SSE_DONE
     finally:
         stream.close()

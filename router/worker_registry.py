@@ -13,6 +13,9 @@ Lifecycle, all inside the serving event loop (grpc.aio channels belong to the lo
 The provider is the Ray controller's list in a cluster and a static list in tests: a plain callable (run in a
 thread, since it may block) or an async one, returning `WorkerInfo`s. A provider failure keeps the last list.
 
+A worker listed `draining` (a scale-down chose it: router/admin.py, deploy/controller.py) stays in the registry, so
+the calls it holds go on, Aborts reach it and its load is polled, but routing never sees it (`loads()`).
+
 Between polls the router counts what it dispatched itself (`note_dispatch`), so a burst of requests arriving
 within one poll interval spreads over the workers instead of piling onto the one that looked idlest.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +34,7 @@ import grpc
 import grpc.aio
 
 from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import OPEN, ClusterAuth, aio_channel
 from engine.serving.worker_config import WorkerInfo
 from kv_transfer.block_hash import BlockHashNamespace
 from router.routing import WorkerLoad
@@ -75,11 +80,14 @@ class _Worker:
 
 class WorkerRegistry:
     def __init__(
-        self, provider: WorkerProvider, *, refresh_interval_s: float = 1.0, load_timeout_s: float = 2.0
+        self, provider: WorkerProvider, *, refresh_interval_s: float = 1.0, load_timeout_s: float = 2.0,
+        auth: ClusterAuth = OPEN,
     ) -> None:
+        """`auth`: the cluster secret (and TLS) every call to a worker carries."""
         if refresh_interval_s <= 0 or load_timeout_s <= 0:
             raise ValueError(f"intervals must be positive, got {refresh_interval_s}, {load_timeout_s}")
         self._provider = provider
+        self._auth = auth
         self._refresh_interval_s = refresh_interval_s
         self._load_timeout_s = load_timeout_s
         self._workers: dict[str, _Worker] = {}
@@ -139,8 +147,8 @@ class WorkerRegistry:
         ]
 
     def loads(self) -> list[WorkerLoad]:
-        """Routing's view: the polled counts plus what this router dispatched since."""
-        return [_load_of(worker) for worker in self._workers.values()]
+        """Routing's view: the polled counts plus what this router dispatched since; draining workers left out."""
+        return [_load_of(worker) for worker in self._workers.values() if not worker.info.draining]
 
     def stub(self, worker_id: str) -> serving_pb2_grpc.WorkerStub:
         """The stub of a known worker; KeyError when it left the list."""
@@ -156,11 +164,12 @@ class WorkerRegistry:
         return None
 
     def incarnations(self) -> dict[str, int]:
-        """Worker id -> incarnation of the healthy workers (as each reports it)."""
-        return {w.info.worker_id: _incarnation(w) for w in self._workers.values() if w.healthy}
+        """Worker id -> incarnation of the healthy workers that take requests (as each reports it)."""
+        return {w.info.worker_id: _incarnation(w) for w in self._workers.values() if w.healthy and not w.info.draining}
 
     def healthy_roles(self) -> set[str]:
-        return {w.info.role for w in self._workers.values() if w.healthy}
+        """The roles with a healthy worker that takes requests."""
+        return {w.info.role for w in self._workers.values() if w.healthy and not w.info.draining}
 
     # -- writes from dispatch -----------------------------------------------------------------------------------
 
@@ -213,6 +222,10 @@ class WorkerRegistry:
             current = self._workers.get(worker_id)
             if current is not None and current.info == info:
                 continue
+            if current is not None and dataclasses.replace(current.info, draining=info.draining) == info:
+                logger.info("worker %s %s", worker_id, "draining" if info.draining else "no longer draining")
+                current.info = info  # the same process: its load and pending counts stay
+                continue
             if current is not None:
                 logger.info("worker %s changed: %s -> %s", worker_id, current.info, info)
             self._workers[worker_id] = _Worker(info, self._stub_for(info.endpoint))
@@ -224,7 +237,7 @@ class WorkerRegistry:
 
     def _stub_for(self, endpoint: str) -> serving_pb2_grpc.WorkerStub:
         if endpoint not in self._stubs:
-            channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            channel = aio_channel(endpoint, self._auth, options=_CHANNEL_OPTIONS)
             self._channels[endpoint] = channel
             self._stubs[endpoint] = serving_pb2_grpc.WorkerStub(channel)
         return self._stubs[endpoint]

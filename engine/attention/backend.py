@@ -2,7 +2,8 @@
 
 A backend owns no KV memory; the runner allocates one cache tensor per layer,
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, and passes it in. Implementations: `torch_backend`
-(reference, runs anywhere); a Triton backend for GPUs plugs in behind the same call.
+(reference, runs anywhere), `cpu_backend` (the C++ paged decode kernel), `triton_backend` (GPU), and
+`int8_kv.Int8TorchAttentionBackend` for an int8 cache (whose per-layer cache is an `Int8KVCache`).
 """
 
 from __future__ import annotations
@@ -29,16 +30,42 @@ class AttentionBackend(Protocol):
         ...
 
 
-BACKENDS = ("auto", "cpu", "torch")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
-def get_attention_backend(name: str, *, scale: float) -> AttentionBackend:
-    """"torch": the plain-torch reference; "cpu": torch plus the C++ paged decode kernel; "auto": "cpu" when the
-    kernel builds on this machine, else "torch"."""
-    if name == "auto":
+def get_attention_backend(
+    name: str, *, scale: float, device: torch.device | None = None, kv_cache_dtype: str = "auto"
+) -> AttentionBackend:
+    """Chosen once, at start-up. "torch": the plain-torch reference (any device; it also casts to and from an fp8
+    cache); "cpu": torch plus the C++ paged decode kernel; "triton": the Triton kernels (cuda, or CPU under
+    TRITON_INTERPRET=1). "auto": on cuda "triton" when triton imports, else "torch"; on cpu "cpu" when the C++
+    kernel builds here, else "torch". An int8 cache takes the int8 torch backend (the kernels read float caches
+    only): "auto" and "torch" choose it; naming another backend with int8 is an error."""
+    device = device or torch.device("cpu")
+    if kv_cache_dtype == "int8":
+        if name not in ("auto", "torch"):
+            raise ValueError(f"--kv-cache-dtype int8 runs on the torch attention backend only, not {name!r}")
+        from engine.attention.int8_kv import Int8TorchAttentionBackend
+
+        return Int8TorchAttentionBackend(scale=scale)
+    if kv_cache_dtype == "fp8" and name == "auto":
+        name = "torch"  # the kernels read float caches of the model's dtype only
+    if name == "auto" and device.type == "cuda":
+        import importlib.util
+
+        name = "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    elif name == "auto":
         from engine.kernels.cpu_paged_attention import load_kernel
 
         name = "cpu" if load_kernel() is not None else "torch"
+    if name in ("cpu", "triton") and kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} runs on the torch attention backend only, not {name!r}")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on cpu only, not {device}")
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(scale=scale)
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 

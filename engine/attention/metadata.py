@@ -32,3 +32,6 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decode_tokens, max_num_blocks] int64, padded with 0
     decode_seq_lens: torch.Tensor  # [num_decode_tokens] int64, ascending
     prefills: tuple[PrefillChunk, ...]
+    # Per prefill chunk, in order: its block table (padded with 0), for backends that read the cache through block
+    # tables (Triton); None where the builder had no tables to give (the torch backends use context_slots).
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_num_blocks] int64

@@ -4,6 +4,10 @@ Decode tokens (one query each) are grouped by context length; each group gathers
 `index_select` per K and V over the flat `[num_blocks, block_size * Hkv * D]` view (a row copy, the cheapest
 gather torch has) and runs one masked SDPA. Prefill chunks run one by one with SDPA: plain causal when fresh, an
 offset-causal mask after cached context.
+
+The cache is read and written through three methods (`store`, `gather_blocks`, `gather_slots`), so that a
+quantized cache changes only those: an fp8 cache casts (here), an int8 one scales (`int8_kv_backend.py`). Both run
+on any device: every tensor this backend makes is made on the device of the step's metadata.
 """
 
 from __future__ import annotations
@@ -46,12 +50,15 @@ def build_decode_groups(meta: AttentionMetadata, block_size: int) -> tuple[Decod
                 break
             total += longest
             end += 1
-        groups.append(_decode_group(tables[start:end], seq_lens[start:end], block_size, start))
+        groups.append(_decode_group(tables[start:end], seq_lens[start:end], block_size, start,
+                                    meta.slot_mapping.device))
         start = end
     return tuple(groups)
 
 
-def _decode_group(tables: list[list[int]], seq_lens: list[int], block_size: int, first_row: int) -> DecodeGroup:
+def _decode_group(
+    tables: list[list[int]], seq_lens: list[int], block_size: int, first_row: int, device: torch.device
+) -> DecodeGroup:
     max_len = max(seq_lens)
     width = cdiv(max_len, block_size)
     flat = [b for t in tables for b in (t[:width] + [0] * (width - len(t[:width])))]
@@ -59,9 +66,9 @@ def _decode_group(tables: list[list[int]], seq_lens: list[int], block_size: int,
     mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
     return DecodeGroup(
         rows=slice(first_row, first_row + len(seq_lens)),
-        block_ids=torch.tensor(flat),
+        block_ids=torch.tensor(flat).to(device),
         max_seq_len=max_len,
-        mask=mask,
+        mask=mask.to(device),
     )
 
 
@@ -86,20 +93,36 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens, num_kv_heads, head_dim = k.shape
-        row = num_kv_heads * head_dim
-        # Flat views over the paged cache: one row per token slot, and one row per block.
-        k_slots, v_slots = kv_cache[0].view(-1, row), kv_cache[1].view(-1, row)
-        k_slots.index_copy_(0, meta.slot_mapping, k.reshape(num_tokens, row))
-        v_slots.index_copy_(0, meta.slot_mapping, v.reshape(num_tokens, row))
-
+        self.store(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decode_tokens:
             out[: meta.num_decode_tokens] = self.decode(q[: meta.num_decode_tokens], kv_cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_slots, v_slots, chunk)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, chunk)
         return out
+
+    # -- the cache's three accessors (a quantized cache overrides them) ----------------------------------------
+    def store(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write k/v [T, Hkv, D] at the token slots `slot_mapping` [T] (cast to the cache's dtype)."""
+        num_tokens, num_kv_heads, head_dim = k.shape
+        row = num_kv_heads * head_dim
+        for which, x in ((0, k), (1, v)):
+            slots = _indexable(kv_cache[which].view(-1, row))  # one row per token slot
+            slots.index_copy_(0, slot_mapping, _indexable(x.reshape(num_tokens, row).to(kv_cache.dtype)))
+
+    def gather_blocks(self, kv_cache: torch.Tensor, which: int, block_ids: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """K (which=0) or V (1) of the blocks `block_ids` [n]: [n, block_size, Hkv, D] in `dtype`."""
+        num_blocks = kv_cache.shape[1]
+        rows = torch.index_select(_indexable(kv_cache[which].view(num_blocks, -1)), 0, block_ids)  # a row copy
+        return rows.view(kv_cache.dtype).view(-1, *kv_cache.shape[2:]).to(dtype)
+
+    def gather_slots(self, kv_cache: torch.Tensor, which: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K or V at the token slots `slots` [n]: [n, Hkv, D] in `dtype`."""
+        num_kv_heads, head_dim = kv_cache.shape[3:]
+        rows = torch.index_select(_indexable(kv_cache[which].view(-1, num_kv_heads * head_dim)), 0, slots)
+        return rows.view(kv_cache.dtype).view(-1, num_kv_heads, head_dim).to(dtype)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of the step's decode tokens (the first `meta.num_decode_tokens` rows)."""
@@ -110,13 +133,11 @@ class TorchAttentionBackend:
 
     def _decode_group(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
-        num_blocks, num_kv_heads = kv_cache.shape[1], kv_cache.shape[3]
-        k_blocks = kv_cache[0].view(num_blocks, -1)  # [num_blocks, block_size * Hkv * D]
-        v_blocks = kv_cache[1].view(num_blocks, -1)
+        num_kv_heads = kv_cache.shape[3]
         max_len = group.max_seq_len
-        # [S * nb, B * Hkv * D] -> [S, nb * B, Hkv, D] -> [S, Hkv, L, D] (a strided view, no copy)
-        keys = torch.index_select(k_blocks, 0, group.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
-        values = torch.index_select(v_blocks, 0, group.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
+        # [S * nb, B, Hkv, D] -> [S, nb * B, Hkv, D] -> [S, Hkv, L, D] (a strided view, no copy)
+        keys = self.gather_blocks(kv_cache, 0, group.block_ids, q.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
+        values = self.gather_blocks(kv_cache, 1, group.block_ids, q.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
         keys = keys[:, :max_len].transpose(1, 2)
         values = values[:, :max_len].transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -134,19 +155,17 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_slots: torch.Tensor,
-        v_slots: torch.Tensor,
+        kv_cache: torch.Tensor,
         chunk: PrefillChunk,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         if chunk.context_slots is None:  # fresh: only its own tokens, plain causal
             keys, values, mask, causal = k, v, None, True
         else:
-            keys = torch.index_select(k_slots, 0, chunk.context_slots).view(-1, num_kv_heads, head_dim)
-            values = torch.index_select(v_slots, 0, chunk.context_slots).view(-1, num_kv_heads, head_dim)
+            keys = self.gather_slots(kv_cache, 0, chunk.context_slots, q.dtype)
+            values = self.gather_slots(kv_cache, 1, chunk.context_slots, q.dtype)
             offset = chunk.context_len - chunk.query_len
-            rows = torch.arange(chunk.query_len)[:, None] + offset
-            mask = torch.arange(chunk.context_len)[None, :] <= rows  # [Lq, Lc], True = attend
+            rows = torch.arange(chunk.query_len, device=q.device)[:, None] + offset
+            mask = torch.arange(chunk.context_len, device=q.device)[None, :] <= rows  # [Lq, Lc], True = attend
             causal = False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, Lq, D]
@@ -158,3 +177,11 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)  # [Lq, H, D]
+
+
+def _indexable(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` as a dtype index_copy_/index_select take on every device: float8 is moved as its bytes."""
+    return rows.view(torch.uint8) if rows.dtype in _FLOAT8 else rows
+
+
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))

@@ -27,8 +27,8 @@ class KVCacheManager:
         At least one token is always left to compute, because the step that computes it produces the logits the
         next token is sampled from.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position's logits: no cached head (vLLM's rule)
         hits = self.cached_prefix(request)
         num_hit_tokens = len(hits) * self.block_size
         self.prefix_queries_tokens += request.num_tokens
@@ -71,6 +71,18 @@ class KVCacheManager:
         if num_needed > 0:
             table.extend(self.pool.allocate(num_needed))
         return True
+
+    def fork(self, parent: Request, child: Request, num_blocks: int) -> None:
+        """Give `child` (which holds no blocks) a reference on `parent`'s first `num_blocks` blocks, which must be
+        full and computed: they are shared, never written again (engine/core/fork.py)."""
+        if child.request_id in self._tables:
+            raise ValueError(f"request {child.request_id!r} already holds blocks")
+        shared = self._tables[parent.request_id][:num_blocks]
+        if len(shared) != num_blocks:
+            raise ValueError(f"request {parent.request_id!r} holds {len(shared)} blocks, not {num_blocks}")
+        self.pool.touch(shared)
+        self._tables[child.request_id] = list(shared)
+        self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), num_blocks)
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's newly full and computed blocks as prefix cache."""

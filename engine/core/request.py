@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.sampling_params import SamplingParams
+from engine.sampling.logprobs import TokenLogprobs
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace, extend_block_hashes
 
 
@@ -111,8 +112,10 @@ class Request:
         max_tokens: int,
         hash_namespace: BlockHashNamespace | None,
         remote_decode: bool = False,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.index = index  # which choice of its client request (n > 1: engine/core/fork.py); 0 otherwise
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
@@ -135,6 +138,10 @@ class Request:
         # the metrics and the dynamic policy's acceptance estimate.
         self.spec_token_ids: list[int] = []
         self.spec = SpecDecodeCounts()
+        # n > 1: the other choices, forked off this one once its prompt is computed (engine/core/fork.py).
+        self.pending_forks: list[Request] = []
+        # sampling_params.prompt_logprobs: one per prompt token after the first, filled as the prompt computes.
+        self.prompt_logprobs: list[TokenLogprobs] = []
         self._hash_namespace = hash_namespace
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()

@@ -10,10 +10,16 @@ from dataclasses import dataclass, field
 
 from engine.structured.spec import GrammarSpec
 
+# OpenAI's and vLLM's bound on a logit bias; and on how many choices one request may ask for (vLLM sets none: a
+# cap keeps one request from taking a whole decode worker's batch).
+MAX_LOGIT_BIAS = 100.0
+MAX_NUM_CHOICES = 128
+
 
 @dataclass(kw_only=True)
 class SamplingParams:
-    n: int = 1
+    n: int = 1  # choices: the prompt is prefilled once, its blocks shared by every choice (engine/core/fork.py)
+    best_of: int | None = None  # generate this many (>= n), return the n of highest cumulative logprob; None: n
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 (or -1) disables
@@ -30,6 +36,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs to return with each token (the sampled one is extra)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, every step
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (the first has none), top-k each
     structured_outputs: GrammarSpec | None = None  # the grammar every sampled token must follow
 
     def __post_init__(self) -> None:
@@ -42,10 +50,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the engine generates: `best_of`, or `n`."""
+        return self.best_of if self.best_of is not None else self.n
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad parameter."""
-        if self.n != 1:
-            raise ValueError(f"n must be 1, got {self.n}")
+        if not 1 <= self.n <= MAX_NUM_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_NUM_CHOICES}], got {self.n}")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_NUM_CHOICES:
+            raise ValueError(f"best_of must be in [n={self.n}, {MAX_NUM_CHOICES}], got {self.best_of}")
         if not self.temperature >= 0.0:  # also catches NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -66,6 +81,13 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # also catches NaN
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):

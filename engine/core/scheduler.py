@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from engine.core.fork import num_shared_blocks
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 
@@ -171,6 +172,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.kv_in_place = True
         self.waiting.append(request)
+        self.waiting.extend(self._fork(request))
         status = self._token_stop_status(request, first_token_id)
         if status is not None:
             self.finish_request(request.request_id, status)
@@ -183,6 +185,12 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed, over the waiting and running requests (a waiting prompt, the rest of a
+        chunked prefill, a preempted request's prompt): the prefill work queued here, an autoscaling signal."""
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in (*self.waiting, *self.running))
 
     # -- one step --------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -345,11 +353,28 @@ class Scheduler:
                     request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                     break
             self.kv_cache.cache_blocks(request)
+            if request.pending_forks:  # its prompt is computed: the other choices start, ahead of the queue
+                self.waiting.extendleft(reversed(self._fork(request)))
             if status is not None:
                 self.finish_request(request.request_id, status)
             elif request.remote_decode:
                 self._hold(request)
         return produced
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """The parent's pending choices, each sharing its full prompt blocks (engine/core/fork.py), ready to
+        queue: their blocks in place, the rest of the prompt to compute."""
+        children, parent.pending_forks = parent.pending_forks, []
+        num_blocks = num_shared_blocks(parent.num_prompt_tokens, self.kv_cache.block_size)
+        for child in children:
+            if child.request_id in self.requests:
+                raise ValueError(f"request id {child.request_id!r} is already in use")
+            self.kv_cache.fork(parent, child, num_blocks)
+            child.num_computed_tokens = num_blocks * self.kv_cache.block_size
+            child.kv_in_place = True
+            child.status = RequestStatus.WAITING
+            self.requests[child.request_id] = child
+        return children
 
     def _hold(self, request: Request) -> None:
         # Out of the queues, blocks kept: the KV handoff owns them until release_held.

@@ -20,6 +20,7 @@ from engine.loader.safetensors_loader import load_safetensors_dir
 from engine.model.config import ModelConfig
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.tokenizer.tokenizer import Tokenizer
 
 
@@ -35,7 +36,9 @@ class Checkpoint:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
-    path: Path  # the resolved checkpoint: a .gguf file or an HF directory
+    path: Path  # the resolved checkpoint: a .gguf file or an HF directory (a name only, for dummy weights)
+    # What namespaces its KV block hashes when the engine is given no --model-id; None: a digest of `path`'s files.
+    model_id: str | None = None
 
 
 def load_weights_and_config(
@@ -60,3 +63,25 @@ def load_checkpoint(model: str, dtype: torch.dtype = torch.float32) -> Checkpoin
 
     tokenizer = Tokenizer.from_hf_dir(str(path)) if path.is_dir() else Tokenizer.from_gguf(str(path))
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=path)
+
+
+def load_engine_checkpoint(config: EngineConfig, device: torch.device | str = "cpu") -> Checkpoint:
+    """The checkpoint an engine config names, by its `load_format`: "auto" reads `config.model` from disk (on CPU);
+    "dummy" makes seeded random weights of the shape `config.model` names (engine/loader/dummy_weights.py), on
+    `device`, seeded by `config.seed` (0 when unset). `config.dtype` must be concrete (engine/device.py)."""
+    from engine.device import TORCH_DTYPES
+
+    dtype = TORCH_DTYPES[config.dtype]
+    if config.load_format == "dummy":
+        from engine.loader import dummy_weights as dummy
+
+        model_config = dummy.dummy_model_config(config.model)
+        seed = config.seed or 0
+        return Checkpoint(
+            config=model_config,
+            weights=dummy.dummy_weights(model_config, dtype=dtype, device=device, seed=seed),
+            tokenizer=dummy.dummy_tokenizer(config.model),
+            path=dummy.dummy_checkpoint_path(config.model),
+            model_id=dummy.dummy_model_id(config.model, seed),
+        )
+    return load_checkpoint(config.model, dtype=dtype)

@@ -105,11 +105,17 @@ class LlamaModel:
             theta=c.rope_theta,
             scaling=c.rope_scaling,
             dtype=self.embed.dtype,
+            device=self.embed.device,
         )
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (the loader gives CPU tensors; the engine moves them to its device first)."""
+        return self.embed.device
 
     def first_layers(self, num_layers: int) -> LlamaModel:
         """The same model cut after its first `num_layers` layers (then the final norm and the head), sharing every

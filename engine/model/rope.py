@@ -33,14 +33,15 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) ->
 
 class RotaryEmbedding:
     def __init__(
-        self, *, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None, dtype: torch.dtype
+        self, *, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None, dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
         self.half = head_dim // 2
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,9 +4,10 @@ Per row, each stage running only on the rows that need it (see `sampling_batch.p
 
     raw logits ─┬─▶ logprobs: log_softmax of the raw logits (what the model said, before any shaping)
                 ▼
-    grammar bitmask (structured outputs: tokens the row's grammar rejects -> -inf, whole batch in one call)
+    min_tokens: EOS and stop ids masked ─▶ logit_bias ─▶ repetition penalty ─▶ frequency & presence penalties
                 ▼
-    min_tokens: EOS and stop ids masked ─▶ repetition penalty ─▶ frequency & presence penalties
+    grammar bitmask (structured outputs: tokens the row's grammar rejects -> -inf, whole batch in one call; last,
+    so no bias or penalty can bring back a token the grammar rejects)
                 │
                 ├─ temperature 0 ─▶ argmax (ties -> lowest id)
                 └─ otherwise ─────▶ / temperature ─▶ min_p ─▶ top_k ─▶ top_p ─▶ Gumbel-max draw
@@ -88,11 +89,12 @@ class Sampler:
         if batch.logprobs is not None:  # before anything shapes the logits
             raw_logprobs = batch.logprobs.rows.gather(logits).float().log_softmax(dim=-1)  # [num_lp, vocab_size]
 
-        if token_bitmask is not None:
-            logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
-            apply_token_bitmask(logits, token_bitmask)
         if batch.adjusts_logits:
             logits = self._adjust(logits, batch)
+        if token_bitmask is not None:  # after logit_bias and the penalties: the grammar has the last word
+            if not batch.adjusts_logits:
+                logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
+            apply_token_bitmask(logits, token_bitmask)
 
         if batch.random is None:
             token_ids = logits.argmax(dim=-1)  # [num_rows]: the all-greedy step is this one op
@@ -112,10 +114,12 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens masking, then the penalties, on a float32 copy of logits [num_rows, vocab_size]."""
+        """min_tokens masking, logit_bias, then the penalties, on a float32 copy of logits [num_rows, vocab_size]."""
         logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
         if batch.min_tokens_mask is not None:
             mask_tokens(logits, batch.min_tokens_mask.row_ids, batch.min_tokens_mask.token_ids)
+        if batch.logit_bias is not None:
+            batch.logit_bias.apply(logits)
         if batch.repetition is not None:
             seen = batch.repetition.seen
             apply_repetition_penalty(logits, batch.repetition.penalty, seen.row_ids, seen.token_ids)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.sampling.logit_bias import LogitBiasStage
+
 if TYPE_CHECKING:
     from engine.sampling.sampler import SamplingRow
 
@@ -115,11 +117,13 @@ class SamplingBatch:
     greedy: RowGroup | None  # rows with temperature 0, of the step; None: no such row
     random: RandomStage | None  # None: every row is greedy
     logprobs: LogprobStage | None
+    logit_bias: LogitBiasStage | None = None
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a stage before the greedy/random split changes logits: min_tokens or a penalty."""
-        return self.min_tokens_mask is not None or self.repetition is not None or self.frequency_presence is not None
+        """Whether a stage before the greedy/random split changes logits: min_tokens, a bias or a penalty."""
+        return (self.min_tokens_mask is not None or self.repetition is not None or self.frequency_presence is not None
+                or self.logit_bias is not None)
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -223,6 +227,7 @@ class SamplingBatch:
             greedy=_group(greedy_rows, num_rows, device) if greedy_rows else None,
             random=random,
             logprobs=logprobs,
+            logit_bias=LogitBiasStage.from_rows([row.params.logit_bias for row in rows], vocab_size, device),
         )
 
 

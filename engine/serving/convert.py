@@ -22,8 +22,11 @@ def sampling_params_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParam
         ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        n=msg.n or 1,
+        logit_bias=dict(msg.logit_bias),
     )
-    for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens"):
+    for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens", "best_of",
+                 "prompt_logprobs"):
         if msg.HasField(name):
             setattr(params, name, getattr(msg, name))
     if msg.HasField("structured_outputs"):  # the kind is checked by validate()
@@ -47,7 +50,13 @@ def sampling_params_to_proto(params: SamplingParams) -> serving_pb2.SamplingPara
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
+        n=params.n if params.n > 1 else 0,  # 0: unset, one choice
+        logit_bias=params.logit_bias,
     )
+    if params.best_of is not None:
+        msg.best_of = params.best_of
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.max_tokens is not None:
         msg.max_tokens = params.max_tokens
     if params.seed is not None:
@@ -80,8 +89,10 @@ def logprobs_from_proto(msg: serving_pb2.TokenLogprobs) -> TokenLogprobs:
 def output_to_response(out: RequestOutput) -> serving_pb2.GenerateResponse:
     """One step's output as a stream message: the new tokens, their text and logprobs; usage when finished."""
     msg = serving_pb2.GenerateResponse(
-        request_id=out.request_id, token_ids=out.new_token_ids, text_delta=out.delta_text
+        request_id=out.request_id, token_ids=out.new_token_ids, text_delta=out.delta_text, index=out.index
     )
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
     if out.logprobs is not None and out.new_token_ids:
         msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[-len(out.new_token_ids) :])
     if out.finished:

@@ -7,6 +7,8 @@ request (freeing its blocks) and exits 0. Benchmarks and multi-host setups witho
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
 import threading
@@ -17,6 +19,9 @@ from engine.serving.fresh_thread import run_on_fresh_thread
 from engine.serving.log_config import configure_logging
 from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
+from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
+
+logger = logging.getLogger(__name__)
 
 
 def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> WorkerConfig:
@@ -29,6 +34,7 @@ def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> Wor
     parser.add_argument("--kv-transport", choices=TRANSPORTS, default="grpc")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
     parser.add_argument("--redis-url", default=None, help="publish KV events to this prefix index (default: none)")
+    add_cluster_auth_args(parser)
     add_engine_args(parser)
     args = parser.parse_args(argv)
     return WorkerConfig(
@@ -40,6 +46,7 @@ def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> Wor
         kv_transport=args.kv_transport,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         redis_url=args.redis_url,
+        auth=cluster_auth_from_args(args, os.environ),
     )
 
 
@@ -47,6 +54,9 @@ def serve_forever(build: Callable[[WorkerConfig], object], argv: Sequence[str] |
     assert set(roles) <= set(ROLES)
     config = parse_worker_config(argv, roles)
     configure_logging()
+    if not config.auth.secret:
+        logger.warning("no cluster secret (--cluster-secret or $%s): anyone who reaches %s:%s may call this worker",
+                       CLUSTER_SECRET_ENV, config.host, config.port or "its port")
     worker = run_on_fresh_thread(lambda: build(config))  # the engine loop's thread: the only OpenMP master
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

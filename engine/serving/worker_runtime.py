@@ -5,6 +5,8 @@
       .aio                   the asyncio loop (its own thread) the server and every handler run on
       .server / .endpoint    grpc.aio.Server bound at construction ("host:port"); role servicers register on it
       .start() / .stop()     loop and server up / down (stop aborts every request, freeing its blocks)
+      .gate / .drain(t)      the request RPCs' gate (engine/serving/request_gate.py); drain: refuse new
+                             requests, wait up to t seconds for those in flight (before a scale-down's stop)
       await .call(fn)        fn(engine) on the engine thread, awaited from a handler without blocking the loop
       .outputs(request_id)   an asyncio.Queue fed with the request's RequestOutputs from the engine thread
 
@@ -34,18 +36,22 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
-from engine.llm_engine import TORCH_DTYPES, LLMEngine
-from engine.loader.checkpoint import Checkpoint, load_checkpoint
+from engine.core.fork import choice_request_id
+from engine.device import resolve_engine_config
+from engine.llm_engine import LLMEngine
+from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
 from engine.outputs import RequestOutput
 from engine.serving.engine_loop import EngineLoop, EngineLoopClosed
 from engine.serving.kv_event_publisher import NullPublisher, RedisKVEventPublisher
 from engine.serving.event_loop_thread import EventLoopThread
 from engine.serving.malloc_tuning import tune_malloc
+from engine.serving.request_gate import RequestGate
 from engine.serving.worker_config import WorkerConfig
 from kv_transfer.grpc_transport import CHANNEL_OPTIONS
 from kv_transfer.layout import KVLayout
 from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import add_port, server_interceptors
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,14 +103,23 @@ class RuntimeWorker:
     def start(self) -> str:
         return self.runtime.start()
 
+    def drain(self, timeout_s: float) -> int:
+        return self.runtime.drain(timeout_s)
+
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, checkpoint: Checkpoint | None = None) -> None:
         self.config = config
         tune_malloc()  # before the gRPC server's threads exist: they then share one arena
+        engine_config = resolve_engine_config(config.engine)  # the device and dtype this worker runs with
+        if engine_config.kv_cache_dtype != "auto" and config.role != "colocated":
+            # The KV layout and the transports move blocks of the model's dtype, without scales.
+            raise ValueError(f"--kv-cache-dtype {engine_config.kv_cache_dtype}: KV handoffs do not carry quantized "
+                             "blocks yet; run colocated workers (--num-colocated-workers) or --kv-cache-dtype auto")
         if checkpoint is None:
-            checkpoint = load_checkpoint(config.engine.model, dtype=TORCH_DTYPES[config.engine.dtype])
-        self.engine = LLMEngine(config.engine, checkpoint)
+            checkpoint = load_engine_checkpoint(engine_config)
+        self.engine = LLMEngine(engine_config, checkpoint)
+        self.device = self.engine.device  # where its KV blocks live: the transports read and write them there
         _inject_slow_steps(self.engine, float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0))
         self.loop = EngineLoop(self.engine, name=f"{config.worker_id}-engine")
         self.kv_events = self._make_publisher()
@@ -112,25 +127,28 @@ class WorkerRuntime:
         self.transfers = TransferCounters(lock=threading.Lock())
         self.aio = EventLoopThread(f"{config.worker_id}-grpc")
         self.server: grpc.aio.Server = self.aio.run(self._make_server())
-        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        port = add_port(self.server, f"{config.host}:{config.port}", config.auth)
         if port == 0:
             self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
-        self.endpoint = f"{config.host}:{port}"
+        self.endpoint = f"{config.advertise_host or config.host}:{port}"
         mc = self.engine.model_config
         self.layout = KVLayout(
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
-            block_size=config.engine.block_size,
-            dtype=config.engine.dtype,
+            block_size=engine_config.block_size,
+            dtype=engine_config.dtype,
         )
+        self.gate = RequestGate()
         self._started = False
         self._stopped = False
 
     async def _make_server(self) -> grpc.aio.Server:  # on the loop: the server belongs to it
         migration = ThreadPoolExecutor(max_workers=_MIGRATION_THREADS, thread_name_prefix=f"{self.config.worker_id}-kv")
-        return grpc.aio.server(migration_thread_pool=migration, options=GRPC_OPTIONS)
+        # Every call, the KV receiver's included, must carry the cluster secret (protos/cluster_auth.py).
+        return grpc.aio.server(migration_thread_pool=migration, options=GRPC_OPTIONS,
+                               interceptors=server_interceptors(self.config.auth))
 
     def start(self) -> str:
         if not self._started:
@@ -140,6 +158,14 @@ class WorkerRuntime:
             self.aio.run(self.server.start())
             logger.info("worker %s (%s) serving on %s", self.config.worker_id, self.config.role, self.endpoint)
         return self.endpoint
+
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new Generate / Prefill calls (UNAVAILABLE, retryable) and wait up to `timeout_s` for those in
+        flight to end; return how many are still in flight (0: drained). Call from any thread but the loop's; the
+        worker keeps serving Health, GetLoad, Abort and KV transfers until `stop()`."""
+        if self._stopped:
+            return 0
+        return self.aio.run(self.gate.wait_idle(timeout_s), timeout_s=timeout_s + 5.0)
 
     def stop(self, grace_s: float = 2.0, *, before_loop_stops: Callable[[], object] | None = None) -> None:
         """Stop taking RPCs, abort what runs, stop the loop. Idempotent. `before_loop_stops` (a coroutine
@@ -185,13 +211,20 @@ class WorkerRuntime:
         """`fn(engine)` on the engine thread between steps; its result or exception, awaited."""
         return await asyncio.wrap_future(self.loop.submit(fn))
 
-    def outputs(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """Listen for `request_id`'s outputs (call on the asyncio loop, before the request can produce any);
-        undo with `self.loop.unlisten(request_id)` (the listener goes by itself after the finished output)."""
+    def outputs(self, request_id: str, num_choices: int = 1) -> asyncio.Queue[RequestOutput]:
+        """Listen for `request_id`'s outputs, those of its `num_choices` choices (n > 1) all in one queue (call on
+        the asyncio loop, before the request can produce any); undo with `unlisten` (each choice's listener goes
+        by itself after its finished output)."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         aio_loop = asyncio.get_running_loop()
-        self.loop.listen(request_id, lambda out: aio_loop.call_soon_threadsafe(queue.put_nowait, out))
+        for index in range(num_choices):
+            self.loop.listen(choice_request_id(request_id, index),
+                             lambda out: aio_loop.call_soon_threadsafe(queue.put_nowait, out))
         return queue
+
+    def unlisten(self, request_id: str, num_choices: int = 1) -> None:
+        for index in range(num_choices):
+            self.loop.unlisten(choice_request_id(request_id, index))
 
     # -- the common RPCs -------------------------------------------------------------------------------------
     def health(self) -> serving_pb2.HealthResponse:
@@ -223,6 +256,7 @@ class WorkerRuntime:
                 **spec_decode,  # type: ignore[arg-type]
                 num_requests_running=engine.scheduler.num_running,
                 num_requests_waiting=engine.scheduler.num_waiting,
+                num_queued_prompt_tokens=engine.scheduler.num_queued_prompt_tokens,
                 kv_blocks_used=pool.num_used_blocks,
                 kv_blocks_free=pool.num_free_blocks,
                 kv_blocks_total=engine.num_kv_blocks,

@@ -4,7 +4,8 @@ The dynamic policy maximises expected output tokens per second of the step. With
 request given k drafts outputs E(k) = 1 + a + a^2 + ... + a^k tokens (the accepted drafts, then one sampled), so
 its j-th draft is worth a^j more tokens. The step costs
 
-    T(K) = overhead + per_token * (base tokens + K) + per_draft * K       K = drafts in the step, all requests
+    T(K) = overhead + per_token * (decode tokens + K) + per_prompt_token * prompt tokens + per_draft * K
+                                                                   K = drafts in the step, all requests
 
 (`StepCosts`, measured on the running engine). Goodput E/T grows by adding a draft worth g exactly when
 g * T > E * (per_token + per_draft): so drafts are handed out best first (the highest a^j), while that holds.
@@ -25,11 +26,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class StepCosts:
-    """Seconds: a target step's fixed part, each token it computes, and each draft token the proposer makes."""
+    """Seconds: a target step's fixed part, each decode token it computes (a draft is verified as one), each
+    prompt-chunk token it computes (None: the same as a decode token), and each draft token the proposer makes."""
 
     overhead_s: float
     per_token_s: float
     per_draft_s: float
+    per_prompt_token_s: float | None = None
 
 
 def choose_fixed(num_requests: int, max_num_drafts: int) -> list[int]:
@@ -43,10 +46,12 @@ def choose_dynamic(
     num_base_tokens: int,
     token_budget: int,
     costs: StepCosts,
+    num_prompt_tokens: int = 0,
 ) -> list[int]:
     """k per request (0: no speculation), in the order of `acceptance_rates`.
 
     num_base_tokens: the step's real tokens (one per decoding request, plus any prompt chunks);
+    num_prompt_tokens: how many of those are prompt-chunk tokens;
     token_budget: the step's token budget, which drafts may not push it past.
     """
     num_drafts = [0] * len(acceptance_rates)
@@ -54,7 +59,9 @@ def choose_dynamic(
     if room <= 0 or max_num_drafts <= 0:
         return num_drafts
     expected_tokens = float(len(acceptance_rates))
-    step_s = costs.overhead_s + costs.per_token_s * num_base_tokens
+    per_prompt_token_s = costs.per_token_s if costs.per_prompt_token_s is None else costs.per_prompt_token_s
+    step_s = (costs.overhead_s + costs.per_token_s * (num_base_tokens - num_prompt_tokens)
+              + per_prompt_token_s * num_prompt_tokens)
     draft_cost_s = costs.per_token_s + costs.per_draft_s
     # Max-heap of each request's next draft's worth, a^(k+1).
     heap = [(-rate, i) for i, rate in enumerate(acceptance_rates) if rate > 0.0]

@@ -16,8 +16,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import SchedulerOutput
+from engine.core.request import Request, RequestStatus, SpecDecodeCounts
+from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.cost_model import StepCostModel
 from engine.spec_decode.policy import choose_dynamic, choose_fixed
@@ -39,6 +39,10 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
         self.chosen_k: Counter[int] = Counter()  # k the policy chose, per decoding request and step
+        # Every verification's outcomes, as one request's would be: a new request's acceptance estimate starts
+        # from this (what this proposer achieves on this workload) rather than from a fixed prior, so a proposer
+        # that is no use here is not tried again on every new request.
+        self.engine_acceptance = SpecDecodeCounts()
 
     def propose(self, running: Sequence[Request], waiting: Sequence[Request]) -> None:
         decoding = [
@@ -46,6 +50,9 @@ class Speculator:
         ]
         if not decoding:
             return
+        for request in decoding:
+            if request.spec.num_drafts == 0:
+                request.spec.acceptance_rate = self.engine_acceptance.acceptance_rate
         num_drafts = self._choose(decoding, running, waiting)
         self.chosen_k.update(num_drafts)
         for request in decoding:
@@ -83,13 +90,16 @@ class Speculator:
         costs = self.cost_model.costs()
         if costs is None:  # nothing measured yet: the first step runs without drafts, and is measured
             return [0] * len(decoding)
-        # The step's real tokens as the scheduler will see them: every running request's, then the queue's.
+        # The step's real tokens as the scheduler will see them: every running request's, then the queue's; all
+        # but the decoding requests' one token each are prompt-chunk tokens.
         num_base_tokens = sum(r.num_tokens - r.num_computed_tokens for r in running)
         num_base_tokens += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        num_base_tokens = min(num_base_tokens, self.token_budget)
         return choose_dynamic(
             [r.spec.acceptance_rate for r in decoding],
             max_num_drafts=k,
-            num_base_tokens=min(num_base_tokens, self.token_budget),
+            num_base_tokens=num_base_tokens,
+            num_prompt_tokens=max(num_base_tokens - len(decoding), 0),
             token_budget=self.token_budget,
             costs=costs,
         )
@@ -98,7 +108,8 @@ class Speculator:
         self, scheduled: SchedulerOutput, sampled: Mapping[str, Sequence[int]], elapsed_s: float
     ) -> None:
         """The target step ran `scheduled` in `elapsed_s` and produced `sampled` (before the scheduler's update)."""
-        self.cost_model.observe_step(scheduled.num_batched_tokens, elapsed_s)
+        num_prompt_tokens = sum(item.num_new_tokens for item in scheduled.scheduled if not _decodes(item))
+        self.cost_model.observe_step(scheduled.num_batched_tokens, elapsed_s, num_prompt_tokens=num_prompt_tokens)
         for item in scheduled.scheduled:
             num_drafts = len(item.spec_token_ids)
             token_ids = sampled.get(item.request.request_id)
@@ -108,11 +119,19 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += num_drafts
             self.num_accepted_tokens += num_accepted
+            self.engine_acceptance.record(num_drafts, num_accepted, smoothing=0.05)
             for pos in range(num_accepted):
                 self.num_accepted_tokens_per_pos[pos] += 1
 
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
+
+
+def _decodes(item: ScheduledRequest) -> bool:
+    """A decode step of its request: the one token after its last output token (plus drafts), not a prompt chunk
+    nor a recomputation after preemption."""
+    return (item.samples and item.num_new_tokens == 1 + len(item.spec_token_ids)
+            and item.request.num_output_tokens > 0)
 
 
 def make_proposer(

@@ -1,12 +1,16 @@
-"""A burst of concurrent streamed completions against a running gateway, for the overload tests: every request's
-HTTP status, whether its stream ended properly, and when it got its first token."""
+"""Load against a running gateway: a burst of concurrent streamed completions (the overload tests), a steady load
+of a few clients that keep sending until stopped (the scaling tests), and one greedy stream read chunk by chunk
+(the migration tests). Every request's HTTP status, whether its stream ended properly, when it got its first
+token."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -64,3 +68,86 @@ async def _burst(url: str, model: str, num_requests: int, max_tokens: int, timeo
 def burst(url: str, model: str, *, num_requests: int, max_tokens: int = 16, timeout_s: float = 300.0) -> list[Outcome]:
     """`num_requests` streamed completions sent at once; their outcomes in request order."""
     return asyncio.run(_burst(url, model, num_requests, max_tokens, timeout_s))
+
+
+class SteadyLoad:
+    """`num_clients` clients, each sending streamed greedy completions one after another until `stop()`, on a
+    thread of its own. Each client's prompts are its own (`prompt(client, n)`), so they share no prefix."""
+
+    def __init__(self, url: str, model: str, *, num_clients: int, max_tokens: int,
+                 prompt: Callable[[int, int], str], timeout_s: float = 120.0) -> None:
+        self._url, self._model, self._num_clients = url, model, num_clients
+        self._max_tokens, self._prompt, self._timeout_s = max_tokens, prompt, timeout_s
+        self.outcomes: list[Outcome] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="steady-load", daemon=True)
+
+    def start(self) -> SteadyLoad:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[Outcome]:
+        """Let every client finish its current request; every outcome so far."""
+        self._stopping.set()
+        self._thread.join(self._timeout_s + 10)
+        assert not self._thread.is_alive(), "the load's clients did not finish"
+        return list(self.outcomes)
+
+    def wait_for(self, num_outcomes: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.outcomes) < num_outcomes:
+            assert time.monotonic() < deadline, f"only {len(self.outcomes)} requests finished in {timeout_s} s"
+            time.sleep(0.05)
+
+    async def _run(self) -> None:
+        limits = httpx.Limits(max_connections=self._num_clients + 2)
+        async with httpx.AsyncClient(base_url=self._url, timeout=self._timeout_s, limits=limits) as client:
+            await asyncio.gather(*(self._client(client, i) for i in range(self._num_clients)))
+
+    async def _client(self, client: httpx.AsyncClient, index: int) -> None:
+        n = 0
+        while not self._stopping.is_set():
+            self.outcomes.append(await _one(client, self._model, self._prompt(index, n), self._max_tokens))
+            n += 1
+
+
+@dataclass
+class GreedyStream:
+    """One streamed greedy completion as the client saw it."""
+
+    text: str = ""
+    tokens: list[str] = field(default_factory=list)  # from logprobs: one per generated token
+    usage: dict = field(default_factory=dict)
+    errors: list[dict] = field(default_factory=list)  # error events
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+def stream_greedy(url: str, model: str, prompt: str, *, max_tokens: int,
+                  on_chunk: Callable[[int], None] | None = None) -> GreedyStream:
+    """Stream one greedy completion (ignore_eos, logprobs); `on_chunk(n)` after the n-th text chunk was read."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "stream": True, "stream_options": {"include_usage": True}}
+    result = GreedyStream()
+    num_chunks = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[len("data: "):])
+            if payload.get("usage"):
+                result.usage = payload["usage"]
+            if "error" in payload:
+                result.errors.append(payload)
+            if not payload.get("choices"):
+                continue
+            choice = payload["choices"][0]
+            result.text += choice["text"]
+            if choice["logprobs"]:
+                result.tokens += choice["logprobs"]["tokens"]
+            if choice["finish_reason"]:
+                result.finish_reasons.append(choice["finish_reason"])
+            num_chunks += 1
+            if on_chunk is not None:
+                on_chunk(num_chunks)
+    return result

@@ -5,7 +5,6 @@ and its greedy text equals an undisturbed run's."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 
@@ -19,12 +18,14 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.server import RouterServer
 from router.worker_registry import WorkerRegistry
+from tests.cluster.load import stream_greedy
 from tests.cluster.worker_harness import start_worker, stub, wait_blocks_free
 
 pytestmark = [pytest.mark.slow]
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 40
+PROMPT = "The lighthouse keeper climbed the stairs and"
 CUT_AFTER = 8  # chunks the client has read when the worker is stopped
 
 
@@ -47,37 +48,6 @@ def cluster(smollm2_checkpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
             worker.stop()
 
 
-def _stream(url: str, on_chunk=None) -> tuple[str, list[str], dict, list]:  # type: ignore[no-untyped-def]
-    """Text, logprobs tokens, usage and the other payloads (finish chunk, errors) of one streamed greedy run."""
-    body = {"model": MODEL, "prompt": "The lighthouse keeper climbed the stairs and", "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "logprobs": 1, "stream": True,
-            "stream_options": {"include_usage": True}}
-    text, tokens, usage, others = "", [], {}, []
-    num_chunks = 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            payload = json.loads(line[len("data: "):])
-            if payload.get("usage"):
-                usage = payload["usage"]
-            if "error" in payload:
-                others.append(payload)
-            if not payload.get("choices"):
-                continue
-            choice = payload["choices"][0]
-            text += choice["text"]
-            if choice["logprobs"]:
-                tokens += choice["logprobs"]["tokens"]
-            if choice["finish_reason"]:
-                others.append(choice)
-            num_chunks += 1
-            if on_chunk is not None:
-                on_chunk(num_chunks)
-    return text, tokens, usage, others
-
-
 def _metric(url: str, name: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -88,8 +58,8 @@ def _metric(url: str, name: str) -> dict[str, float]:
 
 def test_a_decode_worker_stopped_mid_stream_hands_the_request_on_with_the_same_greedy_text(cluster) -> None:
     url, prefill, decode = cluster
-    expected_text, expected_tokens, expected_usage, _ = _stream(url)
-    assert expected_usage["completion_tokens"] == MAX_TOKENS and len(expected_tokens) == MAX_TOKENS
+    expected = stream_greedy(url, MODEL, PROMPT, max_tokens=MAX_TOKENS)
+    assert expected.usage["completion_tokens"] == MAX_TOKENS and len(expected.tokens) == MAX_TOKENS
     stopped: list = []
 
     def stop_the_busy_worker(num_chunks: int) -> None:
@@ -102,13 +72,13 @@ def test_a_decode_worker_stopped_mid_stream_hands_the_request_on_with_the_same_g
         thread.start()
         thread.join(timeout=30)
 
-    text, tokens, usage, others = _stream(url, on_chunk=stop_the_busy_worker)
+    got = stream_greedy(url, MODEL, PROMPT, max_tokens=MAX_TOKENS, on_chunk=stop_the_busy_worker)
     assert stopped, "the stream ended before a worker was stopped"
-    assert text == expected_text  # no gap, no duplicate
-    assert tokens == expected_tokens
-    assert usage["prompt_tokens"] == expected_usage["prompt_tokens"]
-    assert usage["completion_tokens"] == MAX_TOKENS
-    assert [o.get("finish_reason") for o in others] == ["length"]  # and no error event
+    assert got.text == expected.text  # no gap, no duplicate
+    assert got.tokens == expected.tokens
+    assert got.usage["prompt_tokens"] == expected.usage["prompt_tokens"]
+    assert got.usage["completion_tokens"] == MAX_TOKENS
+    assert got.finish_reasons == ["length"] and not got.errors
     assert _metric(url, "splitserve:request_migrations_total") == {"worker_unavailable": 1.0}
     survivors = [w for w in [*prefill, *decode] if w not in stopped]
     wait_blocks_free(*survivors)

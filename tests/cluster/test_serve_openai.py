@@ -5,7 +5,9 @@ talked to by the unmodified `openai` client, once per KV transport and once colo
 - A workload with client-aborted streams and a KV handoff cut half-way (SPLITSERVE_FAULT_KV_CUTS) ends with every
   worker's KV blocks free, read from the router's /metrics; the cut request was retried and still exact.
 - Structured outputs and tool calls (colocated and over grpc): generated JSON schemas, `parse` with a pydantic
-  model, a named tool choice, a guided choice, a bad schema's 400; blocks freed after.
+  model, a named tool choice, a guided choice (n = 3 too), a bad schema's 400; blocks freed after.
+- n = 4 seeded choices, logit_bias, echo + logprobs (equal to HF transformers' prompt log-probabilities): the
+  prompt prefilled once (on the prefill worker when disaggregated), every block free after, an aborted stream too.
 - SIGINT stops it all, exit 0, no process left behind.
 """
 
@@ -166,7 +168,7 @@ def test_workload_with_aborts_and_a_cut_transfer_frees_every_block(cluster, offl
     expected = _text(smollm2_checkpoint, offline["long"])
     assert results == {"exact-0": expected, "exact-1": expected}
 
-    metrics = wait_until_idle(url)
+    metrics = wait_until_every_block_is_free(url)
     used = metrics["splitserve:kv_blocks_used"]
     expected_workers = {"colocated-0"} if mode == "colocated" else {"prefill-0", "decode-0"}
     assert set(used) == expected_workers
@@ -179,9 +181,71 @@ def test_workload_with_aborts_and_a_cut_transfer_frees_every_block(cluster, offl
         assert metrics["splitserve:kv_transfer_bytes_total"]["prefill-0"] > 0
 
 
-def wait_until_idle(url: str, timeout_s: float = 30) -> dict[str, dict[str, float]]:
-    """/metrics once every worker's blocks are free (the router polls loads every second) and nothing runs or
-    waits; fails after `timeout_s`."""
+def test_n_choices_logit_bias_and_echo_logprobs(cluster, offline, smollm2_checkpoint, smollm2_gguf,
+                                                hf_prompt_logprobs) -> None:
+    """n = 4 seeded choices (reproducible, distinct), logit_bias removing the greedy token and forcing another,
+    echo + logprobs equal to HF's prompt log-probabilities; every block free after, an aborted n = 4 stream too."""
+    _mode, _serve, url = cluster
+    client = client_for(url)
+    tok = smollm2_checkpoint.tokenizer
+
+    def choices() -> list[str]:
+        out = client.completions.create(model=smollm2_gguf, prompt=COMPLETION_PROMPT, max_tokens=4, n=4,
+                                        temperature=1.0, seed=42, extra_body={"ignore_eos": True})
+        assert [c.index for c in out.choices] == [0, 1, 2, 3]
+        assert out.usage.prompt_tokens == len(tok.encode(COMPLETION_PROMPT))  # counted once
+        assert out.usage.completion_tokens == 4 * 4
+        return [c.text for c in out.choices]
+
+    first = choices()
+    assert len(set(first)) == 4, first  # per-choice seeds: distinct samples
+    assert choices() == first  # and reproducible
+
+    top = offline["completion"][0]  # the greedy answer's first token
+    banned = client.completions.create(model=smollm2_gguf, prompt=COMPLETION_PROMPT, max_tokens=4, temperature=0,
+                                       logprobs=0, logit_bias={str(top): -100})
+    assert tok.decode([top], skip_special_tokens=False) not in banned.choices[0].logprobs.tokens
+    forced_id = tok.encode(" banana", add_special_tokens=False)[0]
+    forced = client.completions.create(model=smollm2_gguf, prompt=COMPLETION_PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(forced_id): 100})
+    assert forced.choices[0].text == tok.decode([forced_id] * 3)
+
+    echoed = client.completions.create(model=smollm2_gguf, prompt=COMPLETION_PROMPT, max_tokens=1, temperature=0,
+                                       echo=True, logprobs=1)
+    logprobs = echoed.choices[0].logprobs
+    prompt_ids = tok.encode(COMPLETION_PROMPT)
+    assert echoed.choices[0].text.startswith(COMPLETION_PROMPT)
+    assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == len(prompt_ids) + 1
+    assert logprobs.tokens[: len(prompt_ids)] == [tok.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    got = logprobs.token_logprobs[1 : len(prompt_ids)]
+    assert max(abs(a - b) for a, b in zip(got, hf_prompt_logprobs, strict=True)) < 1e-4
+
+    stream = client.completions.create(model=smollm2_gguf, prompt=COMPLETION_PROMPT, max_tokens=200, n=4,
+                                       temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+    indices = set()
+    for chunk in stream:
+        indices.update(c.index for c in chunk.choices)
+        if len(indices) == 4:
+            break
+    stream.close()  # the client goes away while the four choices run
+    wait_until_every_block_is_free(url)
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(hf_reference, smollm2_checkpoint) -> list[float]:
+    """HF transformers' float32 log p(t_j | t_<j) over COMPLETION_PROMPT's tokens, j >= 1."""
+    import torch
+
+    ids = smollm2_checkpoint.tokenizer.encode(COMPLETION_PROMPT)
+    with torch.no_grad():
+        logits = hf_reference(torch.tensor([ids])).logits[0].float()  # [P, vocab]
+    logprobs = logits.log_softmax(dim=-1)[:-1].gather(-1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    return logprobs.tolist()
+
+
+def wait_until_every_block_is_free(url: str, timeout_s: float = 30) -> dict[str, dict[str, float]]:
+    """Every worker's blocks free (the router polls loads every second), nothing running or waiting; the
+    metrics that showed it."""
     deadline = time.monotonic() + timeout_s
     while True:
         metrics = scrape(url)
@@ -250,11 +314,15 @@ def test_structured_outputs_and_tool_calls(cluster, smollm2_gguf) -> None:
     completion = client.completions.create(model=smollm2_gguf, prompt="The sky is", max_tokens=8, temperature=0,
                                            extra_body={"guided_choice": ["blue", "green"]})
     assert completion.choices[0].text in ("blue", "green")
+    choices = client.completions.create(model=smollm2_gguf, prompt="The sky is", max_tokens=8, temperature=1.0,
+                                        seed=7, n=3, extra_body={"guided_choice": ["blue", "green"]})
+    assert [c.index for c in choices.choices] == [0, 1, 2]  # n > 1: each choice under its own matcher
+    assert all(c.text in ("blue", "green") for c in choices.choices), choices.choices
 
     with pytest.raises(openai.BadRequestError, match="invalid json_schema.*objec"):
         client.chat.completions.create(model=smollm2_gguf, messages=CHAT, max_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objec"}}})
-    wait_until_idle(url)
+    wait_until_every_block_is_free(url)
 
 
 def scrape(url: str) -> dict[str, dict[str, float]]:

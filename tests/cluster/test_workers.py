@@ -196,6 +196,51 @@ def test_no_room_on_the_decode_worker_is_resource_exhausted(smollm2_checkpoint) 
         decode.stop()
 
 
+def test_a_draining_pair_refuses_new_requests_and_finishes_the_one_it_holds(
+    smollm2_checkpoint, prompt_ids, offline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
+    from protos import serving_pb2
+
+    prefill = start_worker("prefill", smollm2_checkpoint, worker_id="p-drain")
+    monkeypatch.setenv(FAULT_STEP_SLEEP_ENV, "0.05")  # decode steps paced: the held stream lasts about a second
+    decode = start_worker("decode", smollm2_checkpoint, worker_id="d-drain")
+    try:
+        held: dict = {}
+        stream = threading.Thread(target=lambda: held.update(
+            result=generate(stub(decode), "held", prompt_ids[0], GREEDY, prefill.endpoint)))
+        stream.start()
+        deadline = time.monotonic() + 30
+        while not stub(decode).GetLoad(serving_pb2.LoadRequest(), timeout=10).num_requests_running:
+            assert time.monotonic() < deadline and stream.is_alive(), "the held request never ran"
+            time.sleep(0.01)
+        drained: dict = {}
+        drains = [threading.Thread(target=lambda w=w: drained.update({w.worker_id: w.drain(30.0)}))
+                  for w in (decode, prefill)]
+        for thread in drains:
+            thread.start()
+        while not (decode.runtime.gate.draining and prefill.runtime.gate.draining):
+            time.sleep(0.001)
+        assert decode.runtime.gate.num_in_flight == 1  # the held stream, still running
+        with pytest.raises(grpc.RpcError) as refused:  # a new request: refused at once, retryably
+            generate(stub(decode), "new", prompt_ids[1], GREEDY, prefill.endpoint)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(prefill).Prefill(serving_pb2.PrefillRequest(request=serving_pb2.GenerateRequest(
+                request_id="new-prefill", prompt_token_ids=prompt_ids[1])), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        stream.join(60)
+        for thread in drains:
+            thread.join(60)
+        assert drained == {"d-drain": 0, "p-drain": 0}  # both drained within the timeout
+        result = held["result"]
+        assert (result.token_ids, result.finish_reason) == offline[0]  # finished, untouched by the drain
+        wait_blocks_free(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculating_decode_worker_matches_offline(smollm2_checkpoint, smollm2_gguf, prompt_ids, offline,
                                                    method: str) -> None:
@@ -222,3 +267,71 @@ def test_speculating_decode_worker_matches_offline(smollm2_checkpoint, smollm2_g
     finally:
         prefill.stop()
         decode.stop()
+
+
+CHOICES = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, logit_bias={11: 2.0})
+
+
+@pytest.fixture(scope="module")
+def offline_choices(smollm2_checkpoint, prompt_ids) -> dict[int, list]:
+    """The offline engine's n = 4 seeded choices over the long prompt, and its prompt logprobs (index -1)."""
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(), smollm2_checkpoint)
+    engine.add_request("ref", prompt_ids[2], CHOICES)
+    engine.add_request("lp", prompt_ids[0], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    choices: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "lp" and out.prompt_logprobs is not None:
+                choices[-1] = [lp.logprob for lp in out.prompt_logprobs]  # type: ignore[misc]
+            elif out.finished and out.request_id != "lp":
+                choices[out.index] = out.token_ids
+    return choices
+
+
+def _by_choice(result) -> dict[int, list[int]]:
+    choices: dict[int, list[int]] = {}
+    for message in result.messages:
+        choices.setdefault(message.index, []).extend(message.token_ids)
+    return choices
+
+
+def test_n_choices_fork_on_the_decode_worker_after_the_kv_arrives(pair, prompt_ids, offline_choices) -> None:
+    """n = 4 over a handoff: the prompt prefilled once on the prefill worker (choice 0's first token sampled there,
+    logit_bias applied), the other choices forked on the decode worker; the offline engine's very choices, usage
+    with the prompt once, prompt logprobs from the prefill worker; every block free after a finish, after choice 0
+    ending on the prefill worker, and after a cancelled stream."""
+    prefill, decode = pair
+    d = stub(decode)
+    result = generate(d, "n4", prompt_ids[2], CHOICES, prefill.endpoint)
+    assert _by_choice(result) == {i: offline_choices[i] for i in range(4)}
+    assert sum(1 for m in result.messages if m.finish_reason) == 4 and result.messages[-1].finish_reason
+    assert result.messages[-1].usage.prompt_tokens == len(prompt_ids[2])
+    assert result.messages[-1].usage.completion_tokens == 4 * 6
+    wait_blocks_free(prefill, decode)
+
+    scored = generate(d, "lp", prompt_ids[0], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                      prefill.endpoint)
+    got = [lp.logprob for lp in scored.messages[0].prompt_logprobs]
+    assert len(got) == len(prompt_ids[0]) - 1
+    assert max(abs(a - b) for a, b in zip(got, offline_choices[-1], strict=True)) < 1e-4
+
+    early = generate(d, "early", prompt_ids[0], SamplingParams(n=3, max_tokens=1, temperature=1.0, seed=3),
+                     prefill.endpoint)  # choice 0 ends on the prefill worker: the others compute the prompt here
+    assert sorted(len(t) for t in _by_choice(early).values()) == [1, 1, 1]
+    assert early.messages[-1].usage.completion_tokens == 3
+    wait_blocks_free(prefill, decode)
+
+    from engine.serving.convert import sampling_params_to_proto
+    from protos import serving_pb2
+
+    call = d.Generate(serving_pb2.GenerateRequest(
+        request_id="n4-cancel", prompt_token_ids=prompt_ids[2], prefill_endpoint=prefill.endpoint,
+        params=sampling_params_to_proto(SamplingParams(n=4, max_tokens=500, temperature=1.0, ignore_eos=True))))
+    seen = {next(call).index for _ in range(8)}
+    num_prompt_blocks = -(-len(prompt_ids[2]) // decode.runtime.layout.block_size)
+    used = d.GetLoad(serving_pb2.LoadRequest()).kv_blocks_used
+    assert seen == {0, 1, 2, 3} and used < 2 * num_prompt_blocks  # the prompt's blocks once, not 4 times
+    call.cancel()
+    wait_blocks_free(prefill, decode)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.serving.convert import sampling_params_to_proto
 from engine.serving.worker_config import WorkerConfig
 from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 
 ENGINE = dict(num_kv_blocks=192, max_model_len=1024, max_num_batched_tokens=1024)
 
@@ -23,7 +22,7 @@ def engine_config(**overrides: object) -> EngineConfig:
 
 def start_worker(role: str, checkpoint, *, transport: str = "grpc", worker_id: str | None = None,
                  timeout_s: float = 10.0, redis_url: str | None = None, incarnation: int = 0,
-                 **engine_overrides: object):
+                 auth: ClusterAuth = OPEN, **engine_overrides: object):
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
 
@@ -35,14 +34,15 @@ def start_worker(role: str, checkpoint, *, transport: str = "grpc", worker_id: s
         kv_transfer_timeout_s=timeout_s,
         redis_url=redis_url,
         incarnation=incarnation,
+        auth=auth,
     )
     worker = PrefillWorker(config, checkpoint) if role == "prefill" else DecodeWorker(config, checkpoint)
     worker.start()
     return worker
 
 
-def stub(worker) -> serving_pb2_grpc.WorkerStub:
-    return serving_pb2_grpc.WorkerStub(grpc.insecure_channel(worker.endpoint))
+def stub(worker, auth: ClusterAuth = OPEN) -> serving_pb2_grpc.WorkerStub:
+    return serving_pb2_grpc.WorkerStub(sync_channel(worker.endpoint, auth))
 
 
 @dataclass

@@ -47,6 +47,7 @@ class StubWorker:
         self.checkpoint = checkpoint
         self.endpoint = ""
         self._host = config.host
+        self._advertise_host = config.advertise_host or config.host
         self._port = config.port
         self._server: grpc.Server | None = None
 
@@ -56,7 +57,7 @@ class StubWorker:
         port = server.add_insecure_port(f"{self._host}:{self._port}")
         server.start()
         self._server = server
-        self.endpoint = f"{self._host}:{port}"
+        self.endpoint = f"{self._advertise_host}:{port}"
         return self.endpoint
 
     def told_unhealthy(self) -> bool:
@@ -67,6 +68,10 @@ class StubWorker:
             return False
         with open(path) as f:
             return self.endpoint in f.read().split()
+
+    def drain(self, timeout_s: float) -> int:
+        self.drained = True  # serves no requests: nothing to wait for
+        return 0
 
     def stop(self) -> None:
         if self._server is not None:

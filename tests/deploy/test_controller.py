@@ -151,6 +151,7 @@ def _scale_watching_states(controller: ClusterController, role: str, num_workers
     thread.start()
     while thread.is_alive():
         seen.update((state, w.worker_id) for state, w in controller.pool_workers())
+        seen.update(("listed draining", w.worker_id) for w in controller.list_workers() if w.draining)
         time.sleep(0.001)
     thread.join()
     return result[0]
@@ -169,12 +170,17 @@ def test_scale_grows_and_shrinks_one_pool_newest_first() -> None:
         assert list(grown) == ["prefill-0", "decode-0", "decode-1", "decode-2"]
         assert grown["prefill-0"] == start["prefill-0"] and grown["decode-0"] == start["decode-0"]
         assert all(health(i) is not None for i in grown.values())
+        assert controller.pool_sizes() == {"prefill": 1, "decode": 3}
 
         seen.clear()
         shrunk = by_id(_scale_watching_states(controller, "decode", 1, seen))
         assert {("draining", "decode-1"), ("draining", "decode-2")} <= seen
+        # still listed meanwhile, flagged: the router keeps reaching them but routes them nothing new
+        assert {("listed draining", "decode-1"), ("listed draining", "decode-2")} <= seen
+        assert not any(w.draining for w in controller.list_workers())
         assert {state for state, _ in controller.pool_workers()} == {"serving"}
         assert list(shrunk) == ["prefill-0", "decode-0"]
+        assert controller.pool_sizes() == {"prefill": 1, "decode": 1}
         assert health(grown["decode-1"]) is None and health(grown["decode-2"]) is None
         assert wait_for(lambda: len(host_processes()) == 2)
 

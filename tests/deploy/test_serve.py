@@ -58,6 +58,7 @@ def stub_serve_argv(**factory: object) -> list[str]:
         (["--model", "no-such-model"], "no-such-model"),
         (["--disagg-prefill-threshold", "-1"], "--disagg-prefill-threshold must be >= 0"),
         (["--max-migrations", "-1"], "--max-migrations must be >= 0"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
         (["--no-prefix-index", "--redis-url", "redis://127.0.0.1:1/0"], "cannot go with --no-prefix-index"),
     ],
 )

@@ -54,3 +54,12 @@ def tiny_llm(tiny_model_dir: Path) -> LLM:
     from engine.llm import LLM
 
     return LLM(model=str(tiny_model_dir), **TINY_ENGINE)  # type: ignore[arg-type]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`@pytest.mark.gpu` tests skip themselves without CUDA (the marker alone skips nothing)."""
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")

@@ -16,7 +16,8 @@ import pytest
 from engine.tokenizer.tokenizer import Tokenizer
 from router.app import create_app
 from router.config import RouterConfig
-from router.server import RouterServer
+from router.api_keys import AccessControl
+from router.server import GatewayTls, RouterServer
 from router.worker_registry import WorkerInfo, WorkerRegistry
 from tests.router.fake_worker import FakeWorker, byte_tokenizer
 
@@ -42,12 +43,13 @@ def info_of(worker: FakeWorker) -> WorkerInfo:
 
 
 def serve_router(
-    workers: list[WorkerInfo], tokenizer: Tokenizer, *, mode: str = "disaggregated", **config: object
+    workers: list[WorkerInfo], tokenizer: Tokenizer, *, mode: str = "disaggregated",
+    access: AccessControl | None = None, tls: GatewayTls | None = None, **config: object
 ) -> RouterServer:
     router_config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN, mode=mode,
                                  **config)  # type: ignore[arg-type]
     registry = WorkerRegistry(lambda: workers, refresh_interval_s=0.5, load_timeout_s=1.0)
-    return RouterServer(create_app(router_config, registry, tokenizer)).start()
+    return RouterServer(create_app(router_config, registry, tokenizer, access=access), tls=tls).start()
 
 
 def dead_endpoint() -> str:

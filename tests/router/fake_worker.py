@@ -130,7 +130,9 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
         max_tokens = request.params.max_tokens if request.params.HasField("max_tokens") else 1 << 30
         data = script.text.encode()
         num_tokens = min(max_tokens, len(data))
-        for index in range(num_tokens):
+        # n > 1 (best_of): the same text for every choice, one choice after the other, each tagged with its index
+        num_choices = request.params.best_of if request.params.HasField("best_of") else max(request.params.n, 1)
+        for choice, index in ((c, i) for c in range(num_choices) for i in range(num_tokens)):
             if script.delay_s:
                 time.sleep(script.delay_s)
             if script.hang_after is not None and index >= script.hang_after:
@@ -155,20 +157,25 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
                 request_id=request.request_id,
                 token_ids=[NUM_SPECIAL + data[index]],
                 text_delta=data[index : index + 1].decode(errors="replace"),
+                index=choice,
             )
             if request.params.HasField("logprobs"):
                 message.logprobs.append(_logprobs(NUM_SPECIAL + data[index], request.params.logprobs))
-            if index == 0:
+            if index == 0 and choice == 0:
                 message.timings.CopyFrom(serving_pb2.StageTimings(
                     router_queue_s=request.router_queue_s, decode_queue_s=0.001, prefill_queue_s=0.002,
                     prefill_s=0.003, kv_transfer_s=0.004 if request.prefill_endpoint else 0.0,
                     kv_transfer_bytes=4096 if request.prefill_endpoint else 0))
+                if request.params.HasField("prompt_logprobs"):
+                    message.prompt_logprobs.extend(_logprobs(token_id, request.params.prompt_logprobs)
+                                                   for token_id in request.prompt_token_ids[1:])
             if index == num_tokens - 1:
                 message.finish_reason = script.finish_reason or ("length" if num_tokens < len(data) else "stop")
                 message.stop_reason = script.stop_reason
                 message.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
-                                                         completion_tokens=num_tokens, cached_tokens=0))
-                state["completed"] = True
+                                                         completion_tokens=num_tokens * (choice + 1),
+                                                         cached_tokens=0))
+                state["completed"] = choice == num_choices - 1
             yield message
 
     def Abort(self, request, context):  # type: ignore[no-untyped-def]

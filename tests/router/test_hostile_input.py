@@ -164,7 +164,9 @@ SHARED_NUMBERS = [  # (JSON fields, the param named)
     ('"frequency_penalty": -1e400', "frequency_penalty"),
     (f'"top_k": {HUGE}', "top_k"), (f'"top_k": {2**31}', "top_k"), ('"top_k": -2', "top_k"),
     (f'"seed": {HUGE}', "seed"), (f'"seed": {-HUGE}', "seed"), (f'"seed": {2**64}', "seed"),
-    (f'"n": {HUGE}', "n"), ('"n": -1', "n"), ('"n": 0', "n"),
+    (f'"n": {HUGE}', "n"), ('"n": -1', "n"), ('"n": 0', "n"), ('"n": 129', "n"),
+    ('"logit_bias": {"1": 101}', "logit_bias"), ('"logit_bias": {"259": 1}', "logit_bias"),
+    (f'"logit_bias": {{"{HUGE}": 1}}', "logit_bias"), ('"prompt_logprobs": 21', "prompt_logprobs"),
     (f'"min_tokens": {HUGE}', "min_tokens"), ('"min_tokens": -1', "min_tokens"),
     (f'"max_tokens": {HUGE}', "max_tokens"), (f'"max_tokens": {-HUGE}', "max_tokens"),
     ('"max_tokens": 0', "max_tokens"), ('"max_tokens": 1e400', "max_tokens"), ('"max_tokens": 2.5', "max_tokens"),
@@ -232,13 +234,13 @@ SHARED_SHAPES = [
     '"stream_options": {"include_usage": []}', '"stop": 5', '"stop": [5]', '"stop": {"a": 1}',
     '"stop": ' + json.dumps(["x"] * 65), '"stop": "' + "x" * 5000 + '"',
     '"stop_token_ids": "x"', '"stop_token_ids": ' + json.dumps(list(range(2000))), '"temperature": "hot"',
-    '"temperature": []', '"n": "2"', '"logit_bias": {"1": 1}', '"logit_bias": {"1": NaN}', '"logit_bias": 5',
+    '"temperature": []', '"n": "two"', '"logit_bias": {"x": 1}', '"logit_bias": {"1": NaN}', '"logit_bias": 5',
     '"ignore_eos": {}', '"user": 5', f'"stop": {nested()}',
 ]
 COMPLETION_SHAPES = [
     '"prompt": 5', '"prompt": {"a": 1}', '"prompt": null', '"prompt": [1.5]', '"prompt": [1, "a"]', '"prompt": []',
     '"prompt": [[]]', '"prompt": [[1], [2]]', '"prompt": ' + json.dumps(["a"] * 10_000),
-    '"prompt": ' + json.dumps([65] * 100_000), '"prompt": "' + "x" * 100_000 + '"', '"echo": true',
+    '"prompt": ' + json.dumps([65] * 100_000), '"prompt": "' + "x" * 100_000 + '"', '"best_of": 2, "stream": true',
     '"suffix": "s"', f'"prompt": {nested()}', '"logprobs": "x"',
 ]
 CHAT_SHAPES = [

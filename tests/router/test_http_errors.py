@@ -30,7 +30,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     [
         ({"temperature": -0.5}, "temperature", "temperature must be >= 0"),
         ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
-        ({"n": 2}, "n", "n must be 1"),
+        ({"n": 129}, "n", "n must be in [1, 128]"),
+        ({"n": 3, "best_of": 2}, "best_of", "best_of must be in [n=3, 128]"),
+        ({"best_of": 2, "stream": True}, "best_of", "not supported with stream"),
         ({"prompt": "x" * 64}, "prompt", "maximum context length is 64"),
         ({"prompt": "x" * 60, "max_tokens": 10}, "max_tokens", "you requested 70 tokens"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
@@ -42,8 +44,11 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
         ({"stop": ["ok", ""]}, "stop", "stop strings must be non-empty"),
         ({"seed": 2**64}, "seed", "seed must be in"),
-        ({"echo": True}, "echo", "echo is not supported"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+        ({"suffix": "s"}, "suffix", "suffix is not supported"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias", "logit_bias values must be in [-100, 100]"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias", "logit_bias keys must be token ids"),
+        ({"logit_bias": {"300": 1.0}}, "logit_bias", "logit_bias token ids must be in [0, 259)"),
+        ({"echo": True, "logprobs": 2, "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in"),
     ],
 )
 def test_completion_bad_input_is_400(cluster: Cluster, body: dict, param: str, fragment: str) -> None:
@@ -66,7 +71,7 @@ def test_completion_bad_input_is_400(cluster: Cluster, body: dict, param: str, f
         ({"tools": [{"type": "function"}]}, "tools", "tools[0] must be"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "needs a 'json_schema' object"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured output constraint"),
-        ({"stream": True, "n": 3}, "n", "n must be 1"),
+        ({"stream": True, "n": 0}, "n", "n must be in [1, 128]"),
     ],
 )
 def test_chat_bad_input_is_400(cluster: Cluster, body: dict, param: str, fragment: str) -> None:
@@ -146,6 +151,8 @@ def test_no_workers_is_503(tokenizer) -> None:
             assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 503, None,
                          "no healthy decode worker")
             assert_error(client.get("/health"), 503, None, "no healthy prefill or decode worker")
+            # Not ready, yet alive: the liveness probe (/live) must not restart a gateway that has no workers.
+            assert client.get("/live").json() == {"status": "live"}
             # Bad input is still a 400 when nothing could serve it anyway.
             assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 2}), 400,
                          "top_p")

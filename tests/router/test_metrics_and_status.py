@@ -187,3 +187,31 @@ def test_spec_decode_metrics_come_from_the_decode_workers_load(cluster: Cluster)
     assert buckets == {"0.0": 6, "1.0": 7, "2.0": 7, "3.0": 9, "4.0": 16, "+Inf": 16}
     assert value(samples, "splitserve:spec_decode_chosen_k_sum", worker="decode-0") == 1 + 6 + 28
     assert value(samples, "splitserve:spec_decode_chosen_k_count", worker="decode-0") == 16
+
+
+def test_pool_signals_for_autoscalers(cluster: Cluster) -> None:
+    """splitserve:pool_*: each pool's loads summed (or averaged) over its workers, and the latency percentiles of
+    the requests in the window, TTFT on the prefill pool and TPOT on the decode pool."""
+    cluster.prefill.load.num_requests_waiting = 3
+    cluster.prefill.load.num_queued_prompt_tokens = 120
+    cluster.decode.load.num_requests_running = 2
+    cluster.decode.load.kv_cache_usage = 0.4
+    response = cluster.client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 4})
+    assert response.status_code == 200
+    samples = scrape(cluster.client)
+    assert value(samples, "splitserve:pool_num_workers", pool="prefill") == 1
+    assert value(samples, "splitserve:pool_num_workers", pool="decode") == 1
+    assert value(samples, "splitserve:pool_num_requests_waiting", pool="prefill") == 3
+    assert value(samples, "splitserve:pool_num_queued_prompt_tokens", pool="prefill") == 120
+    assert value(samples, "splitserve:pool_num_requests_running", pool="decode") == 2
+    assert value(samples, "splitserve:pool_kv_cache_usage_perc", pool="decode", stat="mean") == 0.4
+    assert value(samples, "splitserve:pool_kv_cache_usage_perc", pool="decode", stat="max") == 0.4
+    assert value(samples, "splitserve:pool_latency_window_samples", pool="prefill", metric="ttft") >= 1
+    assert value(samples, "splitserve:pool_latency_window_samples", pool="decode", metric="tpot") >= 1
+    ttft = {labels["quantile"]: v for labels, v, _ in samples["splitserve:pool_time_to_first_token_seconds"]}
+    tpot = {labels["quantile"]: v for labels, v, _ in samples["splitserve:pool_time_per_output_token_seconds"]}
+    assert set(ttft) == set(tpot) == {"0.5", "0.9", "0.99"}
+    assert 0 < ttft["0.5"] <= ttft["0.9"] <= ttft["0.99"] < 30
+    assert 0 <= tpot["0.5"] <= tpot["0.9"] <= tpot["0.99"] < 30
+    assert {labels["pool"] for labels, _, _ in samples["splitserve:pool_time_to_first_token_seconds"]} == {"prefill"}
+    assert "splitserve:autoscaler_decisions_total" not in samples  # no autoscaler here: no series

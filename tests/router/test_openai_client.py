@@ -62,3 +62,30 @@ def test_errors_raise_the_clients_exceptions(client: openai.OpenAI, cluster: Clu
     cluster.decode.script = Script(error_after=2)
     with pytest.raises(openai.APIError):  # an error event mid-stream
         list(client.completions.create(model=MODEL, prompt="x", stream=True))
+
+
+def test_n_choices_echo_and_logit_bias(client: openai.OpenAI, cluster: Cluster) -> None:
+    completion = client.completions.create(model=MODEL, prompt="Say hi", max_tokens=5, n=3, seed=1,
+                                           logit_bias={"72": -100, "101": 2.5})
+    assert [(c.index, c.text) for c in completion.choices] == [(0, "Hello"), (1, "Hello"), (2, "Hello")]
+    assert completion.usage is not None and (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+        6, 15)  # the prompt once, every choice's tokens
+    params = cluster.decode.requests[-1].params
+    assert params.n == 3 and dict(params.logit_bias) == {72: -100.0, 101: 2.5}
+
+    echoed = client.completions.create(model=MODEL, prompt="Say hi", max_tokens=2, echo=True, logprobs=1)
+    choice = echoed.choices[0]
+    assert choice.text == "Say hiHe" and cluster.decode.requests[-1].params.prompt_logprobs == 1
+    assert choice.logprobs is not None and choice.logprobs.tokens == [*"Say hi", "H", "e"]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == [-0.25] * 7
+    assert choice.logprobs.text_offset == list(range(8))
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                                 max_tokens=3, n=2, stream=True))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {0: "Hel", 1: "Hel"}
+    assert sorted(c.index for chunk in chunks for c in chunk.choices if c.finish_reason) == [0, 1]

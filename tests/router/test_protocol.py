@@ -99,11 +99,11 @@ def test_chat_validation_names_chat_parameters() -> None:
 
 @pytest.mark.parametrize(
     ("check", "request_", "param"),
-    [(check_completion_request, completion(n=2), "n"), (check_completion_request, completion(echo=True), "echo"),
-     (check_completion_request, completion(best_of=3), "best_of"),
+    [(check_completion_request, completion(best_of=3, stream=True), "best_of"),
      (check_completion_request, completion(suffix="s"), "suffix"),
-     (check_completion_request, completion(logit_bias={"1": 2.0}), "logit_bias"),
-     (check_chat_request, chat(n=0), "n"), (check_chat_request, chat(top_logprobs=1), "top_logprobs")],
+     (check_completion_request, completion(logit_bias={"one": 2.0}), "logit_bias"),
+     (check_chat_request, chat(logit_bias={"-1": 2.0}), "logit_bias"),
+     (check_chat_request, chat(top_logprobs=1), "top_logprobs")],
 )
 def test_unsupported_fields(check, request_, param: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ApiError) as error:
@@ -113,6 +113,7 @@ def test_unsupported_fields(check, request_, param: str) -> None:  # type: ignor
 
 def test_supported_fields_pass() -> None:
     check_completion_request(completion(best_of=1, logit_bias={}, user="u"))
+    check_completion_request(completion(n=2, best_of=3, echo=True, logit_bias={"1": 2.0}))
     check_chat_request(chat(response_format={"type": "text"}, tools=[], unknown_field=1))
     check_model("b", ("a", "b"))
     with pytest.raises(ApiError, match="does not exist"):
@@ -214,3 +215,14 @@ def test_error_body() -> None:
     assert error_body(400, "bad", "top_p") == {
         "error": {"message": "bad", "type": "BadRequestError", "param": "top_p", "code": 400}}
     assert error_body(503, "busy")["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_best_of_returns_the_n_choices_of_highest_cumulative_logprob() -> None:
+    from router.streaming import _Choice, best_choices
+
+    def choice(*logprobs: float) -> _Choice:
+        return _Choice(texts=[str(logprobs)], entries=[serving_pb2.TokenLogprobs(logprob=lp) for lp in logprobs])
+
+    choices = {0: choice(-1.0, -1.0), 1: choice(-0.5), 2: choice(-0.1, -0.2), 3: choice(-3.0)}
+    assert best_choices(choices, 2) == [choices[2], choices[1]]  # best first
+    assert best_choices(choices, 4) == [choices[0], choices[1], choices[2], choices[3]]  # n of n: index order

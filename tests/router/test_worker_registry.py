@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -131,3 +132,32 @@ def test_background_refresh(workers: dict[str, FakeWorker]) -> None:
 def test_worker_info_checks_its_role() -> None:
     with pytest.raises(ValueError, match="role must be one of"):
         WorkerInfo(worker_id="w", role="router", endpoint="h:1")
+
+
+def test_a_draining_worker_is_polled_and_reachable_but_never_routed(workers: dict[str, FakeWorker]) -> None:
+    decode, other = workers["decode-0"], workers["decode-1"]
+    listing = [info_of(decode), info_of(other)]
+
+    async def scenario() -> None:
+        registry = WorkerRegistry(lambda: list(listing), refresh_interval_s=60)
+        await registry.start()
+        try:
+            registry.note_dispatch("decode-1", 3)
+            listing[1] = dataclasses.replace(listing[1], draining=True)  # a scale-down chose decode-1
+            await registry.refresh()
+            assert [load.worker_id for load in registry.loads()] == ["decode-0"]
+            assert registry.incarnations().keys() == {"decode-0"}
+            snapshot = {s.info.worker_id: s for s in registry.snapshots()}["decode-1"]
+            assert snapshot.healthy and snapshot.info.draining and snapshot.stats is not None  # still polled
+            assert (await registry.stub("decode-1").Health(serving_pb2.HealthRequest())).worker_id == "decode-1"
+            listing[0] = dataclasses.replace(listing[0], draining=True)
+            await registry.refresh()
+            assert registry.loads() == [] and registry.healthy_roles() == set()
+            listing[:] = [info_of(decode)]  # decode-1 is gone, decode-0 no longer draining
+            await registry.refresh()
+            assert [load.worker_id for load in registry.loads()] == ["decode-0"]
+            assert registry.healthy_roles() == {"decode"}
+        finally:
+            await registry.close()
+
+    asyncio.run(scenario())

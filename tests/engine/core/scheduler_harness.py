@@ -77,8 +77,11 @@ def check_ref_counts(scheduler: Scheduler, pool: BlockPool) -> None:
             holders[block_id] += 1
     assert [b.ref_cnt for b in pool.blocks] == holders
     for request in scheduler.waiting:
-        if request.kv_in_place:  # exactly the blocks its computed tokens and its next token need
-            num_blocks = cdiv(request.num_computed_tokens + 1, scheduler.kv_cache.block_size)
+        if request.kv_in_place:  # exactly the blocks its computed tokens and its next token need; a forked
+            # choice (n > 1) exactly the full prompt blocks it shares, the rest of its prompt still to compute
+            bs = scheduler.kv_cache.block_size
+            computed = request.num_computed_tokens
+            num_blocks = computed // bs if request.num_output_tokens == 0 else cdiv(computed + 1, bs)
             assert len(scheduler.kv_cache.block_ids(request.request_id)) == num_blocks
         else:
             assert scheduler.kv_cache.block_ids(request.request_id) == []

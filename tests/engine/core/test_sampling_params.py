@@ -79,8 +79,13 @@ def test_boundary_values_are_valid(kwargs: dict) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(n=2), "n"),
+        (dict(n=129), "n"),
         (dict(n=0), "n"),
+        (dict(n=3, best_of=2), "best_of"),
+        (dict(logit_bias={5: 100.5}), "logit_bias"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
         (dict(temperature=-0.1), "temperature"),
         (dict(temperature=math.nan), "temperature"),
         (dict(top_p=0.0), "top_p"),

@@ -445,3 +445,20 @@ def test_eviction_events_follow_the_workload(assert_all_blocks_free: AllFree) ->
         BlockStored(block_hashes=tuple(b.block_hashes)),
     ]
     assert_all_blocks_free(pool)
+
+
+def test_queued_prompt_tokens_count_what_prefill_has_left(assert_all_blocks_free: AllFree) -> None:
+    """The autoscaling signal: a waiting prompt counts whole, a chunked prefill its rest, a decoding request 0."""
+    scheduler, pool = make_scheduler(max_num_batched_tokens=4)
+    scheduler.add_request(make_request("a", prompt(10, 100), max_tokens=2))
+    scheduler.add_request(make_request("b", prompt(3, 200), max_tokens=2))
+    assert scheduler.num_queued_prompt_tokens == 13
+    model = FakeModel()
+    step(scheduler, model)  # a: 4 of 10 computed; b still waits
+    assert scheduler.num_queued_prompt_tokens == 6 + 3
+    step(scheduler, model)
+    step(scheduler, model)  # a's prompt done (8 + 2), b's first 2 tokens
+    assert scheduler.num_queued_prompt_tokens == 1
+    run(scheduler, model)
+    assert scheduler.num_queued_prompt_tokens == 0
+    assert_all_blocks_free(pool)

@@ -14,10 +14,11 @@ from engine.spec_decode.policy import StepCosts, choose_dynamic, choose_fixed
 COSTS = StepCosts(overhead_s=0.010, per_token_s=0.0005, per_draft_s=0.00002)
 
 
-def _choose(rates: list[float], *, num_base_tokens: int | None = None, budget: int = 2048,
-            costs: StepCosts = COSTS, max_num_drafts: int = 4) -> list[int]:
+def _choose(rates: list[float], *, num_base_tokens: int | None = None, budget: int = 4096,
+            costs: StepCosts = COSTS, max_num_drafts: int = 4, num_prompt_tokens: int = 0) -> list[int]:
     return choose_dynamic(rates, max_num_drafts=max_num_drafts, token_budget=budget, costs=costs,
-                          num_base_tokens=len(rates) if num_base_tokens is None else num_base_tokens)
+                          num_base_tokens=len(rates) if num_base_tokens is None else num_base_tokens,
+                          num_prompt_tokens=num_prompt_tokens)
 
 
 def test_k_falls_as_the_batch_grows_and_comes_back() -> None:
@@ -107,6 +108,50 @@ def test_cost_model_follows_a_machine_that_slows_down() -> None:
         model.observe_step(n, slow * (0.010 + 0.0005 * n))
     costs = model.costs()
     assert costs is not None and costs.per_token_s == pytest.approx(0.0015, rel=0.05)
+
+
+def test_cost_model_prices_a_draft_at_the_decode_steps_marginal_cost_not_the_prompt_chunks() -> None:
+    # A CPU: a prompt token in a big chunk costs 0.2 ms, a decode token 2 ms (a 64-request step is nearly
+    # compute-bound). One line over every step would slope at the chunks' cost and underprice drafts.
+    model = StepCostModel()
+    rng = random.Random(1)
+    for i in range(300):
+        num_decode = rng.randint(48, 120)
+        model.observe_step(num_decode, 0.005 + 0.002 * num_decode)
+        if i % 5 == 0:  # a step with a 2048-token chunk beside the decodes
+            model.observe_step(2048 + num_decode, 0.005 + 0.002 * num_decode + 0.0002 * 2048,
+                               num_prompt_tokens=2048)
+    costs = model.costs()
+    assert costs is not None
+    assert costs.per_token_s == pytest.approx(0.002, rel=0.02)
+    assert costs.overhead_s == pytest.approx(0.005, rel=0.1)
+    assert costs.per_prompt_token_s == pytest.approx(0.0002, rel=0.05)
+    # the one-line fit it replaces: its slope is the chunks' price, a tenth of what a draft costs
+    every = StepCostModel()
+    for num_tokens in (64, 2048 + 64):
+        every.observe_step(num_tokens, 0.005 + 0.002 * 64 + 0.0002 * (num_tokens - 64))
+    assert every.costs().per_token_s == pytest.approx(0.0002, rel=0.05)  # type: ignore[union-attr]
+
+
+def test_drafts_stop_at_a_nearly_compute_bound_decode_step() -> None:
+    # 64 decoding requests accepting 0.7 of drafts: a draft costs as much as a decode token and the step has
+    # hardly any fixed part, so no draft pays; the old one-line fit (chunk-priced tokens) handed out dozens.
+    honest = StepCosts(overhead_s=0.005, per_token_s=0.002, per_draft_s=0.0)
+    underpriced = StepCosts(overhead_s=0.005 + 64 * 0.0018, per_token_s=0.0002, per_draft_s=0.0)
+    assert sum(_choose([0.7] * 64, costs=honest)) == 0
+    assert sum(_choose([0.7] * 64, costs=underpriced)) > 32
+
+
+def test_prompt_tokens_in_the_step_are_priced_at_their_own_cost() -> None:
+    # A step with a 2000-token chunk is long whatever the drafts do: a draft's share of it is small, so the
+    # decoding requests draft; priced as 2000 decode tokens the step would look longer still.
+    costs = StepCosts(overhead_s=0.005, per_token_s=0.002, per_draft_s=0.0, per_prompt_token_s=0.0002)
+    alone = _choose([0.6] * 8, costs=costs)
+    beside_a_chunk = _choose([0.6] * 8, costs=costs, num_base_tokens=8 + 2000, num_prompt_tokens=2000)
+    assert sum(beside_a_chunk) > sum(alone)
+    as_decode = StepCosts(overhead_s=0.005, per_token_s=0.002, per_draft_s=0.0)
+    assert sum(_choose([0.6] * 8, costs=as_decode, num_base_tokens=2008, num_prompt_tokens=2000)) >= sum(
+        beside_a_chunk)
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,7 @@ def _speculator(policy: str = "dynamic") -> Speculator:
 
 def _mean_k(speculator: Speculator, num_requests: int) -> float:
     running = [_decoding(f"r{i}") for i in range(num_requests)]
-    for request in running:
-        request.spec.acceptance_rate = 0.8
+    speculator.engine_acceptance.acceptance_rate = 0.8  # what new requests start from
     speculator.propose(running, [])
     return sum(len(r.spec_token_ids) for r in running) / num_requests
 
@@ -60,9 +59,26 @@ def test_a_request_that_rejects_everything_stops_drafting_under_load() -> None:
     speculator = _speculator()
     good, bad = _decoding("good"), _decoding("bad")
     others = [_decoding(f"o{i}") for i in range(40)]
-    good.spec.acceptance_rate = 0.95
+    for _ in range(10):
+        good.spec.record(4, 4)  # every draft accepted
+    assert good.spec.acceptance_rate > 0.95
     for _ in range(10):
         bad.spec.record(4, 0)  # every first draft rejected
     assert bad.spec.acceptance_rate < 0.1
     speculator.propose([good, bad, *others], [])
     assert len(good.spec_token_ids) > 0 and bad.spec_token_ids == []
+
+
+def test_a_new_request_starts_from_what_the_proposer_achieved_not_a_fixed_prior() -> None:
+    speculator = _speculator()
+    first = _decoding("first")
+    speculator.propose([first], [])
+    assert first.spec.acceptance_rate == 0.5  # nothing verified yet anywhere: the neutral prior
+    for _ in range(60):  # the proposer's drafts are all rejected, whoever drafts them
+        speculator.engine_acceptance.record(4, 0, smoothing=0.05)
+    newcomer, veteran = _decoding("newcomer"), _decoding("veteran")
+    veteran.spec.record(4, 4)
+    rate = veteran.spec.acceptance_rate
+    speculator.propose([newcomer, veteran], [])
+    assert newcomer.spec.acceptance_rate < 0.05  # starts where the engine's estimate stands
+    assert veteran.spec.acceptance_rate == rate  # its own verifications are its own

@@ -1,0 +1,101 @@
+"""`splitserve gateway`: the OpenAI gateway alone, one of N replicas, finding the workers through the named
+controller that `splitserve head` runs (not through a parent process).
+
+    splitserve gateway --ray-address head:6379 --start-ray "ray start --address=head:6379 --num-cpus=0" \\
+        --host 0.0.0.0 --port 8000
+
+    [--start-ray: this pod's own Ray node, no CPUs] ──▶ join --ray-address ──▶ the controller, by name (waits for
+    the head) ──▶ its config: model, block size, context length, mode, prefix index ──▶ the router app, its
+    workers from controller.list_workers() every second ──▶ "splitserve: serving <model> on http://..."
+
+The model, the engine's block size and context length, the mode (disaggregated or colocated) and the prefix
+index's Redis come from the controller's config, so a gateway always matches the workers it routes to. Scaling
+through the admin API (`--admin-token`) goes to the same controller: any replica may take it. A gateway that
+restarts finds the same controller and the same workers. It exits 1 when the controller or its Ray node goes (the
+pod restarts and waits for the next head), 0 on SIGTERM / SIGINT after draining. Why a gateway starts a Ray node
+of its own: deploy/ray_node.py. Flags may come from the environment (SPLITSERVE_PORT, ...: deploy/env_defaults.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from deploy.env_defaults import apply_env_defaults
+from deploy.head_command import add_ray_args
+from deploy.serve_command import add_gateway_args, gateway_options_from_args
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("gateway", help="run the OpenAI gateway alone, routing to the head's workers",
+                              description=__doc__.split("\n\n")[0])
+    add_ray_args(p, node_help="start this Ray node first, as a child that lives and dies with this command, e.g. "
+                              "\"ray start --address=head:6379 --num-cpus=0\" (--block is added); needed where "
+                              "this host runs no Ray node (a Ray driver needs a raylet on its host)")
+    p.add_argument("--controller-wait-timeout", type=float, default=900.0,
+                   help="seconds to wait for the head's controller to exist")
+    add_gateway_args(p)
+    p.set_defaults(func=run)
+    apply_env_defaults(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    options = gateway_options_from_args(args)
+    for flag in ("ray_join_timeout", "controller_wait_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    import ray
+
+    from deploy import named_controller
+    from deploy.ray_node import RayNode
+    from deploy.serve_command import ServeConfig, WorkerDirectory, _build_router_app, _ShutdownSignals
+    from router.server import RouterServer
+
+    node = RayNode(args.start_ray) if args.start_ray else None
+    signals = _ShutdownSignals()
+    signals.install()
+    server = None
+    try:
+        if node is not None:
+            node.start()
+        named_controller.connect(args.ray_address, timeout_s=args.ray_join_timeout, node=node, stop=signals.requested)
+        signals.install()  # ray.init installs its own SIGTERM handler; ours goes back on top
+        controller = named_controller.find(name=args.controller_name, namespace=args.controller_namespace,
+                                           timeout_s=args.controller_wait_timeout, stop=signals.requested)
+        if controller is None:
+            return 0
+        c = ray.get(controller.config.remote())
+        config = ServeConfig(controller=c, ray_address=args.ray_address, prefix_index=c.redis_url is not None,
+                             redis_url=c.redis_url, **options)
+        directory = WorkerDirectory()
+        directory.attach(controller, ray.get(controller.list_workers.remote()))
+        app, access = _build_router_app(config, c, directory, c.redis_url)
+        if access is not None and config.api_key_file is not None:  # SIGHUP re-reads the key file, as in `serve`
+            signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())
+        try:
+            server = RouterServer(app, host=config.host, port=config.port, tls=config.tls)
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+        server.start(timeout_s=60.0)
+        print(f"splitserve: serving {c.engine.model} on {server.url} (gateway; controller "
+              f"{args.controller_namespace}/{args.controller_name} at {args.ray_address}); Ctrl-C to stop", flush=True)
+        while not signals.requested.wait(0.5):
+            if directory.lost:
+                print("splitserve: error: the cluster controller is gone", file=sys.stderr)
+                return 1
+            if node is not None and not node.alive():
+                print(f"splitserve: error: this gateway's Ray node exited (status {node.returncode})", file=sys.stderr)
+                return 1
+        return 0
+    except (RuntimeError, TimeoutError) as exc:  # could not join Ray, find the controller, or serve
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()  # stop taking requests first; in-flight ones get the router's grace period
+        if ray.is_initialized():
+            ray.shutdown()
+        if node is not None:
+            node.stop()
+        signals.restore()

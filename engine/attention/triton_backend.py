@@ -1,0 +1,65 @@
+"""The GPU backend: the Triton kernels of engine/kernels/triton/ behind the attention-backend call.
+
+    store_kv                   the step's new K/V into the paged cache by slot
+    paged_decode_attention     the decode rows (one query each), GQA-grouped, split-K over long contexts
+    paged_prefill_attention    every prefill chunk in one launch: causal over a cached prefix and itself
+
+The kernels take any float cache dtype the model runs in. They also run on CPU tensors under TRITON_INTERPRET=1,
+which is how the suite checks this backend against the torch one on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.kernels.triton.paged_decode_attention import paged_decode_attention
+from engine.kernels.triton.paged_prefill_attention import paged_prefill_attention
+from engine.kernels.triton.store_kv import store_kv
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, *, scale: float) -> None:
+        self.scale = scale
+        # Built once per step (the first layer), reused by every other layer.
+        self._prefill_args: tuple[AttentionMetadata | None, tuple[torch.Tensor, torch.Tensor, int] | None] = (
+            None, None)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotary applied
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_tokens
+        if num_decode:
+            out[:num_decode] = paged_decode_attention(
+                q[:num_decode], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                max_seq_len=meta.decode_block_tables.shape[1] * kv_cache.shape[2])
+        if meta.prefills:
+            cu_seqlens_q, context_lens, max_query_len = self._prefill_arguments(meta)
+            assert meta.prefill_block_tables is not None, "the triton backend needs prefill_block_tables"
+            out[num_decode:] = paged_prefill_attention(
+                q[num_decode:], kv_cache, meta.prefill_block_tables, cu_seqlens_q, context_lens, self.scale,
+                max_query_len=max_query_len)
+        return out
+
+    def _prefill_arguments(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self._prefill_args[0] is not meta:
+            first = meta.num_decode_tokens
+            cu = [0] + [c.query_start + c.query_len - first for c in meta.prefills]
+            device = meta.slot_mapping.device
+            self._prefill_args = (meta, (
+                torch.tensor(cu, dtype=torch.int64).to(device),  # [num_prefills + 1]
+                torch.tensor([c.context_len for c in meta.prefills], dtype=torch.int64).to(device),
+                max(c.query_len for c in meta.prefills),
+            ))
+        assert self._prefill_args[1] is not None
+        return self._prefill_args[1]

@@ -1,0 +1,138 @@
+"""n > 1, logit_bias and prompt_logprobs through the real engine (tiny random-weight model): reproducible,
+distinct seeded choices whose prompt blocks are counted once and all returned after success and abort; a bias
+that removes the greedy token or forces one; prompt logprobs equal to the model's own log-softmax over the
+prompt, whether the prompt runs whole or in chunks, with the prefix cache skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from tests.engine.tiny_model import BlockRefCounter, assert_no_blocks_held, drain, finals, greedy, make_engine
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+PROMPT = list(range(3, 13))  # 10 tokens: two full blocks of 4 shared, two tokens each choice recomputes
+
+
+def _choices(engine, request_id: str, params: SamplingParams) -> dict[int, list[int]]:
+    engine.add_request(request_id, PROMPT, params)
+    outs = finals(drain(engine))
+    return {out.index: out.token_ids for out in outs.values()}
+
+
+def test_n_choices_are_seeded_distinct_reproducible_and_their_prompt_blocks_counted_once(tiny_checkpoint) -> None:
+    params = {"n": 4, "temperature": 1.0, "seed": 123, "max_tokens": 6, "ignore_eos": True}
+    engine = make_engine(tiny_checkpoint)
+    counter = BlockRefCounter(engine)
+    engine.add_request("r", PROMPT, SamplingParams(**params))
+    engine.step()  # choice 0 computes the prompt (10 tokens: blocks 0-2) and forks the other three
+    assert engine.block_pool.num_used_blocks == 3
+    engine.step()  # each choice recomputes t8 t9 into a block of its own; blocks 0 and 1 held by all four
+    assert engine.block_pool.num_used_blocks == 2 + 4
+    assert [engine.block_pool.blocks[b].ref_cnt for b in engine.kv_cache.block_ids("r")[:2]] == [4, 4]
+    outs = finals(drain(engine))
+    assert sorted(outs) == ["r", "r#1", "r#2", "r#3"] and sorted(o.index for o in outs.values()) == [0, 1, 2, 3]
+    choices = {out.index: out.token_ids for out in outs.values()}
+    assert len({tuple(t) for t in choices.values()}) == 4  # distinct seeds, distinct samples
+    assert_no_blocks_held(engine)
+    counter.assert_balanced()
+
+    assert _choices(make_engine(tiny_checkpoint), "again", SamplingParams(**params)) == choices
+    # choice i samples as a single request seeded seed + i would
+    single = _choices(make_engine(tiny_checkpoint), "one", SamplingParams(**{**params, "n": 1, "seed": 125}))
+    assert single[0] == choices[2]
+
+
+def test_best_of_generates_best_of_sequences(tiny_checkpoint) -> None:
+    engine = make_engine(tiny_checkpoint)
+    choices = _choices(engine, "b", SamplingParams(n=1, best_of=3, temperature=1.0, seed=1, max_tokens=3, logprobs=0))
+    assert sorted(choices) == [0, 1, 2]
+    assert_no_blocks_held(engine)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "policy": "fixed"}
+SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "policy": "fixed"}
+
+
+@pytest.mark.parametrize("method", [NGRAM, SELF_DRAFT], ids=["ngram", "draft_model"])
+def test_choices_and_logit_bias_are_unchanged_by_speculation(tiny_checkpoint, method: dict) -> None:
+    params = {"n": 3, "temperature": 0.8, "seed": 7, "max_tokens": 12, "ignore_eos": True,
+              "logit_bias": {5: 3.0, 9: -2.0}}
+    plain = _choices(make_engine(tiny_checkpoint), "r", SamplingParams(**params))
+    if method["method"] == "draft_model":
+        method = {**method, "model": str(tiny_checkpoint.path)}
+    engine = make_engine(tiny_checkpoint, speculative_config=method)
+    counter = BlockRefCounter(engine)
+    assert _choices(engine, "r", SamplingParams(**params)) == plain
+    assert engine.stats().spec_decode_num_draft_tokens > 0, "nothing was speculated"
+    assert_no_blocks_held(engine)
+    counter.assert_balanced()
+
+
+@pytest.mark.parametrize("when", ["before_fork", "after_fork"])
+def test_abort_ends_every_choice_and_frees_every_block(tiny_checkpoint, when: str) -> None:
+    engine = make_engine(tiny_checkpoint, max_num_batched_tokens=4)  # the prompt takes three steps
+    counter = BlockRefCounter(engine)
+    engine.add_request("r", PROMPT, SamplingParams(n=3, temperature=1.0, max_tokens=20, ignore_eos=True))
+    for _ in range(1 if when == "before_fork" else 5):
+        engine.step()
+    assert engine.block_pool.num_used_blocks > 0
+    outs = engine.abort_request(["r"])
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("r", "abort"), ("r#1", "abort"),
+                                                                       ("r#2", "abort")]
+    assert_no_blocks_held(engine)
+    counter.assert_balanced()
+
+
+def test_logit_bias_removes_the_greedy_token_and_forces_another(tiny_checkpoint) -> None:
+    engine = make_engine(tiny_checkpoint)
+    engine.add_request("plain", PROMPT, greedy(max_tokens=4))
+    plain = finals(drain(engine))["plain"].token_ids
+    engine.add_request("banned", PROMPT, greedy(max_tokens=4, logit_bias={plain[0]: -100.0}))
+    banned = finals(drain(engine))["banned"].token_ids
+    assert plain[0] not in banned
+    forced_id = next(t for t in range(5, 30) if t not in plain)
+    engine.add_request("forced", PROMPT, greedy(max_tokens=4, logit_bias={forced_id: 100.0}))
+    assert finals(drain(engine))["forced"].token_ids == [forced_id] * 4
+    with pytest.raises(ValueError, match="logit_bias token ids out of range"):
+        engine.add_request("bad", PROMPT, greedy(logit_bias={10**6: 1.0}))
+    assert_no_blocks_held(engine)
+
+
+def _reference_prompt_logprobs(engine, prompt: list[int]) -> torch.Tensor:
+    """log p(t_j | t_<j) for j >= 1, from one plain prefill of a throwaway engine on the same weights."""
+    from engine.core.scheduler import ScheduledRequest
+    from engine.model_runner import prepare_step
+
+    request = engine.make_request("ref", prompt, greedy(max_tokens=1))
+    assert engine.kv_cache.allocate_slots(request, len(prompt))
+    item = ScheduledRequest(request=request, start=0, num_new_tokens=len(prompt),
+                            block_ids=engine.kv_cache.block_ids("ref"), samples=True)
+    input_ids, positions, meta = prepare_step([item], engine.kv_cache.block_size)
+    runner = engine.runner
+    hidden = runner.model.forward(input_ids, positions, runner.kv_caches, meta)
+    logprobs = runner.model.compute_logits(hidden).log_softmax(dim=-1)  # [P, vocab]
+    return logprobs[:-1].gather(-1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [256, 4])
+def test_prompt_logprobs_are_the_models_own_and_skip_the_prefix_cache(tiny_checkpoint,
+                                                                      max_num_batched_tokens: int) -> None:
+    prompt = list(range(3, 22))  # 19 tokens: 18 prompt logprobs
+    expected = _reference_prompt_logprobs(make_engine(tiny_checkpoint), prompt)
+    engine = make_engine(tiny_checkpoint, max_num_batched_tokens=max_num_batched_tokens)
+    engine.add_request("warm", prompt, greedy(max_tokens=1))  # its blocks become prefix cache
+    drain(engine)
+    engine.add_request("p", prompt, greedy(max_tokens=2, prompt_logprobs=2))
+    outs = drain(engine)["p"]
+    first = outs[0]
+    assert first.prompt_logprobs is not None and [o.prompt_logprobs for o in outs[1:]] == [None] * (len(outs) - 1)
+    assert [lp.token_id for lp in first.prompt_logprobs] == prompt[1:]
+    got = torch.tensor([lp.logprob for lp in first.prompt_logprobs])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert all(len(lp.top) == 2 and lp.rank >= 1 for lp in first.prompt_logprobs)
+    assert outs[-1].stats is not None and outs[-1].stats.num_cached_tokens == 0  # no prefix hit for this one
+    assert_no_blocks_held(engine)
