@@ -83,6 +83,24 @@ def test_sampler_picks_only_allowed_tokens_and_leaves_logits_untouched() -> None
     assert torch.equal(logits, before)
 
 
+
+def test_the_grammar_has_the_last_word_over_logit_bias() -> None:
+    """The bitmask comes after logit_bias (and the penalties): +100 on a rejected token cannot bring it back,
+    while a bias among the allowed tokens still picks among them."""
+    vocab_size = 64
+    logits = torch.zeros(2, vocab_size)
+    allowed = torch.zeros(2, vocab_size, dtype=torch.bool)
+    allowed[:, 10:20] = True
+    mask = TokenBitmask(bitmask=pack_bitmask(allowed), row_indices=[0, 1])
+    rows = [make_row(SamplingParams(temperature=0.0, logit_bias={3: 100.0, 15: 5.0}, repetition_penalty=1.5),
+                     output=[15]),
+            make_row(SamplingParams(temperature=1.0, seed=1, logit_bias={40: 100.0}))]
+    for _ in range(10):
+        out = Sampler(seed=2).sample(logits, rows, mask)
+        assert out.token_ids[0] == 15  # biased and allowed; 3 is biased more but rejected
+        assert 10 <= out.token_ids[1] < 20
+
+
 # --- compiler and matchers on a tiny vocabulary ----------------------------------------------------------------
 
 
