@@ -20,6 +20,7 @@ late block write can land, then abort the request in the engine).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -83,7 +84,9 @@ class DecodeWorker(RuntimeWorker):
         request_id = request.request_id
         params = sampling_params_from_proto(request.params)
         try:
-            req = runtime.engine.make_request(request_id, list(request.prompt_token_ids), params)
+            make = functools.partial(runtime.engine.make_request, request_id, list(request.prompt_token_ids), params)
+            # A grammar compiles in make_request (up to a second): off the event loop, which serves every stream.
+            req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         num_choices = params.num_sequences  # n > 1: one stream, each message tagged with its choice

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +42,9 @@ from engine.spec_decode.speculator import Speculator, make_proposer
 from engine.loader.model_identity import model_identity
 from kv_transfer.block_hash import BlockHashNamespace
 from kv_transfer.kv_events import KVEvent
+
+if TYPE_CHECKING:
+    from engine.structured.compiler import GrammarCompilerCache
 
 KVEventSink = Callable[[Sequence[KVEvent]], None]
 
@@ -123,6 +128,9 @@ class LLMEngine:
         # Where the block pool's KV events go after each step (a worker's prefix index publisher); None: dropped.
         self.kv_event_sink: KVEventSink | None = None
         self.num_scheduled_last_step = 0  # requests the last step() ran; 0: it could run nothing
+        # Structured outputs: xgrammar loads with the first request that has a grammar (see grammar_compilers).
+        self._grammar_compilers: GrammarCompilerCache | None = None
+        self._grammar_lock = threading.Lock()
         self._children: dict[str, list[str]] = {}  # n > 1: a request's other choices that have not finished
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -136,8 +144,13 @@ class LLMEngine:
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *, remote_decode: bool = False
     ) -> Request:
         """Validate and tokenize a request without queueing it: the engine is left untouched, so a caller can
-        check a whole batch before queueing any of it. Raises ValueError naming the problem."""
+        check a whole batch before queueing any of it. Raises ValueError naming the problem.
+
+        A request with `structured_outputs` has its grammar compiled here (a schema that does not compile is a
+        ValueError), which can take a second: callers on an event loop run this on a worker thread."""
         params.validate()
+        if params.structured_outputs is not None:
+            self.grammar_compilers().compile(params.structured_outputs)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -181,6 +194,19 @@ class LLMEngine:
         ]
         requests[0].pending_forks = requests[1:]
         return requests[0]
+
+    def grammar_compilers(self) -> GrammarCompilerCache:
+        """The engine's grammar compiler cache, made (and its matchers given to the runner) on first use, from
+        any thread."""
+        with self._grammar_lock:
+            if self._grammar_compilers is None:
+                from engine.structured.compiler import GrammarCompilerCache
+                from engine.structured.matchers import GrammarMatchers
+
+                compilers = GrammarCompilerCache(self.tokenizer, vocab_size=self.model_config.vocab_size)
+                self.runner.grammars = GrammarMatchers(compilers)
+                self._grammar_compilers = compilers
+            return self._grammar_compilers
 
     def enqueue(self, request: Request) -> None:
         """Queue a request from `make_request`. Raises ValueError (and queues nothing) if its id is in use."""

@@ -8,6 +8,8 @@ step's inputs are built on the host and copied there once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.attention.int8_kv import Int8KVCache
@@ -20,6 +22,10 @@ from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logpr
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
 from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
 from engine.sampling.sampling_batch import MIN_TEMPERATURE
+from engine.structured.bitmask import TokenBitmask
+
+if TYPE_CHECKING:
+    from engine.structured.matchers import GrammarMatchers
 
 _PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
 
@@ -53,6 +59,8 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._generators: dict[str, torch.Generator] = {}
+        # Structured outputs: the requests' grammar matchers (set by the engine; None: no request may have one).
+        self.grammars: GrammarMatchers | None = None
 
     def skip_remote_draw(self, request: Request) -> None:
         """The request's first token was sampled on another worker (a prefill worker) from the same seed: start
@@ -66,8 +74,10 @@ class ModelRunner:
         self._generators[request.request_id] = generator
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
+        """Forget a finished request's generator and grammar matcher."""
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     def execute(
         self, out: SchedulerOutput
@@ -121,24 +131,61 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if not any(item.spec_token_ids for item in sampling):
-            result = self.sampler.sample(logits, [self._sampling_row(item) for item in sampling])
+            rows = [self._sampling_row(item) for item in sampling]
+            result = self.sampler.sample(logits, rows, self._grammar_bitmask(sampling))
             for item, token_id, token_logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
                 sampled[item.request.request_id] = [token_id]
                 if token_logprobs is not None:
                     logprobs[item.request.request_id] = [token_logprobs]
             return sampled, logprobs
+        logits, num_drafts, token_bitmask = self._check_drafts(logits, sampling)
         requests = [
             VerifyRequest(
-                rows=[self._sampling_row(item, item.spec_token_ids[:j]) for j in range(item.num_sample_positions)],
-                draft_token_ids=item.spec_token_ids,
+                rows=[self._sampling_row(item, item.spec_token_ids[:j]) for j in range(num + 1)],
+                draft_token_ids=item.spec_token_ids[:num],
             )
-            for item in sampling
+            for item, num in zip(sampling, num_drafts, strict=True)
         ]
-        for item, verified in zip(sampling, self.rejection_sampler.verify(logits, requests), strict=True):
+        verified_all = self.rejection_sampler.verify(logits, requests, token_bitmask)
+        for item, verified in zip(sampling, verified_all, strict=True):
             sampled[item.request.request_id] = verified.token_ids
             if verified.logprobs is not None:
                 logprobs[item.request.request_id] = verified.logprobs
         return sampled, logprobs
+
+    def _grammar_bitmask(self, sampling: list[ScheduledRequest]) -> TokenBitmask | None:
+        """The grammar masks of the structured requests among `sampling` (one logits row each), or None."""
+        structured = [i for i, item in enumerate(sampling) if item.request.sampling_params.structured_outputs]
+        if not structured:
+            return None
+        assert self.grammars is not None, "a structured request reached an engine without grammar support"
+        return self.grammars.fill([sampling[i].request for i in structured], structured)
+
+    def _check_drafts(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, list[int], TokenBitmask | None]:
+        """Structured requests' drafts are cut at the first token their grammar rejects, before verification.
+
+        logits: [sum of num_sample_positions, vocab_size]. Returns the logits of the positions still to verify,
+        each request's number of drafts kept, and the grammar masks of the structured requests' positions."""
+        num_drafts = [len(item.spec_token_ids) for item in sampling]
+        if self.grammars is None or not any(item.request.sampling_params.structured_outputs for item in sampling):
+            return logits, num_drafts, None
+        bitmask = self.grammars.allocate(logits.shape[0])  # [positions, words]: a row per kept position
+        kept_rows: list[int] = []  # logits rows still verified
+        masked_rows: list[int] = []  # their indices (in the kept logits) that a grammar constrains
+        offset = 0
+        for i, item in enumerate(sampling):
+            if item.request.sampling_params.structured_outputs:
+                num_drafts[i] = self.grammars.fill_with_drafts(item.request, item.spec_token_ids, bitmask,
+                                                               len(kept_rows))
+                masked_rows.extend(range(len(kept_rows), len(kept_rows) + num_drafts[i] + 1))
+            kept_rows.extend(range(offset, offset + num_drafts[i] + 1))
+            offset += item.num_sample_positions
+        if len(kept_rows) < logits.shape[0]:
+            logits = logits[kept_rows]
+        token_bitmask = TokenBitmask(bitmask=bitmask[masked_rows], row_indices=masked_rows)
+        return logits, num_drafts, token_bitmask
 
     def _sampling_row(self, item: ScheduledRequest, accepted_drafts: list[int] | None = None) -> SamplingRow:
         """The request's row for its next token, or for the token after `accepted_drafts` (as if they had been

@@ -15,6 +15,7 @@ once the receiver verified every block; a send never outlives `kv_transfer_timeo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -93,9 +94,11 @@ class PrefillWorker(RuntimeWorker):
         request_id = gen.request_id
         runtime = self.runtime
         try:
-            req = runtime.engine.make_request(
-                request_id, list(gen.prompt_token_ids), sampling_params_from_proto(gen.params), remote_decode=True
-            )
+            params = sampling_params_from_proto(gen.params)
+            make = functools.partial(runtime.engine.make_request, request_id, list(gen.prompt_token_ids), params,
+                                     remote_decode=True)
+            # A grammar compiles in make_request (up to a second): off the event loop, which serves every call.
+            req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         outputs = runtime.outputs(request_id)

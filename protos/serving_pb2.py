@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/serving.proto\x12\x15splitserve.serving.v1\"\xd2\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x06\x88\x01\x01\x12H\n\nlogit_bias\x18\x18 \x03(\x0b\x32\x34.splitserve.serving.v1.SamplingParams.LogitBiasEntry\x12\t\n\x01n\x18\x19 \x01(\r\x12\x14\n\x07\x62\x65st_of\x18\x1a \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1b \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\n\n\x08_best_ofB\x12\n\x10_prompt_logprobs\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x06params\x18\x03 \x01(\x0b\x32%.splitserve.serving.v1.SamplingParams\x12\x18\n\x10prefill_endpoint\x18\x04 \x01(\t\x12\x16\n\x0erouter_queue_s\x18\x05 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"p\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12.\n\x03top\x18\x04 \x03(\x0b\x32!.splitserve.serving.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x9c\x01\n\x0cStageTimings\x12\x16\n\x0erouter_queue_s\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x02 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\"\xf1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x36\n\x08logprobs\x18\x04 \x03(\x0b\x32$.splitserve.serving.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12+\n\x05usage\x18\x08 \x01(\x0b\x32\x1c.splitserve.serving.v1.Usage\x12\x34\n\x07timings\x18\t \x01(\x0b\x32#.splitserve.serving.v1.StageTimings\x12\r\n\x05index\x18\n \x01(\r\x12=\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32$.splitserve.serving.v1.TokenLogprobs\"\xaf\x01\n\x0ePrefillRequest\x12\x37\n\x07request\x18\x01 \x01(\x0b\x32&.splitserve.serving.v1.GenerateRequest\x12\x17\n\x0f\x64\x65\x63ode_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x05 \x01(\r\"\xd4\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12<\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32$.splitserve.serving.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x34\n\x07timings\x18\t \x01(\x0b\x32#.splitserve.serving.v1.StageTimings\x12=\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32$.splitserve.serving.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"a\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\"\r\n\x0bLoadRequest\",\n\tCpuKernel\x12\x0e\n\x06kernel\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\"B\n\x0bKVNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\"\xba\x07\n\tLoadStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x12\x18\n\x10num_kv_transfers\x18\x0e \x01(\x04\x12 \n\x18num_kv_transfer_failures\x18\x0f \x01(\x04\x12\x13\n\x0bincarnation\x18\x10 \x01(\x04\x12\x35\n\x0b\x63pu_kernels\x18\x11 \x03(\x0b\x32 .splitserve.serving.v1.CpuKernel\x12\x14\n\x0cmax_num_seqs\x18\x12 \x01(\r\x12\x38\n\x0ckv_namespace\x18\x13 \x01(\x0b\x32\".splitserve.serving.v1.KVNamespace\x12\x17\n\x0fprefix_index_up\x18\x14 \x01(\x08\x12\x1e\n\x16spec_decode_num_drafts\x18\x15 \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18\x16 \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x17 \x01(\x04\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x18 \x03(\x04\x12\x1c\n\x14spec_decode_chosen_k\x18\x19 \x03(\x04\x12 \n\x18num_queued_prompt_tokens\x18\x1a \x01(\x04\x12X\n\x15kv_transfers_rejected\x18\x1b \x03(\x0b\x32\x39.splitserve.serving.v1.LoadStats.KvTransfersRejectedEntry\x1a:\n\x18KvTransfersRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xbd\x03\n\x06Worker\x12]\n\x08Generate\x12&.splitserve.serving.v1.GenerateRequest\x1a\'.splitserve.serving.v1.GenerateResponse0\x01\x12X\n\x07Prefill\x12%.splitserve.serving.v1.PrefillRequest\x1a&.splitserve.serving.v1.PrefillResponse\x12R\n\x05\x41\x62ort\x12#.splitserve.serving.v1.AbortRequest\x1a$.splitserve.serving.v1.AbortResponse\x12U\n\x06Health\x12$.splitserve.serving.v1.HealthRequest\x1a%.splitserve.serving.v1.HealthResponse\x12O\n\x07GetLoad\x12\".splitserve.serving.v1.LoadRequest\x1a .splitserve.serving.v1.LoadStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/serving.proto\x12\x15splitserve.serving.v1\"\x98\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x06\x88\x01\x01\x12H\n\nlogit_bias\x18\x18 \x03(\x0b\x32\x34.splitserve.serving.v1.SamplingParams.LogitBiasEntry\x12\t\n\x01n\x18\x19 \x01(\r\x12\x14\n\x07\x62\x65st_of\x18\x1a \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1b \x01(\rH\x08\x88\x01\x01\x12\x44\n\x12structured_outputs\x18\x1e \x01(\x0b\x32(.splitserve.serving.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\n\n\x08_best_ofB\x12\n\x10_prompt_logprobs\"1\n\x11StructuredOutputs\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x06params\x18\x03 \x01(\x0b\x32%.splitserve.serving.v1.SamplingParams\x12\x18\n\x10prefill_endpoint\x18\x04 \x01(\t\x12\x16\n\x0erouter_queue_s\x18\x05 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"p\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12.\n\x03top\x18\x04 \x03(\x0b\x32!.splitserve.serving.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x9c\x01\n\x0cStageTimings\x12\x16\n\x0erouter_queue_s\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x02 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\"\xf1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12\x36\n\x08logprobs\x18\x04 \x03(\x0b\x32$.splitserve.serving.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12+\n\x05usage\x18\x08 \x01(\x0b\x32\x1c.splitserve.serving.v1.Usage\x12\x34\n\x07timings\x18\t \x01(\x0b\x32#.splitserve.serving.v1.StageTimings\x12\r\n\x05index\x18\n \x01(\r\x12=\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32$.splitserve.serving.v1.TokenLogprobs\"\xaf\x01\n\x0ePrefillRequest\x12\x37\n\x07request\x18\x01 \x01(\x0b\x32&.splitserve.serving.v1.GenerateRequest\x12\x17\n\x0f\x64\x65\x63ode_endpoint\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x05 \x01(\r\"\xd4\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12<\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32$.splitserve.serving.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x34\n\x07timings\x18\t \x01(\x0b\x32#.splitserve.serving.v1.StageTimings\x12=\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32$.splitserve.serving.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"a\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\"\r\n\x0bLoadRequest\",\n\tCpuKernel\x12\x0e\n\x06kernel\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\"B\n\x0bKVNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\"\xba\x07\n\tLoadStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x12\x18\n\x10num_kv_transfers\x18\x0e \x01(\x04\x12 \n\x18num_kv_transfer_failures\x18\x0f \x01(\x04\x12\x13\n\x0bincarnation\x18\x10 \x01(\x04\x12\x35\n\x0b\x63pu_kernels\x18\x11 \x03(\x0b\x32 .splitserve.serving.v1.CpuKernel\x12\x14\n\x0cmax_num_seqs\x18\x12 \x01(\r\x12\x38\n\x0ckv_namespace\x18\x13 \x01(\x0b\x32\".splitserve.serving.v1.KVNamespace\x12\x17\n\x0fprefix_index_up\x18\x14 \x01(\x08\x12\x1e\n\x16spec_decode_num_drafts\x18\x15 \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18\x16 \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x17 \x01(\x04\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x18 \x03(\x04\x12\x1c\n\x14spec_decode_chosen_k\x18\x19 \x03(\x04\x12 \n\x18num_queued_prompt_tokens\x18\x1a \x01(\x04\x12X\n\x15kv_transfers_rejected\x18\x1b \x03(\x0b\x32\x39.splitserve.serving.v1.LoadStats.KvTransfersRejectedEntry\x1a:\n\x18KvTransfersRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xbd\x03\n\x06Worker\x12]\n\x08Generate\x12&.splitserve.serving.v1.GenerateRequest\x1a\'.splitserve.serving.v1.GenerateResponse0\x01\x12X\n\x07Prefill\x12%.splitserve.serving.v1.PrefillRequest\x1a&.splitserve.serving.v1.PrefillResponse\x12R\n\x05\x41\x62ort\x12#.splitserve.serving.v1.AbortRequest\x1a$.splitserve.serving.v1.AbortResponse\x12U\n\x06Health\x12$.splitserve.serving.v1.HealthRequest\x1a%.splitserve.serving.v1.HealthResponse\x12O\n\x07GetLoad\x12\".splitserve.serving.v1.LoadRequest\x1a .splitserve.serving.v1.LoadStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,43 +36,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADSTATS_KVTRANSFERSREJECTEDENTRY']._loaded_options = None
   _globals['_LOADSTATS_KVTRANSFERSREJECTEDENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=48
-  _globals['_SAMPLINGPARAMS']._serialized_end=770
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=580
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=628
-  _globals['_GENERATEREQUEST']._serialized_start=773
-  _globals['_GENERATEREQUEST']._serialized_end=941
-  _globals['_TOPLOGPROB']._serialized_start=943
-  _globals['_TOPLOGPROB']._serialized_end=990
-  _globals['_TOKENLOGPROBS']._serialized_start=992
-  _globals['_TOKENLOGPROBS']._serialized_end=1104
-  _globals['_USAGE']._serialized_start=1106
-  _globals['_USAGE']._serialized_end=1186
-  _globals['_STAGETIMINGS']._serialized_start=1189
-  _globals['_STAGETIMINGS']._serialized_end=1345
-  _globals['_GENERATERESPONSE']._serialized_start=1348
-  _globals['_GENERATERESPONSE']._serialized_end=1717
-  _globals['_PREFILLREQUEST']._serialized_start=1720
-  _globals['_PREFILLREQUEST']._serialized_end=1895
-  _globals['_PREFILLRESPONSE']._serialized_start=1898
-  _globals['_PREFILLRESPONSE']._serialized_end=2238
-  _globals['_ABORTREQUEST']._serialized_start=2240
-  _globals['_ABORTREQUEST']._serialized_end=2274
-  _globals['_ABORTRESPONSE']._serialized_start=2276
-  _globals['_ABORTRESPONSE']._serialized_end=2306
-  _globals['_HEALTHREQUEST']._serialized_start=2308
-  _globals['_HEALTHREQUEST']._serialized_end=2323
-  _globals['_HEALTHRESPONSE']._serialized_start=2325
-  _globals['_HEALTHRESPONSE']._serialized_end=2422
-  _globals['_LOADREQUEST']._serialized_start=2424
-  _globals['_LOADREQUEST']._serialized_end=2437
-  _globals['_CPUKERNEL']._serialized_start=2439
-  _globals['_CPUKERNEL']._serialized_end=2483
-  _globals['_KVNAMESPACE']._serialized_start=2485
-  _globals['_KVNAMESPACE']._serialized_end=2551
-  _globals['_LOADSTATS']._serialized_start=2554
-  _globals['_LOADSTATS']._serialized_end=3508
-  _globals['_LOADSTATS_KVTRANSFERSREJECTEDENTRY']._serialized_start=3450
-  _globals['_LOADSTATS_KVTRANSFERSREJECTEDENTRY']._serialized_end=3508
-  _globals['_WORKER']._serialized_start=3511
-  _globals['_WORKER']._serialized_end=3956
+  _globals['_SAMPLINGPARAMS']._serialized_end=840
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=650
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=698
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=842
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=891
+  _globals['_GENERATEREQUEST']._serialized_start=894
+  _globals['_GENERATEREQUEST']._serialized_end=1062
+  _globals['_TOPLOGPROB']._serialized_start=1064
+  _globals['_TOPLOGPROB']._serialized_end=1111
+  _globals['_TOKENLOGPROBS']._serialized_start=1113
+  _globals['_TOKENLOGPROBS']._serialized_end=1225
+  _globals['_USAGE']._serialized_start=1227
+  _globals['_USAGE']._serialized_end=1307
+  _globals['_STAGETIMINGS']._serialized_start=1310
+  _globals['_STAGETIMINGS']._serialized_end=1466
+  _globals['_GENERATERESPONSE']._serialized_start=1469
+  _globals['_GENERATERESPONSE']._serialized_end=1838
+  _globals['_PREFILLREQUEST']._serialized_start=1841
+  _globals['_PREFILLREQUEST']._serialized_end=2016
+  _globals['_PREFILLRESPONSE']._serialized_start=2019
+  _globals['_PREFILLRESPONSE']._serialized_end=2359
+  _globals['_ABORTREQUEST']._serialized_start=2361
+  _globals['_ABORTREQUEST']._serialized_end=2395
+  _globals['_ABORTRESPONSE']._serialized_start=2397
+  _globals['_ABORTRESPONSE']._serialized_end=2427
+  _globals['_HEALTHREQUEST']._serialized_start=2429
+  _globals['_HEALTHREQUEST']._serialized_end=2444
+  _globals['_HEALTHRESPONSE']._serialized_start=2446
+  _globals['_HEALTHRESPONSE']._serialized_end=2543
+  _globals['_LOADREQUEST']._serialized_start=2545
+  _globals['_LOADREQUEST']._serialized_end=2558
+  _globals['_CPUKERNEL']._serialized_start=2560
+  _globals['_CPUKERNEL']._serialized_end=2604
+  _globals['_KVNAMESPACE']._serialized_start=2606
+  _globals['_KVNAMESPACE']._serialized_end=2672
+  _globals['_LOADSTATS']._serialized_start=2675
+  _globals['_LOADSTATS']._serialized_end=3629
+  _globals['_LOADSTATS_KVTRANSFERSREJECTEDENTRY']._serialized_start=3571
+  _globals['_LOADSTATS_KVTRANSFERSREJECTEDENTRY']._serialized_end=3629
+  _globals['_WORKER']._serialized_start=3632
+  _globals['_WORKER']._serialized_end=4077
 # @@protoc_insertion_point(module_scope)

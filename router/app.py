@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,7 +43,7 @@ from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob, num_choices
-from router.errors import GENERATION_ERRORS, error_body, install_error_handlers, without_validation_errors
+from router.errors import GENERATION_ERRORS, bad_request, error_body, install_error_handlers, without_validation_errors
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
 from router.prefix_routing import PrefixIndex
@@ -60,6 +61,8 @@ from router.protocol import (
 from router.responses import ResponseHeader
 from router.resumable_stream import ResumableStream
 from router.streaming import OutputSpec, collect_response, sse_events
+from router.structured import structured_outputs_of
+from router.tools import plan_tools
 from router.worker_registry import WorkerRegistry
 
 if TYPE_CHECKING:
@@ -161,12 +164,14 @@ def create_app(
         arrival_s = time.perf_counter()
         check_model(body.model, config.served_model_names)
         check_completion_request(body)
+        structured_outputs = structured_outputs_of(body)
         token_ids = await asyncio.to_thread(completion_prompt_token_ids, body, tokenizer)
         max_tokens = fit_max_tokens(
             body.max_tokens, default=config.default_completion_max_tokens, num_prompt_tokens=len(token_ids),
             max_model_len=config.max_model_len, prompt_param="prompt", max_tokens_param="max_tokens")
         job = GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
-                            params=to_sampling_params(body, max_tokens=max_tokens))
+                            params=to_sampling_params(body, max_tokens=max_tokens,
+                                                      structured_outputs=structured_outputs))
         return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=False), body.stream,
                                _tracker(raw, arrival_s))
 
@@ -175,15 +180,23 @@ def create_app(
         arrival_s = time.perf_counter()
         check_model(body.model, config.served_model_names)
         check_chat_request(body)
-        token_ids = await asyncio.to_thread(chat_prompt_token_ids, body, tokenizer)
+        tools = plan_tools(body)
+        structured_outputs = structured_outputs_of(body)
+        if tools is not None and tools.mode != "auto":
+            if structured_outputs is not None:
+                raise bad_request(f"tool_choice {body.tool_choice!r} constrains the output: it cannot be combined "
+                                  "with response_format or guided decoding", "tool_choice")
+            structured_outputs = tools.structured_outputs()
+        token_ids = await asyncio.to_thread(chat_prompt_token_ids, body, tokenizer, tools)
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = fit_max_tokens(
             body.requested_max_tokens, default=None, num_prompt_tokens=len(token_ids),
             max_model_len=config.max_model_len, prompt_param="messages", max_tokens_param=max_tokens_param)
         job = GenerationJob(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
-                            params=to_sampling_params(body, max_tokens=max_tokens))
-        return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=True), body.stream,
-                               _tracker(raw, arrival_s))
+                            params=to_sampling_params(body, max_tokens=max_tokens,
+                                                      structured_outputs=structured_outputs))
+        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=True), tools=tools)
+        return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:
         tracker = metrics.tracker(arrival_s)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, logit_bias
+from router.tools import ToolPlan, tool_messages
 
 if TYPE_CHECKING:
     from engine.tokenizer.tokenizer import Tokenizer
@@ -43,13 +44,16 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer
     return token_ids
 
 
-def chat_prompt_token_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The token ids of the chat template rendered over `request.messages`; a 400 for `stop_token_ids` outside
-    the vocabulary."""
+def chat_prompt_token_ids(
+    request: ChatCompletionRequest, tokenizer: Tokenizer, tools: ToolPlan | None = None
+) -> list[int]:
+    """The token ids of the chat template rendered over `request.messages` (tool turns and the `tools` plan's
+    tool prompt written in by router/tools.py); a 400 for `stop_token_ids` outside the vocabulary."""
     _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
     _check_in_vocab(list(logit_bias(request)), tokenizer, "logit_bias", what="logit_bias token ids")
     messages = [{"role": message.role, "content": _text_of(message, index)}
                 for index, message in enumerate(request.messages)]
+    messages = tool_messages(request, messages, tools)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
     except ValueError as error:

@@ -17,6 +17,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.core.sampling_params import SamplingParams
+from engine.structured.spec import GrammarSpec
 from engine.serving.convert import sampling_params_to_proto
 from protos import serving_pb2
 from router.errors import ApiError, bad_request
@@ -67,6 +68,13 @@ class _SamplingFields(BaseModel):
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     prompt_logprobs: int | None = None  # vLLM's
     user: str | None = None
+    # Structured outputs (router/structured.py): OpenAI's response_format, vLLM's guided fields and object.
+    response_format: dict[str, object] | None = None
+    guided_json: str | dict[str, object] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, object] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -102,6 +110,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, object]] | None = None  # an assistant turn's calls (router/tools.py renders them)
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -115,7 +125,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
-    response_format: dict[str, object] | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -158,10 +168,6 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
         _check_message_text(message, f"messages[{index}]")
     if isinstance(request.tool_choice, str):
         check_text(request.tool_choice, param="tool_choice")
-    if request.tools:
-        raise bad_request("tools are not supported", "tools")
-    if request.response_format is not None and request.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
 
@@ -175,8 +181,9 @@ def check_text(text: str, *, param: str, where: str | None = None, allow_nul: bo
     that one rule answers for all of them. NUL is no character of any prompt; refusing it in the text that
     becomes the prompt (prompt, messages) keeps it from meaning something else to each C-string consumer
     downstream (tokenizers in C, logs). `where` says where the text sits (e.g. "messages[2].content"), default
-    `param`. The fields of a free-form object (tools, response_format) are not walked: the router refuses those
-    objects or reads nothing but response_format's "type" from them; logit_bias keys must parse as integers.
+    `param`. The fields of a free-form object (tools, response_format, structured_outputs) are not walked here:
+    what the router takes from them is checked where it is read, or travels re-serialized as ASCII JSON;
+    logit_bias keys must parse as integers.
     """
     try:
         text.encode("utf-8")
@@ -221,9 +228,11 @@ def num_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> i
 
 
 def to_sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int
+    request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
+    structured_outputs: GrammarSpec | None = None,
 ) -> serving_pb2.SamplingParams:
-    """The workers' SamplingParams for `request`, generating at most `max_tokens` (already fitted to the context).
+    """The workers' SamplingParams for `request`, generating at most `max_tokens` (already fitted to the context),
+    its output following `structured_outputs` (router/structured.py, router/tools.py) when given.
 
     Validated by the engine's `SamplingParams.validate()`; a bad value is a 400 naming the parameter.
     """
@@ -253,6 +262,7 @@ def to_sampling_params(
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        structured_outputs=structured_outputs,
     )
     try:
         engine_params.validate()
@@ -273,6 +283,11 @@ def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
     logit_bias(request)  # 400 on a key that is no token id
     if request.user is not None:
         check_text(request.user, param="user")
+    for name in ("guided_regex", "guided_grammar"):
+        if getattr(request, name) is not None:
+            check_text(getattr(request, name), param=name)
+    for index, choice in enumerate(request.guided_choice or ()):
+        check_text(choice, param="guided_choice", where=f"guided_choice[{index}]")
     for index, stop in enumerate(stop_strings(request)):
         where = "stop" if isinstance(request.stop, str) else f"stop[{index}]"
         check_text(stop, param="stop", where=where)
@@ -285,6 +300,8 @@ def _check_message_text(message: ChatMessage, where: str) -> None:
     check_text(message.role, param="messages", where=f"{where}.role", allow_nul=False)
     if message.name is not None:
         check_text(message.name, param="messages", where=f"{where}.name", allow_nul=False)
+    if message.tool_call_id is not None:
+        check_text(message.tool_call_id, param="messages", where=f"{where}.tool_call_id", allow_nul=False)
     if isinstance(message.content, str):
         check_text(message.content, param="messages", where=f"{where}.content", allow_nul=False)
     for index, part in enumerate(message.content if isinstance(message.content, list) else ()):

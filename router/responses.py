@@ -82,15 +82,17 @@ def openai_stop_reason(
 def response_body(
     header: ResponseHeader,
     *,
-    text: str,
+    text: str | None,
     finish_reason: str,
     stop_reason: str | int | None,
     logprobs: dict[str, Any] | None,
     usage: Usage,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming body of a completion or chat completion with one choice."""
+    """The non-streaming body of a completion or chat completion with one choice; chat's message carries
+    `tool_calls` when given (then `text` may be None)."""
     choice = choice_body(header, index=0, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
-                         logprobs=logprobs)
+                         logprobs=logprobs, tool_calls=tool_calls)
     return choices_response_body(header, [choice], usage)
 
 
@@ -98,15 +100,19 @@ def choice_body(
     header: ResponseHeader,
     *,
     index: int,
-    text: str,
+    text: str | None,
     finish_reason: str,
     stop_reason: str | int | None,
     logprobs: dict[str, Any] | None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One choice of a non-streaming body."""
+    """One choice of a non-streaming body; chat's message carries `tool_calls` when given (then `text` may be
+    None)."""
     choice: dict[str, Any] = {"index": index}
     if header.chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            choice["message"]["tool_calls"] = tool_calls
     else:
         choice["text"] = text
     choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
@@ -145,15 +151,18 @@ def chunk_body(
     logprobs: dict[str, Any] | None = None,
     include_usage: bool = False,
     role: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
     """One stream chunk of choice `index`. Chat: `role` makes the opening delta {"role": "assistant",
-    "content": ""}."""
+    "content": ""}; `tool_calls` are tool-call deltas (router/tools.py)."""
     choice: dict[str, Any] = {"index": index}
     if header.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

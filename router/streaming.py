@@ -44,6 +44,7 @@ from router.responses import (
 
 if TYPE_CHECKING:
     from engine.tokenizer.tokenizer import Tokenizer
+    from router.tools import ToolCallParser, ToolPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,7 @@ class OutputSpec:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     include_usage: bool = False
+    tools: ToolPlan | None = None  # chat with tools: the output becomes content and tool_calls (router/tools.py)
     n: int = 1  # choices returned
     num_choices: int = 1  # sequences the stream carries: best_of (the n best are returned), else n
     echo: str | None = None  # completions' echo: the prompt's text, written before each choice's
@@ -120,9 +122,13 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
                 logprobs = _logprobs(choice.entries, spec, echo_offset)[0]
                 if echo_logprobs_body is not None:
                     logprobs = join_completion_logprobs(echo_logprobs_body, logprobs)
+            text: str | None = (spec.echo or "") + "".join(choice.texts)
+            finish_reason, tool_calls = choice.finish_reason, None
+            if spec.tools is not None:  # each choice's text becomes its content and tool_calls
+                text, tool_calls = spec.tools.parser().parse(text or "")
+                finish_reason = _tool_finish_reason(finish_reason, bool(tool_calls))
             bodies.append(choice_body(
-                spec.header, index=index, text=(spec.echo or "") + "".join(choice.texts),
-                finish_reason=choice.finish_reason,
+                spec.header, index=index, text=text, tool_calls=tool_calls, finish_reason=finish_reason,
                 stop_reason=openai_stop_reason(choice.finish_reason, choice.stop_reason, spec.stop,
                                                spec.stop_token_ids),
                 logprobs=logprobs))
@@ -145,6 +151,7 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
         text_offsets: dict[int, int] = {}  # per choice; a choice not in it has not had a chunk yet
         prompt_entries: list[serving_pb2.TokenLogprobs] = []
         num_left = spec.num_choices
+        parsers: dict[int, ToolCallParser] = {}  # chat with tools: per choice, its text becoming content and tool-call deltas
         while num_left:
             try:
                 message = await _next(stream)
@@ -169,7 +176,19 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
             if echo_body is not None:
                 logprobs = echo_body if logprobs is None else join_completion_logprobs(echo_body, logprobs)
             finish_reason = message.finish_reason or None
-            if text or logprobs is not None or finish_reason is not None:
+            if spec.tools is not None and index not in parsers:
+                parsers[index] = spec.tools.parser()
+            parser = parsers.get(index)
+            if parser is not None:  # the text becomes content and tool-call deltas
+                for piece in parser.feed(text) + (parser.finish() if finish_reason else []):
+                    yield sse_event(chunk_body(header, text=piece.get("content"), tool_calls=piece.get("tool_calls"),
+                                               include_usage=spec.include_usage, index=index))
+                if finish_reason is not None:
+                    finish_reason = _tool_finish_reason(finish_reason, bool(parser.calls))
+                if logprobs is not None or finish_reason is not None:
+                    yield sse_event(chunk_body(header, text=None, finish_reason=finish_reason, logprobs=logprobs,
+                                               include_usage=spec.include_usage, index=index))
+            elif text or logprobs is not None or finish_reason is not None:
                 stop_reason = openai_stop_reason(message.finish_reason, message.stop_reason, spec.stop,
                                                  spec.stop_token_ids)
                 yield sse_event(chunk_body(header, text=text, finish_reason=finish_reason,
@@ -182,6 +201,11 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
         yield SSE_DONE
     finally:
         stream.close()
+
+
+def _tool_finish_reason(finish_reason: str, has_calls: bool) -> str:
+    """OpenAI's "tool_calls" when the output ended by itself with calls in it."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
 
 
 async def _next(stream: ResumableStream) -> serving_pb2.GenerateResponse:

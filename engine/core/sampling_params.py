@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.spec import GrammarSpec
+
 # OpenAI's and vLLM's bound on a logit bias; and on how many choices one request may ask for (vLLM sets none: a
 # cap keeps one request from taking a whole decode worker's batch).
 MAX_LOGIT_BIAS = 100.0
@@ -36,6 +38,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, every step
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (the first has none), top-k each
+    structured_outputs: GrammarSpec | None = None  # the grammar every sampled token must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,3 +94,5 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()

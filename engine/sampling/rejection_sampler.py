@@ -31,6 +31,7 @@ import torch
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sampling.sampling_batch import MIN_TEMPERATURE
+from engine.structured.bitmask import TokenBitmask
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,8 +67,11 @@ class RejectionSampler:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
 
-    def verify(self, logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[VerifyResult]:
-        """logits: [sum of len(r.rows), vocab_size], the requests' positions in order. One result per request."""
+    def verify(
+        self, logits: torch.Tensor, requests: Sequence[VerifyRequest], token_bitmask: TokenBitmask | None = None
+    ) -> list[VerifyResult]:
+        """logits: [sum of len(r.rows), vocab_size], the requests' positions in order. One result per request.
+        `token_bitmask`: the grammar masks of structured requests' positions (rows of `logits`)."""
         rows = [row for request in requests for row in request.rows]
         vocab_size = logits.shape[1]
         # Seeded random requests with drafts: where their generators stand before any draw of this step.
@@ -76,7 +80,7 @@ class RejectionSampler:
             first = request.rows[0]
             if request.draft_token_ids and first.generator is not None and first.params.temperature >= MIN_TEMPERATURE:
                 saved[i] = (first.generator, first.generator.get_state())
-        result = self.sampler.sample(logits, rows)
+        result = self.sampler.sample(logits, rows, token_bitmask)
         out: list[VerifyResult] = []
         offset = 0
         for i, request in enumerate(requests):

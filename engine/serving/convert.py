@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.core.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.sampling.logprobs import TokenLogprobs
+from engine.structured.spec import GrammarSpec
 from protos import serving_pb2
 
 
@@ -28,6 +29,9 @@ def sampling_params_from_proto(msg: serving_pb2.SamplingParams) -> SamplingParam
                  "prompt_logprobs"):
         if msg.HasField(name):
             setattr(params, name, getattr(msg, name))
+    if msg.HasField("structured_outputs"):  # the kind is checked by validate()
+        params.structured_outputs = GrammarSpec(kind=msg.structured_outputs.kind,  # type: ignore[arg-type]
+                                                source=msg.structured_outputs.source)
     return params
 
 
@@ -61,6 +65,9 @@ def sampling_params_to_proto(params: SamplingParams) -> serving_pb2.SamplingPara
         msg.seed = params.seed - 2**64 if params.seed >= 2**63 else params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured_outputs is not None:
+        msg.structured_outputs.kind = params.structured_outputs.kind
+        msg.structured_outputs.source = params.structured_outputs.source
     return msg
 
 

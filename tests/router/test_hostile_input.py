@@ -63,6 +63,10 @@ STRING_FIELDS: dict[str, dict[str, tuple[dict[str, object], str]]] = {
         "stop[]": ({"stop": ["ok", f"x{SURROGATE}"]}, "stop"),
         "user": ({"user": SURROGATE}, "user"),
         "suffix": ({"suffix": SURROGATE}, "suffix"),
+        "guided_json": ({"guided_json": SURROGATE}, "guided_json"),
+        "guided_regex": ({"guided_regex": SURROGATE}, "guided_regex"),
+        "guided_choice[]": ({"guided_choice": ["a", SURROGATE]}, "guided_choice"),
+        "guided_grammar": ({"guided_grammar": SURROGATE}, "guided_grammar"),
     },
     CHAT: {
         "model": ({"model": SURROGATE}, "model"),
@@ -77,6 +81,12 @@ STRING_FIELDS: dict[str, dict[str, tuple[dict[str, object], str]]] = {
         "stop[]": ({"stop": [SURROGATE]}, "stop"),
         "user": ({"user": SURROGATE}, "user"),
         "tool_choice": ({"tool_choice": SURROGATE}, "tool_choice"),
+        "guided_json": ({"guided_json": SURROGATE}, "guided_json"),
+        "guided_regex": ({"guided_regex": SURROGATE}, "guided_regex"),
+        "guided_choice[]": ({"guided_choice": ["a", SURROGATE]}, "guided_choice"),
+        "guided_grammar": ({"guided_grammar": SURROGATE}, "guided_grammar"),
+        "messages[].tool_call_id": (
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": SURROGATE}]}, "messages"),
     },
 }
 
@@ -241,7 +251,10 @@ CHAT_SHAPES = [
     '"messages": ' + json.dumps([{"role": "user", "content": "hi"}] * 10_000),
     f'"tools": [{nested()}]', f'"tools": [{{"a": {nested()}}}]',
     f'"response_format": {{"type": "json_schema", "json_schema": {{"schema": {nested()}}}}}',
-    '"response_format": {"type": "json_object"}', '"top_logprobs": 2', '"logprobs": "x"', '"tool_choice": 5',
+    '"response_format": {"type": "yaml"}', '"top_logprobs": 2', '"logprobs": "x"', '"tool_choice": 5',
+    '"response_format": {"type": "json_schema"}', '"tool_choice": {"type": "function"}', '"guided_choice": []',
+    '"guided_json": 5', '"structured_outputs": 5', '"structured_outputs": {"choice": "a"}',
+    '"tools": [{"type": "function", "function": {"name": ""}}]',
 ]
 
 

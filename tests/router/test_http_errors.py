@@ -68,7 +68,9 @@ def test_completion_bad_input_is_400(cluster: Cluster, body: dict, param: str, f
         ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "logprobs must be in [0, 20]"),
         ({"max_completion_tokens": 1000}, "max_completion_tokens", "maximum context length"),
         ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
-        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"tools": [{"type": "function"}]}, "tools", "tools[0] must be"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs a 'json_schema' object"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured output constraint"),
         ({"stream": True, "n": 0}, "n", "n must be in [1, 128]"),
     ],
 )

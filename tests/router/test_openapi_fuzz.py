@@ -105,6 +105,12 @@ ACCEPTED: dict[str, dict[str, Any]] = {
     "top_logprobs": {"type": "null"},
     "tools": {"type": "null"},
     "response_format": {"type": "null"},
+    # structured outputs: their shapes are tested in test_structured_tools.py; compiling is the workers' part
+    "guided_json": {"type": "null"},
+    "guided_regex": {"type": "null"},
+    "guided_choice": {"type": "null"},
+    "guided_grammar": {"type": "null"},
+    "structured_outputs": {"type": "null"},
 }
 
 

@@ -103,9 +103,7 @@ def test_chat_validation_names_chat_parameters() -> None:
      (check_completion_request, completion(suffix="s"), "suffix"),
      (check_completion_request, completion(logit_bias={"one": 2.0}), "logit_bias"),
      (check_chat_request, chat(logit_bias={"-1": 2.0}), "logit_bias"),
-     (check_chat_request, chat(top_logprobs=1), "top_logprobs"),
-     (check_chat_request, chat(tools=[{"type": "function"}]), "tools"),
-     (check_chat_request, chat(response_format={"type": "json_object"}), "response_format")],
+     (check_chat_request, chat(top_logprobs=1), "top_logprobs")],
 )
 def test_unsupported_fields(check, request_, param: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ApiError) as error:

@@ -1,0 +1,84 @@
+"""Structured outputs on the real SmolLM2-135M, offline: 50 generated JSON schemas in one batch all give JSON that
+validates; greedy output under a grammar is the same with prompt-lookup speculation on and off (drafts the grammar
+rejects are cut before verification); every KV block and every matcher is released afterwards.
+
+Kept cheap (the whole suite has a time budget): the session's one loaded checkpoint, one engine without speculation
+shared by both tests, flat schemas (depth 1) whose JSON fits in `MAX_TOKENS`, all 50 submitted at once, a KV cache
+sized to the batch rather than the default 2 GiB."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.core.sampling_params import SamplingParams
+from engine.structured.spec import GrammarSpec
+from tests.engine.structured.schemas import generated_schema
+
+pytestmark = pytest.mark.slow
+
+NUM_SCHEMAS = 50
+MAX_TOKENS = 64  # a flat schema's compact JSON is ~15-45 SmolLM2 tokens; a request cut by the limit fails the test
+
+
+def _engine(checkpoint, **overrides):  # noqa: ANN001, ANN202
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    # 50 requests x (a ~40-token prompt + MAX_TOKENS) need ~7 blocks of 16 tokens each: 512 blocks leave room.
+    return LLMEngine(EngineConfig(dtype="float32", max_model_len=256, max_num_seqs=NUM_SCHEMAS, num_kv_blocks=512,
+                                  **overrides), checkpoint=checkpoint)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_checkpoint):  # noqa: ANN001, ANN201
+    """One engine (no speculation) for the module."""
+    return _engine(smollm2_checkpoint)
+
+
+def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list:  # noqa: ANN001
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.block_pool.num_used_blocks == 0, "KV blocks leaked"
+    assert engine.runner.grammars.num_requests == 0, "grammar matchers leaked"
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_fifty_generated_schemas_all_validate(smollm2_checkpoint, engine) -> None:  # noqa: ANN001
+    tok = smollm2_checkpoint.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Describe an item as JSON."}]),
+                        add_special_tokens=False)
+    schemas = [generated_schema(seed, depth=1) for seed in range(NUM_SCHEMAS)]
+    assert len({json.dumps(schema) for schema in schemas}) == NUM_SCHEMAS
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=MAX_TOKENS,
+                             structured_outputs=GrammarSpec.json_schema(schema)) for i, schema in enumerate(schemas)]
+    compiled_before = engine.grammar_compilers().num_compiled
+    outputs = _run(engine, [prompt] * NUM_SCHEMAS, params)
+    for schema, out in zip(schemas, outputs, strict=True):
+        assert out.finish_reason == "stop", (schema, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+    assert engine.grammar_compilers().num_compiled - compiled_before == NUM_SCHEMAS
+
+
+def test_greedy_under_a_grammar_is_identical_with_prompt_lookup(smollm2_checkpoint, engine) -> None:  # noqa: ANN001
+    """The prompt makes the n-gram drafts continue "a b c ...", which the regex rejects at every "c"."""
+    tok = smollm2_checkpoint.tokenizer
+    prompts = [tok.encode("a b c a b c a b c a b c a b"), tok.encode("Count: 1 2 3 1 2 3 1 2 3 1 2")]
+    pattern = r"a( b| d){2,8}\."
+    spec = GrammarSpec(kind="regex", source=pattern)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=spec) for _ in prompts]
+    expected = _run(engine, prompts, params)
+    speculating = _engine(smollm2_checkpoint, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "policy": "fixed", "prompt_lookup_min": 1})
+    got = _run(speculating, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all(re.fullmatch(pattern, o.text) and o.finish_reason == "stop" for o in got), [o.text for o in got]
+    assert speculating.stats().spec_decode_num_draft_tokens > 0
