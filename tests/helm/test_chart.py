@@ -29,7 +29,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
             "decode": {"gpus": 2, "image": {"tag": "0.1.0-cuda"}}, "kvTransport": "torch"},
     "kuberay": {"rayCluster": {"kuberay": True}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
-    "everything-on": {"gateway": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
+    "everything-on": {"gateway": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"},
+                                  "ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
+                                              "tls": {"secretName": "llm-example-com-tls"}}},
                       "prefill": {"autoscaling": {"enabled": True}}, "decode": {"autoscaling": {"enabled": True}},
                       "serviceMonitor": {"enabled": True}, "modelCache": {"enabled": True},
                       "redis": {"persistence": {"enabled": True}}, "engine": ["--max-num-seqs", "64"]},
@@ -165,6 +167,18 @@ def test_only_the_gateway_service_is_exposed(rendered: dict[str, list[dict]]) ->
         for other in services.values():  # head (GCS), redis: cluster-internal
             assert other["spec"]["type"] == "ClusterIP", other["metadata"]["name"]
     assert find(rendered["everything-on"], "Service", "gateway")["spec"]["type"] == "LoadBalancer"
+
+
+def test_an_ingress_to_the_gateway_terminates_tls_only_when_asked(rendered: dict[str, list[dict]]) -> None:
+    assert of_kind(rendered["defaults"], "Ingress") == []
+    (ingress,) = of_kind(rendered["everything-on"], "Ingress")
+    spec = ingress["spec"]
+    assert spec["ingressClassName"] == "nginx"
+    assert spec["tls"] == [{"secretName": "llm-example-com-tls", "hosts": ["llm.example.com"]}]
+    (rule,) = spec["rules"]
+    assert rule["host"] == "llm.example.com"
+    backend = rule["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": f"{RELEASE}-splitserve-gateway", "port": {"name": "http"}}
 
 
 def test_the_network_policy_admits_outsiders_to_the_gateway_only(rendered: dict[str, list[dict]]) -> None:
