@@ -28,12 +28,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
 from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import CLUSTER_SECRET_ENV, ClusterAuth, sync_channel
 from tests.cluster.load import SteadyLoad, stream_greedy
 from tests.deploy.processes import ServeProcess, stop_and_check
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 TOKEN = "test-admin-token"
+CLUSTER = ClusterAuth(secret="test-cluster-secret")  # the test asks the workers for their load itself
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 KILL_PROMPT = "The lighthouse keeper climbed the stairs and"
 KILL_MAX_TOKENS = 40
@@ -55,7 +57,7 @@ def cluster(smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[str, ServePro
             "--health-check-interval", "0.5", "--health-check-timeout", "2", "--health-check-failure-threshold", "3"]
     # Every engine step paced (20 ms) so that a stream is surely still running when its worker is killed.
     serve = ServeProcess(argv, stderr_path=tmp_path_factory.mktemp("scaling") / "stderr.txt",
-                         env={FAULT_STEP_SLEEP_ENV: "0.02"})
+                         env={FAULT_STEP_SLEEP_ENV: "0.02", CLUSTER_SECRET_ENV: CLUSTER.secret})
     try:
         url = serve.wait_ready(300)
         yield url, serve
@@ -102,7 +104,7 @@ def _wait(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-un
 
 
 def _running(endpoint: str) -> int:
-    with grpc.insecure_channel(endpoint) as channel:
+    with sync_channel(endpoint, CLUSTER) as channel:
         load = serving_pb2_grpc.WorkerStub(channel).GetLoad(serving_pb2.LoadRequest(), timeout=10)
     return load.num_requests_running
 

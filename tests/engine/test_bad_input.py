@@ -86,7 +86,7 @@ BAD_PARAMS = [
     pytest.param(dict(stop_token_ids=[-1]), "stop_token_ids", id="negative-stop-id"),
     pytest.param(dict(seed=2**64), "seed", id="seed-too-large"),
     pytest.param(dict(seed=-(2**63) - 1), "seed", id="seed-too-small"),
-    pytest.param(dict(n=2), "n must be 1", id="n=2"),
+    pytest.param(dict(n=0), "n must be in", id="n=0"),
 ]
 
 
