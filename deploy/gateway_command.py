@@ -24,7 +24,7 @@ import sys
 
 from deploy.env_defaults import apply_env_defaults
 from deploy.head_command import add_ray_args
-from deploy.serve_command import add_gateway_args, gateway_options_from_args
+from deploy.serve_args import add_gateway_args, gateway_options_from_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deploy.env_defaults import apply_env_defaults
-from deploy.serve_command import add_index_args, add_pool_args, controller_config_from_args
+from deploy.serve_args import add_index_args, add_pool_args, controller_config_from_args
 from engine.engine_args import add_engine_args
 
 if TYPE_CHECKING:

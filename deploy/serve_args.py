@@ -1,0 +1,221 @@
+"""The flags of `serve`, in groups that `head` (the pools) and `gateway` (the router) share, and their validation:
+flags -> the router's options and the pools' `ControllerConfig`, with a ValueError naming any bad flag. No I/O."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+from deploy.autoscale_args import autoscaler_from_args
+from engine.engine_args import engine_config_from_args
+from kv_transfer.registry import TRANSPORTS
+from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
+from router.rate_limit import RateLimits
+from router.routing import POLICIES as ROUTING_POLICIES
+
+if TYPE_CHECKING:
+    from deploy.controller import ControllerConfig
+    from router.autoscaler import AutoscalerConfig
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # router.api_keys.API_KEY_ENV (not imported here: it pulls FastAPI in)
+
+# Conditional disaggregation's default: the decode worker prefills a prompt itself when it lacks at most this
+# many of its tokens (docs/benchmarks.md, "Conditional disaggregation", says how it was chosen).
+DEFAULT_DISAGG_PREFILL_THRESHOLD = 32
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The router's flags (`serve`, `gateway`)."""
+    p.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the router's port; 0 picks a free one")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds one request may take end to end, the gateway's queue included")
+    p.add_argument("--admission-control", action=argparse.BooleanOptionalAction, default=True,
+                   help="hold requests at the gateway while the pool is full, refuse (429) beyond the queue; "
+                        "--no-admission-control sends every request to the workers at once, as vLLM does")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests the gateway holds while the pool is full; beyond it answers 429 (default: as "
+                        "many as the pool runs at once, sum of max_num_seqs; queued KV blocks are bounded by the "
+                        "pool's KV cache too)")
+    p.add_argument("--queue-timeout", type=float, default=30.0,
+                   help="seconds a request may wait in the gateway's queue before it gets 503")
+    p.add_argument("--max-migrations", type=int, default=3,
+                   help="times one request may resume on another decode worker when its own goes away "
+                        "mid-stream (0: never; the client then gets an error event)")
+    p.add_argument("--admin-token", default=None,
+                   help="bearer token of the gateway's admin API (POST /admin/scale, GET /admin/pools; "
+                        "`splitserve scale`); default: $SPLITSERVE_ADMIN_TOKEN; neither: the admin API is off")
+    p.add_argument("--routing-policy", default="prefix-aware", choices=ROUTING_POLICIES,
+                   help="how the gateway picks workers: by cached prefix and load, by load, or in turn")
+    p.add_argument("--disagg-prefill-threshold", type=int, default=DEFAULT_DISAGG_PREFILL_THRESHOLD,
+                   help="tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled "
+                        "there, with no KV handoff (0: always disaggregate)")
+    security = p.add_argument_group("security (docs/security.md)")
+    security.add_argument("--api-key", action="append", default=None,
+                          help=f"an API key /v1/* accepts as `Authorization: Bearer <key>`; repeatable (default: "
+                               f"${API_KEY_ENV}); no key at all: /v1/* is open")
+    security.add_argument("--api-key-file", default=None,
+                          help="a file of API keys, one per line (# comments); re-read on SIGHUP")
+    security.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    security.add_argument("--rate-limit-requests-per-minute", type=float, default=None,
+                          help="per API key: requests per minute (429 with Retry-After beyond)")
+    security.add_argument("--rate-limit-tokens-per-minute", type=float, default=None,
+                          help="per API key: prompt + generated tokens per minute (429 with Retry-After beyond)")
+    security.add_argument("--ssl-keyfile", default=None, help="HTTPS at the gateway: the private key (PEM)")
+    security.add_argument("--ssl-certfile", default=None, help="HTTPS at the gateway: the certificate (PEM)")
+    security.add_argument("--ssl-ca-certs", default=None,
+                          help="HTTPS at the gateway: require client certificates signed by this CA (PEM)")
+
+
+def add_pool_args(p: argparse.ArgumentParser) -> None:
+    """The worker pools' flags (`serve`, `head`): sizes, KV transport, liveness checks."""
+    p.add_argument("--prefill-workers", type=int, default=None, help="prefill pool size (default 1)")
+    p.add_argument("--decode-workers", type=int, default=None, help="decode pool size (default 1)")
+    p.add_argument("--colocated", action="store_true", help="no disaggregation: each worker runs both phases")
+    p.add_argument("--colocated-workers", type=int, default=None, help="colocated pool size (default 1)")
+    p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV blocks go prefill→decode")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a KV handoff fails")
+    p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
+    p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
+    p.add_argument("--health-check-failure-threshold", type=int, default=3,
+                   help="failed liveness checks in a row before a worker is restarted")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a worker removed by a scale-down may take to finish its requests (it takes no new "
+                        "ones); what is left then resumes on another decode worker (0: at once)")
+    p.add_argument("--worker-host", default=None,
+                   help="the address workers bind; 0.0.0.0 makes each advertise its node's IP (default: 127.0.0.1 "
+                        "on the local cluster, 0.0.0.0 with --ray-address)")
+    # The secret every gRPC link of the cluster carries (the gateway takes the controller's: `gateway`).
+    add_cluster_auth_args(p.add_argument_group("cluster links (docs/security.md)"))
+
+
+def add_index_args(p: argparse.ArgumentParser) -> None:
+    """The prefix index's flags (`serve`, `head`)."""
+    p.add_argument("--redis-url", default=None,
+                   help="the prefix index's Redis (default: start an embedded redis-server on a free loopback port)")
+    p.add_argument("--prefix-index", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the cluster-wide prefix index in Redis and route by it; --no-prefix-index: no Redis")
+
+
+
+
+def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """ServeConfig's router fields from `add_gateway_args`' flags, validated (ValueError naming the flag)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for flag in ("request_timeout", "queue_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_migrations < 0:
+        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
+    if args.disagg_prefill_threshold < 0:
+        raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
+        raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+    api_keys = tuple(args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []))
+    rate_limits = RateLimits(requests_per_minute=args.rate_limit_requests_per_minute,
+                             tokens_per_minute=args.rate_limit_tokens_per_minute)
+    if (rate_limits.enabled or args.metrics_require_key) and not (api_keys or args.api_key_file):
+        raise ValueError("rate limits and --metrics-require-key are per API key: give --api-key or --api-key-file")
+    from router.server import GatewayTls
+
+    tls = (GatewayTls(keyfile=args.ssl_keyfile, certfile=args.ssl_certfile, ca_certs=args.ssl_ca_certs)
+           if args.ssl_keyfile is not None else None)
+    return dict(host=args.host, port=args.port, request_timeout_s=args.request_timeout,
+                admission_control=args.admission_control, max_queued_requests=args.max_queued_requests,
+                queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
+                admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
+                routing_policy=args.routing_policy, disagg_prefill_threshold_tokens=args.disagg_prefill_threshold,
+                api_keys=api_keys, api_key_file=args.api_key_file, metrics_require_key=args.metrics_require_key,
+                rate_limits=rate_limits, tls=tls)
+
+
+def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:
+    """The pools' config from `add_pool_args`' and `add_index_args`' flags and the engine flags, validated
+    (ValueError naming the flag). The prefix index's URL is left to the caller (`redis_url` is None here)."""
+    return pools_from_args(args, autoscale=False)[0]
+
+
+def pools_from_args(args: argparse.Namespace, *,
+                     autoscale: bool) -> tuple[ControllerConfig, AutoscalerConfig | None]:
+    """The pools' config, and with `autoscale` (`serve`'s autoscaling flags) the built-in autoscaler's."""
+    from deploy.controller import ControllerConfig
+
+    colocated = args.colocated or args.colocated_workers is not None
+    if colocated:
+        if args.prefill_workers is not None or args.decode_workers is not None:
+            raise ValueError("--colocated runs no prefill or decode workers: drop --prefill-workers/--decode-workers")
+        num_prefill, num_decode, num_colocated = 0, 0, 1 if args.colocated_workers is None else args.colocated_workers
+        if num_colocated < 1:
+            raise ValueError(f"--colocated-workers must be at least 1, got {num_colocated}")
+    else:
+        num_prefill = 1 if args.prefill_workers is None else args.prefill_workers
+        num_decode = 1 if args.decode_workers is None else args.decode_workers
+        num_colocated = 0
+        for flag, n in (("--prefill-workers", num_prefill), ("--decode-workers", num_decode)):
+            if n < 1:
+                raise ValueError(f"{flag} must be at least 1, got {n} (or use --colocated)")
+    for flag in ("kv_transfer_timeout", "health_check_interval", "health_check_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.health_check_failure_threshold < 1:
+        raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.redis_url is not None and not args.prefix_index:
+        raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
+    autoscaler = None
+    if autoscale:
+        autoscaler, num_prefill, num_decode = autoscaler_from_args(args, num_prefill, num_decode, colocated)
+    # Every gRPC link of this cluster carries this secret: the one given, else a fresh random one (the workers get
+    # it in their config, never on a command line).
+    auth = cluster_auth_from_args(args, os.environ, generate=True)
+
+    engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
+    if engine.kv_cache_dtype != "auto" and num_prefill + num_decode > 0:
+        raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs do not carry quantized blocks yet; "
+                         "serve it with colocated workers only (--num-prefill-workers 0 --num-decode-workers 0 "
+                         "--num-colocated-workers N)")
+    # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
+    # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
+    num_processes = num_prefill + num_decode + num_colocated
+    if autoscaler is not None:
+        num_processes = autoscaler.policy.prefill.max_workers + autoscaler.policy.decode.max_workers
+    if args.kv_transport == "inproc":
+        num_processes = 1
+    num_threads = engine.num_threads or max(1, len(os.sched_getaffinity(0)) // num_processes)
+    engine = dataclasses.replace(engine, num_threads=num_threads)
+    worker_env = {
+        "OMP_NUM_THREADS": str(num_threads),
+        "MKL_NUM_THREADS": str(num_threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        # our own settings reach the workers even when Ray runs them in an environment of its own (not the
+        # secrets: the workers need none of the gateway's, and get the cluster secret in their config)
+        **{name: value for name, value in os.environ.items()
+           if name.startswith("SPLITSERVE_") and name not in SECRET_ENVS},
+    }
+    return ControllerConfig(
+        engine=engine,
+        num_prefill_workers=num_prefill,
+        num_decode_workers=num_decode,
+        num_colocated_workers=num_colocated,
+        kv_transport=args.kv_transport,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        worker_env=worker_env,
+        health_interval_s=args.health_check_interval,
+        health_timeout_s=args.health_check_timeout,
+        num_failed_checks_to_restart=args.health_check_failure_threshold,
+        auth=auth,
+        drain_timeout_s=args.drain_timeout,
+        worker_host=args.worker_host or ("0.0.0.0" if args.ray_address else "127.0.0.1"),
+        reserve_devices=args.ray_address is not None,
+    ), autoscaler
+
+
+SECRET_ENVS = frozenset({CLUSTER_SECRET_ENV, API_KEY_ENV, "SPLITSERVE_ADMIN_TOKEN"})
