@@ -523,7 +523,10 @@ def _describe(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)
     if isinstance(exc, RayTaskError) and cause is not None:
         return f"{type(cause).__name__}: {cause}"
-    return _first_line(exc)
+    # A dead actor's message is a paragraph; its first line ("The actor died unexpectedly ...") says nothing of why,
+    # the exit type and detail lines do (out of memory, a crash, a killed process).
+    why = [line.strip() for line in str(exc).splitlines() if "exit type" in line.lower() or "exit detail" in line.lower()]
+    return "; ".join([_first_line(exc), *why])
 
 
 def _first_line(exc: BaseException) -> str:

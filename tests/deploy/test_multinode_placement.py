@@ -5,8 +5,11 @@ from this process with stub workers (real gRPC Health, no model).
     head node  {"splitserve_decode": 2}            decode-0, decode-1; never a prefill worker
     node a     {"splitserve_prefill": 1}, joins    prefill-0: the scale to 1 waited for it
 
-The test cluster runs without Ray's token authentication (RAY_AUTH_MODE=disabled in its nodes' environment):
-this process imported Ray before it could be told to send a token, and the cluster lives for one test.
+The test cluster's nodes run in the token-authentication mode this process already has. Ray fixes a process's
+mode when it is first imported or first starts a local cluster: on its own this test runs without tokens
+(RAY_AUTH_MODE=disabled in the nodes' environment); after a test that ran `ray.init()` here (which switches this
+process to token mode and saves a token under ~/.ray) the nodes run with tokens too. A mismatch kills every actor
+the moment it starts.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ from tests.deploy.stub_worker import StubWorkerFactory
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 RAY = str(Path(sys.executable).with_name("ray"))
-NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def _node_env() -> dict[str, str]:
+    """The nodes' environment: this process's, usage stats off, and this process's current auth mode."""
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
 
 
 def _free_port() -> int:
@@ -56,7 +63,7 @@ class RayNode:
                 "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
                 *args]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **NODE_ENV})
+                                     env=_node_env())
 
     def stop(self) -> list[int]:
         """Kill the node's whole session (SIGTERM, then SIGKILL after 3 s); the pids left after 15 s more."""
