@@ -48,6 +48,7 @@ from engine.serving.malloc_tuning import tune_malloc
 from engine.serving.request_gate import RequestGate
 from engine.serving.worker_config import WorkerConfig
 from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.layout import KVLayout
 from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
@@ -112,10 +113,11 @@ class WorkerRuntime:
         self.config = config
         tune_malloc()  # before the gRPC server's threads exist: they then share one arena
         engine_config = resolve_engine_config(config.engine)  # the device and dtype this worker runs with
-        if engine_config.kv_cache_dtype != "auto" and config.role != "colocated":
-            # The KV layout and the transports move blocks of the model's dtype, without scales.
-            raise ValueError(f"--kv-cache-dtype {engine_config.kv_cache_dtype}: KV handoffs do not carry quantized "
-                             "blocks yet; run colocated workers (--num-colocated-workers) or --kv-cache-dtype auto")
+        if engine_config.kv_cache_dtype not in HANDOFF_KV_CACHE_DTYPES and config.role != "colocated":
+            # The KV layout and the transports move unquantized blocks and int8 ones with their scales.
+            raise ValueError(f"--kv-cache-dtype {engine_config.kv_cache_dtype}: KV handoffs do not carry such "
+                             "blocks yet; run colocated workers (--num-colocated-workers) or --kv-cache-dtype "
+                             f"{' or '.join(HANDOFF_KV_CACHE_DTYPES)}")
         if checkpoint is None:
             checkpoint = load_engine_checkpoint(engine_config)
         self.engine = LLMEngine(engine_config, checkpoint)
@@ -139,6 +141,9 @@ class WorkerRuntime:
             head_dim=mc.head_dim,
             block_size=engine_config.block_size,
             dtype=engine_config.dtype,
+            # fp8 runs colocated only (refused above otherwise): such a worker moves no KV, its layout never travels
+            kv_cache_dtype=(engine_config.kv_cache_dtype if engine_config.kv_cache_dtype in HANDOFF_KV_CACHE_DTYPES
+                            else "auto"),
         )
         self.gate = RequestGate()
         self._started = False

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.cli import main
+from deploy.cli import build_parser, main
+from deploy.serve_args import controller_config_from_args
 from engine import SamplingParams
 from engine.attention.int8_kv import dequantize_slots, quantize_store
 from tests.engine.tiny_model import PROMPTS, TINY_ENGINE
@@ -151,11 +152,20 @@ def test_int8_runs_through_generate_and_refuses_other_backends(tiny_model_dir: P
     assert "int8 runs on the torch attention backend only, not 'cpu'" in capsys.readouterr().err
 
 
-def test_serve_refuses_int8_with_a_kv_handoff(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["serve", "--model", str(tiny_model_dir), "--kv-cache-dtype", "int8", "--no-prefix-index"])
+@pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])
+def test_serve_takes_int8_with_a_kv_handoff_and_refuses_fp8(tiny_model_dir: Path, transport: str) -> None:
+    """Every transport carries int8 blocks with their scales; none carries fp8 (validated before anything starts)."""
 
-    assert rc == 2
-    assert "KV handoffs do not carry quantized blocks yet" in capsys.readouterr().err
+    def pools(kv_cache_dtype: str) -> object:
+        return controller_config_from_args(build_parser().parse_args(
+            ["serve", "--model", str(tiny_model_dir), "--kv-cache-dtype", kv_cache_dtype, "--no-prefix-index",
+             "--kv-transport", transport]))
+
+    config = pools("int8")
+    assert config.engine.kv_cache_dtype == "int8"  # type: ignore[attr-defined]
+    assert config.num_prefill_workers == config.num_decode_workers == 1  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: KV handoffs carry auto or int8 blocks only"):
+        pools("fp8")
 
 
 @pytest.mark.slow
