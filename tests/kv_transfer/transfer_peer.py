@@ -1,7 +1,7 @@
 """The conformance suite's two ends: a recording KV sink and a deterministic block source, and a command line that
 runs either end of a transport in a separate process so that a test can kill (or freeze) it mid-transfer.
 
-    python -m tests.kv_transfer.transfer_peer receiver --transport grpc --layout 2,2,8,4,float32[,int8] [--write-delay-s S]
+    python -m tests.kv_transfer.transfer_peer receiver --transport grpc --layout 2,2,4,8,float32 [--write-delay-s S]
         prints "READY <endpoint>", then "OPENED <transfer_id>" and "WROTE <index>" as its sink sees them
     python -m tests.kv_transfer.transfer_peer sender --transport torch --layout ... --endpoint E --num-tokens N \
         --stall-at-block K
@@ -214,7 +214,7 @@ def parse_layout(text: str) -> KVLayout:
     """`num_layers,num_kv_heads,head_dim,block_size,dtype[,kv_cache_dtype]`."""
     num_layers, num_kv_heads, head_dim, block_size, dtype, *kv_cache_dtype = text.split(",")
     return KVLayout(num_layers=int(num_layers), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
-                    block_size=int(block_size), dtype=dtype, kv_cache_dtype=kv_cache_dtype[0] if kv_cache_dtype else "auto")
+                    block_size=int(block_size), dtype=dtype, kv_cache_dtype=(kv_cache_dtype or ["auto"])[0])
 
 
 def format_layout(layout: KVLayout) -> str:
