@@ -134,17 +134,7 @@ class WorkerRuntime:
             self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.advertise_host or config.host}:{port}"
-        mc = self.engine.model_config
-        self.layout = KVLayout(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_size=engine_config.block_size,
-            dtype=engine_config.dtype,
-            # fp8 runs colocated only (refused above otherwise): such a worker moves no KV, its layout never travels
-            kv_cache_dtype=(engine_config.kv_cache_dtype if engine_config.kv_cache_dtype in HANDOFF_KV_CACHE_DTYPES
-                            else "auto"),
-        )
+        self.layout = kv_layout(self.engine)
         self.gate = RequestGate()
         self._started = False
         self._stopped = False
@@ -311,6 +301,21 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> serving_pb2.AbortResponse:
         return serving_pb2.AbortResponse(found=await self.runtime.abort(request.request_id))
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    """The KV layout a worker over `engine` names in its handoffs: its blocks' shape, model dtype and KV cache dtype."""
+    mc, config = engine.model_config, engine.config
+    return KVLayout(
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=config.block_size,
+        dtype=config.dtype,
+        # fp8 runs colocated only (WorkerRuntime refuses it otherwise): such a worker moves no KV, its layout never
+        # travels
+        kv_cache_dtype=config.kv_cache_dtype if config.kv_cache_dtype in HANDOFF_KV_CACHE_DTYPES else "auto",
+    )
 
 
 def _inject_slow_steps(engine: LLMEngine, sleep_s: float) -> None:

@@ -29,7 +29,8 @@ from engine import SamplingParams
 from engine.attention.int8_kv import dequantize_slots, quantize_store
 from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from kv_transfer.base import TransferFault
-from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout
+from engine.serving.worker_runtime import kv_layout
+from kv_transfer.layout import KVChecksumError, KVHandoff
 from kv_transfer.registry import make_sender
 from prefill_worker.worker import HeldBlocks
 from tests.engine.tiny_model import PROMPTS, TINY_ENGINE, make_engine
@@ -175,14 +176,6 @@ def test_serve_takes_int8_with_a_kv_handoff_and_refuses_fp8(tiny_model_dir: Path
         pools("fp8")
 
 
-def _worker_layout(engine) -> KVLayout:
-    """The layout a worker over `engine` names (engine/serving/worker_runtime.py)."""
-    mc = engine.model_config
-    return KVLayout(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                    block_size=engine.config.block_size, dtype=engine.config.dtype,
-                    kv_cache_dtype=engine.config.kv_cache_dtype)
-
-
 def _steps_until_finished(engine, request_id: str) -> list[int]:
     while True:
         for out in engine.step():
@@ -197,8 +190,8 @@ def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint,
     token for token (the decode engine reads the very cache the colocated one would have), and every block of
     both engines comes back. A corrupted scale fails the checksum: nothing commits, every block comes back."""
     colocated, prefill, decode = (make_engine(tiny_checkpoint, kv_cache_dtype="int8") for _ in range(3))
-    layout = _worker_layout(decode)
-    assert layout.kv_cache_dtype == "int8" and layout == _worker_layout(prefill)
+    layout = kv_layout(decode)  # what a worker over the engine names in its handoffs
+    assert layout.kv_cache_dtype == "int8" and layout == kv_layout(prefill) != kv_layout(make_engine(tiny_checkpoint))
     sink = DecodeKVSink(layout, torch.device("cpu"))
     server, endpoint, receiver = serve_receiver(transport, sink)
     sender = make_sender(transport, worker_id="prefill-0", device=torch.device("cpu"))
