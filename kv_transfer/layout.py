@@ -34,8 +34,7 @@ DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What a handoff can carry, by `--kv-cache-dtype`: the model's dtype, or int8 values with float32 scales. (fp8 is
 # not carried yet: serve refuses it with a handoff.)
 KV_CACHE_DTYPES = ("auto", "int8")
-SCALE_DTYPE = "float32"
-_SCALE_SIZE = 4
+SCALE_DTYPE = "float32"  # an int8 block's scales (engine.kv_cache_dtype.SCALE_DTYPE)
 
 
 class KVTransferError(RuntimeError):
@@ -133,7 +132,7 @@ class KVLayout:
 
     @property
     def scale_bytes(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * _SCALE_SIZE if self.quantized else 0
+        return self.num_layers * 2 * self.num_kv_heads * DTYPE_SIZES[SCALE_DTYPE] if self.quantized else 0
 
     @property
     def block_bytes(self) -> int:

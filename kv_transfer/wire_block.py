@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 from kv_transfer.block_copy import copy_checked, copy_checked_parts
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import DTYPE_SIZES, SCALE_DTYPE, KVLayout
 
 
 def _scale_byte_shape(layout: KVLayout) -> tuple[int, int, int]:
     """A block's scales as bytes: [num_layers, 2, Hkv * 4]."""
     num_layers, kv, num_kv_heads = layout.scale_shape
-    return (num_layers, kv, num_kv_heads * 4)
+    return (num_layers, kv, num_kv_heads * DTYPE_SIZES[SCALE_DTYPE])
 
 
 def _check_scales(layout: KVLayout, scales: torch.Tensor | None) -> None:
