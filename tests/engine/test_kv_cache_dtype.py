@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -35,6 +36,9 @@ from kv_transfer.registry import make_sender
 from prefill_worker.worker import HeldBlocks
 from tests.engine.tiny_model import PROMPTS, TINY_ENGINE, make_engine
 from tests.kv_transfer.transfer_peer import serve_receiver
+
+if TYPE_CHECKING:
+    from deploy.controller import ControllerConfig
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -164,23 +168,24 @@ def test_int8_runs_through_generate_and_refuses_other_backends(tiny_model_dir: P
 def test_serve_takes_int8_with_a_kv_handoff_and_refuses_fp8(tiny_model_dir: Path, transport: str) -> None:
     """Every transport carries int8 blocks with their scales; none carries fp8 (validated before anything starts)."""
 
-    def pools(kv_cache_dtype: str) -> object:
+    def pools(kv_cache_dtype: str) -> ControllerConfig:
         return controller_config_from_args(build_parser().parse_args(
             ["serve", "--model", str(tiny_model_dir), "--kv-cache-dtype", kv_cache_dtype, "--no-prefix-index",
              "--kv-transport", transport]))
 
     config = pools("int8")
-    assert config.engine.kv_cache_dtype == "int8"  # type: ignore[attr-defined]
-    assert config.num_prefill_workers == config.num_decode_workers == 1  # type: ignore[attr-defined]
+    assert config.engine.kv_cache_dtype == "int8"
+    assert config.num_prefill_workers == config.num_decode_workers == 1
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8: KV handoffs carry auto or int8 blocks only"):
         pools("fp8")
 
 
-def _steps_until_finished(engine, request_id: str) -> list[int]:
-    while True:
+def _steps_until_finished(engine, request_id: str, max_steps: int = 1000) -> list[int]:
+    for _ in range(max_steps):
         for out in engine.step():
             if out.request_id == request_id and out.finished:
                 return out.token_ids
+    raise AssertionError(f"{request_id} unfinished after {max_steps} steps")
 
 
 @pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])
