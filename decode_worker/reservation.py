@@ -25,8 +25,8 @@ import threading
 
 import torch
 
-from kv_transfer.block_copy import copy_checked
 from kv_transfer.layout import KVHandoff, KVLayout, KVRefused, KVTransferError
+from kv_transfer.wire_block import write_wire_block
 
 
 class ReservationState(enum.Enum):
@@ -42,6 +42,7 @@ class Reservation:
     def __init__(
         self, request_id: str, num_tokens: int, block_ids: list[int], kv_cache: torch.Tensor, layout: KVLayout,
         *, first_block: int = 0, transfer_id: str = "", source_endpoint: str = "",
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         """`block_ids[:first_block]` are held already (this worker's prefix cache, shared with other requests):
         the handoff must skip them, and no write may touch them. `transfer_id` and `source_endpoint` ("": any)
@@ -53,6 +54,7 @@ class Reservation:
         self.block_ids = block_ids
         self.first_block = first_block
         self.kv_cache = kv_cache  # the runner's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_scales = kv_scales  # int8 only: the runner's [num_layers, 2, num_blocks, num_kv_heads] float32
         self.layout = layout
         self.state = ReservationState.RESERVED
         self.error: str | None = None
@@ -90,9 +92,12 @@ class Reservation:
                 raise KVTransferError(f"request {self.request_id}: transfer is {self.state.value}, block dropped")
             if not self.first_block <= index < len(self.block_ids):
                 raise KVTransferError(f"request {self.request_id}: block {index} is not the handoff's to write")
-            # data: [num_layers, 2, block_size, num_kv_heads, head_dim]; one strided copy across the layers that
-            # also checks the CRC. On a mismatch the reserved block holds junk until the failed handoff frees it.
-            copy_checked(self.kv_cache[:, :, self.block_ids[index]], data, crc32c)
+            # data: [num_layers, 2, block_size, num_kv_heads, head_dim] (int8: values ‖ scales as bytes); one strided
+            # copy across the layers that also checks the CRC (of the scales too). On a mismatch the reserved block
+            # holds junk until the failed handoff frees it.
+            block_id = self.block_ids[index]
+            scales = None if self.kv_scales is None else self.kv_scales[:, :, block_id]
+            write_wire_block(self.layout, self.kv_cache[:, :, block_id], scales, data, crc32c)
             self.num_bytes += data.numel() * data.element_size()
 
     def commit(self) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import autoscaler_from_args
 from engine.engine_args import engine_config_from_args
+from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.registry import TRANSPORTS
 from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
 from router.rate_limit import RateLimits
@@ -178,10 +179,12 @@ def pools_from_args(args: argparse.Namespace, *,
     auth = cluster_auth_from_args(args, os.environ, generate=True)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
-    if engine.kv_cache_dtype != "auto" and num_prefill + num_decode > 0:
-        raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs do not carry quantized blocks yet; "
-                         "serve it with colocated workers only (--num-prefill-workers 0 --num-decode-workers 0 "
-                         "--num-colocated-workers N)")
+    # Every transport (grpc, torch gloo/NCCL, inproc) carries int8 blocks with their scales
+    # (kv_transfer/wire_block.py); none carries fp8 yet.
+    if engine.kv_cache_dtype not in HANDOFF_KV_CACHE_DTYPES and num_prefill + num_decode > 0:
+        raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs carry "
+                         f"{' or '.join(HANDOFF_KV_CACHE_DTYPES)} blocks only, over every --kv-transport; serve it "
+                         "with colocated workers (--colocated) or --kv-cache-dtype int8")
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
     # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
     num_processes = num_prefill + num_decode + num_colocated

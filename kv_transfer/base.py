@@ -34,8 +34,9 @@ class KVBlockSource(Protocol):
     layout: KVLayout
 
     def read_block(self, index: int) -> torch.Tensor:
-        """Block `index` of the handoff: a tensor of `layout.block_shape` on the source's device, possibly a strided
-        view of the paged cache (transports gather it as they copy it out; it must not change while held)."""
+        """Block `index` of the handoff: a tensor of `layout.wire_shape` and `wire_dtype` on the source's device,
+        possibly a strided view of the paged cache (transports gather it as they copy it out; it must not change
+        while held). `kv_transfer.wire_block.read_wire_block` makes it from the cache's views."""
         ...
 
 
@@ -43,9 +44,10 @@ class KVDestination(Protocol):
     """Where one handoff's blocks land on the receiver: reserved blocks of its paged cache."""
 
     def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
-        """Store block `index` (a tensor of `layout.block_shape`) with `kv_transfer.block_copy.copy_checked`, which
-        verifies `data` against the sender's `crc32c` as it copies and raises KVChecksumError on a mismatch (the
-        receiver then fails the handoff, so the block's bytes are never read). None: `data` needs no check."""
+        """Store block `index` (a tensor of `layout.wire_shape`) with `kv_transfer.wire_block.write_wire_block`,
+        which verifies `data` (values and scales) against the sender's `crc32c` as it copies and raises
+        KVChecksumError on a mismatch (the receiver then fails the handoff, so the block's bytes are never read).
+        None: `data` needs no check."""
         ...
 
     def commit(self) -> None:
@@ -112,16 +114,17 @@ class TransferFault:
     """Test hook: make a sender misbehave on purpose (the conformance suite's corrupted-block case)."""
 
     corrupt_block: int | None = None  # flip a byte of this block after its checksum is taken
+    corrupt_byte: int = 0  # which byte of its wire bytes; negative counts from the end (-1: an int8 block's scale)
     stop_after_blocks: int | None = None  # die (raise, drop the connection) after sending this many blocks
 
     def apply(self, index: int, block: torch.Tensor) -> torch.Tensor:
-        """Block `index` as the faulty sender puts it on the wire: a copy with its first byte flipped when it is
-        `corrupt_block`, else `block` itself. Call it after the checksum is taken."""
+        """Block `index` as the faulty sender puts it on the wire: a copy with byte `corrupt_byte` flipped when it
+        is `corrupt_block`, else `block` itself. Call it after the checksum is taken."""
         if index != self.corrupt_block:
             return block
         corrupted = block.clone()
-        first = corrupted.view(-1).view(torch.uint8)[:1]  # a view: writing it writes the copy
-        first.bitwise_xor_(0xFF)
+        flat = corrupted.view(-1).view(torch.uint8)
+        flat.narrow(0, self.corrupt_byte % flat.numel(), 1).bitwise_xor_(0xFF)  # a view: writing it writes the copy
         return corrupted
 
 

@@ -8,6 +8,7 @@ loads the copy makes.
     frame(head, block, tail)       sender:   head ‖ the block's bytes ‖ tail ‖ CRC-32C (4 bytes, little-endian),
                                              as one `bytes`; `block` may be a strided view of the paged cache
     copy_checked(dst, src, crc)    receiver: dst ← src, then KVChecksumError unless CRC-32C(src) == crc
+    copy_checked_parts(pairs, crc) receiver: the same over several (dst, src) pairs, one CRC over the srcs in order
     gather(block)                  sender, tensor transports: a contiguous copy of `block` and its CRC-32C
 
 The native path (C++, x86-64): the SSE4.2 CRC32 instruction on three interleaved lanes of the block (one lane
@@ -25,6 +26,7 @@ bad block is never decoded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from types import ModuleType
 
@@ -323,5 +325,29 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, crc32c: int | None, *, na
         computed = tensor_checksum(src.contiguous())
         if computed == crc32c:
             dst.copy_(src)
+    if computed != crc32c:
+        raise KVChecksumError(f"CRC-32C {computed:#010x} where the sender's was {crc32c:#010x}")
+
+
+def copy_checked_parts(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], crc32c: int | None, *,
+                       native: bool = True) -> None:
+    """`copy_checked` over several (dst, src) pairs whose sources, in order, are one block's bytes (an int8 block's
+    values, then its scales): one CRC-32C covers them all. Fused (every pair on the CPU, of one dtype and shape),
+    the check comes after the writes; otherwise before them."""
+    if crc32c is None:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    ops = native_ops() if native else None
+    computed = 0
+    if ops is not None and all(_both_on_cpu(d, s) and d.dtype == s.dtype and d.shape == s.shape for d, s in pairs):
+        for dst, src in pairs:
+            computed = ops.copy_crc32c(dst, src, computed)
+    else:
+        for _, src in pairs:
+            computed = block_checksum(block_bytes(src.contiguous()), computed)
+        if computed == crc32c:
+            for dst, src in pairs:
+                dst.copy_(src)
     if computed != crc32c:
         raise KVChecksumError(f"CRC-32C {computed:#010x} where the sender's was {crc32c:#010x}")

@@ -302,11 +302,12 @@ class Receiver(KVReceiver):
         chunk is checked and written straight from the message; a split one is assembled in one reused buffer."""
         layout = handoff.layout
         block_nbytes = layout.block_bytes
-        dtype = getattr(torch, layout.dtype)
+        dtype = getattr(torch, layout.wire_dtype)
         buffer = bytearray(block_nbytes)
         view = memoryview(buffer)
-        # [num_layers, 2, block_size, num_kv_heads, head_dim], sharing `buffer`: write_block copies it out
-        assembled = torch.frombuffer(buffer, dtype=dtype).view(layout.block_shape)
+        # layout.wire_shape ([num_layers, 2, block_size, num_kv_heads, head_dim], or an int8 block's bytes),
+        # sharing `buffer`: write_block copies it out
+        assembled = torch.frombuffer(buffer, dtype=dtype).view(layout.wire_shape)
         index, filled = handoff.first_block, 0
         for msg in messages:
             if isinstance(msg, Malformed):
@@ -335,7 +336,7 @@ class Receiver(KVReceiver):
                 raise KVRefused(f"handoff {handoff.transfer_id}: block {index} came without its CRC-32C",
                                 reason="malformed")
             if filled == 0:  # the whole block in one chunk: copied straight out of the message
-                block = torch.frombuffer(msg.data, dtype=dtype).view(layout.block_shape)
+                block = torch.frombuffer(msg.data, dtype=dtype).view(layout.wire_shape)
             else:
                 view[filled:end] = msg.data
                 block = assembled
@@ -429,10 +430,10 @@ class Sender(KVSender):
 
 
 def _chunk_pieces(block: torch.Tensor, num_bytes: int, chunk_bytes: int) -> list[torch.Tensor]:
-    """`block` ([num_layers, ...], possibly a strided view of the paged cache) cut into pieces of at most
-    `chunk_bytes` whose bytes, in order, are the block's: whole, when it fits in one chunk; else runs of whole
-    layers (views, each gathered as it is framed, so the block is read once); else, when one layer alone is over a
-    chunk, byte ranges of one contiguous copy."""
+    """`block` ([num_layers, ...], possibly a strided view of the paged cache; or an int8 block's bytes, where a
+    "layer" is a byte) cut into pieces of at most `chunk_bytes` whose bytes, in order, are the block's: whole, when
+    it fits in one chunk; else runs of whole layers (views, each gathered as it is framed, so the block is read
+    once); else, when one layer alone is over a chunk, byte ranges of one contiguous copy."""
     if num_bytes <= chunk_bytes:
         return [block]
     layer_bytes = num_bytes // block.shape[0]

@@ -55,10 +55,10 @@ class _Incoming:
             raise KVTransferError(
                 f"handoff {self.handoff.transfer_id}: block {index} arrived, block {self.next_index} expected"
             )
-        if tuple(block.shape) != self.handoff.layout.block_shape:
+        if tuple(block.shape) != self.handoff.layout.wire_shape:
             raise KVTransferError(
                 f"handoff {self.handoff.transfer_id}: block {index} has shape {tuple(block.shape)}, "
-                f"expected {self.handoff.layout.block_shape}"
+                f"expected {self.handoff.layout.wire_shape}"
             )
         write_verified(self.dest, self.handoff, index, block, crc32c)  # verified as it is copied
         self.next_index += 1

@@ -2,12 +2,20 @@
 
 No torch: the router and the control plane may import this.
 
-One block on the wire is a C-contiguous array of `dtype`:
+One block on the wire is its values, then (a quantized cache only) their scales, each C-contiguous:
 
-    [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+    values  [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]   of `dtype` (kv_cache_dtype auto)
+                                                                          or int8    (kv_cache_dtype int8)
+    scales  [num_layers, 2 (K, V), num_kv_heads]                          float32    (int8 only)
+
+An unquantized block travels as one tensor of the values' shape and dtype; an int8 block as one uint8 tensor of
+`block_bytes` (the values' bytes, then the scales'; `wire_shape`, `wire_dtype`), so that every transport moves
+and checksums it as it moves any block: the CRC-32C covers the scales with the values. The bytes equal
+`engine.kv_cache_dtype.kv_block_bytes` (about a quarter of float32's for int8).
 
 A handoff carries `num_blocks = ceil(num_tokens / block_size)` such blocks, in block-table order. The last block
-may be partly filled; its tail bytes are whatever the sender's cache held and the receiver never reads them.
+may be partly filled; its tail bytes are whatever the sender's cache held and the receiver never reads them (an
+int8 block's scales are whole: they cover the tokens written so far).
 """
 
 from __future__ import annotations
@@ -23,6 +31,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What a handoff can carry, by `--kv-cache-dtype`: the model's dtype, or int8 values with float32 scales. (fp8 is
+# not carried yet: serve refuses it with a handoff.)
+KV_CACHE_DTYPES = ("auto", "int8")
+SCALE_DTYPE = "float32"  # an int8 block's scales (engine.kv_cache_dtype.SCALE_DTYPE)
 
 
 class KVTransferError(RuntimeError):
@@ -82,11 +94,15 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str
+    dtype: str  # the model's: what an unquantized cache holds, and what an int8 one's values were computed in
+    kv_cache_dtype: str = "auto"  # peers of different `--kv-cache-dtype` never exchange blocks
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"KV dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"a KV handoff carries kv_cache_dtype {' or '.join(KV_CACHE_DTYPES)}, "
+                             f"not {self.kv_cache_dtype!r}")
         for f in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"KVLayout.{f} must be positive, got {getattr(self, f)}")
@@ -96,8 +112,42 @@ class KVLayout:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def quantized(self) -> bool:
+        """Whether a block carries scales after its values (int8)."""
+        return self.kv_cache_dtype == "int8"
+
+    @property
+    def value_dtype(self) -> str:
+        return "int8" if self.quantized else self.dtype
+
+    @property
+    def scale_shape(self) -> tuple[int, int, int]:
+        """[num_layers, 2 (K, V), num_kv_heads] float32: one block's scales (int8 only)."""
+        return (self.num_layers, 2, self.num_kv_heads)
+
+    @property
+    def value_bytes(self) -> int:
+        element_size = 1 if self.quantized else DTYPE_SIZES[self.dtype]
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * DTYPE_SIZES[SCALE_DTYPE] if self.quantized else 0
+
+    @property
     def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+        """One block's bytes on the wire, scales included."""
+        return self.value_bytes + self.scale_bytes
+
+    @property
+    def wire_dtype(self) -> str:
+        """The dtype of a block's tensor as transports move it: the values' own, or bytes (uint8) for int8."""
+        return "uint8" if self.quantized else self.value_dtype
+
+    @property
+    def wire_shape(self) -> tuple[int, ...]:
+        """The shape of a block's tensor as transports move it: `block_shape`, or (`block_bytes`,) for int8."""
+        return (self.block_bytes,) if self.quantized else self.block_shape
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise KVLayoutMismatch naming every field that differs (self is ours, other the peer's)."""
@@ -116,6 +166,7 @@ class KVLayout:
             head_dim=self.head_dim,
             block_size=self.block_size,
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     @classmethod
@@ -127,6 +178,7 @@ class KVLayout:
                 head_dim=msg.head_dim,
                 block_size=msg.block_size,
                 dtype=msg.dtype,
+                kv_cache_dtype=msg.kv_cache_dtype or "auto",  # unset: a peer from before quantized handoffs
             )
         except ValueError as exc:
             raise KVLayoutMismatch(f"peer sent an invalid KV layout: {exc}") from None

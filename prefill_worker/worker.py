@@ -34,6 +34,7 @@ from engine.serving.worker_runtime import RuntimeWorker, WorkerRuntime, WorkerSe
 from kv_transfer.base import TransferResult
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_sender
+from kv_transfer.wire_block import read_wire_block
 from protos import serving_pb2, serving_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,20 @@ FAULT_KV_CUTS_ENV = "SPLITSERVE_FAULT_KV_CUTS"
 class HeldBlocks:
     """A KVBlockSource over a prefilled request's held blocks (read-only while held)."""
 
-    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], layout: KVLayout) -> None:
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], layout: KVLayout,
+                 kv_scales: torch.Tensor | None = None) -> None:
         self.kv_cache = kv_cache  # the runner's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_scales = kv_scales  # int8 only: the runner's [num_layers, 2, num_blocks, num_kv_heads] float32
         self.block_ids = block_ids
         self.layout = layout
 
     def read_block(self, index: int) -> torch.Tensor:
         # [num_layers, 2, block_size, num_kv_heads, head_dim]: a strided view across the layers, gathered by the
-        # transport as it copies the block out (the gRPC sender in the same pass that checksums and frames it)
-        return self.kv_cache[:, :, self.block_ids[index]]
+        # transport as it copies the block out (the gRPC sender in the same pass that checksums and frames it);
+        # an int8 block: its values and scales packed into one byte tensor (kv_transfer/wire_block.py)
+        block_id = self.block_ids[index]
+        scales = None if self.kv_scales is None else self.kv_scales[:, :, block_id]
+        return read_wire_block(self.layout, self.kv_cache[:, :, block_id], scales)
 
 
 class CutHalfWay:
@@ -176,7 +182,8 @@ class PrefillWorker(RuntimeWorker):
             transport=self.config.kv_transport,
             first_block=request.decode_cached_blocks,  # the decode worker holds these already
         )
-        source = HeldBlocks(runtime.engine.runner.kv_cache, block_ids, layout)
+        runner = runtime.engine.runner
+        source = HeldBlocks(runner.kv_cache, block_ids, layout, runner.kv_scales)
         if len(handoff.block_indices) >= 2 and self._take_cut():
             source = CutHalfWay(source, handoff)
         result = self.sender.send(

@@ -48,6 +48,7 @@ from engine.serving.malloc_tuning import tune_malloc
 from engine.serving.request_gate import RequestGate
 from engine.serving.worker_config import WorkerConfig
 from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.layout import KVLayout
 from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
@@ -112,10 +113,11 @@ class WorkerRuntime:
         self.config = config
         tune_malloc()  # before the gRPC server's threads exist: they then share one arena
         engine_config = resolve_engine_config(config.engine)  # the device and dtype this worker runs with
-        if engine_config.kv_cache_dtype != "auto" and config.role != "colocated":
-            # The KV layout and the transports move blocks of the model's dtype, without scales.
-            raise ValueError(f"--kv-cache-dtype {engine_config.kv_cache_dtype}: KV handoffs do not carry quantized "
-                             "blocks yet; run colocated workers (--num-colocated-workers) or --kv-cache-dtype auto")
+        if engine_config.kv_cache_dtype not in HANDOFF_KV_CACHE_DTYPES and config.role != "colocated":
+            # The KV layout and the transports move unquantized blocks and int8 ones with their scales.
+            raise ValueError(f"--kv-cache-dtype {engine_config.kv_cache_dtype}: KV handoffs do not carry such "
+                             "blocks yet; run colocated workers (--num-colocated-workers) or --kv-cache-dtype "
+                             f"{' or '.join(HANDOFF_KV_CACHE_DTYPES)}")
         if checkpoint is None:
             checkpoint = load_engine_checkpoint(engine_config)
         self.engine = LLMEngine(engine_config, checkpoint)
@@ -132,14 +134,7 @@ class WorkerRuntime:
             self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.advertise_host or config.host}:{port}"
-        mc = self.engine.model_config
-        self.layout = KVLayout(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_size=engine_config.block_size,
-            dtype=engine_config.dtype,
-        )
+        self.layout = kv_layout(self.engine)
         self.gate = RequestGate()
         self._started = False
         self._stopped = False
@@ -306,6 +301,21 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> serving_pb2.AbortResponse:
         return serving_pb2.AbortResponse(found=await self.runtime.abort(request.request_id))
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    """The KV layout a worker over `engine` names in its handoffs: its blocks' shape, model dtype and KV cache dtype."""
+    mc, config = engine.model_config, engine.config
+    return KVLayout(
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=config.block_size,
+        dtype=config.dtype,
+        # fp8 runs colocated only (WorkerRuntime refuses it otherwise): such a worker moves no KV, its layout never
+        # travels
+        kv_cache_dtype=config.kv_cache_dtype if config.kv_cache_dtype in HANDOFF_KV_CACHE_DTYPES else "auto",
+    )
 
 
 def _inject_slow_steps(engine: LLMEngine, sleep_s: float) -> None:

@@ -17,15 +17,28 @@ at SmolLM2's 1024): at least 3.5x the blocks in the same --kv-cache-memory.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from deploy.cli import main
+from deploy.cli import build_parser, main
+from deploy.serve_args import controller_config_from_args
 from engine import SamplingParams
 from engine.attention.int8_kv import dequantize_slots, quantize_store
-from tests.engine.tiny_model import PROMPTS, TINY_ENGINE
+from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
+from kv_transfer.base import TransferFault
+from engine.serving.worker_runtime import kv_layout
+from kv_transfer.layout import KVChecksumError, KVHandoff
+from kv_transfer.registry import make_sender
+from prefill_worker.worker import HeldBlocks
+from tests.engine.tiny_model import PROMPTS, TINY_ENGINE, make_engine
+from tests.kv_transfer.transfer_peer import serve_receiver
+
+if TYPE_CHECKING:
+    from deploy.controller import ControllerConfig
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -151,11 +164,88 @@ def test_int8_runs_through_generate_and_refuses_other_backends(tiny_model_dir: P
     assert "int8 runs on the torch attention backend only, not 'cpu'" in capsys.readouterr().err
 
 
-def test_serve_refuses_int8_with_a_kv_handoff(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["serve", "--model", str(tiny_model_dir), "--kv-cache-dtype", "int8", "--no-prefix-index"])
+@pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])
+def test_serve_takes_int8_with_a_kv_handoff_and_refuses_fp8(tiny_model_dir: Path, transport: str) -> None:
+    """Every transport carries int8 blocks with their scales; none carries fp8 (validated before anything starts)."""
 
-    assert rc == 2
-    assert "KV handoffs do not carry quantized blocks yet" in capsys.readouterr().err
+    def pools(kv_cache_dtype: str) -> ControllerConfig:
+        return controller_config_from_args(build_parser().parse_args(
+            ["serve", "--model", str(tiny_model_dir), "--kv-cache-dtype", kv_cache_dtype, "--no-prefix-index",
+             "--kv-transport", transport]))
+
+    config = pools("int8")
+    assert config.engine.kv_cache_dtype == "int8"
+    assert config.num_prefill_workers == config.num_decode_workers == 1
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: KV handoffs carry auto or int8 blocks only"):
+        pools("fp8")
+
+
+def _steps_until_finished(engine, request_id: str, max_steps: int = 1000) -> list[int]:
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out.token_ids
+    raise AssertionError(f"{request_id} unfinished after {max_steps} steps")
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])
+def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint, transport: str) -> None:
+    """An int8 prefill engine hands its quantized blocks (values and scales, through the workers' own source and
+    reservation over a real transport) to an int8 decode engine: greedy tokens equal the colocated int8 engine's
+    token for token (the decode engine reads the very cache the colocated one would have), and every block of
+    both engines comes back. A corrupted scale fails the checksum: nothing commits, every block comes back."""
+    colocated, prefill, decode = (make_engine(tiny_checkpoint, kv_cache_dtype="int8") for _ in range(3))
+    layout = kv_layout(decode)  # what a worker over the engine names in its handoffs
+    assert layout.kv_cache_dtype == "int8" and layout == kv_layout(prefill) != kv_layout(make_engine(tiny_checkpoint))
+    sink = DecodeKVSink(layout, torch.device("cpu"))
+    server, endpoint, receiver = serve_receiver(transport, sink)
+    sender = make_sender(transport, worker_id="prefill-0", device=torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def hand_off(request_id: str, prompt: str, *, corrupt_scale: bool = False) -> tuple[Reservation, int]:
+        prefill.enqueue(prefill.make_request(request_id, prompt, params, remote_decode=True))
+        first = _steps_until_finished(prefill, request_id)
+        request = decode.make_request(request_id, prompt, params)
+        reserved = decode.reserve_remote(request)
+        assert reserved is not None
+        reservation = Reservation(request_id, request.num_prompt_tokens, reserved.block_ids, decode.runner.kv_cache,
+                                  layout, first_block=reserved.num_held_blocks, kv_scales=decode.runner.kv_scales)
+        sink.add(reservation)
+        handoff = KVHandoff(request_id=request_id, transfer_id=uuid.uuid4().hex, num_tokens=request.num_prompt_tokens,
+                            layout=layout, first_block=reserved.num_held_blocks)
+        source = HeldBlocks(prefill.runner.kv_cache, prefill.held_block_ids(request_id), layout,
+                            prefill.runner.kv_scales)
+        # corrupt_byte -1: the last byte of the block, a scale's (its values travel intact)
+        fault = TransferFault(corrupt_block=handoff.block_indices[-1] if corrupt_scale else None, corrupt_byte=-1)
+        sender.fault = fault  # type: ignore[attr-defined]
+        try:
+            result = sender.send(handoff, source, endpoint=endpoint, timeout_s=30)
+            assert result.num_bytes == len(handoff.block_indices) * layout.block_bytes
+        finally:
+            prefill.release_held(request_id)
+            sink.remove(request_id)
+        return reservation, first[0]
+
+    try:
+        prompt = PROMPTS[1]  # 10 tokens: 2 full blocks of 4, and a partly filled one that decode goes on filling
+        colocated.add_request("r", prompt, params)
+        expected = _steps_until_finished(colocated, "r")
+
+        reservation, first_token = hand_off("r", prompt)
+        assert reservation.state is ReservationState.COMMITTED
+        decode.commit_remote("r", first_token, None)
+        assert _steps_until_finished(decode, "r") == expected
+
+        with pytest.raises(KVChecksumError):
+            hand_off("bad", PROMPTS[3], corrupt_scale=True)
+        assert reservation.state is ReservationState.COMMITTED  # the earlier one, untouched
+        decode.abort_request(["bad"])  # what the decode worker does with a failed reservation
+    finally:
+        sender.close()
+        receiver.close()
+        server.stop(grace=None)
+    for engine in (colocated, prefill, decode):
+        assert engine.block_pool.num_used_blocks == 0
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kv_transfer.base import block_bytes
-from kv_transfer.block_copy import native_ops, copy_checked, frame, gather
+from kv_transfer.block_copy import native_ops, copy_checked, copy_checked_parts, frame, gather
 from kv_transfer.layout import KVChecksumError
 
 # the fallback always; the native path where it builds (x86-64 with a compiler, the kill switch unset)
@@ -88,6 +88,27 @@ def test_copy_checked_raises_on_a_mismatch(native: bool) -> None:
     cache = torch.zeros_like(_paged_cache())
     with pytest.raises(KVChecksumError, match=f"{good:#010x}"):
         copy_checked(cache[:, :, 1], corrupted, good, native=native)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_copy_checked_parts_takes_one_checksum_over_every_part_in_order(native: bool) -> None:
+    """An int8 block's values and scales: two strided destinations, one CRC-32C over the sources' bytes."""
+    values = torch.randint(0, 256, (3, 2, 16, 2, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    scales = torch.arange(3 * 2 * 8, dtype=torch.uint8).view(3, 2, 8)
+    good = crc32c.crc32c(_raw(values) + _raw(scales))
+    cache_values = torch.zeros((3, 2, 5, 16, 2, 8), dtype=torch.uint8)
+    cache_scales = torch.zeros((3, 2, 5, 8), dtype=torch.uint8)
+    copy_checked_parts([(cache_values[:, :, 3], values), (cache_scales[:, :, 3], scales)], good, native=native)
+    assert torch.equal(cache_values[:, :, 3], values) and torch.equal(cache_scales[:, :, 3], scales)
+    assert not cache_scales[:, :, :3].any() and not cache_scales[:, :, 4:].any()
+
+    swapped = crc32c.crc32c(_raw(scales) + _raw(values))  # order matters: values, then scales
+    with pytest.raises(KVChecksumError, match=f"{swapped:#010x}"):
+        copy_checked_parts([(cache_values[:, :, 1], values), (cache_scales[:, :, 1], scales)], swapped, native=native)
+    bad_scales = scales.clone()
+    bad_scales[2, 1, 7] ^= 0x80
+    with pytest.raises(KVChecksumError):
+        copy_checked_parts([(cache_values[:, :, 1], values), (cache_scales[:, :, 1], bad_scales)], good, native=native)
 
 
 def test_copy_checked_without_a_checksum_is_a_plain_copy() -> None:

@@ -17,6 +17,8 @@ from kv_transfer.layout import (
 from protos import kv_transfer_pb2
 
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+SMOLLM2_INT8 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
+                        kv_cache_dtype="int8")
 
 
 def test_block_shape_and_bytes() -> None:
@@ -24,6 +26,40 @@ def test_block_shape_and_bytes() -> None:
     assert SMOLLM2.block_bytes == 30 * 2 * 16 * 3 * 64 * 4 == 737_280
     half = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
     assert half.block_bytes == SMOLLM2.block_bytes // 2
+
+
+def test_int8_block_is_its_values_then_its_scales_as_bytes() -> None:
+    assert SMOLLM2_INT8.value_dtype == "int8" and SMOLLM2_INT8.quantized and not SMOLLM2.quantized
+    assert SMOLLM2_INT8.block_shape == SMOLLM2.block_shape and SMOLLM2_INT8.scale_shape == (30, 2, 3)
+    assert SMOLLM2_INT8.value_bytes == 30 * 2 * 16 * 3 * 64 and SMOLLM2_INT8.scale_bytes == 30 * 2 * 3 * 4
+    assert SMOLLM2_INT8.block_bytes == 184_320 + 720
+    assert (SMOLLM2_INT8.wire_dtype, SMOLLM2_INT8.wire_shape) == ("uint8", (185_040,))
+    assert (SMOLLM2.wire_dtype, SMOLLM2.wire_shape) == ("float32", SMOLLM2.block_shape)
+    assert SMOLLM2.scale_bytes == 0 and SMOLLM2.value_bytes == SMOLLM2.block_bytes
+
+
+def test_layout_bytes_are_what_the_engine_cache_costs_per_block() -> None:
+    from engine.kv_cache_dtype import kv_block_bytes  # torch: only this test needs the engine
+    from engine.loader.dummy_weights import dummy_model_config
+    import torch
+
+    model = dummy_model_config("smollm2-135m")
+    for layout in (SMOLLM2, SMOLLM2_INT8):
+        assert layout.block_bytes == kv_block_bytes(model, 16, torch.float32, layout.kv_cache_dtype)
+
+
+def test_kv_cache_dtype_travels_in_the_descriptor_and_a_mismatch_names_it() -> None:
+    wire = kv_transfer_pb2.KVLayout.FromString(SMOLLM2_INT8.to_proto().SerializeToString())
+    assert wire.kv_cache_dtype == "int8" and KVLayout.from_proto(wire) == SMOLLM2_INT8
+    wire.kv_cache_dtype = ""  # a peer from before quantized handoffs: unquantized
+    assert KVLayout.from_proto(wire) == SMOLLM2
+    with pytest.raises(KVLayoutMismatch, match="kv_cache_dtype: ours 'int8', peer's 'auto'"):
+        SMOLLM2_INT8.check_compatible(SMOLLM2)
+    wire.kv_cache_dtype = "fp8"  # not carried by any transport
+    with pytest.raises(KVLayoutMismatch, match="invalid KV layout.*fp8"):
+        KVLayout.from_proto(wire)
+    with pytest.raises(ValueError, match="not 'fp8'"):
+        KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="float32", kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize(("num_tokens", "num_blocks"), [(1, 1), (16, 1), (17, 2), (1000, 63)])

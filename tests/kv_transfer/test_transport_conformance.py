@@ -24,6 +24,8 @@ import pytest
 import torch
 from _pytest.mark import ParameterSet
 
+from engine.kv_cache_dtype import kv_block_bytes
+from engine.loader.dummy_weights import dummy_model_config
 from kv_transfer.base import KVSender, TransferFault
 from kv_transfer.layout import KVChecksumError, KVLayout, KVLayoutMismatch, KVTransferError
 from kv_transfer.registry import make_sender
@@ -46,6 +48,11 @@ SMOLLM2_B32 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32
 # Over the gRPC transport's 3 MiB chunk: a block sent as runs of whole layers, and one whose layers are each too big
 SPLIT_BY_LAYERS = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=1100, dtype="float32")  # 4.3 MiB
 SPLIT_BY_BYTES = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=1600, dtype="float32")  # 6.25 MiB
+# --kv-cache-dtype int8: int8 values and a float32 scale per layer, K/V and KV head; one block = values ‖ scales
+INT8 = dataclasses.replace(SMALL, kv_cache_dtype="int8")  # 256 + 32 bytes
+INT8_SMOLLM2 = dataclasses.replace(SMOLLM2, kv_cache_dtype="int8")  # 180 KiB + 720 bytes: 0.251x of float32's
+INT8_SPLIT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=6200, dtype="float32",
+                      kv_cache_dtype="int8")  # 6.1 MiB: over the gRPC chunk, split by bytes (the scales in the last)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -441,3 +448,96 @@ def test_receiver_dying_mid_transfer_raises_on_the_sender(wire_case: Case, peers
         receiver.close()
         thread.join(timeout=10)
         sender.close()
+
+
+# ── quantized blocks (--kv-cache-dtype int8) ─────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("layout", "num_tokens"),
+    [
+        pytest.param(INT8, 4 * 3 + 1, id="small-partial-last"),
+        pytest.param(INT8_SMOLLM2, 187, id="smollm2-2.2MB"),
+        pytest.param(INT8_SPLIT, 6200 + 7, id="12MB-split"),
+    ],
+)
+def test_quantized_round_trip_carries_values_and_scales_bit_exact(make_harness, layout: KVLayout,
+                                                                  num_tokens: int) -> None:
+    """An int8 block's values and scales land bit for bit, in the bytes the engine's cache costs per block."""
+    handoff = make_handoff(layout, num_tokens)
+    harness = make_harness(layout, num_cache_blocks=handoff.num_blocks + 2)
+    source = harness.source(handoff.num_blocks)
+
+    result = harness.sender().send(handoff, source, endpoint=harness.endpoint, timeout_s=60)
+
+    dest = harness.sink.only()
+    assert dest.outcome == "committed" and dest.written == list(range(handoff.num_blocks))
+    assert source.scales is not None
+    assert torch.equal(dest.blocks().cpu(), source.blocks.cpu())
+    assert torch.equal(dest.block_scales().cpu().view(torch.int32), source.scales.cpu().view(torch.int32))
+    assert harness.sink.num_used == handoff.num_blocks  # held by the committed handoff, no more
+    assert result.num_bytes == handoff.num_bytes == handoff.num_blocks * layout.block_bytes
+
+
+def test_quantized_handoff_moves_about_a_quarter_of_float32s_bytes(make_harness) -> None:
+    """At SmolLM2-135M's shape, an int8 handoff moves the engine's int8 block bytes (scales included): 0.251x of
+    float32's."""
+    model = dummy_model_config("smollm2-135m")
+    assert (INT8_SMOLLM2.num_layers, INT8_SMOLLM2.num_kv_heads, INT8_SMOLLM2.head_dim) == (
+        model.num_layers, model.num_kv_heads, model.head_dim)
+    results = {}
+    for layout in (SMOLLM2, INT8_SMOLLM2):
+        handoff = make_handoff(layout, 16 * 4)
+        harness = make_harness(layout, num_cache_blocks=handoff.num_blocks)
+        results[layout.kv_cache_dtype] = harness.sender().send(
+            handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=30).num_bytes
+        assert harness.sink.only().outcome == "committed"
+
+    assert results["int8"] == 4 * kv_block_bytes(model, 16, torch.float32, "int8") == 4 * (184_320 + 720)
+    assert results["auto"] == 4 * kv_block_bytes(model, 16, torch.float32, "auto")
+    assert 0.25 < results["int8"] / results["auto"] < 0.26
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [(INT8, SMALL), (SMALL, INT8)],
+                         ids=["int8-receiver-float32-sender", "float32-receiver-int8-sender"])
+def test_kv_cache_dtype_mismatch_is_refused_before_any_byte(make_harness, ours: KVLayout, theirs: KVLayout) -> None:
+    harness = make_harness(ours)
+    handoff = make_handoff(theirs, 9)
+
+    with pytest.raises(KVLayoutMismatch, match=f"kv_cache_dtype: ours '{ours.kv_cache_dtype}', "
+                                               f"peer's '{theirs.kv_cache_dtype}'"):
+        harness.sender().send(handoff, harness.source(handoff.num_blocks, layout=theirs),
+                              endpoint=harness.endpoint, timeout_s=10)
+
+    assert harness.sink.open_calls == 0 and not harness.sink.destinations and harness.sink.num_used == 0
+    assert not harness.sink.cache.any()
+    assert harness.sink.scales is None or not harness.sink.scales.any()
+
+
+def test_corrupted_scale_byte_fails_the_checksum_and_frees_every_block(make_harness) -> None:
+    harness = make_harness(INT8)
+    handoff = make_handoff(INT8, 4 * 4)
+    fault = TransferFault(corrupt_block=1, corrupt_byte=-1)  # the last scale's top byte: the values are intact
+    assert INT8.block_bytes + fault.corrupt_byte >= INT8.value_bytes
+
+    with pytest.raises(KVChecksumError, match="block 1"):
+        harness.sender(fault).send(handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint,
+                                   timeout_s=10)
+
+    dest = harness.sink.only()
+    assert dest.outcome == "failed" and "CRC" in dest.fail_reasons[0]
+    assert 1 not in dest.written and 2 not in dest.written
+    assert harness.sink.num_used == 0
+
+
+def test_quantized_sender_stopping_mid_transfer_frees_every_block(make_harness) -> None:
+    harness = make_harness(INT8)
+    handoff = make_handoff(INT8, 4 * 6)
+
+    with pytest.raises(KVTransferError, match="stopped after 2 blocks"):
+        harness.sender(TransferFault(stop_after_blocks=2)).send(
+            handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=10)
+
+    assert _wait_settled(harness.sink, 10) < 10
+    assert harness.sink.only().outcome == "failed"
+    assert harness.sink.num_used == 0

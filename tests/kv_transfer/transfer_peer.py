@@ -23,10 +23,10 @@ import grpc
 import torch
 
 from kv_transfer.base import KVDestination
-from kv_transfer.block_copy import copy_checked
 from kv_transfer.grpc_transport import READ_AHEAD_THREAD
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_receiver, make_sender
+from kv_transfer.wire_block import read_wire_block, write_wire_block
 
 
 class RecordingDestination:
@@ -43,9 +43,12 @@ class RecordingDestination:
         self.settled_at_s: float | None = None
 
     def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
-        assert tuple(data.shape) == self.handoff.layout.block_shape, data.shape
+        assert tuple(data.shape) == self.handoff.layout.wire_shape, data.shape
         assert not self.settled.is_set(), "write after commit or fail"
-        copy_checked(self.sink.cache[self.slots[index]], data, crc32c)  # raises before recording a bad block
+        slot = self.slots[index]
+        scales = None if self.sink.scales is None else self.sink.scales[slot]
+        # as the decode worker writes it; raises before recording a bad block
+        write_wire_block(self.sink.layout, self.sink.cache[slot], scales, data, crc32c)
         self.written.append(index)
         self.sink.on_write(self, index)
 
@@ -73,8 +76,13 @@ class RecordingDestination:
         return None if not self.settled.is_set() else "both"
 
     def blocks(self) -> torch.Tensor:
-        """[num_blocks, *block_shape]: what landed in this handoff's cache slots."""
+        """[num_blocks, *block_shape]: the values that landed in this handoff's cache slots."""
         return self.sink.cache[self.slots]
+
+    def block_scales(self) -> torch.Tensor:
+        """[num_blocks, num_layers, 2, num_kv_heads]: the scales that landed there (int8 layouts)."""
+        assert self.sink.scales is not None
+        return self.sink.scales[self.slots]
 
 
 class RecordingSink:
@@ -84,9 +92,13 @@ class RecordingSink:
                  refuse: KVTransferError | None = None, write_delay_s: float = 0.0, announce: bool = False) -> None:
         self.layout = layout
         self.device = torch.device(device)
-        # [num_cache_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.cache = torch.zeros((num_cache_blocks, *layout.block_shape), dtype=getattr(torch, layout.dtype),
+        self.num_cache_blocks = num_cache_blocks
+        # [num_cache_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] of the values' dtype
+        self.cache = torch.zeros((num_cache_blocks, *layout.block_shape), dtype=getattr(torch, layout.value_dtype),
                                  device=self.device)
+        # int8 only: [num_cache_blocks, num_layers, 2, num_kv_heads] float32
+        self.scales = (torch.zeros((num_cache_blocks, *layout.scale_shape), device=self.device)
+                       if layout.quantized else None)
         self.refuse = refuse
         self.write_delay_s = write_delay_s
         self.announce = announce
@@ -112,6 +124,12 @@ class RecordingSink:
     def release(self, slots: list[int]) -> None:
         with self.lock:
             self.free.extend(slots)
+
+    @property
+    def num_used(self) -> int:
+        """Cache blocks held: by open handoffs and by committed ones (a failed handoff's come back at once)."""
+        with self.lock:
+            return self.num_cache_blocks - len(self.free)
 
     def on_write(self, dest: RecordingDestination, index: int) -> None:
         if self.announce:
@@ -145,25 +163,37 @@ class RecordingSink:
 
 class PatternSource:
     """A KVBlockSource of seeded random blocks (the tails of a partly filled last block included), held in a paged
-    cache laid out as the prefill worker's and read as it reads them: strided views across the layers."""
+    cache laid out as the prefill worker's and read as it reads them: strided views across the layers (an int8
+    layout: random int8 values and float32 scales, packed as the prefill worker packs them)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, seed: int = 0, device: torch.device | str = "cpu",
                  stall_at_block: int | None = None) -> None:
         self.layout = layout
         generator = torch.Generator().manual_seed(seed)
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.blocks = torch.randn((num_blocks, *layout.block_shape), generator=generator).to(
-            dtype=getattr(torch, layout.dtype), device=device
-        )
+        if layout.quantized:
+            self.blocks = torch.randint(-128, 128, (num_blocks, *layout.block_shape), generator=generator,
+                                        dtype=torch.int8).to(device)
+        else:
+            self.blocks = torch.randn((num_blocks, *layout.block_shape), generator=generator).to(
+                dtype=getattr(torch, layout.dtype), device=device
+            )
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: the same values, paged
         self.cache = self.blocks.permute(1, 2, 0, 3, 4, 5).contiguous()
+        # int8: [num_blocks, num_layers, 2, num_kv_heads] float32 scales, and paged [num_layers, 2, num_blocks, Hkv]
+        self.scales: torch.Tensor | None = None
+        self.scale_cache: torch.Tensor | None = None
+        if layout.quantized:
+            self.scales = torch.rand((num_blocks, *layout.scale_shape), generator=generator).to(device) + 1e-3
+            self.scale_cache = self.scales.permute(1, 2, 0, 3).contiguous()
         self.stall_at_block = stall_at_block
 
     def read_block(self, index: int) -> torch.Tensor:
         if index == self.stall_at_block:
             print(f"STALL {index}", flush=True)
             time.sleep(3600)
-        return self.cache[:, :, index]
+        scales = None if self.scale_cache is None else self.scale_cache[:, :, index]
+        return read_wire_block(self.layout, self.cache[:, :, index], scales)
 
 
 def read_ahead_threads_gone(timeout_s: float = 5.0) -> bool:
@@ -181,14 +211,15 @@ def make_handoff(layout: KVLayout, num_tokens: int, *, request_id: str = "req") 
 
 
 def parse_layout(text: str) -> KVLayout:
-    """`num_layers,num_kv_heads,head_dim,block_size,dtype`."""
-    num_layers, num_kv_heads, head_dim, block_size, dtype = text.split(",")
+    """`num_layers,num_kv_heads,head_dim,block_size,dtype[,kv_cache_dtype]`."""
+    num_layers, num_kv_heads, head_dim, block_size, dtype, *kv_cache_dtype = text.split(",")
     return KVLayout(num_layers=int(num_layers), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
-                    block_size=int(block_size), dtype=dtype)
+                    block_size=int(block_size), dtype=dtype, kv_cache_dtype=(kv_cache_dtype or ["auto"])[0])
 
 
 def format_layout(layout: KVLayout) -> str:
-    return f"{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.block_size},{layout.dtype}"
+    return (f"{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.block_size},{layout.dtype},"
+            f"{layout.kv_cache_dtype}")
 
 
 def serve_receiver(transport: str, sink: RecordingSink) -> tuple[grpc.Server, str, object]:

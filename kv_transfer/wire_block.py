@@ -1,0 +1,62 @@
+"""One KV block as transports move it, read out of a paged cache and written back into one.
+
+    unquantized   the cache's values view [num_layers, 2, block_size, Hkv, D], as it is (a strided view)
+    int8          one uint8 tensor of layout.block_bytes:  values' bytes ‖ scales' bytes
+                    values  [num_layers, 2, block_size, Hkv, D] int8
+                    scales  [num_layers, 2, Hkv]            float32
+
+Transports see only a tensor of `layout.wire_shape` and `layout.wire_dtype`: they gather, checksum, split and
+send it as any block, so the CRC-32C of an int8 block covers its scales. The sender packs an int8 block with one
+copy (its values and scales live in two tensors of the cache); the receiver unpacks it straight into its cache,
+verifying the checksum in the same pass (`copy_checked_parts`). Both sides copy bytes (uint8 views), so values and
+scales arrive bit-exact, and no view needs a float32-aligned offset into a received message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kv_transfer.block_copy import copy_checked, copy_checked_parts
+from kv_transfer.layout import DTYPE_SIZES, SCALE_DTYPE, KVLayout
+
+
+def _scale_byte_shape(layout: KVLayout) -> tuple[int, int, int]:
+    """A block's scales as bytes: [num_layers, 2, Hkv * 4]."""
+    num_layers, kv, num_kv_heads = layout.scale_shape
+    return (num_layers, kv, num_kv_heads * DTYPE_SIZES[SCALE_DTYPE])
+
+
+def _check_scales(layout: KVLayout, scales: torch.Tensor | None) -> None:
+    if layout.quantized != (scales is not None):
+        raise ValueError(f"a {layout.kv_cache_dtype} KV block {'needs' if layout.quantized else 'has no'} scales")
+
+
+def read_wire_block(layout: KVLayout, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The wire block of one cache block. `values`: its [num_layers, 2, block_size, Hkv, D] view of the cache;
+    `scales`: its [num_layers, 2, Hkv] float32 view (int8), else None. Unquantized, `values` itself."""
+    _check_scales(layout, scales)
+    if scales is None:
+        return values
+    out = torch.empty(layout.block_bytes, dtype=torch.uint8, device=values.device)
+    out[: layout.value_bytes].view(layout.block_shape).copy_(values.view(torch.uint8))
+    out[layout.value_bytes :].view(_scale_byte_shape(layout)).copy_(scales.view(torch.uint8))
+    return out
+
+
+def write_wire_block(layout: KVLayout, values: torch.Tensor, scales: torch.Tensor | None, data: torch.Tensor,
+                     crc32c: int | None) -> None:
+    """Copy wire block `data` into one cache block's `values` (and `scales`) views, raising KVChecksumError
+    unless its bytes match `crc32c` (None: no check). See `copy_checked` for when the check comes."""
+    _check_scales(layout, scales)
+    if tuple(data.shape) != layout.wire_shape:
+        raise ValueError(f"a wire block of shape {tuple(data.shape)}, expected {layout.wire_shape}")
+    if scales is None:
+        copy_checked(values, data, crc32c)
+        return
+    copy_checked_parts(
+        [
+            (values.view(torch.uint8), data[: layout.value_bytes].view(layout.block_shape)),
+            (scales.view(torch.uint8), data[layout.value_bytes :].view(_scale_byte_shape(layout))),
+        ],
+        crc32c,
+    )
