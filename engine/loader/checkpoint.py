@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.loader.errors import ModelLoadError
-from engine.loader.gguf_loader import load_gguf
+from engine.loader.gguf_loader import load_gguf, open_gguf
 from engine.loader.model_registry import resolve_model
 from engine.loader.safetensors_loader import load_safetensors_dir
 from engine.model.config import ModelConfig
@@ -57,11 +57,16 @@ def load_checkpoint(model: str, dtype: torch.dtype = torch.float32) -> Checkpoin
     """Resolve `model` (a registered name such as "smollm2-135m", a .gguf path or an HF directory), then load
     its config, weights and tokenizer. Errors are those of `resolve_model` and the loaders."""
     path = resolve_model(model)
-    config, weights = load_weights_and_config(path, dtype)
     # Imported here so the loader works, and is testable, without the tokenizer package.
     from engine.tokenizer.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_hf_dir(str(path)) if path.is_dir() else Tokenizer.from_gguf(str(path))
+    if path.is_file():  # a GGUF: its header, parsed once, gives the weights and the tokenizer
+        reader = open_gguf(path)
+        config, weights = load_gguf(path, dtype, reader=reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+    else:
+        config, weights = load_weights_and_config(path, dtype)
+        tokenizer = Tokenizer.from_hf_dir(str(path))
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=path)
 
 

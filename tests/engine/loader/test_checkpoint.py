@@ -6,6 +6,7 @@ import sys
 import types
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -19,8 +20,10 @@ class _FakeTokenizer:
         self.source, self.path = source, path
 
     @classmethod
-    def from_gguf(cls, path: str) -> _FakeTokenizer:
-        return cls("gguf", path)
+    def from_gguf(cls, reader: gguf.GGUFReader) -> _FakeTokenizer:
+        # load_checkpoint hands over the reader it opened for the weights: the header is parsed once
+        assert isinstance(reader, gguf.GGUFReader)
+        return cls("gguf", str(reader.data.filename))
 
     @classmethod
     def from_hf_dir(cls, path: str) -> _FakeTokenizer:

@@ -168,3 +168,54 @@ def test_non_finite_weight_is_refused(tmp_path: Path) -> None:
     path = write_tiny_gguf(tiny, tmp_path / "nan.gguf")
 
     _assert_load_error(path, "model.norm.weight", "NaN")
+
+
+def _stock_and_ours(path: Path) -> tuple[gguf.GGUFReader, gguf.GGUFReader]:
+    from engine.loader.gguf_loader import open_gguf
+
+    return gguf.GGUFReader(path), open_gguf(path)
+
+
+def test_header_parse_equals_the_stock_readers_for_every_array_kind(tmp_path: Path) -> None:
+    """open_gguf reads arrays of strings and scalars in one loop instead of gguf's per-element recursion: every
+    field (parts' bytes and dtypes, data indices, types, contents) must be what the stock GGUFReader gives."""
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("t.strings", ["", "a", "Ġthe", "日本", "x" * 300])
+    writer.add_array("t.empty", [])
+    writer.add_array("t.int32", [3, -1, 7])
+    writer.add_array("t.float32", [0.5, -2.25])
+    writer.add_array("t.bools", [True, False, True])
+    writer.add_array("t.nested", [[1, 2], [3]])  # arrays of arrays: left to the stock reader
+    writer.add_string("t.string", "plain")
+    writer.add_uint32("t.u32", 9)
+    writer.add_tensor("w", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    stock, ours = _stock_and_ours(path)
+    assert ours.fields.keys() == stock.fields.keys()
+    for name, expected in stock.fields.items():
+        got = ours.fields[name]
+        assert (got.offset, got.data, got.types) == (expected.offset, expected.data, expected.types), name
+        assert [(p.dtype, p.tobytes()) for p in got.parts] == [(p.dtype, p.tobytes()) for p in expected.parts], name
+        assert got.contents() == expected.contents(), name
+    assert ours.fields["t.strings"].contents() == ["", "a", "Ġthe", "日本", "x" * 300]
+    assert [t.name for t in ours.tensors] == ["w"]
+
+
+@pytest.mark.parametrize("cut_into", ["a string's length", "a string's bytes"])
+def test_a_string_array_cut_short_is_refused_as_truncated(tmp_path: Path, cut_into: str) -> None:
+    path = tmp_path / "strings.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("t.strings", ["first", "second-string"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    data = path.read_bytes()
+    last = data.rindex(b"second-string")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: last - 4] if cut_into == "a string's length" else data[: last + 3])
+    _assert_load_error(cut, "truncated")
