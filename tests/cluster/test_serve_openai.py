@@ -272,13 +272,13 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.mark.timeout(900)  # with the cluster's start-up, which pytest-timeout counts too
 def test_structured_outputs_and_tool_calls(cluster, smollm2_gguf) -> None:
-    """JSON schemas (10 generated ones, at once; 50 more run offline in tests/engine/structured/), a pydantic model
+    """JSON schemas (50 generated ones, at once; 50 others run offline in tests/engine/structured/), a pydantic model
     through `parse`, a named tool choice, a choice on completions, and a bad schema's 400; every block freed."""
     mode, _serve, url = cluster
     if mode in ("torch", "inproc"):
         pytest.skip("the grammar crosses the handoff in the request, whatever the KV transport: grpc covers it")
     client = client_for(url, timeout_s=600)  # ten requests at once on two shared cores
-    schemas = [generated_schema(seed) for seed in range(100, 110)]
+    schemas = [generated_schema(seed) for seed in range(100, 150)]
 
     def answer(schema: dict) -> tuple[dict, str, str]:
         chat = client.chat.completions.create(
