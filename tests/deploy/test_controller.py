@@ -245,3 +245,17 @@ def test_the_controller_actor_watches_and_restarts_on_its_own() -> None:
         assert ray.get(actor.list_workers.remote(), timeout=10) == []
     finally:
         ray.kill(actor)
+
+
+def test_a_dead_actors_start_error_names_its_exit_type_and_detail() -> None:
+    """Ray's first line ("The actor died unexpectedly ...") says nothing of why; the exit lines do."""
+    from deploy.controller import _describe
+
+    died = RuntimeError("The actor died unexpectedly before finishing this task.\n\tclass_name: WorkerHostProcess\n"
+                        "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
+                        "Worker exit detail: killed by the memory monitor")
+    described = _describe(died)
+    assert described.startswith("The actor died unexpectedly before finishing this task.")
+    assert "Worker exit type: SYSTEM_ERROR" in described and "killed by the memory monitor" in described
+    assert "class_name" not in described
+    assert _describe(RuntimeError("one line")) == "one line"
