@@ -38,6 +38,11 @@ class EngineConfig:
     # What namespaces KV block hashes (with block size and dtype): None: a digest of the checkpoint's weights
     # (engine/loader/model_identity.py), so two copies of the same weights share hashes wherever they live.
     model_id: str | None = None
+    # CUDA graphs of the decode step (cuda with the triton backend and a model-dtype cache; engine/cuda_graphs.py):
+    # enforce_eager turns them off (vLLM's --enforce-eager); the batch sizes captured, None: 1, 2, 4, then every
+    # multiple of 8 up to max_num_seqs (at most 512).
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # Speculative decoding; a dict of vLLM's keys is taken too (`LLM(speculative_config={...})`). None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
@@ -63,5 +68,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.model_id is not None and not self.model_id.strip():
             raise ValueError("model_id must be non-empty when given")
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+            if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) <= 0:
+                raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {list(self.cuda_graph_sizes)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

@@ -43,6 +43,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=parse_size_bytes, default=d.kv_cache_memory_bytes, help="KV cache size, e.g. 2GiB"
     )
     g.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "cpu", "torch", "triton"))
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step runs eagerly (on cuda; cpu always does)")
+    g.add_argument("--cuda-graph-sizes", type=_sizes, default=None, metavar="N[,N...]",
+                   help="decode batch sizes to capture as CUDA graphs (default: 1,2,4 and multiples of 8 up to "
+                        "--max-num-seqs, at most 512)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--model-id", default=None,
@@ -52,6 +57,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
                         '(methods: ngram, draft_model, layer_skip; "policy": "dynamic" (default) or "fixed")')
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.replace(" ", ",").split(",") if part)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,2,4,8, got {text!r}") from None
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return sizes
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
@@ -76,6 +91,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         model_id=args.model_id,

@@ -27,6 +27,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.stats import EngineStats, RequestStats
+from engine.cuda_graphs import default_capture_sizes
 from engine.device import TORCH_DTYPES, resolve_engine_config
 from engine.kernels.registry import load_all
 from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
@@ -114,6 +115,15 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed,
                                   kv_cache_dtype=config.kv_cache_dtype)
+        self.cuda_graph_capture_seconds: float | None = None  # None: no graphs (cpu, --enforce-eager, or a backend
+        if device.type == "cuda" and not config.enforce_eager:  # whose kernels a graph cannot hold)
+            if attention.name == "triton" and config.kv_cache_dtype == "auto":
+                self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(
+                    max_model_len=self.max_model_len,
+                    sizes=list(config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs)))
+            else:
+                logger.info("CUDA graphs off: the %s attention backend with a %s KV cache runs eagerly",
+                            attention.name, config.kv_cache_dtype)
         self.hash_namespace = BlockHashNamespace(
             model=config.model_id or checkpoint.model_id or model_identity(checkpoint.path),
             block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))

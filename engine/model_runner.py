@@ -25,6 +25,7 @@ from engine.sampling.sampling_batch import MIN_TEMPERATURE
 from engine.structured.bitmask import TokenBitmask
 
 if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphs
     from engine.structured.matchers import GrammarMatchers
 
 _PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
@@ -61,6 +62,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # Structured outputs: the requests' grammar matchers (set by the engine; None: no request may have one).
         self.grammars: GrammarMatchers | None = None
+        self.graphs: DecodeGraphs | None = None  # the captured decode steps (cuda only; capture_cuda_graphs)
 
     def skip_remote_draw(self, request: Request) -> None:
         """The request's first token was sampled on another worker (a prefill worker) from the same seed: start
@@ -87,11 +89,49 @@ class ModelRunner:
         request that asked for prompt logprobs and computed prompt positions this step, (the first position,
         the logprobs of the tokens after each of them) — see engine/sampling/prompt_logprobs.py."""
         items = step_order(out.scheduled)
+        if self.graphs is not None and self._replayable(items):
+            return (*self._replay(items), {})
         input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         prompt_logprobs = self._prompt_logprobs(items, hidden)
         sampled, logprobs = self._sample(items, hidden)
         return sampled, logprobs, prompt_logprobs
+
+    def capture_cuda_graphs(self, *, max_model_len: int, sizes: list[int]) -> float:
+        """Capture the decode step for each batch size in `sizes` (see engine/cuda_graphs.py); every later step of
+        single-token decodes that fits one replays it. Returns the seconds capturing took."""
+        from engine.cuda_graphs import DecodeGraphs
+
+        assert self.kv_scales is None, "CUDA graphs need a KV cache in the model's dtype"
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.block_size,  # type: ignore[arg-type]
+                                   max_model_len=max_model_len, sizes=sizes)
+        return self.graphs.capture()
+
+    def _replayable(self, items: list[ScheduledRequest]) -> bool:
+        """A step a captured graph computes as eagerly: one new token per request, no drafts, no prompt logprobs."""
+        assert self.graphs is not None
+        return 0 < len(items) <= self.graphs.max_batch and all(
+            item.num_new_tokens == 1 and not item.spec_token_ids
+            and item.request.sampling_params.prompt_logprobs is None
+            for item in items
+        )
+
+    def _replay(
+        self, items: list[ScheduledRequest]
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        assert self.graphs is not None
+        bs = self.block_size
+        positions = [item.start for item in items]
+        logits = self.graphs.run(
+            input_ids=[item.request.all_token_ids[item.start] for item in items],
+            positions=positions,
+            slots=[item.block_ids[p // bs] * bs + p % bs for item, p in zip(items, positions, strict=True)],
+            block_tables=[item.block_ids for item in items],
+        )
+        rows = [i for i, item in enumerate(items) if item.samples]
+        if not rows:
+            return {}, {}
+        return self._sample_logits([items[i] for i in rows], logits if len(rows) == len(items) else logits[rows])
 
     def _prompt_logprobs(
         self, items: list[ScheduledRequest], hidden: torch.Tensor
@@ -128,6 +168,12 @@ class ModelRunner:
         if not sampling:
             return {}, {}
         logits = self.model.compute_logits(hidden[logit_rows])  # [num_sample_positions summed, vocab]
+        return self._sample_logits(sampling, logits)
+
+    def _sample_logits(
+        self, sampling: list[ScheduledRequest], logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        """Tokens for `sampling` (the step's requests that sample, in step order) from their logits rows."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if not any(item.spec_token_ids for item in sampling):

@@ -36,13 +36,19 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         store_kv(k, v, kv_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        # The grid is sized by the block tables' width, never by the lengths' values: no host sync, so a CUDA graph
+        # captures it (its tables are max_model_len wide; partitions past a row's length exit at once).
+        max_seq_len = meta.decode_block_tables.shape[-1] * kv_cache.shape[2]
+        if not meta.prefills:  # decodes only (every step a CUDA graph replays): q as it comes (a view of qkv), no copy
+            return paged_decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                                          max_seq_len=max_seq_len)
         q = q.contiguous()
         out = torch.empty_like(q)
-        num_decode = meta.num_decode_tokens
         if num_decode:
             out[:num_decode] = paged_decode_attention(
                 q[:num_decode], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                max_seq_len=meta.decode_block_tables.shape[1] * kv_cache.shape[2])
+                max_seq_len=max_seq_len)
         if meta.prefills:
             cu_seqlens_q, context_lens, max_query_len = self._prefill_arguments(meta)
             assert meta.prefill_block_tables is not None, "the triton backend needs prefill_block_tables"

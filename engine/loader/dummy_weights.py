@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from engine.tokenizer.bpe import BYTE_TO_UNICODE, AddedToken
 from engine.tokenizer.pre_tokenizer import stages_for_name
 from engine.tokenizer.spec import TokenizerSpec
 from engine.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 INIT_STD = 0.02
 
@@ -113,11 +116,19 @@ def dummy_model_config(name: str) -> ModelConfig:
 
 @functools.cache  # a Tokenizer is immutable; reading one out of a GGUF takes seconds
 def dummy_tokenizer(name: str) -> Tokenizer:
-    """The shape's real tokenizer where it is known here, else the byte-level stand-in."""
+    """The shape's real tokenizer where it is known here, else the byte-level stand-in. A machine that cannot fetch
+    the real one (no network, as on a benchmark GPU host) gets the stand-in too, with a warning: token ids, not
+    text, are what these shapes are for."""
     if name in _REAL_TOKENIZER:
         from engine.loader.model_registry import resolve_model
 
-        return Tokenizer.from_gguf(str(resolve_model(_REAL_TOKENIZER[name])))
+        try:
+            path = resolve_model(_REAL_TOKENIZER[name])
+        except (OSError, ModelLoadError) as exc:  # urllib's errors are OSErrors
+            logger.warning("dummy %s: its tokenizer could not be fetched (%s); using the byte-level stand-in",
+                           name, exc)
+        else:
+            return Tokenizer.from_gguf(str(path))
     return byte_level_tokenizer(dummy_model_config(name))
 
 

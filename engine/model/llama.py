@@ -8,6 +8,7 @@ autograd, no modules.
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 from dataclasses import dataclass
 
@@ -99,6 +100,10 @@ class LlamaModel:
                     down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
+        # On a GPU the elementwise steps run as the fused Triton kernels of engine/kernels/triton/ (the residual add
+        # with the RMSNorm after it, rotary in place, SiLU-and-mul): four launches a layer instead of ~20 small ones,
+        # which is most of a small model's decode step there.
+        self.fused_kernels = self.embed.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self.rope = RotaryEmbedding(
             head_dim=c.head_dim,
             max_positions=max_positions,
@@ -134,6 +139,8 @@ class LlamaModel:
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
+        if self.fused_kernels:
+            return self._forward_fused(input_ids, positions, kv_caches, meta)
         c = self.config
         num_tokens = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
@@ -153,6 +160,34 @@ class LlamaModel:
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             hidden.add_(layer.down(silu_and_mul(layer.gate_up(x))))
         return rms_norm(hidden, self.final_norm, c.rms_norm_eps)
+
+    def _forward_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """`forward` on the GPU: the same arithmetic (HF's rounding order, which the kernels keep), each layer's
+        residual add fused into the RMSNorm that follows it. No host sync: CUDA graphs capture it whole."""
+        from engine.kernels.triton.rms_norm import rms_norm as add_rms_norm
+        from engine.kernels.triton.rotary import rotary
+        from engine.kernels.triton.silu_and_mul import silu_and_mul as fused_silu_and_mul
+
+        c = self.config
+        num_tokens = input_ids.shape[0]
+        residual = F.embedding(input_ids, self.embed)  # [T, hidden]
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # what follows each layer
+        x, _ = add_rms_norm(residual, self.layers[0].input_norm, c.rms_norm_eps)
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
+            qkv = layer.qkv(x)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, c.num_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            rotary(q, k, positions, self.rope.cos, self.rope.sin)  # in place, inside qkv (ours alone)
+            attn = self.attention.forward(q, k, v, kv_cache, meta)
+            x, residual = add_rms_norm(layer.o(attn.reshape(num_tokens, self.q_size)), layer.post_norm,
+                                       c.rms_norm_eps, residual)
+            x, residual = add_rms_norm(layer.down(fused_silu_and_mul(layer.gate_up(x))), next_norm, c.rms_norm_eps,
+                                       residual)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

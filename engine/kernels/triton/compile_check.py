@@ -12,6 +12,7 @@ Exit status 1 when any variant fails to compile.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ class Variant:
     signature: dict[str, str]  # argument -> Triton type ("*bf16", "i32", "fp32"); constexprs are added
     constexprs: dict[str, object]
     num_warps: int = 4
+    num_stages: int = 3  # Triton's default
 
 
 def _ints(*names: str) -> dict[str, str]:
@@ -42,24 +44,25 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
 
     for dtype in dtypes:
         p = POINTER[dtype]
-        for split in (False, True):
+        launches = [(decode.BLOCK_N, 1)] + ([(decode.WIDE_BLOCK_N, 2)] if dtype != "fp32" else [])
+        for (block_n, stages), split, head_dim in itertools.product(launches, (False, True), (64, 128)):
             scratch = "*fp32" if split else p
-            for head_dim in (64, 128):
-                yield Variant(
-                    f"decode {dtype} split={split} head_dim={head_dim}",
-                    decode._decode_kernel,
-                    {
-                        "q_ptr": p, "cache_ptr": p, "tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": p,
-                        "part_acc_ptr": scratch, "part_max_ptr": scratch, "part_sum_ptr": scratch,
-                        "scale_log2": "fp32",
-                        **_ints("stride_qs", "stride_qh", "stride_c_kv", "stride_c_block", "stride_c_tok",
-                                "stride_c_head", "stride_bt", "stride_os", "stride_oh", "num_heads", "group",
-                                "head_dim", "block_size", "partition_size", "num_splits"),
-                    },
-                    {"BLOCK_H": 16, "BLOCK_N": decode.BLOCK_N, "BLOCK_D": head_dim, "SPLIT": split,
-                     "IEEE": dtype == "fp32"},
-                    num_warps=decode.num_warps(head_dim, dtype == "fp32"),
-                )
+            yield Variant(
+                f"decode {dtype} block_n={block_n} split={split} head_dim={head_dim}",
+                decode._decode_kernel,
+                {
+                    "q_ptr": p, "cache_ptr": p, "tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": p,
+                    "part_acc_ptr": scratch, "part_max_ptr": scratch, "part_sum_ptr": scratch,
+                    "scale_log2": "fp32",
+                    **_ints("stride_qs", "stride_qh", "stride_c_kv", "stride_c_block", "stride_c_tok",
+                            "stride_c_head", "stride_bt", "stride_os", "stride_oh", "num_heads", "group",
+                            "head_dim", "block_size", "partition_size", "num_splits"),
+                },
+                {"BLOCK_H": 16, "BLOCK_N": block_n, "BLOCK_D": head_dim, "SPLIT": split,
+                 "IEEE": dtype == "fp32"},
+                num_warps=decode.num_warps(head_dim, dtype == "fp32"),
+                num_stages=stages,
+            )
         yield Variant(
             f"decode reduce {dtype}",
             decode._reduce_kernel,
@@ -126,7 +129,7 @@ def compile_variant(variant: Variant, arch: int) -> int:
     compiled = triton.compile(
         ASTSource(variant.kernel, signature, variant.constexprs),
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": variant.num_warps},
+        options={"num_warps": variant.num_warps, "num_stages": variant.num_stages},
     )
     return int(compiled.metadata.shared)
 

@@ -24,11 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 32  # context positions per inner step; a partition is a whole number of them
-# Split until the launch has about this many programs (a few waves on a 132-SM GPU) ...
-TARGET_PROGRAMS = 512
+BLOCK_N = 32  # context positions per inner step (small launches, float32); a partition is a whole number of them
+WIDE_BLOCK_N = 64  # ... for launches of many programs in 16-bit dtypes
+# A launch of fewer (sequence, KV head) programs than this splits its contexts ...
+SPLIT_BELOW_PROGRAMS = 512
+# ... until it has about this many programs (~15 per SM on a 132-SM GPU) ...
+TARGET_PROGRAMS = 2048
 # ... but never into partitions shorter than this: below it the reduce costs more than the split gains.
 MIN_PARTITION_SIZE = 256
+# The launch shapes above come from a sweep on an H200 (bf16, head_dim 64, 1,024-token contexts; docs/benchmarks.md,
+# "GPU"): at 256 x 8 programs, 64-position steps pipelined 2 deep read 3.7 TB/s against 2.9 for the first version
+# (32 positions, Triton's default 3 stages, 512 target programs); at one sequence, 3 stages cost 3x a 1-stage loop.
 
 
 def num_warps(head_dim: int, fp32: bool) -> int:
@@ -170,13 +176,23 @@ def _reduce_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """The partition (tokens, a multiple of BLOCK_N) for split-K: split a long context until the launch has about
-    TARGET_PROGRAMS programs, with partitions of at least MIN_PARTITION_SIZE tokens. >= max_seq_len: no split."""
+def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = BLOCK_N) -> int:
+    """The partition (tokens, a multiple of block_n) for split-K: a launch of fewer than SPLIT_BELOW_PROGRAMS
+    programs splits a long context until it has about TARGET_PROGRAMS, in partitions of at least
+    MIN_PARTITION_SIZE tokens. >= max_seq_len: no split."""
     max_seq_len = max(max_seq_len, 1)
-    want_splits = triton.cdiv(TARGET_PROGRAMS, max(num_seqs * num_kv_heads, 1))
+    programs = max(num_seqs * num_kv_heads, 1)
+    want_splits = 1 if programs >= SPLIT_BELOW_PROGRAMS else triton.cdiv(TARGET_PROGRAMS, programs)
     num_splits = max(1, min(want_splits, max_seq_len // MIN_PARTITION_SIZE))
-    return triton.cdiv(triton.cdiv(max_seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+
+
+def choose_block_n_and_stages(num_seqs: int, num_kv_heads: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Positions per inner step and the loop's pipelining depth: a few programs (a small batch) are latency-bound,
+    and a 1-stage loop of 32 is fastest; many programs are bandwidth-bound, and 64 a step, 2 deep, reads most."""
+    if num_seqs * num_kv_heads < 64 or dtype == torch.float32:
+        return BLOCK_N, 1
+    return WIDE_BLOCK_N, 2
 
 
 def paged_decode_attention(
@@ -187,7 +203,10 @@ def paged_decode_attention(
     scale: float,
     *,
     max_seq_len: int | None = None,  # >= every seq_len (it sizes the grid); None reads seq_lens: a device sync
-    partition_size: int | None = None,  # tokens per split, a multiple of BLOCK_N; None: choose_partition_size
+    partition_size: int | None = None,  # tokens per split, a multiple of block_n; None: choose_partition_size
+    block_n: int | None = None,  # context positions per inner step (a power of two >= 16); None: chosen, with
+    stages: int | None = None,  # the inner loop's software-pipelining depth, by choose_block_n_and_stages
+    warps: int | None = None,  # None: num_warps(head_dim, fp32)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], q's dtype
     """Attention of each sequence's one query over its first seq_lens[s] cached positions (its own K/V stored
     already). Positions past seq_len are never read, whatever the table holds there. With a CUDA graph, pass
@@ -210,9 +229,12 @@ def paged_decode_attention(
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if num_seqs else 0
+    chosen_block_n, chosen_stages = choose_block_n_and_stages(num_seqs, num_kv_heads, q.dtype)
+    block_n = block_n or chosen_block_n
+    stages = stages or chosen_stages
     if partition_size is None:
-        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_seq_len)
-    assert partition_size > 0 and partition_size % BLOCK_N == 0, f"partition_size: a multiple of {BLOCK_N}"
+        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_seq_len, block_n)
+    assert partition_size > 0 and partition_size % block_n == 0, f"partition_size: a multiple of {block_n}"
     num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
     group = num_heads // num_kv_heads
     split = num_splits > 1
@@ -249,11 +271,12 @@ def paged_decode_attention(
         partition_size,
         num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
-        num_warps=num_warps(head_dim, q.dtype == torch.float32),
+        num_warps=warps or num_warps(head_dim, q.dtype == torch.float32),
+        num_stages=stages,
     )
     if split:
         _reduce_kernel[(num_seqs, num_heads)](

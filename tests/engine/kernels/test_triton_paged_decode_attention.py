@@ -16,6 +16,8 @@ pytest.importorskip("triton")
 from engine.attention.metadata import AttentionMetadata  # noqa: E402
 from engine.kernels.triton.paged_decode_attention import (  # noqa: E402
     BLOCK_N,
+    WIDE_BLOCK_N,
+    choose_block_n_and_stages,
     choose_partition_size,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -99,6 +101,24 @@ def test_partition_size_heuristic():
     small = choose_partition_size(2, 3, 4096)
     assert small % BLOCK_N == 0 and 256 <= small < 4096
     assert choose_partition_size(1, 1, 100) >= 100  # short: never split
+    assert choose_partition_size(32, 8, 2048) == 256  # 256 programs: split 8 ways (the H200 sweep's best)
+    assert choose_partition_size(64, 8, 2048) >= 2048  # 512 programs: enough already
+
+
+def test_launch_shape_heuristic():
+    assert choose_block_n_and_stages(1, 3, torch.bfloat16) == (BLOCK_N, 1)  # latency-bound: short, unpipelined steps
+    assert choose_block_n_and_stages(256, 8, torch.bfloat16) == (WIDE_BLOCK_N, 2)  # bandwidth-bound
+    assert choose_block_n_and_stages(256, 8, torch.float32) == (BLOCK_N, 1)  # float32 tiles stay small
+
+
+def test_wide_steps_and_pipelining_match_the_reference(device):
+    lens = [1, 63, 64, 65, 200]
+    q, cache, tables, seq_lens = make_case(lens, 8, 2, 64, 16, torch.float32, device.type, seed=3)
+    want = paged_decode_attention_reference(q, cache, tables, seq_lens, SCALE)
+    for block_n, stages, partition_size in ((WIDE_BLOCK_N, 2, None), (WIDE_BLOCK_N, 2, WIDE_BLOCK_N), (16, 3, 64)):
+        got = paged_decode_attention(q, cache, tables, seq_lens, SCALE, block_n=block_n, stages=stages,
+                                     partition_size=partition_size)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_refuses_bad_shapes():

