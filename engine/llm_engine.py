@@ -8,6 +8,7 @@ errored; on every one of those exits the scheduler returns their KV blocks to th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import threading
@@ -110,6 +111,10 @@ class LLMEngine:
             weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
         model = LlamaModel(mc, weights, attention, max_positions=self.max_model_len)
         if memory_baseline is not None:
+            # Only what the model holds stays on the device before the profile counts the weights: the unfused
+            # q/k/v and gate/up tensors the model concatenated go now, not when __init__ returns.
+            del weights
+            checkpoint = dataclasses.replace(checkpoint, weights={})
             self.num_kv_blocks = self._profiled_num_kv_blocks(model, memory_baseline, block_bytes)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, config.block_size,
                     self.num_kv_blocks * block_bytes / GIB)

@@ -6,8 +6,10 @@ engine's share of the GPU once the rest of the engine is paid for:
     kv bytes = total × utilization − peak torch bytes − non-torch bytes
 
     total               the GPU's memory (torch.cuda.mem_get_info)
-    peak torch bytes    the most the torch allocator held for this engine, from before its weights went on the device
-                        to the end of a profile forward at the largest step: weights + activations + logits
+    peak torch bytes    the most the torch allocator held for this engine (over the baseline, taken before its
+                        weights went on the device) during a profile forward at the largest step: weights +
+                        activations + logits (the load's transient copies are not counted: the peak restarts once
+                        only the model holds the weights)
     non-torch bytes     what the device lost outside torch's allocator meanwhile (cuBLAS/cuDNN workspaces, kernel
                         modules): the drop in free memory not explained by the growth of torch.cuda.memory_reserved
 
@@ -112,8 +114,10 @@ class MemoryBaseline:
         torch.cuda.reset_peak_memory_stats(device)
 
     def weights_loaded(self) -> None:
-        """Note what the model's weights took (for the log and the error message)."""
+        """Note what the model's weights take, once only the model holds them, and start the peak there: the
+        load's transient copies (a tensor and its fused copy, both alive for a moment) are not the forward's."""
         self.weights_bytes = torch.cuda.memory_allocated(self.device) - self.allocated_bytes
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def measure(self) -> MemoryProfile:
         torch.cuda.synchronize(self.device)

@@ -1,6 +1,6 @@
 """KV cache sizing (engine/memory_profile.py): `--gpu-memory-utilization`'s arithmetic and errors on plain numbers,
 the flag and the config, the cpu engine's sizes unchanged, the profile forward run on cpu; and on a GPU (the `gpu`
-marker), an engine's blocks within its share and a too-small share refused before any request."""
+marker), an engine's blocks within its share (the Llama-3.2-1B shape, dummy weights) and a too-small share refused before any request."""
 
 from __future__ import annotations
 
@@ -95,14 +95,15 @@ class _FakeCudaMemory:
 
 
 def test_the_baseline_counts_only_what_this_engine_added(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An earlier engine's 5 GiB (allocated before the baseline, and its old peak) are not charged; the device's
-    loss beyond torch's reserved growth is."""
+    """An earlier engine's 5 GiB (allocated before the baseline, and its old peak) are not charged, nor the load's
+    transient peak; the device's loss beyond torch's reserved growth is."""
     from engine.memory_profile import MemoryBaseline
 
     cuda = _FakeCudaMemory()
     cuda.install(monkeypatch)
     baseline = MemoryBaseline(torch.device("cuda"), utilization=0.9)
     cuda.allocated += GIB  # the weights
+    cuda.peak = cuda.allocated + GIB  # the load's transient copies (q/k/v before their fused copy): not counted
     baseline.weights_loaded()
     cuda.peak = cuda.allocated + 2 * GIB  # the profile's activations
     cuda.reserved += 3 * GIB + 512 * MIB  # torch's cache grew by that
@@ -191,6 +192,9 @@ def test_the_profile_forward_runs_the_largest_step_as_max_model_len_chunks(
 # -- on a GPU ------------------------------------------------------------------------------------------------------
 
 _SHARE = 0.3
+# The Llama-3.2-1B shape with dummy weights: its tokenizer is the byte-level stand-in, so nothing is read from disk
+# (the dummy smollm2-135m shape reads the real GGUF for its tokenizer, and weights stay off the GPU machine).
+_SHAPE = "llama-3.2-1b"
 
 
 def _release() -> None:
@@ -202,11 +206,12 @@ def _release() -> None:
 def test_a_cuda_engine_sizes_its_kv_cache_to_its_share_and_frees_its_blocks() -> None:
     from engine.kv_cache_dtype import kv_block_bytes
     from engine.llm import LLM
+    from engine.loader.dummy_weights import weight_shapes
 
     _release()
     allocated_before = torch.cuda.memory_allocated()
     free_before, total = torch.cuda.mem_get_info()
-    llm = LLM(model="smollm2-135m", load_format="dummy", device="cuda", max_model_len=512,
+    llm = LLM(model=_SHAPE, load_format="dummy", device="cuda", max_model_len=512,
               gpu_memory_utilization=_SHARE)
     engine = llm.engine
     profile = engine.memory_profile
@@ -217,15 +222,17 @@ def test_a_cuda_engine_sizes_its_kv_cache_to_its_share_and_frees_its_blocks() ->
     # the arithmetic: every whole block that fits, and not one more
     used = engine.num_kv_blocks * block_bytes + profile.peak_torch_bytes + max(profile.non_torch_bytes, 0)
     assert used <= share < used + block_bytes
-    assert profile.weights_bytes > 200 * MIB  # SmolLM2-135M's bf16 weights (~270 MB) were counted
-    assert profile.peak_torch_bytes > profile.weights_bytes  # and the profile's activations on top
+    # the weights were counted (to the allocator's rounding and the rotary tables), and the activations on top
+    weights = sum(math.prod(shape) for shape in weight_shapes(engine.model_config).values()) * 2  # bfloat16
+    assert weights <= profile.weights_bytes <= weights + 64 * MIB
+    assert profile.peak_torch_bytes > profile.weights_bytes
 
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [16] * len(PROMPTS)
     assert engine.block_pool.num_used_blocks == 0
-    # measured independently of the arithmetic: what torch held for this engine at its peak (weights, profile, KV
-    # cache, the steps), and what the device lost in all, stay within the share (slack: non-torch memory the
-    # first steps add, e.g. the decode kernels' modules)
+    # measured independently of the arithmetic: what torch held for this engine at its peak since its weights were
+    # in place (weights, profile, KV cache, the steps), and what the device lost in all, stay within the share
+    # (slack: non-torch memory the first steps add, e.g. the decode kernels' modules)
     assert torch.cuda.max_memory_allocated() - allocated_before <= share
     free_after, _ = torch.cuda.mem_get_info()
     assert free_before - free_after <= share + 256 * MIB
@@ -239,7 +246,7 @@ def test_a_too_small_utilization_is_refused_before_any_request() -> None:
 
     _release()
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization 0\.001 leaves .* raise --gpu-memory-utilization"):
-        LLM(model="smollm2-135m", load_format="dummy", device="cuda", max_model_len=512, gpu_memory_utilization=0.001)
+        LLM(model=_SHAPE, load_format="dummy", device="cuda", max_model_len=512, gpu_memory_utilization=0.001)
     _release()
 
 
@@ -248,7 +255,7 @@ def test_kv_cache_memory_given_on_cuda_wins_over_utilization() -> None:
     from engine.llm import LLM
 
     _release()
-    llm = LLM(model="smollm2-135m", load_format="dummy", device="cuda", max_model_len=512,
+    llm = LLM(model=_SHAPE, load_format="dummy", device="cuda", max_model_len=512,
               kv_cache_memory_bytes=64 * MIB, gpu_memory_utilization=0.001)
     engine = llm.engine
     assert engine.memory_profile is None
