@@ -70,7 +70,8 @@ def check_free_memory(*, free_bytes: int, total_bytes: int, utilization: float) 
         raise ValueError(
             f"free GPU memory at start-up ({_gib(free_bytes)} of {_gib(total_bytes)}) is less than "
             f"--gpu-memory-utilization {utilization} asks for ({_gib(wanted)}): another process (or engine) holds "
-            "the GPU; lower --gpu-memory-utilization, or free the GPU"
+            "the GPU; lower --gpu-memory-utilization (engines sharing a GPU each take their own share of it, e.g. "
+            "0.45 for each of two), or free the GPU"
         )
 
 
