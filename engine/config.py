@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on cuda,
 DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is taken too; "auto": cuda when torch sees a GPU
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names; "dummy": seeded random weights of a named shape
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model's dtype; int8: per-block-per-head scales; fp8: GPU only
+CPU_KV_CACHE_MEMORY_BYTES = 2 << 30  # the KV cache on cpu when neither its size nor its block count is given
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -28,8 +29,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 2 << 30
+    # The KV cache's size, first given wins: num_kv_blocks; kv_cache_memory_bytes; else on cpu 2 GiB
+    # (CPU_KV_CACHE_MEMORY_BYTES), on cuda what gpu_memory_utilization leaves (engine/memory_profile.py).
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    # vLLM's flag: the fraction of the GPU's memory this engine may use (weights, activations, KV cache); cuda only.
+    gpu_memory_utilization: float = 0.9
     seed: int | None = None  # for requests without their own seed
     # "auto": on cuda "triton" (engine/kernels/triton/) when triton imports, else "torch"; on cpu "cpu" (the C++
     # paged decode kernel) when it builds, else "torch"; an int8 KV cache always takes "torch" (it dequantizes).
@@ -61,9 +66,13 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype fp8 needs a CUDA device (--device cuda); on cpu use int8")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.model_id is not None and not self.model_id.strip():

@@ -8,6 +8,7 @@ errored; on every one of those exits the scheduler returns their KV blocks to th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import threading
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.backend import get_attention_backend
-from engine.config import EngineConfig
+from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.fork import choice_params, choice_request_id, parent_request_id
 from engine.core.kv_cache_manager import KVCacheManager
@@ -32,6 +33,7 @@ from engine.device import TORCH_DTYPES, resolve_engine_config
 from engine.kernels.registry import load_all
 from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
 from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
+from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RemoteReservation, RequestOutput
@@ -60,6 +62,12 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = TORCH_DTYPES[config.dtype]
+        # On cuda with no KV size given, the KV cache gets what --gpu-memory-utilization leaves after a profile
+        # forward (engine/memory_profile.py), measured from here: before any weight of this engine is on the GPU.
+        memory_baseline = None
+        self.memory_profile: MemoryProfile | None = None  # what the profile measured, where it ran
+        if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+            memory_baseline = MemoryBaseline(device, utilization=config.gpu_memory_utilization)
         checkpoint = checkpoint or load_engine_checkpoint(config, device)
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -80,12 +88,14 @@ class LLMEngine:
             assert spec.model is not None
             draft_checkpoint = load_checkpoint(spec.model, dtype=dtype)
             block_bytes += draft_kv_block_bytes(draft_checkpoint, config.block_size, dtype.itemsize)
-        self.num_kv_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // block_bytes
-        if self.num_kv_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({self.num_kv_blocks} blocks of {config.block_size} tokens) cannot hold one request of "
-                f"max_model_len={self.max_model_len} tokens: raise --num-kv-blocks or lower --max-model-len"
-            )
+        if memory_baseline is None:  # else set once the model is on the GPU and profiled
+            kv_cache_memory = config.kv_cache_memory_bytes or CPU_KV_CACHE_MEMORY_BYTES
+            self.num_kv_blocks = config.num_kv_blocks or kv_cache_memory // block_bytes
+            if self.num_kv_blocks * config.block_size < self.max_model_len:
+                raise ValueError(
+                    f"the KV cache ({self.num_kv_blocks} blocks of {config.block_size} tokens) cannot hold one request "
+                    f"of max_model_len={self.max_model_len} tokens: raise --num-kv-blocks or lower --max-model-len"
+                )
 
         # The C++ kernels load here (and build here only on a machine nobody built them for), never inside the
         # first request's forward pass.
@@ -101,6 +111,14 @@ class LLMEngine:
             # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
             weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
         model = LlamaModel(mc, weights, attention, max_positions=self.max_model_len)
+        if memory_baseline is not None:
+            # Only what the model holds stays on the device before the profile counts the weights: the unfused
+            # q/k/v and gate/up tensors the model concatenated go now, not when __init__ returns.
+            del weights
+            checkpoint = dataclasses.replace(checkpoint, weights={})
+            self.num_kv_blocks = self._profiled_num_kv_blocks(model, memory_baseline, block_bytes)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, config.block_size,
+                    self.num_kv_blocks * block_bytes / GIB)
         self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(
             self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -142,6 +160,23 @@ class LLMEngine:
         self._grammar_compilers: GrammarCompilerCache | None = None
         self._grammar_lock = threading.Lock()
         self._children: dict[str, list[str]] = {}  # n > 1: a request's other choices that have not finished
+
+    def _profiled_num_kv_blocks(self, model: LlamaModel, baseline: MemoryBaseline, block_bytes: int) -> int:
+        """The KV blocks --gpu-memory-utilization leaves once a profile forward of the largest step has run."""
+        config = self.config
+        baseline.weights_loaded()
+        spec = config.speculative_config
+        num_spec = spec.num_speculative_tokens if isinstance(spec, SpeculativeConfig) else 0
+        profile_forward(model, num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                        num_logit_rows=config.max_num_seqs * (1 + num_spec), block_size=config.block_size,
+                        kv_cache_dtype=config.kv_cache_dtype)
+        self.memory_profile = profile = baseline.measure()
+        num_blocks = num_kv_blocks_for(profile, utilization=config.gpu_memory_utilization, block_bytes=block_bytes,
+                                       block_size=config.block_size, max_model_len=self.max_model_len)
+        logger.info("GPU memory: %.2f GiB total × utilization %s; weights %.2f GiB, profile peak %.2f GiB, "
+                    "outside torch %.2f GiB", profile.total_bytes / GIB, config.gpu_memory_utilization,
+                    profile.weights_bytes / GIB, profile.peak_torch_bytes / GIB, profile.non_torch_bytes / GIB)
+        return num_blocks
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:

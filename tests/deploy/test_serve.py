@@ -177,3 +177,16 @@ def test_speculative_config_reaches_every_workers_engine_config() -> None:
     assert config.controller.engine.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "k": 3}'])
+
+
+def test_gpu_memory_utilization_reaches_every_workers_engine_config() -> None:
+    """Each worker (every pool's workers get the controller's engine config) takes this share of its GPU, as in
+    vLLM: a prefill and a decode worker sharing one GPU each need theirs, e.g. 0.45."""
+    from deploy.cli import build_parser
+    from deploy.serve_command import serve_config_from_args
+
+    config = serve_config_from_args(build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.45"]))
+    assert config.controller.engine.gpu_memory_utilization == 0.45
+    assert config.controller.engine.kv_cache_memory_bytes is None  # unset: sized from the share on cuda
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        serve_config_from_args(build_parser().parse_args(["serve", "--gpu-memory-utilization", "1.5"]))
