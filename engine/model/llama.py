@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-
 from dataclasses import dataclass
 
 import torch

@@ -17,23 +17,26 @@ at SmolLM2's 1024): at least 3.5x the blocks in the same --kv-cache-memory.
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
+from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from deploy.cli import build_parser, main
 from deploy.serve_args import controller_config_from_args
 from engine import SamplingParams
 from engine.attention.int8_kv import dequantize_slots, quantize_store
-from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
-from kv_transfer.base import TransferFault
 from engine.serving.worker_runtime import kv_layout
-from kv_transfer.layout import KVChecksumError, KVHandoff
+from kv_transfer.layout import KVChecksumError
 from kv_transfer.registry import make_sender
-from prefill_worker.worker import HeldBlocks
+from tests.engine.kv_harness import (
+    agreement,
+    greedy_with_logits,
+    hand_off_prompt,
+    steps_until_finished,
+)
 from tests.engine.tiny_model import PROMPTS, TINY_ENGINE, make_engine
 from tests.kv_transfer.transfer_peer import serve_receiver
 
@@ -92,49 +95,10 @@ def test_int8_fits_at_least_3_5_times_the_blocks(tiny_model_dir: Path) -> None:
     assert int8.hash_namespace.root != fp32.hash_namespace.root
 
 
-def _greedy_with_logits(engine, num_tokens: int) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Per prompt (one at a time, through the engine's step loop): its greedy tokens and the logits each was
-    chosen from."""
-    model = engine.runner.model
-    compute_logits = model.compute_logits
-    recorded: list[torch.Tensor] = []
-
-    def recording(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden)
-        recorded.append(logits[0].clone())
-        return logits
-
-    model.compute_logits = recording
-    results = []
-    for i, prompt in enumerate(PROMPTS):
-        recorded.clear()
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
-        finished = []
-        while engine.has_unfinished_requests():
-            finished += [out for out in engine.step() if out.finished]
-        results.append((finished[0].token_ids, list(recorded)))
-    return results
-
-
-def agreement(reference: list, quantized: list) -> tuple[list[int], float]:
-    """(per prompt, the tokens its outputs agree on before they first differ; the largest |logit difference| at
-    those positions and the first differing one, where both still saw the same context)."""
-    num_agreeing, max_diff = [], 0.0
-    for (ref_tokens, ref_logits), (q_tokens, q_logits) in zip(reference, quantized, strict=True):
-        agreeing = 0
-        for i in range(min(len(ref_tokens), len(q_tokens))):
-            max_diff = max(max_diff, (ref_logits[i] - q_logits[i]).abs().max().item())
-            if ref_tokens[i] != q_tokens[i]:
-                break
-            agreeing += 1
-        num_agreeing.append(agreeing)
-    return num_agreeing, max_diff
-
-
 def test_int8_greedy_agrees_with_the_unquantized_cache(tiny_model_dir: Path) -> None:
-    reference = _greedy_with_logits(_llm(tiny_model_dir).engine, 16)
+    reference = greedy_with_logits(_llm(tiny_model_dir).engine, 16)
     llm = _llm(tiny_model_dir, kv_cache_dtype="int8")
-    quantized = _greedy_with_logits(llm.engine, 16)
+    quantized = greedy_with_logits(llm.engine, 16)
 
     num_agreeing, max_diff = agreement(reference, quantized)
     assert num_agreeing == [16] * len(PROMPTS)
@@ -180,14 +144,6 @@ def test_serve_takes_int8_with_a_kv_handoff_and_refuses_fp8(tiny_model_dir: Path
         pools("fp8")
 
 
-def _steps_until_finished(engine, request_id: str, max_steps: int = 1000) -> list[int]:
-    for _ in range(max_steps):
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                return out.token_ids
-    raise AssertionError(f"{request_id} unfinished after {max_steps} steps")
-
-
 @pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])
 def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint, transport: str) -> None:
     """An int8 prefill engine hands its quantized blocks (values and scales, through the workers' own source and
@@ -203,38 +159,18 @@ def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint,
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def hand_off(request_id: str, prompt: str, *, corrupt_scale: bool = False) -> tuple[Reservation, int]:
-        prefill.enqueue(prefill.make_request(request_id, prompt, params, remote_decode=True))
-        first = _steps_until_finished(prefill, request_id)
-        request = decode.make_request(request_id, prompt, params)
-        reserved = decode.reserve_remote(request)
-        assert reserved is not None
-        reservation = Reservation(request_id, request.num_prompt_tokens, reserved.block_ids, decode.runner.kv_cache,
-                                  layout, first_block=reserved.num_held_blocks, kv_scales=decode.runner.kv_scales)
-        sink.add(reservation)
-        handoff = KVHandoff(request_id=request_id, transfer_id=uuid.uuid4().hex, num_tokens=request.num_prompt_tokens,
-                            layout=layout, first_block=reserved.num_held_blocks)
-        source = HeldBlocks(prefill.runner.kv_cache, prefill.held_block_ids(request_id), layout,
-                            prefill.runner.kv_scales)
-        # corrupt_byte -1: the last byte of the block, a scale's (its values travel intact)
-        fault = TransferFault(corrupt_block=handoff.block_indices[-1] if corrupt_scale else None, corrupt_byte=-1)
-        sender.fault = fault  # type: ignore[attr-defined]
-        try:
-            result = sender.send(handoff, source, endpoint=endpoint, timeout_s=30)
-            assert result.num_bytes == len(handoff.block_indices) * layout.block_bytes
-        finally:
-            prefill.release_held(request_id)
-            sink.remove(request_id)
-        return reservation, first[0]
+        return hand_off_prompt(prefill, decode, sender, sink, endpoint, request_id, prompt, params,
+                               corrupt_last_byte=corrupt_scale)
 
     try:
         prompt = PROMPTS[1]  # 10 tokens: 2 full blocks of 4, and a partly filled one that decode goes on filling
         colocated.add_request("r", prompt, params)
-        expected = _steps_until_finished(colocated, "r")
+        expected = steps_until_finished(colocated, "r")
 
         reservation, first_token = hand_off("r", prompt)
         assert reservation.state is ReservationState.COMMITTED
         decode.commit_remote("r", first_token, None)
-        assert _steps_until_finished(decode, "r") == expected
+        assert steps_until_finished(decode, "r") == expected
 
         with pytest.raises(KVChecksumError):
             hand_off("bad", PROMPTS[3], corrupt_scale=True)
@@ -257,9 +193,9 @@ def test_int8_greedy_agrees_on_smollm2(smollm2_checkpoint) -> None:
         config = EngineConfig(max_model_len=256, num_kv_blocks=64, **overrides)  # type: ignore[arg-type]
         return LLMEngine(config, smollm2_checkpoint)
 
-    reference = _greedy_with_logits(engine(), 16)
+    reference = greedy_with_logits(engine(), 16)
     int8 = engine(kv_cache_dtype="int8")
-    quantized = _greedy_with_logits(int8, 16)
+    quantized = greedy_with_logits(int8, 16)
     num_agreeing, max_diff = agreement(reference, quantized)
     assert sum(num_agreeing) >= 0.85 * 16 * len(PROMPTS)
     assert min(num_agreeing) >= 10
