@@ -194,6 +194,14 @@ def pools_from_args(args: argparse.Namespace, *,
         num_processes = 1
     num_threads = engine.num_threads or max(1, len(os.sched_getaffinity(0)) // num_processes)
     engine = dataclasses.replace(engine, num_threads=num_threads)
+    if args.gpu_memory_utilization is None and args.ray_address is None and _on_gpu(engine.device):
+        # On one machine every worker's engine shares its GPU: each takes an equal part of the default share, so
+        # that the last one to start still finds its part free (a given --gpu-memory-utilization is each one's).
+        num_engines = num_prefill + num_decode + num_colocated
+        if autoscaler is not None:
+            num_engines = autoscaler.policy.prefill.max_workers + autoscaler.policy.decode.max_workers
+        engine = dataclasses.replace(
+            engine, gpu_memory_utilization=round(engine.gpu_memory_utilization / max(1, num_engines), 4))
     worker_env = {
         "OMP_NUM_THREADS": str(num_threads),
         "MKL_NUM_THREADS": str(num_threads),
@@ -219,6 +227,15 @@ def pools_from_args(args: argparse.Namespace, *,
         worker_host=args.worker_host or ("0.0.0.0" if args.ray_address else "127.0.0.1"),
         reserve_devices=args.ray_address is not None,
     ), autoscaler
+
+
+def _on_gpu(device: str) -> bool:
+    """Whether workers of `device` run on a GPU of this machine ("auto": when it has one; asked torch-free)."""
+    if device == "auto":
+        from deploy.serve_command import cuda_device_count
+
+        return cuda_device_count() > 0
+    return device.startswith("cuda")
 
 
 SECRET_ENVS = frozenset({CLUSTER_SECRET_ENV, API_KEY_ENV, "SPLITSERVE_ADMIN_TOKEN"})

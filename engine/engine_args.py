@@ -43,9 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=parse_size_bytes, default=None,
         help="KV cache size, e.g. 2GiB (default: 2GiB on cpu; on cuda what --gpu-memory-utilization leaves)"
     )
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory this engine uses for weights, activations and KV cache "
-                        "(cuda only; each of several engines sharing a GPU takes its own fraction)")
+                        f"(cuda only; default {d.gpu_memory_utilization}; each of several engines sharing a GPU "
+                        "takes its own fraction: `serve` on one machine divides the default between its workers)")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "cpu", "torch", "triton"))
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (on cuda; cpu always does)")
@@ -94,7 +95,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=(EngineConfig.gpu_memory_utilization if args.gpu_memory_utilization is None
+                                else args.gpu_memory_utilization),
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,

@@ -179,6 +179,22 @@ def test_speculative_config_reaches_every_workers_engine_config() -> None:
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "k": 3}'])
 
 
+@pytest.mark.parametrize(("flags", "share"), [([], 0.45), (["--colocated"], 0.9),
+                                               (["--prefill-workers", "2", "--decode-workers", "1"], 0.3),
+                                               (["--gpu-memory-utilization", "0.4"], 0.4)])
+def test_workers_sharing_one_gpu_split_the_default_share(flags: list[str], share: float) -> None:
+    """`serve --device cuda` on one machine: every worker's engine is on its GPU, so each takes an equal part of
+    vLLM's default 0.9 (a given share is each worker's own); on cpu nothing changes."""
+    from deploy.cli import build_parser
+    from deploy.serve_command import serve_config_from_args
+
+    def engine(*extra: str):
+        return serve_config_from_args(build_parser().parse_args(["serve", *extra])).controller.engine
+
+    assert engine("--device", "cuda", *flags).gpu_memory_utilization == share
+    assert engine("--device", "cpu", *flags).gpu_memory_utilization == (0.4 if "0.4" in flags else 0.9)
+
+
 def test_gpu_memory_utilization_reaches_every_workers_engine_config() -> None:
     """Each worker (every pool's workers get the controller's engine config) takes this share of its GPU, as in
     vLLM: a prefill and a decode worker sharing one GPU each need theirs, e.g. 0.45."""
