@@ -48,6 +48,9 @@ class EngineConfig:
     # multiple of 8 up to max_num_seqs (at most 512).
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # The longest context a graph covers (vLLM's --max-seq-len-to-capture): its block tables are this wide, and a step
+    # with a longer context runs eagerly.
+    max_seq_len_to_capture: int = 8192
     # Speculative decoding; a dict of vLLM's keys is taken too (`LLM(speculative_config={...})`). None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
@@ -66,7 +69,7 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype fp8 needs a CUDA device (--device cuda); on cpu use int8")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len_to_capture"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

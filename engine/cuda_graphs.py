@@ -6,13 +6,14 @@ launches it, a few when a graph does. A replay needs fixed shapes and fixed addr
 static device buffer, sliced per bucket:
 
     flat (int64, on the GPU):  [ input_ids | positions | slot_mapping | seq_lens | block_tables (max_batch x W) ]
-                                  max_batch   max_batch   max_batch      max_batch   W = cdiv(max_model_len, block)
+                                  max_batch   max_batch   max_batch      max_batch   W = cdiv(max_seq_len, block)
 
 A step of n decodes takes the smallest bucket B >= n. The host writes the step into the same layout in pinned memory
 and one asynchronous copy moves the part bucket B reads; rows n..B-1 are padding: slot -1 (store_kv writes nothing)
-and length 0 (attention reads nothing), so they touch no block. The block tables are max_model_len wide, which fixes
-the attention kernel's grid; its partitions past a row's length exit at once. The step's one host synchronisation is
-the sampler reading its tokens back.
+and length 0 (attention reads nothing), so they touch no block. The block tables are max_seq_len wide (the model's
+context, capped by --max-seq-len-to-capture, vLLM's flag: 8192), which fixes the attention kernel's grid; its
+partitions past a row's length exit at once; a step with a longer context runs eagerly. The step's one host
+synchronisation is the sampler reading its tokens back.
 
 Graphs run only where every kernel of the step is capturable and free of host syncs: the Triton attention backend
 with a cache in the model's dtype. `--enforce-eager` (vLLM's flag) turns them off; `--cuda-graph-sizes` (vLLM's)
@@ -46,7 +47,7 @@ class DecodeGraphs:
     """The captured decode steps of one model over one KV cache. Not thread-safe: the engine's step thread only."""
 
     def __init__(
-        self, model: LlamaModel, kv_caches: Sequence[torch.Tensor], *, block_size: int, max_model_len: int,
+        self, model: LlamaModel, kv_caches: Sequence[torch.Tensor], *, block_size: int, max_seq_len: int,
         sizes: Sequence[int],
     ) -> None:
         if not sizes or min(sizes) < 1:
@@ -56,7 +57,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.sizes = sorted(set(sizes))
         self.max_batch = mb = self.sizes[-1]
-        self.width = w = -(-max_model_len // block_size)  # block-table columns
+        self.max_seq_len = max_seq_len  # the longest context (new token included) a replay covers
+        self.width = w = -(-max_seq_len // block_size)  # block-table columns
         device = model.device
         self._flat = torch.zeros(4 * mb + mb * w, dtype=torch.int64, device=device)
         self._host = torch.zeros(4 * mb + mb * w, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -120,8 +122,8 @@ class DecodeGraphs:
 
     def run(self, input_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
             block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """One decode step of len(input_ids) sequences (each's one new token, its position and cache slot, its block
-        table); returns their logits [n, vocab] float32, a view that the next replay overwrites."""
+        """One decode step of len(input_ids) sequences (each's one new token, its position < max_seq_len and cache
+        slot, its block table); returns their logits [n, vocab] float32, a view that the next replay overwrites."""
         n = len(input_ids)
         batch = self.bucket(n)
         if batch is None:
@@ -134,10 +136,8 @@ class DecodeGraphs:
         h[mb : mb + n] = positions
         h[2 * mb : 2 * mb + n] = slots
         tables = h[4 * mb : 4 * mb + batch * w].reshape(batch, w)
-        for row, table in enumerate(block_tables):
-            if len(table) > w:
-                raise ValueError(f"a block table of {len(table)} blocks exceeds max_model_len ({w} blocks)")
-            tables[row, : len(table)] = table
+        for row, table in enumerate(block_tables):  # blocks past max_seq_len (none a context reads) stay behind
+            tables[row, : min(len(table), w)] = table[:w]
         h[3 * mb : 3 * mb + n] = [p + 1 for p in positions]  # each row attends to its context and its new token
         self._fill_padding(n, batch)
         # Earlier replays may still read the device buffer: the copy is ordered after them on the same stream.

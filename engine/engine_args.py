@@ -53,6 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-sizes", type=_sizes, default=None, metavar="N[,N...]",
                    help="decode batch sizes to capture as CUDA graphs (default: 1,2,4 and multiples of 8 up to "
                         "--max-num-seqs, at most 512)")
+    g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
+                   help="the longest context a CUDA graph covers; a decode step with a longer one runs eagerly")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--model-id", default=None,
@@ -100,6 +102,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
+        max_seq_len_to_capture=args.max_seq_len_to_capture,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         model_id=args.model_id,

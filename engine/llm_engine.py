@@ -137,7 +137,7 @@ class LLMEngine:
         if device.type == "cuda" and not config.enforce_eager:  # whose kernels a graph cannot hold)
             if attention.name == "triton" and config.kv_cache_dtype == "auto":
                 self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(
-                    max_model_len=self.max_model_len,
+                    max_seq_len=min(self.max_model_len, config.max_seq_len_to_capture),
                     sizes=list(config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs)))
             else:
                 logger.info("CUDA graphs off: the %s attention backend with a %s KV cache runs eagerly",

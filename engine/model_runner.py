@@ -97,21 +97,24 @@ class ModelRunner:
         sampled, logprobs = self._sample(items, hidden)
         return sampled, logprobs, prompt_logprobs
 
-    def capture_cuda_graphs(self, *, max_model_len: int, sizes: list[int]) -> float:
-        """Capture the decode step for each batch size in `sizes` (see engine/cuda_graphs.py); every later step of
-        single-token decodes that fits one replays it. Returns the seconds capturing took."""
+    def capture_cuda_graphs(self, *, max_seq_len: int, sizes: list[int]) -> float:
+        """Capture the decode step for each batch size in `sizes`, over contexts of up to `max_seq_len` tokens (see
+        engine/cuda_graphs.py); every later step of single-token decodes that fits one replays it. Returns the
+        seconds capturing took."""
         from engine.cuda_graphs import DecodeGraphs
 
         assert self.kv_scales is None, "CUDA graphs need a KV cache in the model's dtype"
         self.graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.block_size,  # type: ignore[arg-type]
-                                   max_model_len=max_model_len, sizes=sizes)
+                                   max_seq_len=max_seq_len, sizes=sizes)
         return self.graphs.capture()
 
     def _replayable(self, items: list[ScheduledRequest]) -> bool:
-        """A step a captured graph computes as eagerly: one new token per request, no drafts, no prompt logprobs."""
-        assert self.graphs is not None
-        return 0 < len(items) <= self.graphs.max_batch and all(
-            item.num_new_tokens == 1 and not item.spec_token_ids
+        """A step a captured graph computes as eagerly: one new token per request within the graphs' context length,
+        no drafts, no prompt logprobs."""
+        graphs = self.graphs
+        assert graphs is not None
+        return 0 < len(items) <= graphs.max_batch and all(
+            item.num_new_tokens == 1 and not item.spec_token_ids and item.start < graphs.max_seq_len
             and item.request.sampling_params.prompt_logprobs is None
             for item in items
         )

@@ -70,7 +70,7 @@ def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_di
     runner = llm.engine.runner
     # Buckets 1, 4, 8: six sequences decode in a bucket of 8 (two padding rows), and fewer as they finish.
     runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=runner.block_size,
-                                max_model_len=llm.engine.max_model_len, sizes=[1, 4, 8])
+                                max_seq_len=llm.engine.max_model_len, sizes=[1, 4, 8])
     got = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert got == expected
     assert runner.graphs.num_replays >= params.max_tokens - 1  # every decode step went through the buffers
@@ -92,12 +92,12 @@ def test_padding_rows_write_no_block_and_leave_the_real_rows_alone(tiny_model_di
     kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
     before = kv.clone()
     step = dict(input_ids=[7], positions=[5], slots=[4 * 4 + 1], block_tables=[[3, 4]])  # block 4, offset 1
-    padded = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_model_len=128, sizes=[8])
+    padded = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_seq_len=128, sizes=[8])
     logits = padded.run(**step).clone()  # one real row, seven padding rows
     changed = (kv != before).flatten(4).any(-1)  # [layers, 2, blocks, block_size]
     assert changed.nonzero()[:, 2:].unique(dim=0).tolist() == [[4, 1]]  # only the real token's slot was written
     kv.copy_(before)
-    alone = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_model_len=128, sizes=[1]).run(**step)
+    alone = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_seq_len=128, sizes=[1]).run(**step)
     torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)  # padding changed nothing the real row read
 
 
@@ -113,11 +113,31 @@ def test_a_step_larger_than_every_bucket_runs_eagerly(tiny_model_dir: Path, devi
     llm = _llm(tiny_model_dir, "cpu")
     runner = llm.engine.runner
     runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=runner.block_size,
-                                max_model_len=llm.engine.max_model_len, sizes=[2])
+                                max_seq_len=llm.engine.max_model_len, sizes=[2])
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     outs = llm.generate(PROMPTS[:3], params)  # three decodes a step: larger than the one bucket
     assert [len(o.token_ids) for o in outs] == [3, 3, 3]
     assert runner.graphs.num_replays == 0
+    assert llm.engine.block_pool.num_used_blocks == 0
+
+
+def test_a_context_longer_than_the_graphs_runs_eagerly(tiny_model_dir: Path, device, torch_single_thread) -> None:
+    if device.type == "cuda":
+        pytest.skip("CPU stand-in only")
+    from engine.cuda_graphs import DecodeGraphs
+
+    class EagerReplay(DecodeGraphs):
+        def _replay(self, batch: int) -> torch.Tensor:
+            return self._step(batch)
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # 9 tokens: decodes at positions 9..13
+    expected = _llm(tiny_model_dir, "cpu").generate([prompt], params)[0].token_ids
+    llm = _llm(tiny_model_dir, "cpu")
+    runner = llm.engine.runner
+    runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_seq_len=12, sizes=[1])
+    assert llm.generate([prompt], params)[0].token_ids == expected
+    assert runner.graphs.num_replays == 3  # positions 9, 10, 11 replayed; 12 and 13 (contexts > 12) ran eagerly
     assert llm.engine.block_pool.num_used_blocks == 0
 
 
