@@ -183,7 +183,7 @@ def build_engine(shape: str, device: torch.device, dtype_name: str, args: argpar
         model=shape, device=str(device), dtype=dtype_name, load_format="dummy", block_size=BLOCK_SIZE,
         max_num_seqs=max(n for n, _ in per_seq), max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=False, num_kv_blocks=num_kv_blocks, seed=SEED,
-        **engine_kwargs(args),
+        attention_backend=args.attention_backend, **engine_kwargs(args),
     )
     checkpoint = Checkpoint(
         config=config,
@@ -546,6 +546,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-prompt-len", type=int, default=128)
     p.add_argument("--hf-new-tokens", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--attention-backend", default="auto", help="auto | triton | torch | cpu (EngineConfig's)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag), to compare")
     p.add_argument("--copy-mib", type=int, default=None, help="default: 1024 on cuda, 64 on cpu")
     p.add_argument("--gemm-n", type=int, default=None, help="default: 8192 on cuda, 1024 on cpu")

@@ -23,7 +23,7 @@ TINY_SHAPES = {
         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,
         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(511,),
         rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=256),
+                                 original_max_position_embeddings=16),
     ),
     "tiny-qwen2": ModelConfig(
         architecture="qwen2", name="tiny-qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -95,3 +95,46 @@ def test_smoke_run_reports_every_figure(tmp_path: Path, monkeypatch: pytest.Monk
     bad = [(path, value) for path, value in numbers if not (math.isfinite(value) and value > 0)]
     assert not bad, bad
     assert "| tiny-llama | 3 x 40 |" in capsys.readouterr().out  # the summary table for docs/benchmarks.md
+
+
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_hf_side_is_the_same_model(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HF model the script builds from a shape's config and dummy weights is the engine's model: the same
+    greedy tokens and the same top-5 logprobs at every step (float32), so the ratio compares two runs of one model.
+    This is what checks the HF config the script derives (RoPE scaling, Qwen2's biases, tied or not)."""
+    import torch
+
+    from engine.core.sampling_params import SamplingParams
+
+    monkeypatch.setitem(dummy_weights.DUMMY_SHAPES, shape, TINY_SHAPES[shape])
+    # Weights 10x the models' init scale: at 0.02 attention is near-uniform and positions barely matter, so a wrong
+    # RoPE would go unseen.
+    monkeypatch.setattr(dummy_weights, "INIT_STD", 0.2)
+    gpu = _load_script()
+    args = gpu.parse_args(["--device", "cpu", "--batches", "1", "--context", "16", "--hf-batch", "2",
+                           "--hf-prompt-len", "12", "--hf-new-tokens", "12", "--prefill-prompts", "1"])
+    cpu, config = torch.device("cpu"), TINY_SHAPES[shape]
+    engine = gpu.build_engine(shape, cpu, "float32", args)
+    prompts = gpu.random_prompts(2, 12, config.vocab_size, seed=3)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"same-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                               logprobs=5))
+    ours = {}
+    while engine.has_unfinished_requests():
+        ours |= {out.request_id: out for out in gpu.step_checked(engine) if out.finished}
+    assert engine.block_pool.num_used_blocks == 0
+
+    weights = dummy_weights.dummy_weights(config, dtype=torch.float32, device=cpu, seed=gpu.SEED)
+    model = gpu.hf_model(config, weights, cpu, torch.float32)
+    with torch.inference_mode():
+        hf = model.generate(input_ids=torch.tensor(prompts), attention_mask=torch.ones(2, 12, dtype=torch.long),
+                            max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    hf_logprobs = torch.stack(hf.logits, dim=1).float().log_softmax(-1)  # [B, new_tokens, vocab]
+    for row in range(2):
+        out = ours[f"same-{row}"]
+        assert out.token_ids == hf.sequences[row, 12:].tolist()
+        for step, entry in enumerate(out.logprobs):
+            top_ids = [token for token, _ in entry.top]
+            expected = hf_logprobs[row, step, top_ids]
+            assert torch.allclose(torch.tensor([lp for _, lp in entry.top]), expected, atol=1e-3), (row, step)
