@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/gpu.py --json gpu.json                     # the GPU run (defaults), ~2 min on an H100
     PYTHONPATH=. python3 bench/gpu.py --enforce-eager                     # the same without CUDA graphs
     PYTHONPATH=. python3 bench/gpu.py --device cpu --shapes smollm2-135m --batches 1,2 --context 64 --steps 3 \
-        --hf-batch 2 --hf-prompt-len 16 --hf-new-tokens 4                 # the CPU smoke run (~15 s)
+        --hf-batch 2 --hf-prompt-len 16 --hf-new-tokens 4                 # CPU smoke: 1-2 min on 2 shared vCPUs
 
 Every figure names the device it ran on (torch.cuda.get_device_name), torch's, triton's and transformers' versions.
 
@@ -45,7 +45,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -56,14 +55,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.core.sampling_params import SamplingParams  # noqa: E402
-from engine.device import TORCH_DTYPES, resolve_device, resolve_dtype  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader.checkpoint import Checkpoint  # noqa: E402
-from engine.loader.dummy_weights import (  # noqa: E402
+from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.device import TORCH_DTYPES, resolve_device, resolve_dtype
+from engine.llm_engine import LLMEngine
+from engine.loader.checkpoint import Checkpoint
+from engine.loader.dummy_weights import (
     DUMMY_SHAPES,
     byte_level_tokenizer,
     dummy_checkpoint_path,
@@ -71,7 +70,7 @@ from engine.loader.dummy_weights import (  # noqa: E402
     dummy_model_id,
     dummy_weights,
 )
-from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.config import ModelConfig
 
 BLOCK_SIZE = 16
 SEED = 0
@@ -119,7 +118,6 @@ def copy_bandwidth(device: torch.device, size_bytes: int) -> float:
     src = torch.empty(size_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     seconds = median_s(lambda: dst.copy_(src), device, warmup=3, repeats=20 if device.type == "cuda" else 5)
-    del src, dst
     return 2 * size_bytes / seconds
 
 
@@ -129,7 +127,6 @@ def gemm_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     seconds = median_s(lambda: a @ b, device, warmup=3, repeats=10 if device.type == "cuda" else 3)
-    del a, b
     return 2 * n**3 / seconds
 
 
@@ -429,18 +426,19 @@ def phase(result: dict, key: str, fn: Callable[[], Any], engine: LLMEngine | Non
 
 
 def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: float, flops_per_s: float,
-                args: argparse.Namespace) -> dict:
+                args: argparse.Namespace, result: dict[str, Any], save: Callable[[], None]) -> None:
+    """Fills `result` phase by phase, calling `save()` after each: a run cut short keeps what it measured."""
     dtype = TORCH_DTYPES[dtype_name]
     config = dummy_model_config(shape)
     weights = dummy_weights(config, dtype=dtype, device="meta")  # shapes only, for the arithmetic
     w_bytes, num_params = weight_bytes(weights, config), non_embedding_params(weights)
     kv_token_bytes = kv_bytes_per_token(config, dtype)
-    result: dict[str, Any] = {"weight_bytes": w_bytes, "non_embedding_params": num_params,
-                              "kv_bytes_per_token": kv_token_bytes, "decode": []}
+    result |= {"weight_bytes": w_bytes, "non_embedding_params": num_params, "kv_bytes_per_token": kv_token_bytes,
+               "decode": []}
     t0 = time.perf_counter()
     engine = phase(result, "engine", lambda: build_engine(shape, device, dtype_name, args))
     if engine is None:
-        return result
+        return
     result |= {"engine_start_s": time.perf_counter() - t0, "attention_backend": engine.attention_backend_name,
                "num_kv_blocks": engine.num_kv_blocks}
     print(f"\n== {shape}: {w_bytes / 1e6:.0f} MB of weights, {kv_token_bytes} KV bytes/token, "
@@ -451,10 +449,11 @@ def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: fl
         return read / bandwidth, read
 
     for batch in args.batches:
-        row = phase(result, f"decode_{batch}", lambda: measure_decode(engine, batch, args, floor), engine)
+        row = phase(result, f"decode_{batch}", lambda b=batch: measure_decode(engine, b, args, floor), engine)
         if row is None:
             continue
         result["decode"].append(row)
+        save()
         print(f"decode  batch {batch:>4} x {args.context} ctx: {row['step_ms']:8.3f} ms/step (min "
               f"{row['step_ms_min']:.3f})  floor {row['floor_ms']:7.3f} ms  x{row['step_over_floor']:6.2f}  "
               f"{row['achieved_gb_s']:7.1f} GB/s = {100 * row['achieved_gb_s'] * 1e9 / bandwidth:5.1f}% of copy",
@@ -463,6 +462,7 @@ def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: fl
     p = phase(result, "prefill", lambda: measure_prefill(engine, args, flops_per_s, num_params), engine)
     if p is not None:
         result["prefill"] = p
+        save()
         print(f"prefill {p['prompts']} x {p['prompt_len']}: {p['tokens_per_s']:,.0f} tok/s in {p['seconds']:.3f} s "
               f" (FLOP floor {p['tokens_per_s_floor']:,.0f} tok/s; {p['pct_of_floor']:.1f}% of it)", flush=True)
 
@@ -493,7 +493,7 @@ def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: fl
         del engine
     free(device)
     result["shape_s"] = time.perf_counter() - t0
-    return result
+    save()
 
 
 def _rate(value: float | None) -> str:
@@ -504,21 +504,21 @@ def summary(report: dict) -> str:
     """The markdown table for docs/benchmarks.md."""
     bandwidth = report["copy_bandwidth_gb_s"]
     lines = [
-        f"Device: {report['device']}; torch {report['torch']}, triton {report['triton']}, transformers "
-        f"{report['transformers']}; {report['dtype']}, dummy weights; CUDA graphs: {report['cuda_graphs']}. "
-        f"Measured copy bandwidth {bandwidth:,.0f} GB/s, {report['gemm_dtype']} GEMM {report['gemm_tflops']:,.1f} "
-        "TFLOP/s.",
+        (f"Device: {report['device']}; torch {report['torch']}, triton {report['triton']}, transformers "
+         f"{report['transformers']}; {report['dtype']}, dummy weights; CUDA graphs: {report['cuda_graphs']}. "
+         f"Measured copy bandwidth {bandwidth:,.0f} GB/s, {report['gemm_dtype']} GEMM "
+         f"{report['gemm_tflops']:,.1f} TFLOP/s."),
         "",
         "| shape | batch x context | step ms | floor ms | step / floor | GB/s read | % of copy bw |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for shape, r in report["shapes"].items():
-        for d in r["decode"]:
+        for d in r.get("decode", []):
             lines.append(f"| {shape} | {d['batch']} x {d['context']} | {d['step_ms']:.3f} | {d['floor_ms']:.3f} | "
                          f"{d['step_over_floor']:.2f} | {d['achieved_gb_s']:,.0f} | "
                          f"{100 * d['achieved_gb_s'] / bandwidth:.0f}% |")
-    lines += ["", "| shape | prefill | tok/s | FLOP-floor tok/s | % of floor | generate batch | ours tok/s | "
-              "HF tok/s | ours / HF |", "|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines += ["", ("| shape | prefill | tok/s | FLOP-floor tok/s | % of floor | generate batch | ours tok/s | "
+                   "HF tok/s | ours / HF |"), "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for shape, r in report["shapes"].items():
         p, h = r.get("prefill"), r.get("hf")
         if p is None:
@@ -593,9 +593,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{gemm_n}^3 {report['gemm_dtype']} GEMM: {flops_per_s / 1e12:,.1f} TFLOP/s", flush=True)
 
     report["shapes"] = {}
+    write_json(report, args.json)
     for shape in args.shapes:
-        report["shapes"][shape] = bench_shape(shape, device, dtype_name, bandwidth, flops_per_s, args)
-        write_json(report, args.json)  # after each shape: a run cut short keeps what it measured
+        report["shapes"][shape] = {}
+        bench_shape(shape, device, dtype_name, bandwidth, flops_per_s, args, report["shapes"][shape],
+                    lambda: write_json(report, args.json))
     report["total_s"] = time.perf_counter() - started
     write_json(report, args.json)
     print(f"\n{summary(report)}\n\ntotal {report['total_s']:.1f} s", flush=True)

@@ -138,3 +138,23 @@ def test_hf_side_is_the_same_model(shape: str, monkeypatch: pytest.MonkeyPatch) 
             top_ids = [token for token, _ in entry.top]
             expected = hf_logprobs[row, step, top_ids]
             assert torch.allclose(torch.tensor([lp for _, lp in entry.top]), expected, atol=1e-3), (row, step)
+
+
+def test_a_failed_phase_keeps_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU run is one shot: a phase that raises is recorded, the other figures still come out, the exit is 1."""
+    monkeypatch.setitem(dummy_weights.DUMMY_SHAPES, "tiny-llama", TINY_SHAPES["tiny-llama"])
+    gpu = _load_script()
+
+    def broken_hf_model(*args, **kwargs):
+        raise RuntimeError("no HF here")
+
+    monkeypatch.setattr(gpu, "hf_model", broken_hf_model)
+    out = tmp_path / "gpu.json"
+    status = gpu.main(["--device", "cpu", "--shapes", "tiny-llama", "--batches", "2", "--context", "24", "--steps", "2",
+                       "--warmup-steps", "1", "--prefill-prompts", "1", "--hf-batch", "2", "--hf-prompt-len", "8",
+                       "--hf-new-tokens", "2", "--copy-mib", "1", "--gemm-n", "64", "--json", str(out)])
+    assert status == 1
+    shape = json.loads(out.read_text())["shapes"]["tiny-llama"]
+    assert shape["errors"] == {"hf_generate": "RuntimeError: no HF here"}
+    assert [row["batch"] for row in shape["decode"]] == [2] and shape["prefill"]["tokens_per_s"] > 0
+    assert "hf" not in shape
