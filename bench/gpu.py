@@ -251,8 +251,11 @@ def check_blocks_free(engine: LLMEngine) -> None:
         raise RuntimeError(f"{engine.block_pool.num_used_blocks} KV blocks still in use after a phase")
 
 
-def measure_decode(engine: LLMEngine, batch: int, args: argparse.Namespace, floor: Callable[[float], float]) -> dict:
-    """Median ms of a pure-decode step at `batch` x `args.context`; `floor(kv_tokens)` is its floor in seconds."""
+def measure_decode(
+    engine: LLMEngine, batch: int, args: argparse.Namespace, floor: Callable[[float], tuple[float, float]]
+) -> dict:
+    """Median ms of a pure-decode step at `batch` x `args.context`; `floor(kv_tokens)` gives the step's floor in
+    seconds and the bytes it reads."""
     device = engine.device
     prompts = random_prompts(batch, args.context, engine.model_config.vocab_size, seed=batch)
     ids = add_all(engine, f"d{batch}-", prompts, decode_max_tokens(batch, args))
@@ -452,11 +455,12 @@ def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: fl
         row = phase(result, f"decode_{batch}", lambda b=batch: measure_decode(engine, b, args, floor), engine)
         if row is None:
             continue
+        row["pct_of_copy_bandwidth"] = 100 * row["achieved_gb_s"] * 1e9 / bandwidth
         result["decode"].append(row)
         save()
         print(f"decode  batch {batch:>4} x {args.context} ctx: {row['step_ms']:8.3f} ms/step (min "
               f"{row['step_ms_min']:.3f})  floor {row['floor_ms']:7.3f} ms  x{row['step_over_floor']:6.2f}  "
-              f"{row['achieved_gb_s']:7.1f} GB/s = {100 * row['achieved_gb_s'] * 1e9 / bandwidth:5.1f}% of copy",
+              f"{row['achieved_gb_s']:7.1f} GB/s = {row['pct_of_copy_bandwidth']:5.1f}% of copy",
               flush=True)
 
     p = phase(result, "prefill", lambda: measure_prefill(engine, args, flops_per_s, num_params), engine)

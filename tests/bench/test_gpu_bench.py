@@ -33,7 +33,7 @@ TINY_SHAPES = {
     ),
 }
 DECODE_KEYS = ("step_ms", "step_ms_min", "floor_ms", "step_over_floor", "bytes_read_per_step", "achieved_gb_s",
-               "tokens_per_s")
+               "pct_of_copy_bandwidth", "tokens_per_s")
 PREFILL_KEYS = ("tokens", "seconds", "tokens_per_s", "flops", "floor_s", "tokens_per_s_floor", "pct_of_floor")
 HF_KEYS = ("hf_tokens_per_s", "ours_tokens_per_s", "ours_over_hf")
 
