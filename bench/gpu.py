@@ -442,10 +442,15 @@ def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: fl
     engine = phase(result, "engine", lambda: build_engine(shape, device, dtype_name, args))
     if engine is None:
         return
+    # None: no CUDA graphs (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold).
+    capture_s = getattr(engine, "cuda_graph_capture_seconds", None)
     result |= {"engine_start_s": time.perf_counter() - t0, "attention_backend": engine.attention_backend_name,
-               "num_kv_blocks": engine.num_kv_blocks}
+               "num_kv_blocks": engine.num_kv_blocks, "cuda_graphs": capture_s is not None,
+               "cuda_graph_capture_s": capture_s}
+    graphs = f"CUDA graphs captured in {capture_s:.1f} s" if capture_s is not None else "no CUDA graphs"
     print(f"\n== {shape}: {w_bytes / 1e6:.0f} MB of weights, {kv_token_bytes} KV bytes/token, "
-          f"attention {engine.attention_backend_name}, engine up in {result['engine_start_s']:.1f} s", flush=True)
+          f"attention {engine.attention_backend_name}, {graphs}, engine up in {result['engine_start_s']:.1f} s",
+          flush=True)
 
     def floor(kv_tokens: float) -> tuple[float, float]:
         read = w_bytes + kv_tokens * kv_token_bytes
@@ -583,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"device": device_name(device), **versions(), "dtype": dtype_name,
                               "cuda_graphs": cuda_graphs, "args": vars(args).copy()}
     print(f"device {report['device']}; torch {report['torch']}, triton {report['triton']}, transformers "
-          f"{report['transformers']}; {dtype_name}; CUDA graphs {cuda_graphs}", flush=True)
+          f"{report['transformers']}; {dtype_name}; CUDA graphs asked for: {cuda_graphs}", flush=True)
 
     copy_bytes = (args.copy_mib or (1024 if device.type == "cuda" else 64)) << 20
     bandwidth = copy_bandwidth(device, copy_bytes)
@@ -602,6 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["shapes"][shape] = {}
         bench_shape(shape, device, dtype_name, bandwidth, flops_per_s, args, report["shapes"][shape],
                     lambda: write_json(report, args.json))
+    report["cuda_graphs"] = any(r.get("cuda_graphs") for r in report["shapes"].values())
     report["total_s"] = time.perf_counter() - started
     write_json(report, args.json)
     print(f"\n{summary(report)}\n\ntotal {report['total_s']:.1f} s", flush=True)
