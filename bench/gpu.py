@@ -357,8 +357,8 @@ def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor], device: torc
         rope_parameters=rope, bos_token_id=config.bos_token_id, eos_token_id=eos,
         pad_token_id=config.eos_token_ids[0] if config.eos_token_ids else 0,
     )
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    with torch.device(device):  # initialised there (fast on a GPU); .to() in case a version builds on the host
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"dummy weights do not fit HF's model: missing {missing}, unexpected {unexpected}")
