@@ -30,8 +30,12 @@ WIDE_BLOCK_N = 64  # ... for launches of many programs in 16-bit dtypes
 SPLIT_BELOW_PROGRAMS = 512
 # ... until it has about this many programs (~15 per SM on a 132-SM GPU) ...
 TARGET_PROGRAMS = 2048
-# ... but never into partitions shorter than this: below it the reduce costs more than the split gains.
+# ... but never into partitions shorter than this: below it the reduce costs more than the split gains ...
 MIN_PARTITION_SIZE = 256
+# ... except in a launch of fewer programs than this (a handful of sequences): there every position step is a link
+# in one program's latency chain, and shorter partitions run side by side instead.
+FEW_PROGRAMS = 64
+MIN_PARTITION_SIZE_FEW = 64
 # The launch shapes above come from a sweep on an H200 (bf16, head_dim 64, 1,024-token contexts; docs/benchmarks.md,
 # "GPU"): at 256 x 8 programs, 64-position steps pipelined 2 deep read 3.7 TB/s against 2.9 for the first version
 # (32 positions, Triton's default 3 stages, 512 target programs); at one sequence, 3 stages cost 3x a 1-stage loop.
@@ -179,11 +183,12 @@ def _reduce_kernel(
 def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = BLOCK_N) -> int:
     """The partition (tokens, a multiple of block_n) for split-K: a launch of fewer than SPLIT_BELOW_PROGRAMS
     programs splits a long context until it has about TARGET_PROGRAMS, in partitions of at least
-    MIN_PARTITION_SIZE tokens. >= max_seq_len: no split."""
+    MIN_PARTITION_SIZE tokens (MIN_PARTITION_SIZE_FEW under FEW_PROGRAMS programs). >= max_seq_len: no split."""
     max_seq_len = max(max_seq_len, 1)
     programs = max(num_seqs * num_kv_heads, 1)
     want_splits = 1 if programs >= SPLIT_BELOW_PROGRAMS else triton.cdiv(TARGET_PROGRAMS, programs)
-    num_splits = max(1, min(want_splits, max_seq_len // MIN_PARTITION_SIZE))
+    min_partition = MIN_PARTITION_SIZE_FEW if programs < FEW_PROGRAMS else MIN_PARTITION_SIZE
+    num_splits = max(1, min(want_splits, max_seq_len // min_partition))
     return triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
 
 
