@@ -1,6 +1,8 @@
 """Disaggregated vs colocated serving on one machine, same workload, one run; then KV transfer throughput.
 
     python bench/disagg_overhead.py [--num-requests 20] [--prompt-tokens 1000] [--max-tokens 32]
+    python bench/disagg_overhead.py --device cuda --load-format dummy --transports grpc --skip-throughput
+                                                        # the three workers on one GPU
 
 Part 1 starts real worker processes (`python -m prefill_worker`, `python -m decode_worker`) and sends the same
 requests, one at a time, to (a) one colocated worker and (b) a decode worker that pulls each prompt's KV from a
@@ -102,6 +104,8 @@ def main() -> int:
     parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1, help="torch threads per worker")
     parser.add_argument("--transports", default="grpc,torch", help="cross-process transports to compare")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--device", default="cpu", help="the workers' --device (cuda: all three on one GPU)")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights of --model's shape")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -109,7 +113,7 @@ def main() -> int:
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
                for _ in range(args.warmup + args.num_requests)]
     common = ["--model", args.model, "--num-threads", str(args.num_threads), "--max-model-len", "2048",
-              "--kv-cache-memory", "512MiB"]
+              "--kv-cache-memory", "512MiB", "--device", args.device, "--load-format", args.load_format]
     print(f"workload: {args.num_requests} requests (+{args.warmup} warm-up), {args.prompt_tokens} prompt tokens, "
           f"{args.max_tokens} output tokens, one at a time; {args.num_threads} torch threads per worker")
     with ExitStack() as stack:

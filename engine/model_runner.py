@@ -70,10 +70,17 @@ class ModelRunner:
         params = request.sampling_params
         if params.seed is None or params.temperature < MIN_TEMPERATURE:
             return
-        generator = torch.Generator().manual_seed(params.seed)
+        generator = self._new_generator(params.seed)
         # One draw of the sampler's: vocab_size float32 uniforms (rejection_sampler._replay_draws does the same).
-        torch.empty(self.model.config.vocab_size, dtype=torch.float32).uniform_(generator=generator)
+        torch.empty(self.model.config.vocab_size, dtype=torch.float32, device=generator.device).uniform_(
+            generator=generator)
         self._generators[request.request_id] = generator
+
+    def _new_generator(self, seed: int) -> torch.Generator:
+        """A seeded request's own generator, on the engine's device: on a GPU its draws stay there (one kernel per
+        seeded row, no host copy; the rest of sampling is batched), as vLLM's do. A seed therefore gives the same
+        tokens on engines of one device type; a CPU and a GPU engine draw different streams from it."""
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator and grammar matcher."""
@@ -245,7 +252,7 @@ class ModelRunner:
         if params.seed is not None:
             generator = self._generators.get(request.request_id)
             if generator is None:
-                generator = torch.Generator().manual_seed(params.seed)
+                generator = self._new_generator(params.seed)
                 self._generators[request.request_id] = generator
         output_token_ids: list[int] = request.output_token_ids
         if accepted_drafts:

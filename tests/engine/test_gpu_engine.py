@@ -77,11 +77,14 @@ def test_a_quantized_cache_agrees_with_the_bfloat16_cache(tiny_model_dir: Path, 
     assert quantized.block_pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 @pytest.mark.parametrize("transport", ["inproc", "grpc"])
-def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_checkpoint, transport: str) -> None:
+def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_checkpoint, transport: str,
+                                                                        sampling: str) -> None:
     """A bfloat16 prefill engine hands its blocks to a decode engine on the same GPU (inproc: device to device,
     never through the host; grpc: over loopback, as between hosts); the decode engine, replaying its CUDA graphs,
-    gives the colocated engine's greedy tokens, and every block of all three engines comes back."""
+    gives the colocated engine's tokens (greedy, or seeded random: the decode engine's device generator starts past
+    the prefill engine's draw), and every block of all three engines comes back."""
     from decode_worker.reservation import DecodeKVSink, ReservationState
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -98,6 +101,8 @@ def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_che
     server, endpoint, receiver = serve_receiver(transport, sink)
     sender = make_sender(transport, worker_id="prefill-0", device=cuda)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    if sampling == "seeded":
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
     try:
         for i, prompt in enumerate(PROMPTS):
             colocated.add_request(f"r{i}", prompt, params)
