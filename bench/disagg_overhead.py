@@ -35,7 +35,7 @@ from protos import serving_pb2, serving_pb2_grpc  # noqa: E402
 def start_worker(module: str, *flags: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *flags], cwd=REPO, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)},
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
