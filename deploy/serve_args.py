@@ -179,12 +179,12 @@ def pools_from_args(args: argparse.Namespace, *,
     auth = cluster_auth_from_args(args, os.environ, generate=True)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
-    # Every transport (grpc, torch gloo/NCCL, inproc) carries int8 blocks with their scales
-    # (kv_transfer/wire_block.py); none carries fp8 yet.
+    # Every transport (grpc, torch gloo/NCCL, inproc) carries int8 blocks with their scales and fp8 blocks as bytes
+    # (kv_transfer/wire_block.py): all of the engine's cache dtypes. This guards one added to the engine only.
     if engine.kv_cache_dtype not in HANDOFF_KV_CACHE_DTYPES and num_prefill + num_decode > 0:
         raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs carry "
-                         f"{' or '.join(HANDOFF_KV_CACHE_DTYPES)} blocks only, over every --kv-transport; serve it "
-                         "with colocated workers (--colocated) or --kv-cache-dtype int8")
+                         f"{' or '.join(HANDOFF_KV_CACHE_DTYPES)} blocks only; serve it with colocated workers "
+                         "(--colocated)")
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
     # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
     num_processes = num_prefill + num_decode + num_colocated

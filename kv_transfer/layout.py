@@ -6,12 +6,15 @@ One block on the wire is its values, then (a quantized cache only) their scales,
 
     values  [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]   of `dtype` (kv_cache_dtype auto)
                                                                           or int8    (kv_cache_dtype int8)
+                                                                          or fp8 e4m3 (kv_cache_dtype fp8)
     scales  [num_layers, 2 (K, V), num_kv_heads]                          float32    (int8 only)
 
 An unquantized block travels as one tensor of the values' shape and dtype; an int8 block as one uint8 tensor of
 `block_bytes` (the values' bytes, then the scales'; `wire_shape`, `wire_dtype`), so that every transport moves
-and checksums it as it moves any block: the CRC-32C covers the scales with the values. The bytes equal
-`engine.kv_cache_dtype.kv_block_bytes` (about a quarter of float32's for int8).
+and checksums it as it moves any block: the CRC-32C covers the scales with the values; an fp8 block (no scales: the
+cache holds the values cast, unscaled) as its values' bytes, a uint8 tensor of the values' shape, since not every
+transport's collectives take float8. The bytes equal `engine.kv_cache_dtype.kv_block_bytes` (about a quarter of
+float32's for int8, half of bfloat16's for fp8).
 
 A handoff carries `num_blocks = ceil(num_tokens / block_size)` such blocks, in block-table order. The last block
 may be partly filled; its tail bytes are whatever the sender's cache held and the receiver never reads them (an
@@ -31,9 +34,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# What a handoff can carry, by `--kv-cache-dtype`: the model's dtype, or int8 values with float32 scales. (fp8 is
-# not carried yet: serve refuses it with a handoff.)
-KV_CACHE_DTYPES = ("auto", "int8")
+# What a handoff can carry, by `--kv-cache-dtype`: the model's dtype, int8 values with float32 scales, fp8 values.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+FP8_DTYPE = "float8_e4m3fn"  # torch's name of an fp8 cache's values
 SCALE_DTYPE = "float32"  # an int8 block's scales (engine.kv_cache_dtype.SCALE_DTYPE)
 
 
@@ -118,7 +121,7 @@ class KVLayout:
 
     @property
     def value_dtype(self) -> str:
-        return "int8" if self.quantized else self.dtype
+        return {"int8": "int8", "fp8": FP8_DTYPE}.get(self.kv_cache_dtype, self.dtype)
 
     @property
     def scale_shape(self) -> tuple[int, int, int]:
@@ -127,7 +130,7 @@ class KVLayout:
 
     @property
     def value_bytes(self) -> int:
-        element_size = 1 if self.quantized else DTYPE_SIZES[self.dtype]
+        element_size = DTYPE_SIZES[self.dtype] if self.kv_cache_dtype == "auto" else 1
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element_size
 
     @property
@@ -141,8 +144,8 @@ class KVLayout:
 
     @property
     def wire_dtype(self) -> str:
-        """The dtype of a block's tensor as transports move it: the values' own, or bytes (uint8) for int8."""
-        return "uint8" if self.quantized else self.value_dtype
+        """The dtype of a block's tensor as transports move it: the values' own, or bytes (uint8) for int8 and fp8."""
+        return self.value_dtype if self.kv_cache_dtype == "auto" else "uint8"
 
     @property
     def wire_shape(self) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """One KV block as transports move it, read out of a paged cache and written back into one.
 
     unquantized   the cache's values view [num_layers, 2, block_size, Hkv, D], as it is (a strided view)
+    fp8           the same view's bytes (uint8, same shape): a float8 tensor is not something every transport sends
     int8          one uint8 tensor of layout.block_bytes:  values' bytes ‖ scales' bytes
                     values  [num_layers, 2, block_size, Hkv, D] int8
                     scales  [num_layers, 2, Hkv]            float32
@@ -36,7 +37,7 @@ def read_wire_block(layout: KVLayout, values: torch.Tensor, scales: torch.Tensor
     `scales`: its [num_layers, 2, Hkv] float32 view (int8), else None. Unquantized, `values` itself."""
     _check_scales(layout, scales)
     if scales is None:
-        return values
+        return values.view(torch.uint8) if layout.kv_cache_dtype == "fp8" else values
     out = torch.empty(layout.block_bytes, dtype=torch.uint8, device=values.device)
     out[: layout.value_bytes].view(layout.block_shape).copy_(values.view(torch.uint8))
     out[layout.value_bytes :].view(_scale_byte_shape(layout)).copy_(scales.view(torch.uint8))
@@ -51,7 +52,7 @@ def write_wire_block(layout: KVLayout, values: torch.Tensor, scales: torch.Tenso
     if tuple(data.shape) != layout.wire_shape:
         raise ValueError(f"a wire block of shape {tuple(data.shape)}, expected {layout.wire_shape}")
     if scales is None:
-        copy_checked(values, data, crc32c)
+        copy_checked(values.view(torch.uint8) if layout.kv_cache_dtype == "fp8" else values, data, crc32c)
         return
     copy_checked_parts(
         [

@@ -114,7 +114,8 @@ class WorkerRuntime:
         tune_malloc()  # before the gRPC server's threads exist: they then share one arena
         engine_config = resolve_engine_config(config.engine)  # the device and dtype this worker runs with
         if engine_config.kv_cache_dtype not in HANDOFF_KV_CACHE_DTYPES and config.role != "colocated":
-            # The KV layout and the transports move unquantized blocks and int8 ones with their scales.
+            # The KV layout and the transports move unquantized blocks, int8 ones with their scales and fp8 ones (all
+            # of the engine's today: this guards a cache dtype added to the engine and not to the wire).
             raise ValueError(f"--kv-cache-dtype {engine_config.kv_cache_dtype}: KV handoffs do not carry such "
                              "blocks yet; run colocated workers (--num-colocated-workers) or --kv-cache-dtype "
                              f"{' or '.join(HANDOFF_KV_CACHE_DTYPES)}")
@@ -312,9 +313,7 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
         head_dim=mc.head_dim,
         block_size=config.block_size,
         dtype=config.dtype,
-        # fp8 runs colocated only (WorkerRuntime refuses it otherwise): such a worker moves no KV, its layout never
-        # travels
-        kv_cache_dtype=config.kv_cache_dtype if config.kv_cache_dtype in HANDOFF_KV_CACHE_DTYPES else "auto",
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 

@@ -129,8 +129,8 @@ def test_int8_runs_through_generate_and_refuses_other_backends(tiny_model_dir: P
 
 
 @pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])
-def test_serve_takes_int8_with_a_kv_handoff_and_refuses_fp8(tiny_model_dir: Path, transport: str) -> None:
-    """Every transport carries int8 blocks with their scales; none carries fp8 (validated before anything starts)."""
+def test_serve_takes_int8_and_fp8_with_a_kv_handoff(tiny_model_dir: Path, transport: str) -> None:
+    """Every transport carries int8 blocks with their scales and fp8 blocks as bytes."""
 
     def pools(kv_cache_dtype: str) -> ControllerConfig:
         return controller_config_from_args(build_parser().parse_args(
@@ -140,8 +140,7 @@ def test_serve_takes_int8_with_a_kv_handoff_and_refuses_fp8(tiny_model_dir: Path
     config = pools("int8")
     assert config.engine.kv_cache_dtype == "int8"
     assert config.num_prefill_workers == config.num_decode_workers == 1
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: KV handoffs carry auto or int8 blocks only"):
-        pools("fp8")
+    assert pools("fp8").engine.kv_cache_dtype == "fp8"
 
 
 @pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])

@@ -55,11 +55,29 @@ def test_kv_cache_dtype_travels_in_the_descriptor_and_a_mismatch_names_it() -> N
     assert KVLayout.from_proto(wire) == SMOLLM2
     with pytest.raises(KVLayoutMismatch, match="kv_cache_dtype: ours 'int8', peer's 'auto'"):
         SMOLLM2_INT8.check_compatible(SMOLLM2)
-    wire.kv_cache_dtype = "fp8"  # not carried by any transport
-    with pytest.raises(KVLayoutMismatch, match="invalid KV layout.*fp8"):
+    wire.kv_cache_dtype = "fp4"  # no such cache
+    with pytest.raises(KVLayoutMismatch, match="invalid KV layout.*fp4"):
         KVLayout.from_proto(wire)
-    with pytest.raises(ValueError, match="not 'fp8'"):
-        KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="float32", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="not 'fp4'"):
+        KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="float32", kv_cache_dtype="fp4")
+
+
+def test_an_fp8_block_travels_as_its_values_bytes_half_of_bfloat16s() -> None:
+    from engine.kv_cache_dtype import kv_block_bytes  # torch: only this test needs the engine
+    from engine.loader.dummy_weights import dummy_model_config
+    import torch
+
+    bf16 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
+    fp8 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16", kv_cache_dtype="fp8")
+    assert (fp8.value_dtype, fp8.wire_dtype, fp8.wire_shape) == ("float8_e4m3fn", "uint8", bf16.block_shape)
+    assert not fp8.quantized and fp8.scale_bytes == 0  # no scales: the cache holds the values cast
+    assert fp8.block_bytes * 2 == bf16.block_bytes == 368_640
+    model = dummy_model_config("smollm2-135m")
+    assert fp8.block_bytes == kv_block_bytes(model, 16, torch.bfloat16, "fp8")
+    wire = kv_transfer_pb2.KVLayout.FromString(fp8.to_proto().SerializeToString())
+    assert KVLayout.from_proto(wire) == fp8
+    with pytest.raises(KVLayoutMismatch, match="kv_cache_dtype: ours 'fp8', peer's 'auto'"):
+        fp8.check_compatible(bf16)
 
 
 @pytest.mark.parametrize(("num_tokens", "num_blocks"), [(1, 1), (16, 1), (17, 2), (1000, 63)])

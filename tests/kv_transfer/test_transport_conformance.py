@@ -51,6 +51,10 @@ SPLIT_BY_BYTES = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=
 # --kv-cache-dtype int8: int8 values and a float32 scale per layer, K/V and KV head; one block = values ‖ scales
 INT8 = dataclasses.replace(SMALL, kv_cache_dtype="int8")  # 256 + 32 bytes
 INT8_SMOLLM2 = dataclasses.replace(SMOLLM2, kv_cache_dtype="int8")  # 180 KiB + 720 bytes: 0.251x of float32's
+# --kv-cache-dtype fp8: e4m3 values, no scales; a block travels as its values' bytes
+FP8 = dataclasses.replace(SMALL_BF16, kv_cache_dtype="fp8")  # 128 bytes
+FP8_SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16",
+                       kv_cache_dtype="fp8")  # 180 KiB: half of bfloat16's
 INT8_SPLIT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=6200, dtype="float32",
                       kv_cache_dtype="int8")  # 6.1 MiB: over the gRPC chunk, split by bytes (the scales in the last)
 
@@ -158,6 +162,8 @@ def _wait_settled(sink: RecordingSink, timeout_s: float) -> float:
         pytest.param(SMOLLM2_B32, 64 * 32 - 3, id="94MB-1.4MB-blocks"),
         pytest.param(SPLIT_BY_LAYERS, 1100 + 7, id="9MB-4.3MB-blocks-split-by-layers"),
         pytest.param(SPLIT_BY_BYTES, 1600 + 7, id="13MB-6.3MB-blocks-split-by-bytes"),
+        pytest.param(FP8, 4 * 3 + 1, id="fp8-small-partial-last"),
+        pytest.param(FP8_SMOLLM2, 187, id="fp8-smollm2-2.2MB"),
     ],
 )
 def test_round_trip_is_byte_exact(make_harness, layout: KVLayout, num_tokens: int) -> None:
@@ -498,8 +504,9 @@ def test_quantized_handoff_moves_about_a_quarter_of_float32s_bytes(make_harness)
     assert 0.25 < results["int8"] / results["auto"] < 0.26
 
 
-@pytest.mark.parametrize(("ours", "theirs"), [(INT8, SMALL), (SMALL, INT8)],
-                         ids=["int8-receiver-float32-sender", "float32-receiver-int8-sender"])
+@pytest.mark.parametrize(("ours", "theirs"), [(INT8, SMALL), (SMALL, INT8), (FP8, SMALL_BF16), (SMALL_BF16, FP8)],
+                         ids=["int8-receiver-float32-sender", "float32-receiver-int8-sender",
+                              "fp8-receiver-bfloat16-sender", "bfloat16-receiver-fp8-sender"])
 def test_kv_cache_dtype_mismatch_is_refused_before_any_byte(make_harness, ours: KVLayout, theirs: KVLayout) -> None:
     harness = make_harness(ours)
     handoff = make_handoff(theirs, 9)
@@ -510,7 +517,7 @@ def test_kv_cache_dtype_mismatch_is_refused_before_any_byte(make_harness, ours: 
                               endpoint=harness.endpoint, timeout_s=10)
 
     assert harness.sink.open_calls == 0 and not harness.sink.destinations and harness.sink.num_used == 0
-    assert not harness.sink.cache.any()
+    assert not harness.sink.cache.view(torch.uint8).any()
     assert harness.sink.scales is None or not harness.sink.scales.any()
 
 

@@ -176,7 +176,7 @@ class PatternSource:
                                         dtype=torch.int8).to(device)
         else:
             self.blocks = torch.randn((num_blocks, *layout.block_shape), generator=generator).to(
-                dtype=getattr(torch, layout.dtype), device=device
+                dtype=getattr(torch, layout.value_dtype), device=device  # the model's dtype, or fp8 values
             )
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: the same values, paged
         self.cache = self.blocks.permute(1, 2, 0, 3, 4, 5).contiguous()
