@@ -5,6 +5,8 @@ through the workers' own source and reservation over a real transport."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -91,3 +93,20 @@ def hand_off_prompt(prefill, decode, sender, sink: DecodeKVSink, endpoint: str, 
         prefill.release_held(request_id)
         sink.remove(request_id)
     return reservation, first[0]
+
+
+@contextmanager
+def transfer_link(transport: str, sink: DecodeKVSink, device: torch.device) -> Iterator[tuple[object, str]]:
+    """A receiver of `transport` writing into `sink`, served on a loopback gRPC server, and a sender to it:
+    yields (sender, endpoint); closes both and stops the server after."""
+    from kv_transfer.registry import make_sender
+    from tests.kv_transfer.transfer_peer import serve_receiver
+
+    server, endpoint, receiver = serve_receiver(transport, sink)
+    sender = make_sender(transport, worker_id="prefill-0", device=device)
+    try:
+        yield sender, endpoint
+    finally:
+        sender.close()
+        receiver.close()
+        server.stop(grace=None)

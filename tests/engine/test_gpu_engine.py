@@ -27,6 +27,7 @@ from tests.engine.kv_harness import (
     greedy_with_logits,
     hand_off_prompt,
     steps_until_finished,
+    transfer_link,
 )
 from tests.engine.tiny_model import PROMPTS, TINY_ENGINE
 
@@ -92,8 +93,6 @@ def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_che
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.serving.worker_runtime import kv_layout
-    from kv_transfer.registry import make_sender
-    from tests.kv_transfer.transfer_peer import serve_receiver
 
     config = EngineConfig(**{**TINY_ENGINE, "device": "cuda", "dtype": "bfloat16",  # type: ignore[arg-type]
                              "kv_cache_dtype": kv_cache_dtype})
@@ -103,12 +102,10 @@ def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_che
     layout = kv_layout(decode)
     cuda = torch.device("cuda")
     sink = DecodeKVSink(layout, cuda)
-    server, endpoint, receiver = serve_receiver(transport, sink)
-    sender = make_sender(transport, worker_id="prefill-0", device=cuda)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     if sampling == "seeded":
         params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
-    try:
+    with transfer_link(transport, sink, cuda) as (sender, endpoint):
         for i, prompt in enumerate(PROMPTS):
             colocated.add_request(f"r{i}", prompt, params)
             expected = steps_until_finished(colocated, f"r{i}")
@@ -118,9 +115,5 @@ def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_che
             decode.commit_remote(f"r{i}", first_token, None)
             assert steps_until_finished(decode, f"r{i}") == expected
         assert not graphs or decode.runner.graphs.num_replays > 0
-    finally:
-        sender.close()
-        receiver.close()
-        server.stop(grace=None)
     for engine in (colocated, prefill, decode):
         assert engine.block_pool.num_used_blocks == 0

@@ -30,15 +30,14 @@ from engine import SamplingParams
 from engine.attention.int8_kv import dequantize_slots, quantize_store
 from engine.serving.worker_runtime import kv_layout
 from kv_transfer.layout import KVChecksumError
-from kv_transfer.registry import make_sender
 from tests.engine.kv_harness import (
     agreement,
     greedy_with_logits,
     hand_off_prompt,
     steps_until_finished,
+    transfer_link,
 )
 from tests.engine.tiny_model import PROMPTS, TINY_ENGINE, make_engine
-from tests.kv_transfer.transfer_peer import serve_receiver
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
@@ -153,15 +152,13 @@ def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint,
     layout = kv_layout(decode)  # what a worker over the engine names in its handoffs
     assert layout.kv_cache_dtype == "int8" and layout == kv_layout(prefill) != kv_layout(make_engine(tiny_checkpoint))
     sink = DecodeKVSink(layout, torch.device("cpu"))
-    server, endpoint, receiver = serve_receiver(transport, sink)
-    sender = make_sender(transport, worker_id="prefill-0", device=torch.device("cpu"))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with transfer_link(transport, sink, torch.device("cpu")) as (sender, endpoint):
 
-    def hand_off(request_id: str, prompt: str, *, corrupt_scale: bool = False) -> tuple[Reservation, int]:
-        return hand_off_prompt(prefill, decode, sender, sink, endpoint, request_id, prompt, params,
-                               corrupt_last_byte=corrupt_scale)
+        def hand_off(request_id: str, prompt: str, *, corrupt_scale: bool = False) -> tuple[Reservation, int]:
+            return hand_off_prompt(prefill, decode, sender, sink, endpoint, request_id, prompt, params,
+                                   corrupt_last_byte=corrupt_scale)
 
-    try:
         prompt = PROMPTS[1]  # 10 tokens: 2 full blocks of 4, and a partly filled one that decode goes on filling
         colocated.add_request("r", prompt, params)
         expected = steps_until_finished(colocated, "r")
@@ -175,10 +172,6 @@ def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint,
             hand_off("bad", PROMPTS[3], corrupt_scale=True)
         assert reservation.state is ReservationState.COMMITTED  # the earlier one, untouched
         decode.abort_request(["bad"])  # what the decode worker does with a failed reservation
-    finally:
-        sender.close()
-        receiver.close()
-        server.stop(grace=None)
     for engine in (colocated, prefill, decode):
         assert engine.block_pool.num_used_blocks == 0
 

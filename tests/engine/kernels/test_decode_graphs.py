@@ -14,10 +14,18 @@ import torch
 pytest.importorskip("triton")
 
 from engine import SamplingParams
+from engine.cuda_graphs import DecodeGraphs
 from tests.engine.tiny_model import TINY_ENGINE
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "a b c d e f g",
            "Serving language models needs careful scheduling", "one", "two three"]
+
+
+class EagerReplay(DecodeGraphs):
+    """The capture's one stand-in on CPU: the bucket's step run eagerly, over the same static buffers."""
+
+    def _replay(self, batch: int) -> torch.Tensor:
+        return self._step(batch)
 
 
 def _llm(model_dir: Path, device: str, **engine: object):
@@ -56,12 +64,6 @@ def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_di
                                                                    torch_single_thread) -> None:
     if device.type == "cuda":
         pytest.skip("on a GPU the real capture is tested (test_cuda_graph_replay_equals_eager)")
-    from engine.cuda_graphs import DecodeGraphs
-
-    class EagerReplay(DecodeGraphs):  # the capture's one stand-in: the bucket's step, run eagerly, same buffers
-        def _replay(self, batch: int) -> torch.Tensor:
-            return self._step(batch)
-
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     eager = _llm(tiny_model_dir, "cpu")
     expected = [o.token_ids for o in eager.generate(PROMPTS, params)]
@@ -81,17 +83,11 @@ def test_padding_rows_write_no_block_and_leave_the_real_rows_alone(tiny_model_di
                                                                     torch_single_thread) -> None:
     if device.type == "cuda":
         pytest.skip("CPU stand-in only")
-    from engine.cuda_graphs import DecodeGraphs
-
-    class EagerReplay(DecodeGraphs):
-        def _replay(self, batch: int) -> torch.Tensor:
-            return self._step(batch)
-
     runner = _llm(tiny_model_dir, "cpu").engine.runner
     kv = runner.kv_cache  # [layers, 2, blocks, block_size, Hkv, D]
     kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
     before = kv.clone()
-    step = dict(input_ids=[7], positions=[5], slots=[4 * 4 + 1], block_tables=[[3, 4]])  # block 4, offset 1
+    step = {"input_ids": [7], "positions": [5], "slots": [4 * 4 + 1], "block_tables": [[3, 4]]}  # block 4, offset 1
     padded = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_seq_len=128, sizes=[8])
     logits = padded.run(**step).clone()  # one real row, seven padding rows
     changed = (kv != before).flatten(4).any(-1)  # [layers, 2, blocks, block_size]
@@ -104,12 +100,6 @@ def test_padding_rows_write_no_block_and_leave_the_real_rows_alone(tiny_model_di
 def test_a_step_larger_than_every_bucket_runs_eagerly(tiny_model_dir: Path, device, torch_single_thread) -> None:
     if device.type == "cuda":
         pytest.skip("CPU stand-in only")
-    from engine.cuda_graphs import DecodeGraphs
-
-    class EagerReplay(DecodeGraphs):
-        def _replay(self, batch: int) -> torch.Tensor:
-            return self._step(batch)
-
     llm = _llm(tiny_model_dir, "cpu")
     runner = llm.engine.runner
     runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=runner.block_size,
@@ -124,12 +114,6 @@ def test_a_step_larger_than_every_bucket_runs_eagerly(tiny_model_dir: Path, devi
 def test_a_context_longer_than_the_graphs_runs_eagerly(tiny_model_dir: Path, device, torch_single_thread) -> None:
     if device.type == "cuda":
         pytest.skip("CPU stand-in only")
-    from engine.cuda_graphs import DecodeGraphs
-
-    class EagerReplay(DecodeGraphs):
-        def _replay(self, batch: int) -> torch.Tensor:
-            return self._step(batch)
-
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # 9 tokens: decodes at positions 9..13
     expected = _llm(tiny_model_dir, "cpu").generate([prompt], params)[0].token_ids
