@@ -104,12 +104,16 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = serve_config_from_args(args)
-    from engine.loader.model_registry import KNOWN_MODELS, resolve_model
+    from engine.loader.model_registry import resolve_model
 
     # Here, once: a bad --model fails before Ray starts (exit 2), and the first use's download happens in one
     # process instead of racing in every worker.
     engine = config.controller.engine
-    if engine.load_format != "dummy" or engine.model in KNOWN_MODELS:  # a dummy shape uses a known tokenizer
+    if engine.load_format == "dummy":  # its tokenizer, fetched here where it is a known model's (else a stand-in)
+        from engine.loader.dummy_shapes import dummy_tokenizer
+
+        dummy_tokenizer(engine.model)  # an unknown shape fails here
+    else:
         resolve_model(engine.model)
     require_device(engine.device)
     build_kernels_ahead()
@@ -349,6 +353,7 @@ def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, r
     return build_router_app(
         model=c.engine.model,
         worker_provider=directory,
+        load_format=c.engine.load_format,
         mode="colocated" if c.num_colocated_workers else "disaggregated",
         block_size=c.engine.block_size,
         max_model_len=c.engine.max_model_len,

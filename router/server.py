@@ -63,6 +63,7 @@ def build_router_app(
     *,
     model: str,
     worker_provider: WorkerProvider,
+    load_format: str = "auto",
     served_model_names: tuple[str, ...] | None = None,
     max_model_len: int | None = None,
     mode: str = "disaggregated",
@@ -84,7 +85,8 @@ def build_router_app(
     autoscaler: AutoscalerConfig | None = None,
     pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
-    """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory).
+    """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory; with
+    `load_format` "dummy", a dummy shape like "llama-3.2-1b", whose tokenizer is the workers').
 
     A factory, so it does I/O: resolves the model (fetching a registered one on first use) and loads its
     tokenizer. `served_model_names` defaults to `(model,)`; `max_model_len` to the checkpoint's context length
@@ -93,7 +95,7 @@ def build_router_app(
     limits (None: /v1/* is open). `signal_window_s`: the autoscaling signals' latency window; `autoscaler`: run
     the built-in autoscaler, resizing through `pool_controller` (router/autoscaler.py).
     """
-    tokenizer, context_length = load_tokenizer(model)
+    tokenizer, context_length = load_tokenizer(model, load_format)
     config = RouterConfig(
         served_model_names=served_model_names or (model,),
         max_model_len=max_model_len if max_model_len is not None else context_length,
@@ -121,10 +123,16 @@ def build_router_app(
                       admin=admin, access=access, autoscaler=autoscaler, pool_controller=pool_controller)
 
 
-def load_tokenizer(model: str) -> tuple[Tokenizer, int]:
-    """The model's tokenizer and its context length, from a GGUF file or an HF directory (torch-free)."""
+def load_tokenizer(model: str, load_format: str = "auto") -> tuple[Tokenizer, int]:
+    """The model's tokenizer and its context length, from a GGUF file or an HF directory, or for a dummy shape
+    (`--load-format dummy`) the one its workers use (torch-free)."""
     from engine.loader.model_registry import resolve_model
     from engine.tokenizer.tokenizer import Tokenizer
+
+    if load_format == "dummy":
+        from engine.loader.dummy_shapes import dummy_model_config, dummy_tokenizer
+
+        return dummy_tokenizer(model), dummy_model_config(model).max_position_embeddings
 
     path = resolve_model(model)
     if path.is_dir():
