@@ -43,8 +43,9 @@ def _rejected(url: str) -> dict[str, float]:
     return {labels["reason"]: value for labels, value in _samples(url, "splitserve:admission_rejections_total")}
 
 
-def _burst_of_500(url: str, model: str) -> None:
-    """500 at once: served or refused, nothing else; no restart; every block free after; then 20 more served."""
+def _burst_of_500(url: str, model: str) -> int:
+    """500 at once: served or refused, nothing else; no restart; every block free after; then 20 more served. The
+    number served."""
     rejected_before = _rejected(url)
     outcomes = burst(url, model, num_requests=500, max_tokens=16)
     counts = collections.Counter((o.status, o.completed) for o in outcomes)
@@ -64,6 +65,7 @@ def _burst_of_500(url: str, model: str) -> None:
 
     after = burst(url, model, num_requests=20, max_tokens=16)
     assert all(o.status == 200 and o.completed for o in after), [o.error for o in after if o.error]
+    return counts[(200, True)]
 
 
 def test_500_concurrent_requests_are_served_or_refused_and_nothing_falls_over(smollm2_gguf, tmp_path):
@@ -86,7 +88,8 @@ def test_500_concurrent_requests_are_served_or_refused_and_nothing_falls_over(sm
         while not every_worker_polled():
             assert time.monotonic() < deadline, httpx.get(f"{url}/admin/pools", headers=auth, timeout=30).text
             time.sleep(0.5)
-        _burst_of_500(url, smollm2_gguf)  # 2 prefill + 2 decode
+        served = _burst_of_500(url, smollm2_gguf)  # 2 prefill + 2 decode
+        assert served > 2 * MAX_NUM_SEQS, served  # more than 1 + 1 runs and queues: the gateway saw the new workers
 
 
 @pytest.mark.parametrize("admission", ["--admission-control", "--no-admission-control"])
