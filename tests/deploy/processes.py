@@ -172,7 +172,7 @@ def stop_and_check(serve: ServeProcess, signals: list[int], *, expect_code: int)
     assert not left, f"left behind: {describe(left)}"
 
 
-# A test cluster's KV cache per worker unless its test asks for more: 364 float32 blocks of 16 tokens for SmolLM2
+# A test cluster's KV cache per worker unless its test sizes it: 364 float32 blocks of 16 tokens for SmolLM2
 # (~0.7 MiB each), room for 128 running 2-block requests. serve's default (2 GiB) is zeroed at every worker start
 # and held all along: 8 GiB for a 2 + 2 cluster on a machine the suite shares.
 TEST_KV_CACHE_MEMORY = "256MiB"
