@@ -7,8 +7,6 @@ cool-down), so the whole cycle fits in the time one serve start takes.
 
 from __future__ import annotations
 
-import signal
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.load import burst
-from tests.deploy.processes import ServeProcess, stop_and_check
+from tests.deploy.processes import ServeProcess, serve_argv, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -40,17 +38,16 @@ def _wait_for(check, what: str, serve: ServeProcess, timeout_s: float = 60.0) ->
 
 
 def test_a_burst_grows_the_prefill_pool_and_quiet_shrinks_it(smollm2_gguf: str, tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--max-model-len", "128", "--num-kv-blocks", "64", "--no-prefix-index",  # small workers: 3 at once
-            "--disagg-prefill-threshold", "0",  # every prompt through a prefill worker
-            "--autoscale", "--prefill-workers-min", "1", "--prefill-workers-max", "2",
-            "--decode-workers-min", "1", "--decode-workers-max", "1", "--ttft-slo", "0.05", "--tpot-slo", "30",
-            "--autoscale-window", "2", "--autoscale-interval", "0.25", "--scale-up-cooldown", "1",
-            "--scale-down-cooldown", "4"]
+    argv = serve_argv(
+        smollm2_gguf, "--max-model-len", "128", "--num-kv-blocks", "64", "--no-prefix-index",  # small workers: 3 at once
+        "--disagg-prefill-threshold", "0",  # every prompt through a prefill worker
+        "--autoscale", "--prefill-workers-min", "1", "--prefill-workers-max", "2",
+        "--decode-workers-min", "1", "--decode-workers-max", "1", "--ttft-slo", "0.05", "--tpot-slo", "30",
+        "--autoscale-window", "2", "--autoscale-interval", "0.25", "--scale-up-cooldown", "1",
+        "--scale-down-cooldown", "4")
     stderr = tmp_path / "stderr.txt"
-    serve = ServeProcess(argv, stderr_path=stderr)
-    try:
-        url = serve.wait_ready(300)
+    with serving(argv, stderr_path=stderr) as serve:
+        url = serve.url
         assert _gauge(url, "splitserve:pool_num_workers", pool="prefill") == 1
 
         outcomes = burst(url, smollm2_gguf, num_requests=8, max_tokens=2)
@@ -74,6 +71,3 @@ def test_a_burst_grows_the_prefill_pool_and_quiet_shrinks_it(smollm2_gguf: str, 
         (grown,) = [line for line in log.splitlines() if "router.autoscaler: prefill 1 -> 2 workers: " in line]
         assert "> SLO 0.05 s" in grown or "requests waiting on 1 workers" in grown, grown  # TTFT or queue pressure
         assert "router.autoscaler: prefill 2 -> 1 workers: idle (no TTFT sample) for " in log
-        stop_and_check(serve, [signal.SIGINT], expect_code=0)
-    finally:
-        serve.close()

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_transfer import native_build
-from tests.deploy.processes import ServeProcess, get_status, stop_and_check
+from tests.deploy.processes import get_status, serve_argv, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -63,13 +61,12 @@ def test_serve_builds_missing_kernels_before_the_workers_start_and_serves_end_to
     variant, reason = native_build.selected_variant()
     expected = variant.name if variant is not None else native_build.FALLBACK
     seeded = _seed_cache(tmp_path / "kernels", variant) if variant is not None else set()
-    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--prefill-workers", "1", "--decode-workers", "1", "--kv-cache-memory", "256MiB", "--max-model-len", "1024"]
+    argv = serve_argv(smollm2_gguf, "--prefill-workers", "1", "--decode-workers", "1", "--kv-cache-memory", "256MiB",
+                      "--max-model-len", "1024")
     stderr_path = tmp_path / "stderr.txt"
-    serve = ServeProcess(argv, stderr_path=stderr_path,
-                         env={native_build.KERNEL_CACHE_ENV: str(tmp_path / "kernels")})
-    try:
-        url = serve.wait_ready(600)
+    with serving(argv, stderr_path=stderr_path, env={native_build.KERNEL_CACHE_ENV: str(tmp_path / "kernels")},
+                 ready_timeout_s=600) as serve:
+        url = serve.url
         assert get_status(f"{url}/health") == 200
         with httpx.Client(base_url=url, timeout=120) as client:
             first_s = _timed_completion(client, smollm2_gguf, PROMPTS[0])
@@ -98,8 +95,8 @@ def test_serve_builds_missing_kernels_before_the_workers_start_and_serves_end_to
         typical_s = statistics.median(later_s)
         assert first_s < max(2.0 * typical_s, typical_s + 1.0), (first_s, later_s)
 
-        # The embedded redis-server is up and both workers publish to it (it goes with serve: stop_and_check
-        # below finds nothing of serve's left running, redis-server included).
+        # The embedded redis-server is up and both workers publish to it (it goes with serve: leaving `serving`
+        # finds nothing of serve's left running, redis-server included).
         deadline = time.monotonic() + 30
         while True:
             index = httpx.get(f"{url}/v1/prefix_index", timeout=10).json()
@@ -108,6 +105,3 @@ def test_serve_builds_missing_kernels_before_the_workers_start_and_serves_end_to
             assert time.monotonic() < deadline, index
             time.sleep(0.2)
         assert index["routing_policy"] == "prefix-aware" and index["namespace"]["model"].startswith("sha256:")
-        stop_and_check(serve, [signal.SIGINT], expect_code=0)
-    finally:
-        serve.close()

@@ -8,8 +8,6 @@ Against a real `splitserve serve` (real Ray, real workers, the real model), with
 
 from __future__ import annotations
 
-import signal
-import sys
 import time
 
 import httpx
@@ -17,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
-from tests.deploy.processes import ServeProcess, stop_and_check
+from tests.deploy.processes import serve_argv, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -42,24 +40,21 @@ def _complete(url: str, model: str, max_tokens: int) -> httpx.Response:
 
 
 def test_a_slow_engine_keeps_serving_and_is_not_restarted(smollm2_gguf, tmp_path) -> None:
-    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--max-model-len", "256", *HEALTH_FLAGS]
+    argv = serve_argv(smollm2_gguf, "--max-model-len", "256", *HEALTH_FLAGS)
     # 4 s per step: a load poll (answered between steps, 2 s timeout) arriving in a step's first half times out;
     # the health check (1 s timeout) is answered apart from the engine.
-    serve = ServeProcess(argv, stderr_path=tmp_path / "stderr.txt", env={FAULT_STEP_SLEEP_ENV: "4"})
-    try:
-        url = serve.wait_ready(300)
+    with serving(argv, stderr_path=tmp_path / "stderr.txt", env={FAULT_STEP_SLEEP_ENV: "4"}) as serve:
+        url = serve.url
         started = time.monotonic()
-        response = _complete(url, smollm2_gguf, 4)  # a prefill step, then 3 decode steps: 16 s busy
+        # A prefill step, then a decode step: 8 s busy, twice the time in which the health checks would have
+        # failed twice (the threshold) had the engine kept them waiting.
+        response = _complete(url, smollm2_gguf, 2)
         assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == 4
-        assert time.monotonic() - started > 15  # the engine really was slow
+        assert response.json()["usage"]["completion_tokens"] == 2
+        assert time.monotonic() - started > 7  # the engine really was slow
         log = (tmp_path / "stderr.txt").read_text(errors="replace")
         assert "load poll timed out" in log  # the router saw the polls time out ...
         assert all(v == 0 for v in _restarts(url).values()), _restarts(url)  # ... and nobody was restarted
         assert "restarted" not in log
         healthy = _metric(url, "splitserve:worker_healthy")
         assert healthy and all(v == 1 for v in healthy.values()), healthy
-        stop_and_check(serve, [signal.SIGINT], expect_code=0)
-    finally:
-        serve.close()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import CLUSTER_SECRET_ENV, ClusterAuth, sync_channel
 from tests.cluster.load import SteadyLoad, stream_greedy
-from tests.deploy.processes import ServeProcess, stop_and_check
+from tests.deploy.processes import ServeProcess, serve_argv, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -49,22 +48,16 @@ def _load_prompt(client: int, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[str, ServeProcess]]:
-    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--prefill-workers", "1", "--decode-workers", "1", "--admin-token", TOKEN,
-            "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--drain-timeout", "30",
-            "--routing-policy", "least-loaded",  # spread the load over the new workers
-            "--disagg-prefill-threshold", "0",  # every prompt through a prefill worker
-            "--health-check-interval", "0.5", "--health-check-timeout", "2", "--health-check-failure-threshold", "3"]
+    argv = serve_argv(smollm2_gguf, "--prefill-workers", "1", "--decode-workers", "1", "--admin-token", TOKEN,
+                      "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--drain-timeout", "30",
+                      "--routing-policy", "least-loaded",  # spread the load over the new workers
+                      "--disagg-prefill-threshold", "0",  # every prompt through a prefill worker
+                      "--health-check-interval", "0.5", "--health-check-timeout", "2",
+                      "--health-check-failure-threshold", "3")
     # Every engine step paced (20 ms) so that a stream is surely still running when its worker is killed.
-    serve = ServeProcess(argv, stderr_path=tmp_path_factory.mktemp("scaling") / "stderr.txt",
-                         env={FAULT_STEP_SLEEP_ENV: "0.02", CLUSTER_SECRET_ENV: CLUSTER.secret})
-    try:
-        url = serve.wait_ready(300)
-        yield url, serve
-        assert serve.proc.poll() is None, f"serve died during the tests:\n{serve.output()}"
-        stop_and_check(serve, [signal.SIGINT], expect_code=0)
-    finally:
-        serve.close()
+    with serving(argv, stderr_path=tmp_path_factory.mktemp("scaling") / "stderr.txt",
+                 env={FAULT_STEP_SLEEP_ENV: "0.02", CLUSTER_SECRET_ENV: CLUSTER.secret}) as serve:
+        yield serve.url, serve
 
 
 def _pools(url: str) -> list[dict]:

@@ -13,8 +13,6 @@ from the very int8 bytes and scales the offline engine would hold.
 
 from __future__ import annotations
 
-import signal
-import sys
 import time
 from collections.abc import Iterator
 
@@ -26,7 +24,7 @@ from engine.kv_cache_dtype import kv_block_bytes
 from kv_transfer.layout import cdiv
 from tests.cluster.test_serve_openai import client_for, scrape, wait_until_every_block_is_free
 from tests.cluster.worker_harness import engine_config
-from tests.deploy.processes import ServeProcess, stop_and_check
+from tests.deploy.processes import ServeProcess, serve_argv, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -59,18 +57,12 @@ def colocated_int8(smollm2_checkpoint) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def int8_cluster(smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[ServeProcess, str]]:
-    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0",
-            "--prefill-workers", "1", "--decode-workers", "1", "--kv-transport", "grpc", "--kv-cache-dtype", "int8",
-            "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--kv-transfer-timeout", "20",
-            "--disagg-prefill-threshold", "0"]  # the short prompt through the KV handoff too
-    serve = ServeProcess(argv, stderr_path=tmp_path_factory.mktemp("int8") / "stderr.txt")
-    try:
-        url = serve.wait_ready(300)
-        yield serve, url
-        assert serve.proc.poll() is None, f"serve died during the test:\n{serve.output()}"
-        stop_and_check(serve, [signal.SIGINT], expect_code=0)
-    finally:
-        serve.close()
+    argv = serve_argv(smollm2_gguf, "--prefill-workers", "1", "--decode-workers", "1", "--kv-transport", "grpc",
+                      "--kv-cache-dtype", "int8", "--kv-cache-memory", "256MiB", "--max-model-len", "1024",
+                      "--kv-transfer-timeout", "20",
+                      "--disagg-prefill-threshold", "0")  # the short prompt through the KV handoff too
+    with serving(argv, stderr_path=tmp_path_factory.mktemp("int8") / "stderr.txt") as serve:
+        yield serve, serve.url
 
 
 @pytest.mark.timeout(600)  # with the cluster's start-up, which pytest-timeout counts too

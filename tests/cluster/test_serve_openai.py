@@ -14,8 +14,6 @@ talked to by the unmodified `openai` client, once per KV transport and once colo
 from __future__ import annotations
 
 import json
-import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.core.sampling_params import SamplingParams
 from tests.cluster.worker_harness import engine_config
 from tests.engine.structured.schemas import generated_schema
-from tests.deploy.processes import ServeProcess, stop_and_check
+from tests.deploy.processes import ServeProcess, serve_argv, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -73,18 +71,12 @@ def cluster(request, smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[str,
     mode = request.param
     pools = ["--colocated"] if mode == "colocated" else ["--prefill-workers", "1", "--decode-workers", "1",
                                                           "--kv-transport", mode]
-    argv = [sys.executable, "-m", "deploy.cli", "serve", "--model", smollm2_gguf, "--port", "0", *pools,
-            "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--kv-transfer-timeout", "20",
-            "--disagg-prefill-threshold", "0"]  # short prompts through the KV transport too
+    argv = serve_argv(smollm2_gguf, *pools, "--kv-cache-memory", "256MiB", "--max-model-len", "1024",
+                      "--kv-transfer-timeout", "20",
+                      "--disagg-prefill-threshold", "0")  # short prompts through the KV transport too
     env = {"SPLITSERVE_FAULT_KV_CUTS": "1"}  # the first handoff of 2+ blocks is cut half-way
-    serve = ServeProcess(argv, stderr_path=tmp_path_factory.mktemp(mode) / "stderr.txt", env=env)
-    try:
-        url = serve.wait_ready(300)
-        yield mode, serve, url
-        assert serve.proc.poll() is None, f"serve died during the tests:\n{serve.output()}"
-        stop_and_check(serve, [signal.SIGINT], expect_code=0)
-    finally:
-        serve.close()
+    with serving(argv, stderr_path=tmp_path_factory.mktemp(mode) / "stderr.txt", env=env) as serve:
+        yield mode, serve, serve.url
 
 
 def client_for(url: str, timeout_s: float = 120) -> openai.OpenAI:

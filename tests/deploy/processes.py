@@ -1,15 +1,23 @@
-"""/proc helpers for the tests that must leave no process behind, and `splitserve serve` run as a subprocess."""
+"""/proc helpers for the tests that must leave no process behind, and `splitserve serve` run as a subprocess.
+
+    with serving(serve_argv(model, "--prefill-workers", "2"), stderr_path=tmp_path / "stderr.txt") as serve:
+        httpx.post(f"{serve.url}/v1/completions", ...)
+    # on leaving: serve was still running, SIGINT stopped it (exit 0), nothing of it is left
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,3 +170,32 @@ def stop_and_check(serve: ServeProcess, signals: list[int], *, expect_code: int)
     assert code == expect_code, serve.output()
     left = wait_until_gone(tree, session=serve.proc.pid, timeout_s=15)
     assert not left, f"left behind: {describe(left)}"
+
+
+# A test cluster's KV cache per worker unless its test sizes it: 364 float32 blocks of 16 tokens for SmolLM2
+# (~0.7 MiB each), room for 128 running 2-block requests. serve's default (2 GiB) is zeroed at every worker start
+# and held all along: 8 GiB for a 2 + 2 cluster on a machine the suite shares.
+TEST_KV_CACHE_MEMORY = "256MiB"
+
+
+def serve_argv(model: str, *flags: str) -> list[str]:
+    """`splitserve serve` of `model` on a free port with `flags`; with TEST_KV_CACHE_MEMORY unless `flags` size the
+    KV cache themselves (--kv-cache-memory, --num-kv-blocks)."""
+    sized = any(f.split("=")[0] in ("--kv-cache-memory", "--num-kv-blocks") for f in flags)
+    kv = [] if sized else ["--kv-cache-memory", TEST_KV_CACHE_MEMORY]
+    return [sys.executable, "-m", "deploy.cli", "serve", "--model", model, "--port", "0", *kv, *flags]
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], *, stderr_path: Path, env: dict[str, str] | None = None,
+            ready_timeout_s: float = 300.0) -> Iterator[ServeProcess]:
+    """`serve` started and ready (its `url` set) for the body; then, unless the body raised, it must still be
+    running, and SIGINT must stop it with exit 0 and nothing left (`stop_and_check`). It is killed in any case."""
+    serve = ServeProcess(argv, stderr_path=stderr_path, env=env)
+    try:
+        serve.wait_ready(ready_timeout_s)
+        yield serve
+        assert serve.proc.poll() is None, f"serve died meanwhile:\n{serve.output()}"
+        stop_and_check(serve, [signal.SIGINT], expect_code=0)
+    finally:
+        serve.close()

@@ -18,7 +18,10 @@ def _engine(checkpoint, **overrides):  # noqa: ANN001, ANN202
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(dtype="float32", max_model_len=2048, **overrides), checkpoint=checkpoint)
+    # 4 prompts of at most ~330 tokens: 256 blocks hold them many times over (the default 2 GiB cache is zeroed at
+    # every build)
+    return LLMEngine(EngineConfig(dtype="float32", max_model_len=2048, num_kv_blocks=256, **overrides),
+                     checkpoint=checkpoint)
 
 
 def test_greedy_is_identical_with_prompt_lookup(smollm2_checkpoint) -> None:

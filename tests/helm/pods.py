@@ -42,10 +42,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 IMAGE_MODEL_CACHE = "/var/cache/splitserve"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(*, taken: set[int]) -> int:
+    """A port free now and not in `taken` (added to it): the kernel may hand the same free port out twice in a row,
+    and two pods given one port fail to start (a pool node's agent on the head's GCS port, say)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            taken.add(port)
+            return port
 
 
 @dataclass
@@ -71,6 +77,7 @@ class LocalCluster:
         (secret,) = [o for o in objects if o["kind"] == "Secret"]
         self.secret = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
         self.pods: dict[str, Pod] = {}
+        taken = {redis_port}
         self._short_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")
         for o in objects:
             if o["kind"] != "Deployment":
@@ -80,8 +87,9 @@ class LocalCluster:
             named = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
             pod_tmp = Path(self._short_tmp) / name  # Ray's unix socket paths must stay under 108 bytes
             pod_tmp.mkdir()
-            self.pods[name] = Pod(name=name, container=container, ports={p: free_port() for p in named.values()},
-                                  named_ports=named, tmp=pod_tmp, log=tmp / f"{name}.log")
+            ports = {p: free_port(taken=taken) for p in named.values()}
+            self.pods[name] = Pod(name=name, container=container, ports=ports, named_ports=named, tmp=pod_tmp,
+                                  log=tmp / f"{name}.log")
         # Service name:port -> 127.0.0.1:local port of the pod it selects
         self.services: dict[str, str] = {}
         for o in objects:

@@ -56,8 +56,10 @@ def cluster(smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
             local.wait_for_line("head", READY_HEAD, timeout_s=400)
             local.url = local.wait_for_line("gateway", READY_GATEWAY, timeout_s=400).group(1)
             yield local
-            # the head last: a Ray node whose head is gone waits 30 s to drain before it stops
-            codes = local.stop_all(["gateway", "prefill", "decode"]) | local.stop_all(["head"])
+            # The gateway first: its own Ray node, stopped after the head, waits out a timeout against the gone GCS.
+            # Then the pools and the head at once: a pool node drains on SIGTERM until its workers' leases end (Ray
+            # waits up to 30 s), and the head's controller stops those workers, so the pools stop in a second or two.
+            codes = local.stop_all(["gateway"]) | local.stop_all(["prefill", "decode", "head"])
             for name, code in codes.items():  # a plain `ray start --block` drains its node on SIGTERM, then exits 1
                 assert code in ((0,) if name in ("head", "gateway") else (0, 1)), \
                     f"{name} exited {code} on SIGTERM:\n{local.pods[name].output()}"
