@@ -133,8 +133,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed,
                                   kv_cache_dtype=config.kv_cache_dtype)
-        self.cuda_graph_capture_seconds: float | None = None  # None: no graphs (cpu, --enforce-eager, or a backend
-        if device.type == "cuda" and not config.enforce_eager:  # whose kernels a graph cannot hold)
+        # None: no CUDA graphs (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold)
+        self.cuda_graph_capture_seconds: float | None = None
+        if device.type == "cuda" and not config.enforce_eager:
             if attention.name == "triton" and config.kv_cache_dtype == "auto":
                 self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(
                     max_seq_len=min(self.max_model_len, config.max_seq_len_to_capture),
