@@ -67,7 +67,9 @@ class DecodeGraphs:
         self.block_tables = self._flat[4 * mb :].view(mb, w)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self._copied: torch.cuda.Event | None = None  # the last step's input copy: the host buffer is free after it
+        # The last step's input copy: the host buffer is free once it completed (recorded again every step).
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._copy_pending = False
         self.num_replays = 0
 
     def bucket(self, num_tokens: int) -> int | None:
@@ -129,7 +131,7 @@ class DecodeGraphs:
         if batch is None:
             raise ValueError(f"no CUDA graph captured for a batch of {n} (largest: {self.max_batch})")
         mb, w = self.max_batch, self.width
-        if self._copied is not None:
+        if self._copied is not None and self._copy_pending:
             self._copied.synchronize()  # at once after the sampler's sync; else (no row sampled) the copy finishes
         h = self._host_np
         h[0:n] = input_ids
@@ -143,9 +145,9 @@ class DecodeGraphs:
         # Earlier replays may still read the device buffer: the copy is ordered after them on the same stream.
         end = 4 * mb + batch * w
         self._flat[:end].copy_(self._host[:end], non_blocking=True)
-        if self._flat.is_cuda:
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
+            self._copy_pending = True
         self.num_replays += 1
         return self._replay(batch)[:n]
 

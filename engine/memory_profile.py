@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.int8_kv import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
 from engine.model.llama import LlamaModel
+from engine.model_runner import allocate_kv_cache
 
 GIB = 1 << 30
 
@@ -146,18 +146,9 @@ def profile_forward(
     0 and every block table entry is block 0, so what is stored and read is garbage in a block nobody keeps (slot
     -1 is only the Triton kernel's padding convention; the torch and int8 backends index with the slots).
     Works on any device (the suite runs it on cpu)."""
-    c = model.config
     device = model.device
     chunk_lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
-    # one block per layer: [num_layers, 2, 1, block_size, Hkv, D]
-    shape = (c.num_layers, 2, 1, block_size, c.num_kv_heads, c.head_dim)
-    fp8 = getattr(torch, "float8_e4m3fn", None)
-    kv_dtype = {"auto": model.dtype, "int8": torch.int8, "fp8": fp8}[kv_cache_dtype]
-    scratch = torch.zeros(shape, dtype=kv_dtype, device=device)
-    kv_caches: list[torch.Tensor] | list[Int8KVCache] = list(scratch.unbind(0))
-    if kv_cache_dtype == "int8":
-        scales = torch.zeros(c.num_layers, 2, 1, c.num_kv_heads, device=device)
-        kv_caches = [Int8KVCache(data, s) for data, s in zip(scratch.unbind(0), scales.unbind(0), strict=True)]
+    _, _, kv_caches = allocate_kv_cache(model, 1, block_size, kv_cache_dtype)  # one block per layer
     starts = [sum(chunk_lens[:i]) for i in range(len(chunk_lens))]
     meta = AttentionMetadata(
         num_tokens=num_tokens,

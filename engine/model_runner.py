@@ -36,27 +36,10 @@ class ModelRunner:
         self, model: LlamaModel, *, num_blocks: int, block_size: int, seed: int | None = None,
         kv_cache_dtype: str = "auto",
     ) -> None:
-        c = model.config
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        # Every layer's KV in one tensor, so that one block across all layers (what a KV handoff moves) is read
-        # or written in a single strided copy: kv_cache[:, :, block_id] is [num_layers, 2, block_size, Hkv, D].
-        # [num_layers, 2, num_blocks, block_size, Hkv, D]
-        shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        fp8 = getattr(torch, "float8_e4m3fn", None)
-        kv_dtype = {"auto": model.dtype, "int8": torch.int8, "fp8": fp8}[kv_cache_dtype]
-        if self.device.type == "cpu":
-            self.kv_cache = zeros_with_huge_pages(*shape, dtype=kv_dtype)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        # Per layer [2, num_blocks, block_size, Hkv, D], contiguous; an int8 cache's layers carry their scales.
-        self.kv_caches: list[torch.Tensor] | list[Int8KVCache] = list(self.kv_cache.unbind(0))
-        self.kv_scales: torch.Tensor | None = None  # int8 only: [num_layers, 2, num_blocks, Hkv] float32
-        if kv_cache_dtype == "int8":
-            self.kv_scales = torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, device=self.device)
-            self.kv_caches = [Int8KVCache(data, scales)
-                              for data, scales in zip(self.kv_cache.unbind(0), self.kv_scales.unbind(0), strict=True)]
+        self.kv_cache, self.kv_scales, self.kv_caches = allocate_kv_cache(model, num_blocks, block_size, kv_cache_dtype)
         self.sampler = Sampler(seed=seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._generators: dict[str, torch.Generator] = {}
@@ -130,12 +113,11 @@ class ModelRunner:
         self, items: list[ScheduledRequest]
     ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         assert self.graphs is not None
-        bs = self.block_size
         positions = [item.start for item in items]
         logits = self.graphs.run(
             input_ids=[item.request.all_token_ids[item.start] for item in items],
             positions=positions,
-            slots=[item.block_ids[p // bs] * bs + p % bs for item, p in zip(items, positions, strict=True)],
+            slots=[cache_slot(item.block_ids, item.start, self.block_size) for item in items],
             block_tables=[item.block_ids for item in items],
         )
         rows = [i for i, item in enumerate(items) if item.samples]
@@ -266,10 +248,39 @@ class ModelRunner:
         )
 
 
+def allocate_kv_cache(
+    model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor] | list[Int8KVCache]]:
+    """A zeroed paged KV cache for `model`, where its weights are: (every layer's KV in one tensor, the int8 scales
+    or None, the per-layer caches the model's forward takes).
+
+    One tensor for all layers, so that one block across all layers (what a KV handoff moves) is read or written in
+    a single strided copy: kv_cache[:, :, block_id] is [num_layers, 2, block_size, Hkv, D]. Per layer
+    [2, num_blocks, block_size, Hkv, D], contiguous; an int8 cache's layers carry their scales
+    ([num_layers, 2, num_blocks, Hkv] float32)."""
+    c = model.config
+    shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    kv_dtype = {"auto": model.dtype, "int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}[kv_cache_dtype]
+    if model.device.type == "cpu":
+        kv_cache = zeros_with_huge_pages(*shape, dtype=kv_dtype)
+    else:
+        kv_cache = torch.zeros(shape, dtype=kv_dtype, device=model.device)
+    if kv_cache_dtype != "int8":
+        return kv_cache, None, list(kv_cache.unbind(0))
+    scales = torch.zeros(c.num_layers, 2, num_blocks, c.num_kv_heads, device=model.device)
+    return kv_cache, scales, [Int8KVCache(data, s) for data, s in zip(kv_cache.unbind(0), scales.unbind(0),
+                                                                       strict=True)]
+
+
 def step_order(items: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """Decodes first, shortest context first (the attention backend groups them by length); then prefills and
     draft verifications (several tokens after a cached context: the same attention as a prefill chunk)."""
     return sorted(items, key=lambda s: (s.num_new_tokens != 1, s.start if s.num_new_tokens == 1 else 0))
+
+
+def cache_slot(block_table: list[int], position: int, block_size: int) -> int:
+    """Where the K/V of the token at `position` goes in the paged cache: its block's slots, then its offset."""
+    return block_table[position // block_size] * block_size + position % block_size
 
 
 def prepare_step(
@@ -291,14 +302,14 @@ def prepare_step(
         ids.extend(item.spec_token_ids)
         positions = range(start, start + n)
         pos.extend(positions)
-        slots.extend(table[p // bs] * bs + p % bs for p in positions)
+        slots.extend(cache_slot(table, p, bs) for p in positions)
         if n == 1:
             decode_tables.append(table)
             decode_lens.append(start + 1)
         else:
             context_slots = None
             if start > 0:
-                context_slots = _to(torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)]), device)
+                context_slots = _to(torch.tensor([cache_slot(table, p, bs) for p in range(start + n)]), device)
             prefill_tables.append(table)
             prefills.append(
                 PrefillChunk(

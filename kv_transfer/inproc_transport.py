@@ -10,8 +10,8 @@ can die; `TransferFault.stop_after_blocks` stands in for a sender dying mid-tran
 
 Blocks on a GPU never touch the host: the copy is device to device, and instead of a CRC-32C (a host computation)
 each side takes a position-weighted digest of the block's bytes on the device (`device_digest`). Comparing them is
-the block's one synchronisation (a few microseconds, against two device-to-host copies of the block for a CRC);
-a mismatch fails the handoff before the block is written, as a CRC mismatch does.
+the block's one synchronisation, and no byte of the block crosses to the host (a CRC there would copy it out on
+both sides); a mismatch fails the handoff before the block is written, as a CRC mismatch does.
 """
 
 from __future__ import annotations
@@ -69,16 +69,16 @@ class _Incoming:
         self.dest = dest
         self.next_index = handoff.first_block
 
-    def write(self, index: int, block: torch.Tensor, crc32c: int | torch.Tensor) -> None:
-        """`crc32c`: the sender's CRC-32C of a host block, or its `device_digest` of a device block."""
+    def write(self, index: int, block: torch.Tensor, check: int | torch.Tensor) -> None:
+        """`check`: the sender's CRC-32C of a host block, or its `device_digest` of a device block."""
         self._check(index, block)
-        if isinstance(crc32c, torch.Tensor):  # device to device, checked there
-            if not torch.equal(crc32c, device_digest(block)):
+        if isinstance(check, torch.Tensor):  # device to device, checked there
+            if not torch.equal(check, device_digest(block)):
                 raise KVChecksumError(f"handoff {self.handoff.transfer_id}: block {index} failed its checksum (a "
                                       "device digest, in place of the CRC-32C: the block stayed on its GPU)")
             self.dest.write_block(index, block, None)
         else:
-            write_verified(self.dest, self.handoff, index, block, crc32c)  # verified as it is copied
+            write_verified(self.dest, self.handoff, index, block, check)  # verified as it is copied
         self.next_index += 1
 
     def _check(self, index: int, block: torch.Tensor) -> None:

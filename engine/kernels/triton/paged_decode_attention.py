@@ -195,7 +195,7 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, bl
 def choose_block_n_and_stages(num_seqs: int, num_kv_heads: int, dtype: torch.dtype) -> tuple[int, int]:
     """Positions per inner step and the loop's pipelining depth: a few programs (a small batch) are latency-bound,
     and a 1-stage loop of 32 is fastest; many programs are bandwidth-bound, and 64 a step, 2 deep, reads most."""
-    if num_seqs * num_kv_heads < 64 or dtype == torch.float32:
+    if num_seqs * num_kv_heads < FEW_PROGRAMS or dtype == torch.float32:
         return BLOCK_N, 1
     return WIDE_BLOCK_N, 2
 
