@@ -53,8 +53,9 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def run_request(stub: serving_pb2_grpc.WorkerStub, ids: list[int], max_tokens: int, prefill_endpoint: str) -> tuple[float, float]:
-    """(TTFT, TPOT) of one greedy request that generates exactly `max_tokens` tokens."""
+def run_request(stub: serving_pb2_grpc.WorkerStub, ids: list[int], max_tokens: int, prefill_endpoint: str
+                ) -> tuple[float, float, list[int]]:
+    """(TTFT, TPOT, tokens) of one greedy request that generates exactly `max_tokens` tokens."""
     params = serving_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     req = serving_pb2.GenerateRequest(
         request_id=f"bench-{time.monotonic_ns()}", prompt_token_ids=ids, params=params,
@@ -62,17 +63,17 @@ def run_request(stub: serving_pb2_grpc.WorkerStub, ids: list[int], max_tokens: i
     )
     start = time.perf_counter()
     first = last = None
-    num_tokens = 0
+    tokens: list[int] = []
     for msg in stub.Generate(req, timeout=600):
         if msg.error:
             raise RuntimeError(msg.error)
         now = time.perf_counter()
         if msg.token_ids and first is None:
             first = now
-        num_tokens += len(msg.token_ids)
+        tokens.extend(msg.token_ids)
         last = now
-    assert first is not None and last is not None and num_tokens == max_tokens
-    return first - start, (last - first) / (num_tokens - 1)
+    assert first is not None and last is not None and len(tokens) == max_tokens
+    return first - start, (last - first) / (len(tokens) - 1), tokens
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -82,7 +83,7 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarize(name: str, results: list[tuple[float, float]]) -> dict[str, float]:
+def summarize(name: str, results: list[tuple[float, float, list[int]]]) -> dict[str, float]:
     ttft = [r[0] for r in results]
     tpot = [r[1] for r in results]
     row = {
@@ -129,7 +130,7 @@ def main() -> int:
             d_proc, decode = start_worker("decode_worker", "--role", "decode", "--kv-transport", transport, *common)
             stack.callback(stop, d_proc)
             targets[transport] = (serving_pb2_grpc.WorkerStub(grpc.insecure_channel(decode)), prefill)
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
+        results: dict[str, list[tuple[float, float, list[int]]]] = {name: [] for name in targets}
         for i, ids in enumerate(prompts):
             for name, (stub, prefill_endpoint) in targets.items():
                 timing = run_request(stub, ids, args.max_tokens, prefill_endpoint)
@@ -142,9 +143,11 @@ def main() -> int:
         if transport == "colocated":
             continue
         r = rows[transport]
+        same = sum(ours[2] == theirs[2] for ours, theirs in zip(results[transport], results["colocated"]))
         print(f"disaggregated ({transport}) / colocated: TTFT p50 {r['ttft_p50'] / base['ttft_p50']:.3f}x  "
               f"p99 {r['ttft_p99'] / base['ttft_p99']:.3f}x   TPOT p50 {r['tpot_p50'] / base['tpot_p50']:.3f}x  "
-              f"p99 {r['tpot_p99'] / base['tpot_p99']:.3f}x")
+              f"p99 {r['tpot_p99'] / base['tpot_p99']:.3f}x   greedy tokens equal colocated's: "
+              f"{same}/{len(results[transport])} requests")
 
     if not args.skip_throughput:
         print()

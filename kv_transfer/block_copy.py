@@ -303,12 +303,21 @@ def frame(head: bytes, block: torch.Tensor, tail: bytes, *, crc32c: int = 0, app
 def gather(block: torch.Tensor, *, native: bool = True) -> tuple[torch.Tensor, int]:
     """A contiguous copy of `block` (a strided view of the paged cache) and the CRC-32C of its bytes, in one pass on
     the CPU; elsewhere (a GPU block, no native code) `block.contiguous()` and then its checksum."""
-    ops = native_ops() if native else None
-    if ops is not None and _both_on_cpu(block):
+    if native and native_ops() is not None and _both_on_cpu(block):
         out = torch.empty(block.shape, dtype=block.dtype)
-        return out, ops.copy_crc32c(out, block, 0)
+        return out, gather_into(out, block)
     out = block.contiguous()
     return out, tensor_checksum(out)
+
+
+def gather_into(out: torch.Tensor, block: torch.Tensor, *, native: bool = True) -> int:
+    """Copy `block` (a strided view) into `out` (contiguous, same shape and dtype) and return the CRC-32C of its
+    bytes: one pass on the CPU, else a copy and then a checksum of `out` (through the host for a GPU tensor)."""
+    ops = native_ops() if native else None
+    if ops is not None and _both_on_cpu(out, block):
+        return ops.copy_crc32c(out, block, 0)
+    out.copy_(block)
+    return tensor_checksum(out)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, crc32c: int | None, *, native: bool = True) -> None:

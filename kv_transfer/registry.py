@@ -1,7 +1,7 @@
 """Transports by name, imported lazily so that choosing gRPC never imports torch.distributed and vice versa.
 
-    make_sender("grpc" | "torch" | "inproc", worker_id=..., device=...)
-    make_receiver("grpc" | "torch" | "inproc", sink)
+    make_sender("grpc" | "torch" | "ipc" | "inproc", worker_id=..., device=...)
+    make_receiver("grpc" | "torch" | "ipc" | "inproc", sink)
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ if TYPE_CHECKING:
 
     from kv_transfer.base import KVReceiver, KVSender, KVSink
 
-TRANSPORTS = ("grpc", "torch", "inproc")
+TRANSPORTS = ("grpc", "torch", "ipc", "inproc")
 _MODULES = {
     "grpc": "kv_transfer.grpc_transport",
     "torch": "kv_transfer.torch_transport",
+    "ipc": "kv_transfer.ipc_transport",
     "inproc": "kv_transfer.inproc_transport",
 }
 

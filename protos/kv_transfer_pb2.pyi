@@ -33,7 +33,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class KVHandoffDescriptor(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "block_hashes", "num_tokens", "num_blocks", "layout", "source_endpoint", "source_worker_id", "transport", "pair_key", "torch_backend", "first_block")
+    __slots__ = ("request_id", "transfer_id", "block_hashes", "num_tokens", "num_blocks", "layout", "source_endpoint", "source_worker_id", "transport", "pair_key", "torch_backend", "first_block", "ipc_device")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class KVHandoffDescriptor(_message.Message):
     PAIR_KEY_FIELD_NUMBER: _ClassVar[int]
     TORCH_BACKEND_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    IPC_DEVICE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -58,7 +59,8 @@ class KVHandoffDescriptor(_message.Message):
     pair_key: str
     torch_backend: str
     first_block: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., source_endpoint: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., pair_key: _Optional[str] = ..., torch_backend: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
+    ipc_device: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., source_endpoint: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., pair_key: _Optional[str] = ..., torch_backend: _Optional[str] = ..., first_block: _Optional[int] = ..., ipc_device: _Optional[str] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
     __slots__ = ("block_index", "offset", "data", "last", "crc32c")
@@ -83,12 +85,54 @@ class KVTransferMessage(_message.Message):
     def __init__(self, descriptor: _Optional[_Union[KVHandoffDescriptor, _Mapping]] = ..., chunk: _Optional[_Union[KVBlockChunk, _Mapping]] = ...) -> None: ...
 
 class KVCommit(_message.Message):
-    __slots__ = ("transfer_id", "crc32c")
+    __slots__ = ("transfer_id", "crc32c", "device_digests", "ipc_buffer")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    IPC_BUFFER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     crc32c: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+    device_digests: _containers.RepeatedScalarFieldContainer[int]
+    ipc_buffer: KVIpcBuffer
+    def __init__(self, transfer_id: _Optional[str] = ..., crc32c: _Optional[_Iterable[int]] = ..., device_digests: _Optional[_Iterable[int]] = ..., ipc_buffer: _Optional[_Union[KVIpcBuffer, _Mapping]] = ...) -> None: ...
+
+class KVIpcBuffer(_message.Message):
+    __slots__ = ("id", "num_bytes", "pid", "keep", "fd", "cuda_device", "cuda_handle", "cuda_storage_bytes", "cuda_storage_offset", "cuda_ref_counter_handle", "cuda_ref_counter_offset", "cuda_event_handle", "cuda_event_sync_required")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CUDA_REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    num_bytes: int
+    pid: int
+    keep: bool
+    fd: int
+    cuda_device: int
+    cuda_handle: bytes
+    cuda_storage_bytes: int
+    cuda_storage_offset: int
+    cuda_ref_counter_handle: bytes
+    cuda_ref_counter_offset: int
+    cuda_event_handle: bytes
+    cuda_event_sync_required: bool
+    def __init__(self, id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., keep: _Optional[bool] = ..., fd: _Optional[int] = ..., cuda_device: _Optional[int] = ..., cuda_handle: _Optional[bytes] = ..., cuda_storage_bytes: _Optional[int] = ..., cuda_storage_offset: _Optional[int] = ..., cuda_ref_counter_handle: _Optional[bytes] = ..., cuda_ref_counter_offset: _Optional[int] = ..., cuda_event_handle: _Optional[bytes] = ..., cuda_event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class KVIpcMessage(_message.Message):
+    __slots__ = ("descriptor", "commit")
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    descriptor: KVHandoffDescriptor
+    commit: KVCommit
+    def __init__(self, descriptor: _Optional[_Union[KVHandoffDescriptor, _Mapping]] = ..., commit: _Optional[_Union[KVCommit, _Mapping]] = ...) -> None: ...
 
 class KVTransferAck(_message.Message):
     __slots__ = ("ok", "error", "num_bytes", "error_kind")

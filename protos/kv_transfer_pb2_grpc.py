@@ -49,6 +49,11 @@ class KVReceiverStub:
                 request_serializer=protos_dot_kv__transfer__pb2.KVCommit.SerializeToString,
                 response_deserializer=protos_dot_kv__transfer__pb2.KVTransferAck.FromString,
                 _registered_method=True)
+        self.IpcTransfer = channel.stream_unary(
+                '/splitserve.kv.v1.KVReceiver/IpcTransfer',
+                request_serializer=protos_dot_kv__transfer__pb2.KVIpcMessage.SerializeToString,
+                response_deserializer=protos_dot_kv__transfer__pb2.KVTransferAck.FromString,
+                _registered_method=True)
 
 
 class KVReceiverServicer:
@@ -74,6 +79,14 @@ class KVReceiverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IpcTransfer(self, request_iterator, context):
+        """The ipc transport: descriptor, then the commit naming the shared buffer; acked once every block is copied
+        out of it and verified. A sender that dies ends the call, and the receiver fails the handoff at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVReceiverServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +103,11 @@ def add_KVReceiverServicer_to_server(servicer, server):
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
                     request_deserializer=protos_dot_kv__transfer__pb2.KVCommit.FromString,
+                    response_serializer=protos_dot_kv__transfer__pb2.KVTransferAck.SerializeToString,
+            ),
+            'IpcTransfer': grpc.stream_unary_rpc_method_handler(
+                    servicer.IpcTransfer,
+                    request_deserializer=protos_dot_kv__transfer__pb2.KVIpcMessage.FromString,
                     response_serializer=protos_dot_kv__transfer__pb2.KVTransferAck.SerializeToString,
             ),
     }
@@ -173,6 +191,33 @@ class KVReceiver:
             target,
             '/splitserve.kv.v1.KVReceiver/Commit',
             protos_dot_kv__transfer__pb2.KVCommit.SerializeToString,
+            protos_dot_kv__transfer__pb2.KVTransferAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IpcTransfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/splitserve.kv.v1.KVReceiver/IpcTransfer',
+            protos_dot_kv__transfer__pb2.KVIpcMessage.SerializeToString,
             protos_dot_kv__transfer__pb2.KVTransferAck.FromString,
             options,
             channel_credentials,

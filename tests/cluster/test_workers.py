@@ -46,7 +46,7 @@ def offline(smollm2_checkpoint, prompt_ids) -> list[tuple[list[int], str]]:
     return outs
 
 
-@pytest.fixture(scope="module", params=["grpc", "torch", "inproc"])
+@pytest.fixture(scope="module", params=["grpc", "torch", "ipc", "inproc"])
 def pair(request, smollm2_checkpoint):
     transport = request.param
     prefill = start_worker("prefill", smollm2_checkpoint, transport=transport, worker_id=f"p-{transport}")

@@ -79,14 +79,16 @@ def test_a_quantized_cache_agrees_with_the_bfloat16_cache(tiny_model_dir: Path, 
 
 
 @pytest.mark.parametrize(("transport", "sampling", "kv_cache_dtype"), [
-    ("inproc", "greedy", "auto"), ("grpc", "greedy", "auto"), ("inproc", "seeded", "auto"), ("grpc", "seeded", "auto"),
-    # fp8 blocks travel as their bytes (written after the last GPU run: not yet run on a GPU)
-    ("inproc", "greedy", "fp8"), ("grpc", "greedy", "fp8"),
+    ("inproc", "greedy", "auto"), ("grpc", "greedy", "auto"), ("ipc", "greedy", "auto"), ("inproc", "seeded", "auto"),
+    ("grpc", "seeded", "auto"),
+    # fp8 blocks travel as their bytes
+    ("inproc", "greedy", "fp8"), ("grpc", "greedy", "fp8"), ("ipc", "greedy", "fp8"),
 ])
 def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_checkpoint, transport: str,
                                                                         sampling: str, kv_cache_dtype: str) -> None:
     """A bfloat16 prefill engine hands its blocks to a decode engine on the same GPU (inproc: device to device,
-    never through the host; grpc: over loopback, as between hosts); the decode engine, replaying its CUDA graphs,
+    never through the host; ipc: the same through its staging buffer, which a receiver in the sender's process
+    takes directly; grpc: over loopback, as between hosts); the decode engine, replaying its CUDA graphs,
     gives the colocated engine's tokens (greedy, or seeded random: the decode engine's device generator starts past
     the prefill engine's draw), and every block of all three engines comes back."""
     from decode_worker.reservation import DecodeKVSink, ReservationState

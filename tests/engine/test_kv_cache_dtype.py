@@ -127,7 +127,7 @@ def test_int8_runs_through_generate_and_refuses_other_backends(tiny_model_dir: P
     assert "int8 runs on the torch attention backend only, not 'cpu'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])
+@pytest.mark.parametrize("transport", ["grpc", "torch", "ipc", "inproc"])
 def test_serve_takes_int8_and_fp8_with_a_kv_handoff(tiny_model_dir: Path, transport: str) -> None:
     """Every transport carries int8 blocks with their scales and fp8 blocks as bytes."""
 
@@ -142,7 +142,7 @@ def test_serve_takes_int8_and_fp8_with_a_kv_handoff(tiny_model_dir: Path, transp
     assert pools("fp8").engine.kv_cache_dtype == "fp8"
 
 
-@pytest.mark.parametrize("transport", ["grpc", "torch", "inproc"])
+@pytest.mark.parametrize("transport", ["grpc", "torch", "ipc", "inproc"])
 def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint, transport: str) -> None:
     """An int8 prefill engine hands its quantized blocks (values and scales, through the workers' own source and
     reservation over a real transport) to an int8 decode engine: greedy tokens equal the colocated int8 engine's

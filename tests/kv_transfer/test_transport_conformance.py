@@ -1,4 +1,5 @@
-"""The one suite every KV transport passes: in-process, gRPC, torch.distributed (gloo here; NCCL with 2 GPUs).
+"""The one suite every KV transport passes: in-process, gRPC, torch.distributed (gloo here; NCCL with 2 GPUs), and
+shared memory on one host (ipc: a memfd here; CUDA IPC on a GPU).
 
 Each test runs a real gRPC server with the transport's receiver attached and a recording sink over a fake paged
 cache. The dead-peer cases run the other end in a subprocess (tests/kv_transfer/transfer_peer.py) and kill or
@@ -79,10 +80,14 @@ TRANSPORTS = [
     pytest.param(Case(transport="inproc"), id="inproc"),
     pytest.param(Case(transport="grpc"), id="grpc"),
     pytest.param(Case(transport="torch"), id="torch-gloo"),
-    # KV resident on a GPU at both ends: inproc copies device to device; gRPC stages through the host.
+    pytest.param(Case(transport="ipc"), id="ipc-shm"),
+    # KV resident on a GPU at both ends: inproc and ipc (CUDA IPC) copy device to device; gRPC stages through the
+    # host.
     _on_gpus(Case(transport="inproc", sender_device="cuda:0", sink_device="cuda:0"), "inproc-cuda", 1,
              "needs a CUDA GPU"),
     _on_gpus(Case(transport="grpc", sender_device="cuda:0", sink_device="cuda:0"), "grpc-cuda", 1,
+             "needs a CUDA GPU"),
+    _on_gpus(Case(transport="ipc", sender_device="cuda:0", sink_device="cuda:0"), "ipc-cuda", 1,
              "needs a CUDA GPU"),
     _on_gpus(Case(transport="torch", sender_device="cuda:0", sink_device="cuda:1"), "torch-nccl", 2,
              "NCCL point-to-point needs 2 GPUs"),
@@ -454,6 +459,33 @@ def test_receiver_dying_mid_transfer_raises_on_the_sender(wire_case: Case, peers
         receiver.close()
         thread.join(timeout=10)
         sender.close()
+
+
+IPC_TRANSPORTS = [p for p in TRANSPORTS if p.values[0].transport == "ipc"]
+
+
+@pytest.mark.parametrize("ipc_case", IPC_TRANSPORTS)
+def test_ipc_maps_another_processs_buffer(ipc_case: Case, peers) -> None:
+    """A sender process hands over a small handoff, a larger one (its buffer grows: the receiver maps the new one)
+    and one over KEEP_BYTES (a one-off buffer, unmapped after): every byte lands, and the receiver keeps only the
+    sender's current buffer mapped."""
+    sink = RecordingSink(SMOLLM2, num_cache_blocks=64, device=ipc_case.sink_device)
+    server, endpoint, receiver = serve_receiver(ipc_case.transport, sink)
+    sizes = [16 * 2 + 1, 16 * 9 + 5, 16 * 40]
+    try:
+        peer = peers("sender", ipc_case, SMOLLM2, "--device", ipc_case.sender_device, "--endpoint", endpoint,
+                     "--num-tokens", ",".join(map(str, sizes)), "--ipc-keep-bytes", str(16 * SMOLLM2.block_bytes))
+        peer.expect("SENT", timeout_s=60)
+        assert [d.outcome for d in sink.destinations] == ["committed"] * len(sizes)
+        for seed, dest in enumerate(sink.destinations):
+            expected = PatternSource(SMOLLM2, dest.handoff.num_blocks, seed=seed).blocks
+            assert torch.equal(dest.blocks().cpu().view(torch.uint8), expected.view(torch.uint8))
+        mapped = list(receiver._mapped)  # the second handoff's buffer: the first's was replaced, the one-off dropped
+        assert len(mapped) == 1 and mapped[0].startswith(f"{peer.proc.pid}-"), mapped
+    finally:
+        receiver.close()
+        server.stop(grace=None)
+    sink.assert_each_settled_once()
 
 
 # ── quantized blocks (--kv-cache-dtype int8) ─────────────────────────────────────────────────────────────────

@@ -6,6 +6,7 @@ runs either end of a transport in a separate process so that a test can kill (or
     python -m tests.kv_transfer.transfer_peer sender --transport torch --layout ... --endpoint E --num-tokens N \
         --stall-at-block K
         sends one handoff whose source prints "STALL <K>" and sleeps forever when block K is read
+        (--num-tokens N1,N2,...: one handoff of each size in turn, then "SENT")
 
 Every line is flushed at once: the test reads them to time its kill.
 """
@@ -241,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="the sink's (receiver) or the source's (sender) device")
     parser.add_argument("--write-delay-s", type=float, default=0.0)
     parser.add_argument("--endpoint")
-    parser.add_argument("--num-tokens", type=int, default=64)
+    parser.add_argument("--num-tokens", default="64", help="tokens of each handoff, comma-separated, sent in turn "
+                        "(the i-th with source seed i)")
     parser.add_argument("--stall-at-block", type=int)
     parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument("--ipc-keep-bytes", type=int, help="the ipc sender's KEEP_BYTES (larger handoffs: one-off "
+                        "buffers)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.role == "receiver":
@@ -252,14 +256,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"READY {endpoint}", flush=True)
         sys.stdin.read()  # serve until the test closes our stdin (or kills us)
         return 0
-    handoff = make_handoff(args.layout, args.num_tokens)
-    source = PatternSource(args.layout, handoff.num_blocks, device=args.device, stall_at_block=args.stall_at_block)
+    if args.ipc_keep_bytes is not None:
+        from kv_transfer import ipc_transport
+
+        ipc_transport.KEEP_BYTES = args.ipc_keep_bytes
     sender = make_sender(args.transport, worker_id="peer-sender", device=torch.device(args.device))
-    try:
-        sender.send(handoff, source, endpoint=args.endpoint, timeout_s=args.timeout_s)
-    except KVTransferError as exc:
-        print(f"ERROR {exc}", flush=True)
-        return 1
+    for seed, num_tokens in enumerate(int(n) for n in args.num_tokens.split(",")):
+        handoff = make_handoff(args.layout, num_tokens)
+        source = PatternSource(args.layout, handoff.num_blocks, seed=seed, device=args.device,
+                               stall_at_block=args.stall_at_block)
+        try:
+            sender.send(handoff, source, endpoint=args.endpoint, timeout_s=args.timeout_s)
+        except KVTransferError as exc:
+            print(f"ERROR {exc}", flush=True)
+            return 1
     print("SENT", flush=True)
     return 0
 

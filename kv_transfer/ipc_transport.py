@@ -1,0 +1,478 @@
+"""The ipc KV transport: a prefill and a decode worker on one host hand blocks over through memory they share,
+never through a socket; control travels over gRPC.
+
+    sender                                                   receiver (KVReceiver.IpcTransfer on the worker's server)
+    ──────                                                   ────────
+    descriptor (+ its device type) ────────gRPC stream──────▶ check layout and device, sink.open(handoff) ─▶ dest
+    gather each travelling block into the staging buffer,
+    checksum it; the copies complete (one sync)
+    commit(buffer, checksum of every block) ────────────────▶ map the buffer (once per buffer), copy each block out
+                                                             into the destination, verifying it; dest.commit()
+    ◀──────────────────────────────────────────────────────── KVTransferAck(ok) | ack(error, error_kind)
+
+The staging buffer is memory of the sender's process that the receiver maps:
+- on CPU, an anonymous shared-memory file (memfd), which the receiver opens as /proc/<pid>/fd/<fd>;
+- on a GPU, a CUDA allocation, which the receiver opens with CUDA IPC (torch's `_share_cuda_` handle). Between
+  two processes on one GPU a block then moves device to device, twice (cache → staging on the sender's side,
+  staging → cache on the receiver's), and no byte of it crosses to the host. Checksums are `device_digest`s
+  there, as in the in-process transport, instead of host CRC-32Cs.
+
+Both ends must be on the same host (in the same PID namespace: one pod, or one machine under Ray) and on the same
+kind of device; across hosts use the grpc or torch transport. A receiver on the sender's own process (tests, one
+process holding both workers) takes the buffer directly: CUDA cannot open its own process's IPC handles.
+
+One handoff at a time per (sender, receiver) pair, since the pair's buffer is in use until the receiver acks
+(which it does after its copies completed); pairs run concurrently. The pair's buffer grows to the largest
+handoff up to KEEP_BYTES and is kept for the next one; a larger handoff stages through a one-off buffer that both
+ends let go of after it. A sender that dies ends the gRPC call, and the receiver fails the destination at once;
+a silent one is failed at the call's deadline (the sender's timeout), as for the grpc transport.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import secrets
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from queue import Queue
+
+import grpc
+import torch
+
+from kv_transfer.base import (
+    KVBlockSource,
+    KVSender,
+    KVSink,
+    SettleOnce,
+    TransferFault,
+    TransferResult,
+    write_verified,
+)
+from kv_transfer.block_copy import gather_into
+from kv_transfer.grpc_transport import (
+    SERVICE,
+    STOP_SLACK_S,
+    ChannelCache,
+    ack_error,
+    error_ack,
+    refusal,
+    rpc_error,
+    with_source,
+)
+from kv_transfer.grpc_transport import Receiver as _StreamReceiver
+from kv_transfer.inproc_transport import device_digest
+from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVRefused, KVTransferError
+from protos import kv_transfer_pb2
+from protos.cluster_auth import OPEN, ClusterAuth
+
+KEEP_BYTES = 128 << 20  # a pair's buffer grows up to this and is kept; a larger handoff uses a one-off buffer
+MAX_MAPPED = 8  # buffers a receiver keeps mapped (least recently used dropped first)
+# The receiver maps a sender's memfd read-only; torch warns that a tensor over it must not be written, and nothing
+# here writes it.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
+
+# Buffers of this process, by id, for a receiver in the same process (CUDA cannot open its own IPC handles).
+_local_lock = threading.Lock()
+_local: dict[str, torch.Tensor] = {}
+
+
+def wire_blocks(buffer: torch.Tensor, layout: KVLayout, count: int) -> torch.Tensor:
+    """[count, *layout.wire_shape] of `layout.wire_dtype`: the first `count` blocks of a uint8 staging buffer."""
+    data = buffer[: count * layout.block_bytes].view(getattr(torch, layout.wire_dtype))
+    return data.view(count, *layout.wire_shape)
+
+
+class StagingBuffer:
+    """`num_bytes` of this process's memory on `device` that a receiver on this host can map (`proto` says how)."""
+
+    def __init__(self, num_bytes: int, device: torch.device, *, keep: bool) -> None:
+        self.num_bytes = num_bytes
+        self.device = device
+        self.id = f"{os.getpid()}-{secrets.token_hex(8)}"
+        self.proto = kv_transfer_pb2.KVIpcBuffer(id=self.id, num_bytes=num_bytes, pid=os.getpid(), keep=keep)
+        self._fd: int | None = None
+        self._mmap: mmap.mmap | None = None
+        if device.type == "cpu":
+            self._fd = os.memfd_create("splitserve-kv", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(self._fd, num_bytes)
+                self._mmap = mmap.mmap(self._fd, num_bytes)
+            except BaseException:
+                os.close(self._fd)
+                raise
+            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            self.proto.fd = self._fd
+        elif device.type == "cuda":
+            self.tensor = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+            (cuda_device, handle, storage_bytes, storage_offset, ref_counter_handle, ref_counter_offset,
+             event_handle, event_sync_required) = self.tensor.untyped_storage()._share_cuda_()
+            self.proto.MergeFrom(kv_transfer_pb2.KVIpcBuffer(
+                cuda_device=cuda_device, cuda_handle=handle, cuda_storage_bytes=storage_bytes,
+                cuda_storage_offset=storage_offset, cuda_ref_counter_handle=ref_counter_handle,
+                cuda_ref_counter_offset=ref_counter_offset, cuda_event_handle=event_handle or b"",
+                cuda_event_sync_required=event_sync_required,
+            ))
+        else:
+            raise KVTransferError(f"the ipc KV transport stages blocks on cpu or cuda, not {device.type}")
+        with _local_lock:
+            _local[self.id] = self.tensor
+
+    @property
+    def keep(self) -> bool:
+        return self.proto.keep
+
+    def close(self) -> None:
+        """Let go of the buffer; a receiver that still maps it keeps its memory until it unmaps it."""
+        with _local_lock:
+            _local.pop(self.id, None)
+        del self.tensor
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a view of it is still alive somewhere: the mapping goes with it
+                pass
+            self._mmap = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def map_buffer(msg: kv_transfer_pb2.KVIpcBuffer, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over a sender's staging buffer, of `msg.num_bytes`; KVTransferError when it cannot be
+    mapped (another host, a process that exited, a different device type)."""
+    if msg.pid == os.getpid():
+        with _local_lock:
+            tensor = _local.get(msg.id)
+        if tensor is None:
+            raise KVTransferError(f"ipc buffer {msg.id} of this process is gone")
+        return tensor
+    if device.type == "cpu":
+        if msg.cuda_handle:
+            raise KVRefused(f"ipc buffer {msg.id} is on a GPU; this receiver's blocks are on the CPU",
+                            reason="malformed")
+        path = f"/proc/{msg.pid}/fd/{msg.fd}"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise KVTransferError(f"cannot open the sender's shared memory {path} ({exc.strerror}): the ipc KV "
+                                  "transport needs both workers on one host, in one PID namespace") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < msg.num_bytes:
+                raise KVRefused(f"ipc buffer {msg.id}: {size} bytes mapped, {msg.num_bytes} declared",
+                                reason="malformed")
+            mapping = mmap.mmap(fd, msg.num_bytes, prot=mmap.PROT_READ) if msg.num_bytes else b""
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mapping, dtype=torch.uint8) if msg.num_bytes else torch.empty(0, dtype=torch.uint8)
+    if not msg.cuda_handle:
+        raise KVRefused(f"ipc buffer {msg.id} is on the CPU; this receiver's blocks are on {device}",
+                        reason="malformed")
+    torch.cuda._lazy_init()
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            msg.cuda_device, msg.cuda_handle, msg.cuda_storage_bytes, msg.cuda_storage_offset,
+            msg.cuda_ref_counter_handle, msg.cuda_ref_counter_offset, msg.cuda_event_handle,
+            msg.cuda_event_sync_required,
+        )
+    except RuntimeError as exc:
+        raise KVTransferError(f"cannot open the sender's CUDA IPC buffer {msg.id} ({exc}): the ipc KV transport "
+                              "needs both workers on one host, with the GPU visible to both") from None
+    tensor = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    tensor.set_(storage, 0, (storage.nbytes(),), (1,))
+    if tensor.numel() < msg.num_bytes:
+        raise KVRefused(f"ipc buffer {msg.id}: {tensor.numel()} bytes mapped, {msg.num_bytes} declared",
+                        reason="malformed")
+    return tensor
+
+
+# ── receiver ─────────────────────────────────────────────────────────────────────────────────────────────────
+
+
+class Receiver(_StreamReceiver):
+    """Serves KVReceiver.IpcTransfer on the worker's gRPC server; one handler thread per handoff in flight. Opening
+    and closing destinations is the grpc receiver's (every destination settled once; `close` fails open ones)."""
+
+    name = "ipc"
+
+    def __init__(self, sink: KVSink) -> None:
+        super().__init__(sink)
+        self.device = torch.device(sink.device)
+        self._mapped_lock = threading.Lock()
+        self._mapped: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+
+    def attach(self, server: grpc.Server, endpoint: str) -> None:
+        handlers = {
+            "IpcTransfer": grpc.stream_unary_rpc_method_handler(
+                self._serve,
+                request_deserializer=kv_transfer_pb2.KVIpcMessage.FromString,
+                response_serializer=kv_transfer_pb2.KVTransferAck.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+    def close(self) -> None:
+        super().close()
+        with self._mapped_lock:
+            self._mapped.clear()
+
+    def _serve(self, messages: Iterator[kv_transfer_pb2.KVIpcMessage], context: grpc.ServicerContext
+               ) -> kv_transfer_pb2.KVTransferAck:
+        try:
+            first = next(messages)
+        except StopIteration:
+            return self._refuse(KVRefused("empty KV transfer stream", reason="malformed"))
+        except grpc.RpcError:  # the sender went away before saying anything: nothing was opened
+            return error_ack(KVTransferError("sender cancelled before the descriptor"))
+        try:
+            if first.WhichOneof("kind") != "descriptor":
+                raise KVRefused("an ipc KV transfer must start with the handoff descriptor", reason="malformed")
+            if first.descriptor.ipc_device != self.device.type:
+                raise KVTransferError(f"ipc transport device mismatch: the sender stages blocks on "
+                                      f"{first.descriptor.ipc_device or 'an unnamed device'}, this receiver's "
+                                      f"are on {self.device.type}")
+            handoff = KVHandoff.from_proto(first.descriptor)
+            dest = self.open(handoff)
+        except Exception as exc:  # refused before any byte was read; the sink opened nothing (or refused)
+            return self._refuse(exc)
+        try:
+            try:
+                second = next(messages)
+            except StopIteration:
+                raise KVTransferError(f"handoff {handoff.transfer_id}: the sender ended the stream before its "
+                                      "commit") from None
+            if second.WhichOneof("kind") != "commit" or second.commit.transfer_id != handoff.transfer_id:
+                raise KVRefused(f"handoff {handoff.transfer_id}: the second message must be its commit",
+                                reason="malformed")
+            self._copy_out(handoff, dest, second.commit)
+            dest.commit()
+        except Exception as exc:  # a broken stream (grpc.RpcError on cancel or deadline) included
+            reason = str(refusal(exc)) if not isinstance(exc, grpc.RpcError) else "sender cancelled or timed out"
+            dest.fail(f"ipc KV transfer {handoff.transfer_id} failed: {reason}")
+            self.note_failure(exc)
+            return error_ack(exc if not isinstance(exc, grpc.RpcError) else KVTransferError(reason))
+        finally:
+            self.forget(dest)
+        return kv_transfer_pb2.KVTransferAck(ok=True, num_bytes=handoff.num_bytes)
+
+    def _refuse(self, exc: Exception) -> kv_transfer_pb2.KVTransferAck:
+        self.note_failure(exc)
+        return error_ack(exc)
+
+    def _copy_out(self, handoff: KVHandoff, dest: SettleOnce, commit: kv_transfer_pb2.KVCommit) -> None:
+        """Copy every travelling block from the sender's buffer into `dest`, verifying each: as it is copied on
+        the CPU; on a GPU, the digests of all of them are compared after the copies, with one sync (a mismatch
+        fails the handoff, whose blocks are then freed unread)."""
+        indices = handoff.block_indices
+        on_gpu = self.device.type != "cpu"
+        checks = list(commit.device_digests if on_gpu else commit.crc32c)
+        if len(checks) != len(indices):
+            raise KVRefused(f"handoff {handoff.transfer_id}: {len(checks)} checksums for {len(indices)} blocks",
+                            reason="malformed")
+        if not indices:
+            return
+        buffer = commit.ipc_buffer
+        if buffer.num_bytes < handoff.num_bytes:
+            raise KVRefused(f"handoff {handoff.transfer_id}: {handoff.num_bytes} bytes travel in a buffer of "
+                            f"{buffer.num_bytes}", reason="malformed")
+        try:
+            blocks = wire_blocks(self._map(buffer), handoff.layout, len(indices))
+            if not on_gpu:
+                for slot, index in enumerate(indices):
+                    write_verified(dest, handoff, index, blocks[slot], checks[slot])
+                return
+            digests = []
+            for slot, index in enumerate(indices):
+                dest.write_block(index, blocks[slot], None)
+                digests.append(device_digest(blocks[slot]))
+            found = torch.stack(digests).tolist()  # the one sync: the copies out of the buffer are done too
+            for slot, (got, expected) in enumerate(zip(found, checks)):
+                if got != expected:
+                    raise KVChecksumError(f"handoff {handoff.transfer_id}: block {indices[slot]} failed its checksum "
+                                          "(a device digest, in place of the CRC-32C: the block stayed on the GPU)")
+        finally:
+            if not buffer.keep:
+                with self._mapped_lock:
+                    self._mapped.pop(buffer.id, None)
+
+    def _map(self, buffer: kv_transfer_pb2.KVIpcBuffer) -> torch.Tensor:
+        """The sender's buffer, mapped on first use. A new kept buffer of a sender process replaces its older ones
+        (it outgrew them); at most MAX_MAPPED stay mapped."""
+        with self._mapped_lock:
+            tensor = self._mapped.get(buffer.id)
+            if tensor is not None:
+                self._mapped.move_to_end(buffer.id)
+                return tensor
+        tensor = map_buffer(buffer, self.device)
+        pid_prefix = f"{buffer.pid}-"
+        with self._mapped_lock:
+            for old in [key for key in self._mapped if key.startswith(pid_prefix) and buffer.keep]:
+                del self._mapped[old]
+            self._mapped[buffer.id] = tensor
+            while len(self._mapped) > MAX_MAPPED:
+                self._mapped.popitem(last=False)
+        return tensor
+
+
+# ── sender ───────────────────────────────────────────────────────────────────────────────────────────────────
+
+
+_END = object()  # ends a sender's request stream
+
+
+@dataclass(eq=False)
+class _Pair:
+    """The sender's end towards one receiver: one handoff at a time through its kept buffer."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    buffer: StagingBuffer | None = None
+
+
+class Sender(KVSender):
+    """Stages each handoff in a buffer this process shares with the receiver's, on this host. Thread-safe."""
+
+    name = "ipc"
+
+    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
+                 auth: ClusterAuth = OPEN) -> None:
+        self.worker_id = worker_id
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.fault = fault or TransferFault()
+        self._channels = ChannelCache(auth)
+        self._lock = threading.Lock()
+        self._pairs: dict[str, _Pair] = {}  # by receiver endpoint
+
+    def close(self) -> None:
+        with self._lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            with pair.lock:
+                if pair.buffer is not None:
+                    pair.buffer.close()
+                    pair.buffer = None
+        self._channels.close()
+
+    def _pair(self, endpoint: str) -> _Pair:
+        with self._lock:
+            return self._pairs.setdefault(endpoint, _Pair())
+
+    def send(self, handoff: KVHandoff, source: KVBlockSource, *, endpoint: str, timeout_s: float) -> TransferResult:
+        start_s = time.monotonic()
+        handoff = with_source(handoff, worker_id=self.worker_id, transport=self.name)
+        what = f"KV handoff {handoff.transfer_id} ({handoff.num_bytes} bytes) to {endpoint}"
+        pair = self._pair(endpoint)
+        if not pair.lock.acquire(timeout=timeout_s):
+            raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s waiting for the previous transfer")
+        try:
+            self._transfer(handoff, source, endpoint, pair, start_s + timeout_s, timeout_s, what)
+        finally:
+            pair.lock.release()
+        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s)
+
+    def _transfer(self, handoff: KVHandoff, source: KVBlockSource, endpoint: str, pair: _Pair, deadline_s: float,
+                  timeout_s: float, what: str) -> None:
+        """Open the call with the descriptor, stage the blocks while the receiver opens, then commit; the caller
+        holds the pair's lock, and nothing touches its buffer once this returns or raises."""
+        descriptor = handoff.to_proto()
+        descriptor.ipc_device = self.device.type
+        outbox: Queue[kv_transfer_pb2.KVIpcMessage | object] = Queue()
+        outbox.put(kv_transfer_pb2.KVIpcMessage(descriptor=descriptor))
+
+        def requests() -> Iterator[kv_transfer_pb2.KVIpcMessage]:
+            while (message := outbox.get()) is not _END:
+                yield message
+
+        call = self._channels.stub(endpoint).IpcTransfer.future(requests(), timeout=timeout_s)
+        buffer = None
+        try:
+            try:
+                buffer = self._buffer(pair, handoff.num_bytes)
+                commit = self._stage(handoff, source, buffer, call, deadline_s, timeout_s, what)
+            except BaseException as exc:
+                outbox.put(_END)  # a half-close: the receiver sees the stream end before the commit and fails it
+                self._settle(call, timeout_s)
+                if isinstance(exc, KVTransferError) or not isinstance(exc, Exception):
+                    raise
+                raise KVTransferError(f"{what}: {exc}") from exc
+            outbox.put(kv_transfer_pb2.KVIpcMessage(commit=commit))
+            outbox.put(_END)
+            ack = self._result(call, endpoint, timeout_s, what)
+        finally:
+            if buffer is not None and not buffer.keep:
+                buffer.close()
+        if not ack.ok:
+            raise ack_error(ack, endpoint=endpoint)
+
+    def _buffer(self, pair: _Pair, num_bytes: int) -> StagingBuffer | None:
+        """The buffer this handoff stages in: the pair's, grown if it is too small (up to KEEP_BYTES), or a one-off
+        buffer for a larger handoff; None when no block travels."""
+        if num_bytes == 0:
+            return None
+        if num_bytes > KEEP_BYTES:
+            return StagingBuffer(num_bytes, self.device, keep=False)
+        if pair.buffer is None or pair.buffer.num_bytes < num_bytes:
+            grown = min(KEEP_BYTES, max(num_bytes, 2 * (pair.buffer.num_bytes if pair.buffer else 0)))
+            if pair.buffer is not None:
+                pair.buffer.close()
+                pair.buffer = None
+            pair.buffer = StagingBuffer(grown, self.device, keep=True)
+        return pair.buffer
+
+    def _stage(self, handoff: KVHandoff, source: KVBlockSource, buffer: StagingBuffer | None, call: grpc.Future,
+               deadline_s: float, timeout_s: float, what: str) -> kv_transfer_pb2.KVCommit:
+        """Gather every travelling block into `buffer` and checksum it (CRC-32C on the CPU, a device digest on a
+        GPU); returns the commit once the copies are complete. Stops early when the receiver already answered."""
+        commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.transfer_id)
+        indices = handoff.block_indices
+        if buffer is None:
+            return commit
+        commit.ipc_buffer.CopyFrom(buffer.proto)
+        blocks = wire_blocks(buffer.tensor, handoff.layout, len(indices))
+        on_gpu = self.device.type != "cpu"
+        digests: list[torch.Tensor] = []
+        for slot, index in enumerate(indices):
+            if slot == self.fault.stop_after_blocks:
+                raise KVTransferError(f"{what}: sender stopped after {slot} blocks (fault)")
+            if call.done():  # refused (or failed) while we were staging: its answer says why
+                return commit
+            if time.monotonic() > deadline_s:
+                raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s")
+            view = source.read_block(index)  # a strided view of the sender's cache
+            if on_gpu:
+                blocks[slot].copy_(view)
+                digests.append(device_digest(blocks[slot]))
+            else:
+                commit.crc32c.append(gather_into(blocks[slot], view))
+            wire = self.fault.apply(index, blocks[slot])
+            if wire is not blocks[slot]:
+                blocks[slot].copy_(wire)
+        if on_gpu:
+            commit.device_digests.extend(torch.stack(digests).tolist())  # the one sync: the copies are done too
+        return commit
+
+    def _result(self, call: grpc.Future, endpoint: str, timeout_s: float, what: str
+                ) -> kv_transfer_pb2.KVTransferAck:
+        try:
+            return call.result(timeout=timeout_s + STOP_SLACK_S)  # gRPC ends the call at timeout_s; this is a net
+        except grpc.FutureTimeoutError:
+            call.cancel()
+            raise KVTransferError(f"{what}: no answer from the receiver after {timeout_s:.3g}s") from None
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._channels.forget(endpoint)
+            raise rpc_error(exc, what=what, endpoint=endpoint, timeout_s=timeout_s) from None
+
+    @staticmethod
+    def _settle(call: grpc.Future, timeout_s: float) -> None:
+        """Wait (bounded) for a call this sender gave up on to end, so that the receiver has failed the handoff."""
+        try:
+            call.result(timeout=timeout_s + STOP_SLACK_S)
+        except Exception:  # noqa: BLE001 - the sender's own error is the one raised
+            call.cancel()
