@@ -42,7 +42,8 @@ from protos.cluster_auth import add_cluster_auth_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("gateway", help="run the OpenAI gateway alone, routing to the head's workers",
+    p = subparsers.add_parser("gateway", help="run the OpenAI gateway alone, routing to the head's workers or to a "
+                                              "fixed list of worker processes",
                               description=__doc__.split("\n\n")[0])
     add_ray_args(p, node_help="start this Ray node first, as a child that lives and dies with this command, e.g. "
                               "\"ray start --address=head:6379 --num-cpus=0\" (--block is added); needed where "
