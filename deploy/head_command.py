@@ -42,9 +42,11 @@ CONTROLLER_NAME = "splitserve-controller"
 CONTROLLER_NAMESPACE = "splitserve"
 
 
-def add_ray_args(p: argparse.ArgumentParser, *, node_help: str) -> None:
-    """How a driver command (`head`, `gateway`) joins Ray and names the controller."""
-    p.add_argument("--ray-address", default=DEFAULT_RAY_ADDRESS, help="the Ray cluster's GCS, host:port")
+def add_ray_args(p: argparse.ArgumentParser, *, node_help: str, address: str | None = DEFAULT_RAY_ADDRESS) -> None:
+    """How a driver command (`head`, `gateway`) joins Ray and names the controller; `address`: --ray-address's
+    default."""
+    p.add_argument("--ray-address", default=address, help="the Ray cluster's GCS, host:port" +
+                   (f" (default {address})" if address else ""))
     p.add_argument("--start-ray", default=None, metavar="COMMAND", help=node_help)
     p.add_argument("--ray-join-timeout", type=float, default=300.0,
                    help="seconds to wait for the Ray cluster (and the node --start-ray starts) to take us")

@@ -22,12 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import add_autoscale_args
+from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app
 from deploy.serve_args import (
-    DEFAULT_DISAGG_PREFILL_THRESHOLD,
     add_gateway_args,
     add_index_args,
     add_pool_args,
@@ -37,44 +37,24 @@ from deploy.serve_args import (
 from engine.engine_args import add_engine_args
 from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
-from router.rate_limit import RateLimits
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
-    from router.autoscaler import AutoscalerConfig
-    from router.server import GatewayTls
 
 _CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig:
+class ServeConfig(GatewayConfig):
+    """The router's options (GatewayConfig) and the cluster it fronts."""
+
     controller: ControllerConfig
-    host: str = "127.0.0.1"  # the router's HTTP address
-    port: int = 8000  # 0: any free port (the ready line names it)
     ray_address: str | None = None  # None: a private local Ray cluster, started and stopped with the command
-    request_timeout_s: float = 600.0  # one request, gateway queue included
-    admission_control: bool = True  # False: every request straight to the workers (vLLM's behaviour)
-    max_queued_requests: int | None = None  # the gateway's admission queue; None: derived from the pool
-    queue_timeout_s: float = 30.0  # longest wait in the gateway's queue before a 503
-    max_migrations: int = 3  # times one request may move to another decode worker after losing its own
-    admin_token: str | None = field(default=None, repr=False)  # the admin API's bearer token; None: no admin API
     # The prefix index: an embedded redis-server started with the command (the default), a Redis of your own
     # (`redis_url`), or none (`prefix_index=False`: routing by load only).
     prefix_index: bool = True
     redis_url: str | None = None
-    routing_policy: str = "prefix-aware"
-    disagg_prefill_threshold_tokens: int = DEFAULT_DISAGG_PREFILL_THRESHOLD
-    # Security (docs/security.md): API keys (none: /v1/* open) and where they come from, per-key rate limits,
-    # HTTPS at the gateway. The cluster secret and gRPC TLS are the controller config's `auth`.
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    api_key_file: str | None = None
-    metrics_require_key: bool = False
-    rate_limits: RateLimits = field(default_factory=RateLimits)
-    tls: GatewayTls | None = None
-    signal_window_s: float = 60.0  # the autoscaling signals' latency window
-    autoscaler: AutoscalerConfig | None = None  # the built-in autoscaler; None: the pools keep their sizes
 
 
 # -- flags ---------------------------------------------------------------------------------------------------
@@ -340,39 +320,10 @@ class _StartFailed(Exception):
 
 def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
     """The gateway app for this cluster (loads the tokenizer), and its access control (None: /v1/* open)."""
-    from router.admin import AdminApi
-    from router.api_keys import AccessControl, ApiKeyRing
-    from router.rate_limit import RateLimiter
-    from router.server import build_router_app
-
-    access = None
-    if config.api_keys or config.api_key_file:
-        access = AccessControl(ring=ApiKeyRing(config.api_keys, key_file=config.api_key_file),
-                               limiter=RateLimiter(config.rate_limits) if config.rate_limits.enabled else None,
-                               metrics_require_key=config.metrics_require_key)
-    return build_router_app(
-        model=c.engine.model,
-        worker_provider=directory,
-        load_format=c.engine.load_format,
-        mode="colocated" if c.num_colocated_workers else "disaggregated",
-        block_size=c.engine.block_size,
-        max_model_len=c.engine.max_model_len,
-        request_timeout_s=config.request_timeout_s,
-        admission_control=config.admission_control,
-        max_queued_requests=config.max_queued_requests,
-        queue_timeout_s=config.queue_timeout_s,
-        max_migrations=config.max_migrations,
-        admin=AdminApi(token=config.admin_token, controller=directory) if config.admin_token else None,
-        restart_counts=directory.restart_counts,
-        redis_url=redis_url,
-        routing_policy=config.routing_policy,
-        disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
-        signal_window_s=config.signal_window_s,
-        autoscaler=config.autoscaler,
-        pool_controller=directory if config.autoscaler is not None else None,
-        auth=c.auth,
-        access=access,
-    ), access
+    served = ServedEngine(model=c.engine.model, load_format=c.engine.load_format, block_size=c.engine.block_size,
+                          max_model_len=c.engine.max_model_len,
+                          mode="colocated" if c.num_colocated_workers else "disaggregated")
+    return build_gateway_app(config, served, directory, auth=c.auth, redis_url=redis_url, pool_controller=directory)
 
 
 def _check_redis(redis_url: str) -> None:

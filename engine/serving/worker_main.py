@@ -1,7 +1,12 @@
 """Run one worker as its own process (`python -m prefill_worker` / `python -m decode_worker`), outside Ray.
 
 Prints `ENDPOINT host:port` on stdout once serving, then serves until SIGINT/SIGTERM, on which it aborts every
-request (freeing its blocks) and exits 0. Benchmarks and multi-host setups without Ray start workers this way.
+request (freeing its blocks) and exits 0. Benchmarks, multi-host setups without Ray and `splitserve gateway
+--prefill/--decode/--colocated` (deploy/static_workers.py) run workers this way.
+
+Its incarnation is the start time in microseconds since the epoch: a process restarted under the same worker id
+gets a larger one, as a controller's restart does, so the prefix index and the gateway tell it from its
+predecessor. Its worker id defaults to `<role>-<port>`, or `<role>-<pid>` on a free port (--port 0).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from engine.engine_args import add_engine_args, engine_config_from_args
@@ -38,7 +44,7 @@ def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> Wor
     add_engine_args(parser)
     args = parser.parse_args(argv)
     return WorkerConfig(
-        worker_id=args.worker_id or f"{args.role}-{args.port}",
+        worker_id=args.worker_id or f"{args.role}-{args.port or os.getpid()}",
         role=args.role,
         engine=engine_config_from_args(args),
         host=args.host,
@@ -47,6 +53,7 @@ def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> Wor
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         redis_url=args.redis_url,
         auth=cluster_auth_from_args(args, os.environ),
+        incarnation=time.time_ns() // 1000,  # exact in the index's Lua numbers (below 2**53) until the year 2255
     )
 
 

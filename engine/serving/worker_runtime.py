@@ -232,6 +232,11 @@ class WorkerRuntime:
             role=self.config.role,
             model=self.engine.model_config.name,
             incarnation=self.config.incarnation,
+            engine_model=self.config.engine.model,
+            load_format=self.config.engine.load_format,
+            block_size=self.engine.config.block_size,
+            max_model_len=self.engine.max_model_len,
+            kv_cache_dtype=self.engine.config.kv_cache_dtype,
         )
 
     async def load_stats(self) -> serving_pb2.LoadStats:

@@ -101,12 +101,15 @@ def describe(pids: list[int]) -> list[str]:
 
 
 READY = re.compile(r"^splitserve: serving \S+ on (http://\S+) ")
+WORKER_READY = re.compile(r"^ENDPOINT (\S+)$")  # a worker process' (engine/serving/worker_main.py)
 
 
 class ServeProcess:
-    """`serve` in its own session; its stdout is read by a thread so that a chatty child never blocks."""
+    """`serve` in its own session; its stdout is read by a thread so that a chatty child never blocks. `ready`:
+    the line that says it serves, its group 1 what `url` becomes (WORKER_READY: a worker process' endpoint)."""
 
-    def __init__(self, argv: list[str], *, stderr_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], *, stderr_path: Path, env: dict[str, str] | None = None,
+                 ready: re.Pattern[str] = READY) -> None:
         self._stderr = stderr_path.open("wb")
         self.proc = subprocess.Popen(
             argv,
@@ -119,6 +122,7 @@ class ServeProcess:
         )
         self.lines: list[str] = []
         self.url: str | None = None
+        self._ready_line = ready
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -126,7 +130,7 @@ class ServeProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if self.url is None and (match := READY.match(line)):
+            if self.url is None and (match := self._ready_line.match(line)):
                 self.url = match.group(1)
                 self._ready.set()
         self._ready.set()

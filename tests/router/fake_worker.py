@@ -74,6 +74,7 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
     script: Script = field(default_factory=Script)
     load: serving_pb2.LoadStats = field(default_factory=serving_pb2.LoadStats)
     load_status: grpc.StatusCode | None = None  # GetLoad fails with this
+    health: serving_pb2.HealthResponse | None = None  # what Health answers (None: ok, with its id and role)
     requests: list[serving_pb2.GenerateRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -183,6 +184,8 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
         return serving_pb2.AbortResponse(found=True)
 
     def Health(self, request, context):  # type: ignore[no-untyped-def]
+        if self.health is not None:
+            return self.health
         return serving_pb2.HealthResponse(ok=True, worker_id=self.worker_id, role=self.role)
 
     def GetLoad(self, request, context):  # type: ignore[no-untyped-def]

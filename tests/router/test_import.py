@@ -40,3 +40,30 @@ def test_a_dummy_shapes_gateway_loads_the_workers_tokenizer_without_torch() -> N
     )[-2:]
     assert models == "['llama-3.2-1b'] [131072]"
     assert imported == "[]"
+
+
+def test_the_fixed_list_gateway_imports_neither_torch_nor_ray() -> None:
+    """`splitserve gateway --prefill/--decode/--colocated` (deploy/static_workers.py): everything it imports and
+    builds, with any import of ray failing (tests/deploy/test_static_gateway.py runs it over real workers)."""
+    models, imported = _run(
+        "import sys\n"
+        "sys.modules['ray'] = None  # `import ray` raises ImportError\n"
+        "from fastapi.testclient import TestClient\n"
+        "from deploy import cli, gateway_command\n"
+        "from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app\n"
+        "from deploy.serve_command import _check_redis, _describe_pools, _ShutdownSignals\n"
+        "from deploy.static_workers import StaticWorkers, worker_list_from_args\n"
+        "from protos.cluster_auth import cluster_auth_from_args\n"
+        "from router.server import RouterServer\n"
+        "args = cli.build_parser().parse_args(['gateway', '--colocated', '127.0.0.1:9'])\n"
+        "workers = StaticWorkers(worker_list_from_args(args), auth=cluster_auth_from_args(args, {}))\n"
+        "served = ServedEngine(model='llama-3.2-1b', load_format='dummy', max_model_len=2048, mode='colocated')\n"
+        "app, _ = build_gateway_app(GatewayConfig(), served, workers, auth=cluster_auth_from_args(args, {}),\n"
+        "                           redis_url=None)\n"
+        "with TestClient(app) as client:\n"
+        "    print([m.get('max_model_len') for m in client.get('/v1/models').json()['data']])\n"
+        "workers.close()\n"
+        "sys.modules.pop('ray')\n" + HEAVY
+    )[-2:]
+    assert models == "[2048]"
+    assert imported == "[]"
