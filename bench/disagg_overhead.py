@@ -53,9 +53,13 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+STAGES = ("decode_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s")  # serving.proto StageTimings
+
+
 def run_request(stub: serving_pb2_grpc.WorkerStub, ids: list[int], max_tokens: int, prefill_endpoint: str
-                ) -> tuple[float, float, list[int]]:
-    """(TTFT, TPOT, tokens) of one greedy request that generates exactly `max_tokens` tokens."""
+                ) -> tuple[float, float, list[int], dict[str, float]]:
+    """(TTFT, TPOT, tokens, the first message's stage timings) of one greedy request that generates exactly
+    `max_tokens` tokens."""
     params = serving_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     req = serving_pb2.GenerateRequest(
         request_id=f"bench-{time.monotonic_ns()}", prompt_token_ids=ids, params=params,
@@ -64,16 +68,18 @@ def run_request(stub: serving_pb2_grpc.WorkerStub, ids: list[int], max_tokens: i
     start = time.perf_counter()
     first = last = None
     tokens: list[int] = []
+    stages: dict[str, float] = {}
     for msg in stub.Generate(req, timeout=600):
         if msg.error:
             raise RuntimeError(msg.error)
         now = time.perf_counter()
         if msg.token_ids and first is None:
             first = now
+            stages = {stage: getattr(msg.timings, stage) for stage in STAGES}
         tokens.extend(msg.token_ids)
         last = now
     assert first is not None and last is not None and len(tokens) == max_tokens
-    return first - start, (last - first) / (len(tokens) - 1), tokens
+    return first - start, (last - first) / (len(tokens) - 1), tokens, stages
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -83,15 +89,20 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarize(name: str, results: list[tuple[float, float, list[int]]]) -> dict[str, float]:
+def summarize(name: str, results: list[tuple[float, float, list[int], dict[str, float]]]) -> dict[str, float]:
     ttft = [r[0] for r in results]
     tpot = [r[1] for r in results]
     row = {
         "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
         "tpot_p50": percentile(tpot, 0.5), "tpot_p99": percentile(tpot, 0.99),
     }
+    # Where the TTFT went (p50 of each stage, as the workers measured it; "rest": gRPC hops, scheduling, streaming)
+    stages = {stage: percentile([r[3].get(stage, 0.0) for r in results], 0.5) for stage in STAGES}
+    rest = row["ttft_p50"] - sum(stages.values())
+    breakdown = "  ".join(f"{stage[:-2]} {value * 1e3:.1f}" for stage, value in stages.items() if value)
     print(f"{name:<22} TTFT p50 {row['ttft_p50'] * 1e3:8.1f} ms  p99 {row['ttft_p99'] * 1e3:8.1f} ms   "
-          f"TPOT p50 {row['tpot_p50'] * 1e3:7.1f} ms  p99 {row['tpot_p99'] * 1e3:7.1f} ms", flush=True)
+          f"TPOT p50 {row['tpot_p50'] * 1e3:7.1f} ms  p99 {row['tpot_p99'] * 1e3:7.1f} ms   "
+          f"[{breakdown}  rest {rest * 1e3:.1f} ms]", flush=True)
     return row
 
 
@@ -130,7 +141,7 @@ def main() -> int:
             d_proc, decode = start_worker("decode_worker", "--role", "decode", "--kv-transport", transport, *common)
             stack.callback(stop, d_proc)
             targets[transport] = (serving_pb2_grpc.WorkerStub(grpc.insecure_channel(decode)), prefill)
-        results: dict[str, list[tuple[float, float, list[int]]]] = {name: [] for name in targets}
+        results: dict[str, list[tuple[float, float, list[int], dict[str, float]]]] = {name: [] for name in targets}
         for i, ids in enumerate(prompts):
             for name, (stub, prefill_endpoint) in targets.items():
                 timing = run_request(stub, ids, args.max_tokens, prefill_endpoint)

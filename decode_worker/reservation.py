@@ -26,7 +26,7 @@ import threading
 import torch
 
 from kv_transfer.layout import KVHandoff, KVLayout, KVRefused, KVTransferError
-from kv_transfer.wire_block import write_wire_block
+from kv_transfer.wire_block import write_wire_block, write_wire_blocks
 
 
 class ReservationState(enum.Enum):
@@ -98,6 +98,19 @@ class Reservation:
             block_id = self.block_ids[index]
             scales = None if self.kv_scales is None else self.kv_scales[:, :, block_id]
             write_wire_block(self.layout, self.kv_cache[:, :, block_id], scales, data, crc32c)
+            self.num_bytes += data.numel() * data.element_size()
+
+    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
+        """Blocks first_index, ... of the handoff, all of `data` ([k, *wire_shape]) at once and unchecked: the
+        transport verifies them (device digests) before it commits."""
+        with self._lock:
+            if self.state is not ReservationState.RECEIVING:
+                raise KVTransferError(f"request {self.request_id}: transfer is {self.state.value}, blocks dropped")
+            end = first_index + data.shape[0]
+            if not self.first_block <= first_index <= end <= len(self.block_ids):
+                raise KVTransferError(f"request {self.request_id}: blocks {first_index} to {end - 1} are not the "
+                                      "handoff's to write")
+            write_wire_blocks(self.layout, self.kv_cache, self.kv_scales, self.block_ids[first_index:end], data)
             self.num_bytes += data.numel() * data.element_size()
 
     def commit(self) -> None:

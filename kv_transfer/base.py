@@ -39,6 +39,9 @@ class KVBlockSource(Protocol):
         while held). `kv_transfer.wire_block.read_wire_block` makes it from the cache's views."""
         ...
 
+    # Optional: `read_blocks(indices: range, out: torch.Tensor) -> None` copies blocks `indices` into `out`
+    # ([len(indices), *wire_shape], contiguous) at once (kv_transfer.wire_block.read_wire_blocks); see read_blocks.
+
 
 class KVDestination(Protocol):
     """Where one handoff's blocks land on the receiver: reserved blocks of its paged cache."""
@@ -49,6 +52,9 @@ class KVDestination(Protocol):
         KVChecksumError on a mismatch (the receiver then fails the handoff, so the block's bytes are never read).
         None: `data` needs no check."""
         ...
+
+    # Optional: `write_blocks(first_index: int, data: torch.Tensor) -> None` stores blocks first_index, ... of
+    # `data` ([k, *wire_shape]) at once and unchecked (kv_transfer.wire_block.write_wire_blocks); see write_blocks.
 
     def commit(self) -> None:
         """Every block arrived and verified; the request may run."""
@@ -74,6 +80,11 @@ class SettleOnce:
         if self.outcome is not None:
             raise KVTransferError(f"write to a destination already {self.outcome}")
         self._dest.write_block(index, data, crc32c)
+
+    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
+        if self.outcome is not None:
+            raise KVTransferError(f"write to a destination already {self.outcome}")
+        write_blocks(self._dest, first_index, data)
 
     def commit(self) -> None:
         """Commit, or raise KVTransferError when the handoff was failed first (by `close`, a timeout)."""
@@ -136,6 +147,28 @@ def write_verified(dest: KVDestination, handoff: KVHandoff, index: int, block: t
         raise KVChecksumError(
             f"handoff {handoff.transfer_id}: block {index} failed its CRC-32C check ({exc})"
         ) from None
+
+
+def read_blocks(source: KVBlockSource, indices: range, out: torch.Tensor) -> None:
+    """Blocks `indices` of `source` into `out` ([len(indices), *wire_shape], contiguous): in one gather when the
+    source has `read_blocks`, else block by block."""
+    gather_all = getattr(source, "read_blocks", None)
+    if gather_all is not None:
+        gather_all(indices, out)
+        return
+    for slot, index in enumerate(indices):
+        out[slot].copy_(source.read_block(index))
+
+
+def write_blocks(dest: KVDestination, first_index: int, data: torch.Tensor) -> None:
+    """Store `data`'s k blocks as blocks first_index, ... of `dest`, unchecked (the caller verifies them before it
+    commits): at once when the destination has `write_blocks`, else block by block."""
+    scatter_all = getattr(dest, "write_blocks", None)
+    if scatter_all is not None:
+        scatter_all(first_index, data)
+        return
+    for slot in range(data.shape[0]):
+        dest.write_block(first_index + slot, data[slot], None)
 
 
 def block_bytes(block: torch.Tensor) -> memoryview:

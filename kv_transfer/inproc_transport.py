@@ -38,17 +38,26 @@ from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError
 SCHEME = "inproc://"
 
 _DIGEST_WEIGHTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+DIGEST_GROUP_BYTES = 32 << 20  # device_digests takes blocks in groups of about this many bytes (8x that in int64)
 
 
 def device_digest(block: torch.Tensor) -> torch.Tensor:
     """A 0-d int64 tensor, on `block`'s device: sum over its bytes b_i of b_i * (2i + 1), wrapping. Any one changed
     byte changes it (its weight is odd), and so does a swap of two different bytes; no host sync."""
-    data = block.reshape(-1).view(torch.uint8)
-    key = (data.device, data.numel())
+    return device_digests(block.reshape(1, -1))[0]
+
+
+def device_digests(blocks: torch.Tensor) -> torch.Tensor:
+    """[k] int64: `device_digest` of each of `blocks`' k entries along its first dimension, a few kernels for all
+    of them (a group of blocks at a time, so that the int64 products stay bounded); no host sync."""
+    data = blocks.reshape(blocks.shape[0], -1).view(torch.uint8)
+    num_blocks, num_bytes = data.shape
+    key = (data.device, num_bytes)
     weights = _DIGEST_WEIGHTS.get(key)
     if weights is None:
-        weights = _DIGEST_WEIGHTS[key] = torch.arange(data.numel(), device=data.device, dtype=torch.int64) * 2 + 1
-    return (data.to(torch.int64) * weights).sum()
+        weights = _DIGEST_WEIGHTS[key] = torch.arange(num_bytes, device=data.device, dtype=torch.int64) * 2 + 1
+    group = max(1, DIGEST_GROUP_BYTES // max(num_bytes, 1))
+    return torch.cat([(data[i:i + group].to(torch.int64) * weights).sum(dim=1) for i in range(0, num_blocks, group)])
 
 
 _registry_lock = threading.Lock()

@@ -11,9 +11,15 @@ send it as any block, so the CRC-32C of an int8 block covers its scales. The sen
 copy (its values and scales live in two tensors of the cache); the receiver unpacks it straight into its cache,
 verifying the checksum in the same pass (`copy_checked_parts`). Both sides copy bytes (uint8 views), so values and
 scales arrive bit-exact, and no view needs a float32-aligned offset into a received message.
+
+`read_wire_blocks` / `write_wire_blocks` move many blocks at once, one gather or scatter kernel for the lot (block
+by block for int8, whose values and scales live apart): what a GPU transport needs, where each kernel launch from
+Python costs more than copying a block.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -61,3 +67,38 @@ def write_wire_block(layout: KVLayout, values: torch.Tensor, scales: torch.Tenso
         ],
         crc32c,
     )
+
+
+def _paged_wire_blocks(layout: KVLayout, kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """The paged cache [num_layers, 2, num_blocks, block_size, Hkv, D] as [num_blocks, *layout.wire_shape] of the
+    wire dtype, a strided view; None for int8, whose blocks pack values and scales."""
+    if layout.quantized:
+        return None
+    blocks = kv_cache.permute(2, 0, 1, 3, 4, 5)
+    return blocks.view(torch.uint8) if layout.kv_cache_dtype == "fp8" else blocks
+
+
+def read_wire_blocks(layout: KVLayout, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                     block_ids: Sequence[int], out: torch.Tensor) -> None:
+    """Copy the wire blocks of cache blocks `block_ids` into `out` ([len(block_ids), *wire_shape], contiguous).
+    `kv_scales`: the cache's [num_layers, 2, num_blocks, Hkv] scales (int8), else None."""
+    paged = _paged_wire_blocks(layout, kv_cache)
+    if paged is None:
+        for slot, block_id in enumerate(block_ids):
+            scales = None if kv_scales is None else kv_scales[:, :, block_id]
+            out[slot].copy_(read_wire_block(layout, kv_cache[:, :, block_id], scales))
+        return
+    torch.index_select(paged, 0, torch.tensor(list(block_ids), device=kv_cache.device), out=out)
+
+
+def write_wire_blocks(layout: KVLayout, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                      block_ids: Sequence[int], data: torch.Tensor) -> None:
+    """Copy `data` ([len(block_ids), *wire_shape]) into cache blocks `block_ids`, unchecked: the caller verifies
+    the bytes (a device digest of `data`) before the blocks may be read."""
+    paged = _paged_wire_blocks(layout, kv_cache)
+    if paged is None:
+        for slot, block_id in enumerate(block_ids):
+            scales = None if kv_scales is None else kv_scales[:, :, block_id]
+            write_wire_block(layout, kv_cache[:, :, block_id], scales, data[slot], None)
+        return
+    paged.index_copy_(0, torch.tensor(list(block_ids), device=kv_cache.device), data)

@@ -34,7 +34,7 @@ from engine.serving.worker_runtime import RuntimeWorker, WorkerRuntime, WorkerSe
 from kv_transfer.base import TransferResult
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_sender
-from kv_transfer.wire_block import read_wire_block
+from kv_transfer.wire_block import read_wire_block, read_wire_blocks
 from protos import serving_pb2, serving_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class HeldBlocks:
         block_id = self.block_ids[index]
         scales = None if self.kv_scales is None else self.kv_scales[:, :, block_id]
         return read_wire_block(self.layout, self.kv_cache[:, :, block_id], scales)
+
+    def read_blocks(self, indices: range, out: torch.Tensor) -> None:
+        read_wire_blocks(self.layout, self.kv_cache, self.kv_scales, self.block_ids[indices.start:indices.stop], out)
 
 
 class CutHalfWay:

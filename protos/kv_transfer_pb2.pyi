@@ -126,7 +126,7 @@ class KVIpcBuffer(_message.Message):
     cuda_event_sync_required: bool
     def __init__(self, id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., keep: _Optional[bool] = ..., fd: _Optional[int] = ..., cuda_device: _Optional[int] = ..., cuda_handle: _Optional[bytes] = ..., cuda_storage_bytes: _Optional[int] = ..., cuda_storage_offset: _Optional[int] = ..., cuda_ref_counter_handle: _Optional[bytes] = ..., cuda_ref_counter_offset: _Optional[int] = ..., cuda_event_handle: _Optional[bytes] = ..., cuda_event_sync_required: _Optional[bool] = ...) -> None: ...
 
-class KVIpcMessage(_message.Message):
+class KVIpcHandoff(_message.Message):
     __slots__ = ("descriptor", "commit")
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]

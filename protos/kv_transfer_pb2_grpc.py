@@ -49,9 +49,9 @@ class KVReceiverStub:
                 request_serializer=protos_dot_kv__transfer__pb2.KVCommit.SerializeToString,
                 response_deserializer=protos_dot_kv__transfer__pb2.KVTransferAck.FromString,
                 _registered_method=True)
-        self.IpcTransfer = channel.stream_unary(
+        self.IpcTransfer = channel.unary_unary(
                 '/splitserve.kv.v1.KVReceiver/IpcTransfer',
-                request_serializer=protos_dot_kv__transfer__pb2.KVIpcMessage.SerializeToString,
+                request_serializer=protos_dot_kv__transfer__pb2.KVIpcHandoff.SerializeToString,
                 response_deserializer=protos_dot_kv__transfer__pb2.KVTransferAck.FromString,
                 _registered_method=True)
 
@@ -79,9 +79,9 @@ class KVReceiverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def IpcTransfer(self, request_iterator, context):
-        """The ipc transport: descriptor, then the commit naming the shared buffer; acked once every block is copied
-        out of it and verified. A sender that dies ends the call, and the receiver fails the handoff at once.
+    def IpcTransfer(self, request, context):
+        """The ipc transport: the descriptor and the commit naming the shared buffer, sent once the blocks are in it;
+        acked once every block is verified and copied out of it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,9 +105,9 @@ def add_KVReceiverServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_kv__transfer__pb2.KVCommit.FromString,
                     response_serializer=protos_dot_kv__transfer__pb2.KVTransferAck.SerializeToString,
             ),
-            'IpcTransfer': grpc.stream_unary_rpc_method_handler(
+            'IpcTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.IpcTransfer,
-                    request_deserializer=protos_dot_kv__transfer__pb2.KVIpcMessage.FromString,
+                    request_deserializer=protos_dot_kv__transfer__pb2.KVIpcHandoff.FromString,
                     response_serializer=protos_dot_kv__transfer__pb2.KVTransferAck.SerializeToString,
             ),
     }
@@ -203,7 +203,7 @@ class KVReceiver:
             _registered_method=True)
 
     @staticmethod
-    def IpcTransfer(request_iterator,
+    def IpcTransfer(request,
             target,
             options=(),
             channel_credentials=None,
@@ -213,11 +213,11 @@ class KVReceiver:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
             '/splitserve.kv.v1.KVReceiver/IpcTransfer',
-            protos_dot_kv__transfer__pb2.KVIpcMessage.SerializeToString,
+            protos_dot_kv__transfer__pb2.KVIpcHandoff.SerializeToString,
             protos_dot_kv__transfer__pb2.KVTransferAck.FromString,
             options,
             channel_credentials,

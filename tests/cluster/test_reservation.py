@@ -52,3 +52,23 @@ def test_a_handoff_must_skip_exactly_the_blocks_held_here_and_never_writes_them(
         reservation.write_block(0, block, tensor_checksum(block))  # block 4: shared prefix cache
     reservation.write_block(1, block, tensor_checksum(block))
     assert torch.equal(kv_cache[:, :, 1], block) and not kv_cache[:, :, 4].any()
+
+
+def test_blocks_written_at_once_land_in_their_reserved_slots_and_nowhere_else() -> None:
+    """`write_blocks` (the ipc transport's GPU path: one scatter, verified by the transport before it commits)
+    writes the handoff's blocks into their reserved slots, never a held one, and only while receiving."""
+    kv_cache = torch.zeros((3, 2, 6, 4, 2, 8))
+    reservation = Reservation("r", num_tokens=12, block_ids=[4, 1, 3], kv_cache=kv_cache, layout=LAYOUT,
+                              first_block=1)
+    reservation.open(KVHandoff(request_id="r", transfer_id="t", num_tokens=12, layout=LAYOUT, first_block=1))
+    blocks = torch.randn(2, *LAYOUT.block_shape)
+    with pytest.raises(KVTransferError, match="blocks 0 to 1 are not the handoff's to write"):
+        reservation.write_blocks(0, blocks)  # block 4: shared prefix cache
+    with pytest.raises(KVTransferError, match="blocks 2 to 3 are not the handoff's to write"):
+        reservation.write_blocks(2, blocks)  # past the reservation
+    reservation.write_blocks(1, blocks)
+    assert torch.equal(kv_cache[:, :, 1], blocks[0]) and torch.equal(kv_cache[:, :, 3], blocks[1])
+    assert not kv_cache[:, :, [0, 2, 4, 5]].any() and reservation.num_bytes == 2 * LAYOUT.block_bytes
+    reservation.fail("the digests did not match")
+    with pytest.raises(KVTransferError, match="blocks dropped"):
+        reservation.write_blocks(1, blocks)

@@ -42,3 +42,15 @@ def test_a_block_whose_digest_differs_is_refused_before_it_is_written() -> None:
         incoming.write(1, blocks[1], device_digest(blocks[2]))
     dest = sink.only()
     assert dest.written == [0]
+
+
+def test_many_digests_at_once_equal_one_at_a_time(monkeypatch) -> None:
+    """`device_digests` (what the ipc transport checks a GPU handoff with) gives each block's `device_digest`,
+    however its blocks are grouped."""
+    from kv_transfer import inproc_transport
+
+    blocks = torch.randn(7, 2, 4, 3, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    one_by_one = [int(device_digest(block)) for block in blocks]
+    assert inproc_transport.device_digests(blocks).tolist() == one_by_one
+    monkeypatch.setattr(inproc_transport, "DIGEST_GROUP_BYTES", 3 * blocks[0].numel() * 2)  # groups of 3, 3, 1
+    assert inproc_transport.device_digests(blocks).tolist() == one_by_one

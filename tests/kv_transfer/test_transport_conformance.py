@@ -32,6 +32,7 @@ from kv_transfer.layout import KVChecksumError, KVLayout, KVLayoutMismatch, KVTr
 from kv_transfer.registry import make_sender
 from tests.kv_transfer.transfer_peer import (
     PatternSource,
+    RecordingDestination,
     RecordingSink,
     format_layout,
     make_handoff,
@@ -145,6 +146,25 @@ def make_harness(case: Case) -> Iterator:
     assert read_ahead_threads_gone()  # nor may a receiver's thread outlive its handoffs
 
 
+# The ipc sender stages every block before its one call: a sender that stops or dies while staging has opened
+# nothing on the receiver (nothing there to fail), where the others have opened the handoff and must fail it.
+STAGES_BEFORE_OPENING = {"ipc"}
+
+
+def _sender_gave_up(case: Case, sink: RecordingSink, *, what: str) -> RecordingDestination | None:
+    """After a sender stopped mid-transfer: the destination it had opened, failed within 10 s (never committed);
+    None for a transport that stages before opening, which must have opened nothing. Every block is free."""
+    if case.transport in STAGES_BEFORE_OPENING:
+        assert sink.open_calls == 0 and not sink.destinations, f"{what}: a handoff was opened"
+        assert sink.num_used == 0
+        return None
+    assert _wait_settled(sink, 10) < 10
+    dest = sink.only()
+    assert dest.outcome == "failed" and dest.commits == 0, what
+    assert sink.num_used == 0
+    return dest
+
+
 def _wait_settled(sink: RecordingSink, timeout_s: float) -> float:
     """Wait until the sink's only destination settles; seconds it took."""
     start_s = time.monotonic()
@@ -205,7 +225,7 @@ def test_blocks_the_receiver_holds_stay_home(make_harness, num_tokens: int, firs
     assert result.num_bytes == handoff.num_bytes == (handoff.num_blocks - first_block) * SMALL.block_bytes
 
 
-def test_sender_stopping_after_the_held_head_fails_the_destination(make_harness) -> None:
+def test_sender_stopping_after_the_held_head_fails_the_destination(case: Case, make_harness) -> None:
     harness = make_harness(SMALL)
     sender = harness.sender(TransferFault(stop_after_blocks=1))
     handoff = dataclasses.replace(make_handoff(SMALL, 4 * 6), first_block=2)
@@ -213,9 +233,8 @@ def test_sender_stopping_after_the_held_head_fails_the_destination(make_harness)
     with pytest.raises(KVTransferError, match="stopped after 1 blocks"):
         sender.send(handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=10)
 
-    assert _wait_settled(harness.sink, 10) < 10
-    dest = harness.sink.only()
-    assert dest.outcome == "failed" and dest.written in ([], [2])
+    dest = _sender_gave_up(case, harness.sink, what="stopped after the held head")
+    assert dest is None or dest.written in ([], [2])
 
 
 def test_sender_is_reusable_and_thread_safe_across_two_senders(make_harness) -> None:
@@ -307,7 +326,7 @@ def test_unreachable_receiver_raises(case: Case) -> None:
 # ── the sender gives up mid-transfer ─────────────────────────────────────────────────────────────────────────
 
 
-def test_sender_stopping_mid_transfer_fails_the_destination(make_harness) -> None:
+def test_sender_stopping_mid_transfer_fails_the_destination(case: Case, make_harness) -> None:
     harness = make_harness(SMALL)
     sender = harness.sender(TransferFault(stop_after_blocks=2))
     handoff = make_handoff(SMALL, 4 * 6)
@@ -315,9 +334,7 @@ def test_sender_stopping_mid_transfer_fails_the_destination(make_harness) -> Non
     with pytest.raises(KVTransferError, match="stopped after 2 blocks"):
         sender.send(handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=10)
 
-    assert _wait_settled(harness.sink, 10) < 10
-    dest = harness.sink.only()
-    assert dest.outcome == "failed" and dest.commits == 0
+    _sender_gave_up(case, harness.sink, what="stopped after 2 blocks")
 
     # The same sender (and, for torch, a rebuilt pair group) serves the next handoff.
     sender.fault = TransferFault()  # type: ignore[attr-defined]
@@ -407,6 +424,12 @@ def test_sender_dying_mid_transfer_fails_the_destination(wire_case: Case, peers,
         sender = peers("sender", wire_case, SMOLLM2, "--device", wire_case.sender_device, "--endpoint", endpoint,
                        "--num-tokens", str(16 * 8), "--stall-at-block", "2", "--timeout-s", str(timeout_s))
         sender.expect("STALL")
+        if wire_case.transport in STAGES_BEFORE_OPENING:  # it dies staging: nothing was opened, nothing may be
+            if how == "killed":
+                sender.signal(signal.SIGKILL)
+            time.sleep(timeout_s + SLACK_S)
+            assert sink.open_calls == 0 and sink.num_used == 0
+            return
         dest = sink.wait_opened(SLACK_S)  # the blocks before the stall may still be on their way
         killed_s = time.monotonic()
         if how == "killed":
@@ -483,6 +506,29 @@ def test_ipc_maps_another_processs_buffer(ipc_case: Case, peers) -> None:
         mapped = list(receiver._mapped)  # the second handoff's buffer: the first's was replaced, the one-off dropped
         assert len(mapped) == 1 and mapped[0].startswith(f"{peer.proc.pid}-"), mapped
     finally:
+        receiver.close()
+        server.stop(grace=None)
+    sink.assert_each_settled_once()
+
+
+@pytest.mark.parametrize("ipc_case", IPC_TRANSPORTS)
+def test_ipc_receiver_past_the_senders_deadline_fails_instead_of_committing(ipc_case: Case) -> None:
+    """A receiver whose copy outlasts the sender's deadline (a slow sink) fails the handoff rather than commit
+    blocks the sender has given up on; the sender raises by its timeout; every block comes back."""
+    sink = RecordingSink(SMALL, device=ipc_case.sink_device, write_delay_s=0.3)
+    server, endpoint, receiver = serve_receiver(ipc_case.transport, sink)
+    sender = make_sender(ipc_case.transport, worker_id="prefill-0", device=torch.device(ipc_case.sender_device))
+    handoff = make_handoff(SMALL, 4 * 6)
+    try:
+        start_s = time.monotonic()
+        with pytest.raises(KVTransferError, match="timed out"):
+            sender.send(handoff, PatternSource(SMALL, handoff.num_blocks, device=ipc_case.sender_device),
+                        endpoint=endpoint, timeout_s=0.8)
+        assert time.monotonic() - start_s < 0.8 + SLACK_S
+        assert _wait_settled(sink, 10) < 10
+        assert sink.only().outcome == "failed" and sink.num_used == 0
+    finally:
+        sender.close()
         receiver.close()
         server.stop(grace=None)
     sink.assert_each_settled_once()
@@ -569,7 +615,7 @@ def test_corrupted_scale_byte_fails_the_checksum_and_frees_every_block(make_harn
     assert harness.sink.num_used == 0
 
 
-def test_quantized_sender_stopping_mid_transfer_frees_every_block(make_harness) -> None:
+def test_quantized_sender_stopping_mid_transfer_frees_every_block(case: Case, make_harness) -> None:
     harness = make_harness(INT8)
     handoff = make_handoff(INT8, 4 * 6)
 
@@ -577,6 +623,4 @@ def test_quantized_sender_stopping_mid_transfer_frees_every_block(make_harness) 
         harness.sender(TransferFault(stop_after_blocks=2)).send(
             handoff, harness.source(handoff.num_blocks), endpoint=harness.endpoint, timeout_s=10)
 
-    assert _wait_settled(harness.sink, 10) < 10
-    assert harness.sink.only().outcome == "failed"
-    assert harness.sink.num_used == 0
+    _sender_gave_up(case, harness.sink, what="an int8 handoff stopped after 2 blocks")

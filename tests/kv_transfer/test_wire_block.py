@@ -10,7 +10,7 @@ import torch
 
 from kv_transfer.base import tensor_checksum
 from kv_transfer.layout import KVChecksumError, KVLayout
-from kv_transfer.wire_block import read_wire_block, write_wire_block
+from kv_transfer.wire_block import read_wire_block, read_wire_blocks, write_wire_block, write_wire_blocks
 
 FLOAT32 = KVLayout(num_layers=3, num_kv_heads=3, head_dim=8, block_size=4, dtype="float32")
 INT8 = dataclasses.replace(FLOAT32, kv_cache_dtype="int8")  # Hkv 3: the scales' byte runs are not 8-aligned
@@ -59,3 +59,33 @@ def test_unquantized_block_is_the_cache_view_and_scales_must_match_the_layout() 
     with pytest.raises(ValueError, match="wire block of shape"):
         write_wire_block(INT8, torch.zeros(3, 2, 4, 3, 8, dtype=torch.int8), torch.zeros(3, 2, 3),
                          torch.zeros(INT8.block_bytes - 1, dtype=torch.uint8), None)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
+def test_many_blocks_at_once_equal_block_by_block(kv_cache_dtype: str) -> None:
+    """`read_wire_blocks` / `write_wire_blocks` (one gather / scatter; block by block for int8) move the very bytes
+    `read_wire_block` / `write_wire_block` move, to and from the named cache blocks only."""
+    layout = dataclasses.replace(FLOAT32, kv_cache_dtype=kv_cache_dtype,
+                                 dtype="bfloat16" if kv_cache_dtype == "fp8" else "float32")
+    gen = torch.Generator().manual_seed(3)
+    shape = (3, 2, 5, 4, 3, 8)  # [num_layers, 2, num_blocks, block_size, Hkv, D]
+    if kv_cache_dtype == "int8":
+        cache, scales = _int8_cache(2)
+    else:
+        cache = torch.randn(shape, generator=gen).to(torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32)
+        scales = None
+    block_ids = [4, 0, 2]
+    out = torch.empty((len(block_ids), *layout.wire_shape), dtype=getattr(torch, layout.wire_dtype))
+    read_wire_blocks(layout, cache, scales, block_ids, out)
+    for slot, block_id in enumerate(block_ids):
+        one = read_wire_block(layout, cache[:, :, block_id], None if scales is None else scales[:, :, block_id])
+        assert torch.equal(out[slot].view(torch.uint8), one.contiguous().view(torch.uint8)), block_id
+
+    dst = torch.zeros_like(cache)
+    dst_scales = None if scales is None else torch.zeros_like(scales)
+    write_wire_blocks(layout, dst, dst_scales, [1, 3, 4], out)
+    for slot, (src_id, dst_id) in enumerate(zip(block_ids, [1, 3, 4])):
+        assert torch.equal(dst[:, :, dst_id].view(torch.uint8), cache[:, :, src_id].view(torch.uint8)), dst_id
+        if scales is not None:
+            assert torch.equal(dst_scales[:, :, dst_id], scales[:, :, src_id])
+    assert not dst[:, :, [0, 2]].view(torch.uint8).any()

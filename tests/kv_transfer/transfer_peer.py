@@ -27,7 +27,7 @@ from kv_transfer.base import KVDestination
 from kv_transfer.grpc_transport import READ_AHEAD_THREAD
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_receiver, make_sender
-from kv_transfer.wire_block import read_wire_block, write_wire_block
+from kv_transfer.wire_block import read_wire_block, read_wire_blocks, write_wire_block
 
 
 class RecordingDestination:
@@ -195,6 +195,12 @@ class PatternSource:
             time.sleep(3600)
         scales = None if self.scale_cache is None else self.scale_cache[:, :, index]
         return read_wire_block(self.layout, self.cache[:, :, index], scales)
+
+    def read_blocks(self, indices: range, out: torch.Tensor) -> None:
+        """Blocks `indices` at once, as the prefill worker's source reads them."""
+        if self.stall_at_block in indices:
+            self.read_block(self.stall_at_block)
+        read_wire_blocks(self.layout, self.cache, self.scale_cache, indices, out)
 
 
 def read_ahead_threads_gone(timeout_s: float = 5.0) -> bool:
