@@ -54,7 +54,7 @@ SMOLLM2_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size
 # checksum, no paged-cache layout) through one client stream into a preallocated buffer: Python gRPC's ceiling.
 # "tcp-paged" is another: the raw socket plus the work every transport does (gather + CRC-32C out of the paged
 # cache, checked copy into it), what a transport with no overhead of its own would reach.
-TRANSPORTS = ("tcp", "tcp-paged", "grpc-bare", "grpc", "torch", "inproc")
+TRANSPORTS = ("tcp", "tcp-paged", "grpc-bare", "grpc", "torch", "ipc", "inproc")
 BASELINE = "tcp"
 TIMEOUT_S = 120.0
 

@@ -171,6 +171,9 @@ def pools_from_args(args: argparse.Namespace, *,
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.redis_url is not None and not args.prefix_index:
         raise ValueError("--redis-url names the prefix index's Redis; it cannot go with --no-prefix-index")
+    if args.kv_transport == "ipc" and args.ray_address is not None:
+        raise ValueError("--kv-transport ipc needs every worker on one host (it hands blocks over through memory "
+                         "they share); with --ray-address they may run on other nodes: use grpc or torch")
     autoscaler = None
     if autoscale:
         autoscaler, num_prefill, num_decode = autoscaler_from_args(args, num_prefill, num_decode, colocated)
@@ -179,7 +182,7 @@ def pools_from_args(args: argparse.Namespace, *,
     auth = cluster_auth_from_args(args, os.environ, generate=True)
 
     engine = engine_config_from_args(args)  # raises ValueError on a bad engine flag
-    # Every transport (grpc, torch gloo/NCCL, inproc) carries int8 blocks with their scales and fp8 blocks as bytes
+    # Every transport (grpc, torch gloo/NCCL, ipc, inproc) carries int8 blocks with their scales and fp8 blocks as bytes
     # (kv_transfer/wire_block.py): all of the engine's cache dtypes. This guards one added to the engine only.
     if engine.kv_cache_dtype not in HANDOFF_KV_CACHE_DTYPES and num_prefill + num_decode > 0:
         raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs carry "

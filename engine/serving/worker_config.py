@@ -40,7 +40,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # the address its gRPC server binds ("0.0.0.0": every interface)
     port: int = 0  # 0: any free port; the bound address is the worker's endpoint
     advertise_host: str = ""  # the host of its endpoint, for peers on other machines; "": `host`
-    kv_transport: str = "grpc"  # "grpc" | "torch" | "inproc"
+    kv_transport: str = "grpc"  # "grpc" | "torch" | "ipc" | "inproc"
     kv_transfer_timeout_s: float = 30.0  # a handoff not confirmed by then fails and its blocks are freed
     incarnation: int = 0  # bumped by the controller on every restart
     # Liveness: an engine step running longer than this means the engine is stuck, and Health says so (a long

@@ -60,6 +60,7 @@ def stub_serve_argv(**factory: object) -> list[str]:
         (["--max-migrations", "-1"], "--max-migrations must be >= 0"),
         (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
         (["--no-prefix-index", "--redis-url", "redis://127.0.0.1:1/0"], "cannot go with --no-prefix-index"),
+        (["--kv-transport", "ipc", "--ray-address", "127.0.0.1:1"], "--kv-transport ipc needs every worker on one host"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(

@@ -183,9 +183,7 @@ def test_a_build_killed_mid_compile_never_blocks_the_next_two(tmp_path: Path) ->
         _wait_until(lambda: not survivors(builder), 10, "the build child to die with its parent")
         assert any(".tmp-" in name for name in _cache_entries(cache)), "the killed build left its temporary folder"
 
-        started_s = time.monotonic()
         results = _run_peers_at_once(cache, 2)
-        elapsed_s = time.monotonic() - started_s
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
@@ -197,7 +195,9 @@ def test_a_build_killed_mid_compile_never_blocks_the_next_two(tmp_path: Path) ->
     assert second["variant"] != native_build.FALLBACK and waiter["variant"] == second["variant"]
     assert second["lock_wait_s"] < 5.0, second  # the dead holder's lock was free at once: no timeout ran out
     assert waiter["lock_wait_s"] > 1.0, waiter  # it waited for the live build, then loaded it
-    assert elapsed_s < second["build_s"] + 30.0, (elapsed_s, second)  # the rest is start-up and loading
+    # It waited for the live build and no longer: a bound on its own wait, not on the wall time, which two Python
+    # start-ups on a loaded machine (a parallel test run) stretch past any fixed slack.
+    assert waiter["lock_wait_s"] < second["build_s"] + 10.0, (waiter, second)
     # The killed build's folder is gone, and with it whatever was still compiling there.
     entries = _cache_entries(cache)
     assert len(entries) == 2 and entries[1].endswith(".lock") and ".tmp-" not in entries[0], entries
