@@ -34,7 +34,7 @@ def parse_worker_config(argv: Sequence[str] | None, roles: Sequence[str]) -> Wor
     package = "prefill_worker" if roles[0] == "prefill" else "decode_worker"
     parser = argparse.ArgumentParser(prog=f"python -m {package}", description=__doc__)
     parser.add_argument("--role", choices=roles, default=roles[0])
-    parser.add_argument("--worker-id", default=None, help="default: <role>-<port>")
+    parser.add_argument("--worker-id", default=None, help="default: <role>-<port>, or <role>-<pid> with --port 0")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
     parser.add_argument("--kv-transport", choices=TRANSPORTS, default="grpc")
