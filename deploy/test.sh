@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Two pytest-xdist workers, one test file at a time each (a file's module-scoped clusters and fixtures stay on one
+# worker); `./deploy/test.sh -n 0` runs serially.
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"

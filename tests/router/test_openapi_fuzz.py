@@ -124,12 +124,15 @@ def accepted_ranges(openapi: dict[str, Any]) -> dict[str, Any]:
     return narrowed
 
 
-def _endpoints(openapi: dict[str, Any]) -> Any:
-    return schemathesis.openapi.from_dict(openapi).include(path_regex="^/v1/(chat/)?completions$")
+def _endpoint(openapi: dict[str, Any], path: str) -> Any:
+    return schemathesis.openapi.from_dict(openapi).include(path=path)
 
 
-served_schema = _endpoints(OPENAPI)
-accepted_schema = _endpoints(accepted_ranges(OPENAPI))
+# One schema, and so one test, per endpoint: schemathesis gives the tests of one function the same node id whatever
+# the operation, and pytest-xdist, which schedules by node id, would run only one of them.
+ACCEPTED_OPENAPI = accepted_ranges(OPENAPI)
+served_completions, served_chat = (_endpoint(OPENAPI, path) for path in ENDPOINTS)
+accepted_completions, accepted_chat = (_endpoint(ACCEPTED_OPENAPI, path) for path in ENDPOINTS)
 
 
 def test_openapi_json_describes_both_endpoints(cluster: Cluster) -> None:
@@ -179,17 +182,33 @@ def assert_not_a_server_error(response: Any) -> None:
         assert error["code"] == response.status_code and error["type"] == ERROR_TYPES[response.status_code]
 
 
-@served_schema.parametrize()
-@fuzz_settings(max_examples=120)
-def test_no_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
+def _served_body_is_not_a_5xx(app: FastAPI, case: Any) -> None:
     """`model` is set to the served model in an object body: a random name is a 404 before anything else is
     looked at, and would hide every other field from the fuzz."""
     if isinstance(case.body, dict):
         case.body["model"] = MODEL
+    assert_not_a_server_error(case.call(app=app))
+
+
+@served_completions.parametrize()
+@fuzz_settings(max_examples=120)
+def test_no_completion_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
+    _served_body_is_not_a_5xx(fuzzed_app, case)
+
+
+@served_chat.parametrize()
+@fuzz_settings(max_examples=120)
+def test_no_chat_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
+    _served_body_is_not_a_5xx(fuzzed_app, case)
+
+
+@accepted_completions.parametrize()
+@fuzz_settings(max_examples=300)
+def test_no_completion_body_near_an_accepted_one_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
     assert_not_a_server_error(case.call(app=fuzzed_app))
 
 
-@accepted_schema.parametrize()
+@accepted_chat.parametrize()
 @fuzz_settings(max_examples=300)
-def test_no_body_near_an_accepted_one_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
+def test_no_chat_body_near_an_accepted_one_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
     assert_not_a_server_error(case.call(app=fuzzed_app))
