@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -108,3 +109,20 @@ def build_gateway_app(config: GatewayConfig, served: ServedEngine, directory: Wo
         auth=auth,
         access=access,
     ), access
+
+
+def listen(app: Any, config: GatewayConfig) -> Any:
+    """The gateway's `router.server.RouterServer` for `app`, its socket bound, not started; ValueError naming the
+    address when it cannot listen there (a taken port)."""
+    from router.server import RouterServer
+
+    try:
+        return RouterServer(app, host=config.host, port=config.port, tls=config.tls)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+
+
+def reload_keys_on_sighup(access: Any, config: GatewayConfig) -> None:
+    """SIGHUP re-reads --api-key-file, as servers do (nothing to do without one)."""
+    if access is not None and config.api_key_file is not None:
+        signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from typing import Any
 
@@ -72,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from deploy import named_controller
     from deploy.ray_node import RayNode
     from deploy.serve_command import ServeConfig, WorkerDirectory, _build_router_app, _ShutdownSignals
-    from router.server import RouterServer
+    from deploy.gateway_app import listen, reload_keys_on_sighup
 
     node = RayNode(args.start_ray) if args.start_ray else None
     signals = _ShutdownSignals()
@@ -93,12 +92,8 @@ def run(args: argparse.Namespace) -> int:
         directory = WorkerDirectory()
         directory.attach(controller, ray.get(controller.list_workers.remote()))
         app, access = _build_router_app(config, c, directory, c.redis_url)
-        if access is not None and config.api_key_file is not None:  # SIGHUP re-reads the key file, as in `serve`
-            signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())
-        try:
-            server = RouterServer(app, host=config.host, port=config.port, tls=config.tls)
-        except OSError as exc:
-            raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+        reload_keys_on_sighup(access, config)
+        server = listen(app, config)
         server.start(timeout_s=60.0)
         print(f"splitserve: serving {c.engine.model} on {server.url} (gateway; controller "
               f"{args.controller_namespace}/{args.controller_name} at {args.ray_address}); Ctrl-C to stop", flush=True)
@@ -125,11 +120,10 @@ def run(args: argparse.Namespace) -> int:
 
 def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str, Any]) -> int:
     """The gateway over a fixed worker list: no Ray (see the module docstring)."""
-    from deploy.gateway_app import GatewayConfig, build_gateway_app
+    from deploy.gateway_app import GatewayConfig, build_gateway_app, listen, reload_keys_on_sighup
     from deploy.serve_command import _check_redis, _describe_pools, _ShutdownSignals
     from deploy.static_workers import StaticWorkers
     from protos.cluster_auth import cluster_auth_from_args
-    from router.server import RouterServer
 
     config = GatewayConfig(**options)
     auth = cluster_auth_from_args(args, os.environ)
@@ -144,12 +138,8 @@ def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str,
         if served is None:
             return 0
         app, access = build_gateway_app(config, served, directory, auth=auth, redis_url=args.redis_url)
-        if access is not None and config.api_key_file is not None:  # SIGHUP re-reads the key file, as in `serve`
-            signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())
-        try:
-            server = RouterServer(app, host=config.host, port=config.port, tls=config.tls)
-        except OSError as exc:
-            raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+        reload_keys_on_sighup(access, config)
+        server = listen(app, config)
         server.start(timeout_s=60.0)
         print(f"splitserve: serving {served.model} on {server.url} (gateway; {_describe_pools(directory())}, a "
               "fixed list); Ctrl-C to stop", flush=True)

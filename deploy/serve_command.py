@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import add_autoscale_args
-from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app
+from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app, listen, reload_keys_on_sighup
 from deploy.serve_args import (
     add_gateway_args,
     add_index_args,
@@ -254,7 +254,6 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     import ray
 
     from deploy.controller import RemoteClusterController, init_local_ray
-    from router.server import RouterServer
 
     directory = WorkerDirectory()
     redis, redis_url = _start_prefix_index(config)
@@ -270,15 +269,14 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
             redis.stop()
         raise
     try:
-        server = RouterServer(app, host=config.host, port=config.port, tls=config.tls)
-    except OSError as exc:
+        server = listen(app, config)
+    except ValueError:
         if redis is not None:
             redis.stop()
-        raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+        raise
     signals = _ShutdownSignals()
     signals.install()
-    if access is not None and config.api_key_file is not None:  # SIGHUP re-reads the key file, as servers do
-        signal.signal(signal.SIGHUP, lambda *_: access.ring.reload())
+    reload_keys_on_sighup(access, config)
     controller = None
     try:
         init_local_ray(address=config.ray_address)
