@@ -484,56 +484,6 @@ def test_receiver_dying_mid_transfer_raises_on_the_sender(wire_case: Case, peers
         sender.close()
 
 
-IPC_TRANSPORTS = [p for p in TRANSPORTS if p.values[0].transport == "ipc"]
-
-
-@pytest.mark.parametrize("ipc_case", IPC_TRANSPORTS)
-def test_ipc_maps_another_processs_buffer(ipc_case: Case, peers) -> None:
-    """A sender process hands over a small handoff, a larger one (its buffer grows: the receiver maps the new one)
-    and one over KEEP_BYTES (a one-off buffer, unmapped after): every byte lands, and the receiver keeps only the
-    sender's current buffer mapped."""
-    sink = RecordingSink(SMOLLM2, num_cache_blocks=64, device=ipc_case.sink_device)
-    server, endpoint, receiver = serve_receiver(ipc_case.transport, sink)
-    sizes = [16 * 2 + 1, 16 * 9 + 5, 16 * 40]
-    try:
-        peer = peers("sender", ipc_case, SMOLLM2, "--device", ipc_case.sender_device, "--endpoint", endpoint,
-                     "--num-tokens", ",".join(map(str, sizes)), "--ipc-keep-bytes", str(16 * SMOLLM2.block_bytes))
-        peer.expect("SENT", timeout_s=60)
-        assert [d.outcome for d in sink.destinations] == ["committed"] * len(sizes)
-        for seed, dest in enumerate(sink.destinations):
-            expected = PatternSource(SMOLLM2, dest.handoff.num_blocks, seed=seed).blocks
-            assert torch.equal(dest.blocks().cpu().view(torch.uint8), expected.view(torch.uint8))
-        mapped = list(receiver._mapped)  # the second handoff's buffer: the first's was replaced, the one-off dropped
-        assert len(mapped) == 1 and mapped[0].startswith(f"{peer.proc.pid}-"), mapped
-    finally:
-        receiver.close()
-        server.stop(grace=None)
-    sink.assert_each_settled_once()
-
-
-@pytest.mark.parametrize("ipc_case", IPC_TRANSPORTS)
-def test_ipc_receiver_past_the_senders_deadline_fails_instead_of_committing(ipc_case: Case) -> None:
-    """A receiver whose copy outlasts the sender's deadline (a slow sink) fails the handoff rather than commit
-    blocks the sender has given up on; the sender raises by its timeout; every block comes back."""
-    sink = RecordingSink(SMALL, device=ipc_case.sink_device, write_delay_s=0.3)
-    server, endpoint, receiver = serve_receiver(ipc_case.transport, sink)
-    sender = make_sender(ipc_case.transport, worker_id="prefill-0", device=torch.device(ipc_case.sender_device))
-    handoff = make_handoff(SMALL, 4 * 6)
-    try:
-        start_s = time.monotonic()
-        with pytest.raises(KVTransferError, match="timed out"):
-            sender.send(handoff, PatternSource(SMALL, handoff.num_blocks, device=ipc_case.sender_device),
-                        endpoint=endpoint, timeout_s=0.8)
-        assert time.monotonic() - start_s < 0.8 + SLACK_S
-        assert _wait_settled(sink, 10) < 10
-        assert sink.only().outcome == "failed" and sink.num_used == 0
-    finally:
-        sender.close()
-        receiver.close()
-        server.stop(grace=None)
-    sink.assert_each_settled_once()
-
-
 # ── quantized blocks (--kv-cache-dtype int8) ─────────────────────────────────────────────────────────────────
 
 
