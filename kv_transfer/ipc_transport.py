@@ -171,10 +171,10 @@ def map_buffer(msg: kv_transfer_pb2.KVIpcBuffer, device: torch.device) -> torch.
             if size < msg.num_bytes:
                 raise KVRefused(f"ipc buffer {msg.id}: {size} bytes mapped, {msg.num_bytes} declared",
                                 reason="malformed")
-            mapping = mmap.mmap(fd, msg.num_bytes, prot=mmap.PROT_READ) if msg.num_bytes else b""
+            mapping = mmap.mmap(fd, msg.num_bytes, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        return torch.frombuffer(mapping, dtype=torch.uint8) if msg.num_bytes else torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mapping, dtype=torch.uint8)
     if not msg.cuda_handle:
         raise KVRefused(f"ipc buffer {msg.id} is on the CPU; this receiver's blocks are on {device}",
                         reason="malformed")
