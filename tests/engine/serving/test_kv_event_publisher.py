@@ -160,5 +160,7 @@ def test_an_idle_worker_notices_its_entries_are_gone_and_republishes(redis_db, r
     wait_for(lambda: held(redis_db) == set(H[:3]))
     redis_db.flushdb()  # Redis restarted empty while this worker has nothing to publish
     wait_for(lambda: held(redis_db) == set(H[:3]))
+    # counted once its APPLY call returns, just after Redis shows it (a loaded machine reads in between)
+    wait_for(lambda: publisher.stats.num_snapshots >= 2)
     assert publisher.stats.num_snapshots == 2
     publisher.close()
