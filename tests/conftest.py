@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -10,14 +11,26 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup` (deploy/test.sh): every test that starts a Ray cluster (the
-    `ray` marker) in one group, so that they run one after another on one worker (two clusters at once on a 2-core,
-    23 GB machine let Ray's memory monitor kill a worker mid-test); every other file's tests in a group of their
-    own, so that a file's module-scoped fixtures are set up once, as with `--dist loadfile`."""
-    for item in items:
-        group = "ray-clusters" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """pytest-xdist's `--dist loadfile` (deploy/test.sh: each worker takes a test file at a time, so a file's
+    module-scoped fixtures are set up once), except that every file using the `ray` marker (it starts a real Ray
+    cluster) is in one scope: those files run one after another on one worker. Two clusters at once on a 2-core,
+    23 GB machine let Ray's memory monitor kill a worker mid-test. (`--dist loadgroup` would say this with marks,
+    but pytest-xdist 3.8 cannot regroup under pytest 9: it rewrites a node id field pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    tests = Path(__file__).resolve().parent
+    ray_files = {str(path.relative_to(config.rootpath)) for path in tests.rglob("test_*.py")
+                 if "pytest.mark.ray" in path.read_text()}
+
+    class RayClustersInTurn(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "ray-clusters" if scope in ray_files else scope
+
+    return RayClustersInTurn(config, log)
 
 
 @pytest.fixture(scope="session")
