@@ -303,10 +303,10 @@ class Receiver(_StreamReceiver):
                 self._mapped.move_to_end(buffer.id)
                 return tensor
         tensor = map_buffer(buffer, self.device)
-        pid_prefix = f"{buffer.pid}-"
         with self._mapped_lock:
-            for old in [key for key in self._mapped if key.startswith(pid_prefix) and buffer.keep]:
-                del self._mapped[old]
+            if buffer.keep:
+                for old in [key for key in self._mapped if key.startswith(f"{buffer.pid}-")]:
+                    del self._mapped[old]
             self._mapped[buffer.id] = tensor
             while len(self._mapped) > MAX_MAPPED:
                 self._mapped.popitem(last=False)
