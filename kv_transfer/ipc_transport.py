@@ -60,16 +60,16 @@ from kv_transfer.base import (
     write_verified,
 )
 from kv_transfer.block_copy import gather_into
-from kv_transfer.grpc_transport import (
+from kv_transfer.grpc_link import (
     SERVICE,
     ChannelCache,
+    SettlingReceiver,
     ack_error,
     error_ack,
     refusal,
     rpc_error,
     with_source,
 )
-from kv_transfer.grpc_transport import Receiver as _StreamReceiver
 from kv_transfer.inproc_transport import device_digests
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVRefused, KVTransferError
 from protos import kv_transfer_pb2
@@ -199,9 +199,9 @@ def map_buffer(msg: kv_transfer_pb2.KVIpcBuffer, device: torch.device) -> torch.
 # ── receiver ─────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-class Receiver(_StreamReceiver):
+class Receiver(SettlingReceiver):
     """Serves KVReceiver.IpcTransfer on the worker's gRPC server; one handler thread per handoff in flight. Opening
-    and closing destinations is the grpc receiver's (every destination settled once; `close` fails open ones)."""
+    and closing destinations is the gRPC link's (every destination settled once; `close` fails open ones)."""
 
     name = "ipc"
 

@@ -52,7 +52,7 @@ from kv_transfer.base import (
     write_verified,
 )
 from kv_transfer.block_copy import gather
-from kv_transfer.grpc_transport import ChannelCache, ack_error, error_ack, refusal, rpc_error, with_source
+from kv_transfer.grpc_link import ChannelCache, ack_error, error_ack, refusal, rpc_error, with_source
 from kv_transfer.layout import KVHandoff, KVTransferError, error_kind
 from kv_transfer.pair_group import (
     WILDCARD_HOSTS,
