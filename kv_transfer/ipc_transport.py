@@ -50,7 +50,6 @@ import torch
 
 from kv_transfer.base import (
     KVBlockSource,
-    KVSender,
     KVSink,
     SettleOnce,
     TransferFault,
@@ -62,7 +61,7 @@ from kv_transfer.base import (
 from kv_transfer.block_copy import gather_into
 from kv_transfer.grpc_link import (
     SERVICE,
-    ChannelCache,
+    ChannelSender,
     SettlingReceiver,
     ack_error,
     error_ack,
@@ -324,19 +323,16 @@ class _Pair:
     buffer: StagingBuffer | None = None
 
 
-class Sender(KVSender):
+class Sender(ChannelSender):
     """Stages each handoff in a buffer this process shares with the receiver's, on this host. Thread-safe."""
 
     name = "ipc"
 
     def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
                  auth: ClusterAuth = OPEN) -> None:
-        self.worker_id = worker_id
-        self.device = torch.device(device)
+        super().__init__(worker_id=worker_id, device=device, fault=fault, auth=auth)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.fault = fault or TransferFault()
-        self._channels = ChannelCache(auth)
         self._lock = threading.Lock()
         self._pairs: dict[str, _Pair] = {}  # by receiver endpoint
 
@@ -348,7 +344,7 @@ class Sender(KVSender):
                 if pair.buffer is not None:
                     pair.buffer.close()
                     pair.buffer = None
-        self._channels.close()
+        super().close()
 
     def _pair(self, endpoint: str) -> _Pair:
         with self._lock:
