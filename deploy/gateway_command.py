@@ -70,11 +70,12 @@ def run(args: argparse.Namespace) -> int:
 
     from deploy import named_controller
     from deploy.ray_node import RayNode
-    from deploy.serve_command import ServeConfig, WorkerDirectory, _build_router_app, _ShutdownSignals
+    from deploy.lifecycle import ShutdownSignals
+    from deploy.serve_command import ServeConfig, WorkerDirectory, _build_router_app
     from deploy.gateway_app import listen, reload_keys_on_sighup
 
     node = RayNode(args.start_ray) if args.start_ray else None
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     server = None
     try:
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
 def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str, Any]) -> int:
     """The gateway over a fixed worker list: no Ray (see the module docstring)."""
     from deploy.gateway_app import GatewayConfig, build_gateway_app, listen, reload_keys_on_sighup
-    from deploy.serve_command import _check_redis, _describe_pools, _ShutdownSignals
+    from deploy.lifecycle import ShutdownSignals, describe_pools
+    from deploy.serve_command import _check_redis
     from deploy.static_workers import StaticWorkers
     from protos.cluster_auth import cluster_auth_from_args
 
@@ -130,7 +132,7 @@ def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str,
     if args.redis_url is not None:
         _check_redis(args.redis_url)  # unreachable, or a password it refuses: exit 2, before waiting on workers
     directory = StaticWorkers(workers, auth=auth)
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     server = None
     try:
@@ -141,7 +143,7 @@ def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str,
         reload_keys_on_sighup(access, config)
         server = listen(app, config)
         server.start(timeout_s=60.0)
-        print(f"splitserve: serving {served.model} on {server.url} (gateway; {_describe_pools(directory())}, a "
+        print(f"splitserve: serving {served.model} on {server.url} (gateway; {describe_pools(directory())}, a "
               "fixed list); Ctrl-C to stop", flush=True)
         while not signals.requested.wait(0.5):
             pass

@@ -92,9 +92,9 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
     import ray
 
     from deploy import named_controller
-    from deploy.serve_command import _describe_pools, _ShutdownSignals, _StartFailed, _stop_controller, _wait_for
+    from deploy.lifecycle import ShutdownSignals, StartFailed, describe_pools, stop_controller, wait_for
 
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     ready_file = Path(args.ready_file) if args.ready_file else None
     controller = None
@@ -107,14 +107,14 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
         signals.install()  # ray.init installs its own SIGTERM handler; ours goes back on top
         controller = named_controller.get_or_create(config, name=args.controller_name,
                                                     namespace=args.controller_namespace)
-        workers = _wait_for(controller.ensure_started.remote(), signals.requested)
+        workers = wait_for(controller.ensure_started.remote(), signals.requested)
         if workers is None:
             return 0  # asked to stop while starting
         if ready_file is not None:
             ready_file.parent.mkdir(parents=True, exist_ok=True)
             ready_file.write_text(f"{os.getpid()}\n")
         print(f"splitserve: head ready: controller {args.controller_namespace}/{args.controller_name} at "
-              f"{args.ray_address} ({_describe_pools(workers)})", flush=True)
+              f"{args.ray_address} ({describe_pools(workers)})", flush=True)
         if node is None:
             controller = None  # joined a cluster we do not own: the controller lives on, detached
             return 0
@@ -128,7 +128,7 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
                 print("splitserve: error: the cluster controller died", file=sys.stderr)
                 return 1
         return 0
-    except _StartFailed as exc:
+    except StartFailed as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1
     except RuntimeError as exc:  # could not join Ray
@@ -138,7 +138,7 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
         if controller is not None and node is not None:
-            _stop_controller(controller)
+            stop_controller(controller)
         if ray.is_initialized():
             ray.shutdown()
         if node is not None:

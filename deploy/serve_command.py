@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import add_autoscale_args
 from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app, listen, reload_keys_on_sighup
+from deploy.lifecycle import ShutdownSignals, StartFailed, describe_pools, reap_descendants, stop_controller, wait_for
 from deploy.serve_args import (
     add_gateway_args,
     add_index_args,
@@ -41,9 +38,6 @@ from kv_transfer.native_build import cpu_kernels_disabled
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
-
-_CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
-
 
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig(GatewayConfig):
@@ -216,35 +210,6 @@ class WorkerDirectory:
         return list(self._restarts)
 
 
-# -- signals -------------------------------------------------------------------------------------------------
-class _ShutdownSignals:
-    """SIGINT and SIGTERM: the first asks for a clean shutdown, a second forces the exit at once, killing every
-    process this one started (Ray ties raylet and GCS to their parent's life, but not the agents raylet starts)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for sig in self.SIGNALS:
-            previous = signal.signal(sig, self._handle)
-            self._previous.setdefault(sig, previous)
-
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.requested.is_set():
-            os.write(2, b"splitserve: forced exit\n")
-            _kill_descendants()
-            os._exit(128 + signum)
-        self.requested.set()
-        os.write(2, b"splitserve: shutting down (signal again to force)\n")
-
-
 # -- the lifecycle -------------------------------------------------------------------------------------------
 def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     """Run the cluster until a shutdown signal; return the exit status. Must run in the main thread.
@@ -274,7 +239,7 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
         if redis is not None:
             redis.stop()
         raise
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     reload_keys_on_sighup(access, config)
     controller = None
@@ -282,38 +247,34 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
         init_local_ray(address=config.ray_address)
         signals.install()  # ray.init installs its own SIGTERM handler; ours goes back on top
         controller = RemoteClusterController.remote(c, factory=factory)
-        workers = _wait_for(controller.start.remote(), signals.requested)
+        workers = wait_for(controller.start.remote(), signals.requested)
         if workers is None:
             return 0  # asked to stop while starting
         directory.attach(controller, workers)
         try:
             server.start(timeout_s=60.0)
         except (RuntimeError, TimeoutError) as exc:
-            raise _StartFailed(str(exc)) from None
-        print(f"splitserve: serving {c.engine.model} on {server.url} ({_describe_pools(workers)}); Ctrl-C to stop",
+            raise StartFailed(str(exc)) from None
+        print(f"splitserve: serving {c.engine.model} on {server.url} ({describe_pools(workers)}); Ctrl-C to stop",
               flush=True)  # fmt: skip
         while not signals.requested.wait(0.5):
             if directory.lost:
                 print("splitserve: error: the cluster controller died", file=sys.stderr)
                 return 1
         return 0
-    except _StartFailed as exc:
+    except StartFailed as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1
     finally:
         server.stop()  # stop taking requests first; in-flight ones get the router's grace period
         if controller is not None:
-            _stop_controller(controller)
+            stop_controller(controller)
         if ray.is_initialized():
             ray.shutdown()
         if redis is not None:
             redis.stop()
-        _reap_descendants(grace_s=5.0)  # a safety net: ray.shutdown() normally leaves nothing
+        reap_descendants(grace_s=5.0)  # a safety net: ray.shutdown() normally leaves nothing
         signals.restore()
-
-
-class _StartFailed(Exception):
-    pass
 
 
 def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
@@ -372,83 +333,3 @@ def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
     except RedisUnavailableError as exc:
         raise ValueError(f"the prefix index needs Redis: {exc} (or --no-prefix-index)") from None
     return redis, redis.url
-
-
-def _wait_for(ref: Any, stop: threading.Event) -> Any:
-    """ray.get that gives up (returning None) when a shutdown is requested; start errors become _StartFailed."""
-    import ray
-    from ray.exceptions import RayActorError, RayTaskError
-
-    while not stop.is_set():
-        ready, _ = ray.wait([ref], timeout=0.2)
-        if ready:
-            try:
-                return ray.get(ref)
-            except RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                raise _StartFailed(str(cause) if cause is not None else str(exc)) from None
-            except RayActorError as exc:
-                raise _StartFailed(f"the cluster controller died while starting: {exc}") from None
-    return None
-
-
-def _stop_controller(controller: Any) -> None:
-    import ray
-
-    try:
-        ray.get(controller.shutdown.remote(), timeout=_CONTROLLER_SHUTDOWN_GRACE_S)
-    except Exception:  # timed out or already dead: killing it takes its worker actors along (Ray owner fate)
-        pass
-    try:
-        ray.kill(controller, no_restart=True)
-    except Exception:
-        pass
-
-
-def _describe_pools(workers: list[WorkerInfo]) -> str:
-    counts: dict[str, int] = {}
-    for w in workers:
-        counts[w.role] = counts.get(w.role, 0) + 1
-    return ", ".join(f"{n} {role}" for role, n in counts.items()) + " worker" + ("s" if len(workers) != 1 else "")
-
-
-def _descendants() -> list[int]:
-    """Every live process below this one (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ", comm may hold spaces
-        if fields[0] != b"Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
-    found, stack = [], [os.getpid()]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _kill_descendants() -> None:
-    for pid in _descendants():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _reap_descendants(*, grace_s: float) -> None:
-    """Give the processes below this one `grace_s` to exit on their own, then kill those left."""
-    deadline = time.monotonic() + grace_s
-    while _descendants() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    _kill_descendants()
