@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     from deploy import named_controller
     from deploy.ray_node import RayNode
-    from deploy.lifecycle import ShutdownSignals
+    from deploy.lifecycle import Check, ShutdownSignals, run_until_signalled
     from deploy.serve_command import ServeConfig, WorkerDirectory, _build_router_app
     from deploy.gateway_app import listen, reload_keys_on_sighup
 
@@ -98,14 +98,11 @@ def run(args: argparse.Namespace) -> int:
         server.start(timeout_s=60.0)
         print(f"splitserve: serving {c.engine.model} on {server.url} (gateway; controller "
               f"{args.controller_namespace}/{args.controller_name} at {args.ray_address}); Ctrl-C to stop", flush=True)
-        while not signals.requested.wait(0.5):
-            if directory.lost:
-                print("splitserve: error: the cluster controller is gone", file=sys.stderr)
-                return 1
-            if node is not None and not node.alive():
-                print(f"splitserve: error: this gateway's Ray node exited (status {node.returncode})", file=sys.stderr)
-                return 1
-        return 0
+        checks: list[Check] = [lambda: "the cluster controller is gone" if directory.lost else None]
+        if node is not None:
+            checks.append(lambda: None if node.alive() else
+                          f"this gateway's Ray node exited (status {node.returncode})")
+        return run_until_signalled(signals.requested, *checks)
     except (RuntimeError, TimeoutError) as exc:  # could not join Ray, find the controller, or serve
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1
@@ -122,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str, Any]) -> int:
     """The gateway over a fixed worker list: no Ray (see the module docstring)."""
     from deploy.gateway_app import GatewayConfig, build_gateway_app, listen, reload_keys_on_sighup
-    from deploy.lifecycle import ShutdownSignals, describe_pools
+    from deploy.lifecycle import ShutdownSignals, describe_pools, run_until_signalled
     from deploy.serve_command import _check_redis
     from deploy.static_workers import StaticWorkers
     from protos.cluster_auth import cluster_auth_from_args
@@ -145,9 +142,7 @@ def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str,
         server.start(timeout_s=60.0)
         print(f"splitserve: serving {served.model} on {server.url} (gateway; {describe_pools(directory())}, a "
               "fixed list); Ctrl-C to stop", flush=True)
-        while not signals.requested.wait(0.5):
-            pass
-        return 0
+        return run_until_signalled(signals.requested)
     except (RuntimeError, TimeoutError) as exc:  # workers that never answered or refuse the secret; cannot serve
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1

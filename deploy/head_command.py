@@ -92,7 +92,15 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
     import ray
 
     from deploy import named_controller
-    from deploy.lifecycle import ShutdownSignals, StartFailed, describe_pools, stop_controller, wait_for
+    from deploy.lifecycle import (
+        ShutdownSignals,
+        StartFailed,
+        describe_pools,
+        every,
+        run_until_signalled,
+        stop_controller,
+        wait_for,
+    )
 
     signals = ShutdownSignals()
     signals.install()
@@ -118,16 +126,11 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
         if node is None:
             controller = None  # joined a cluster we do not own: the controller lives on, detached
             return 0
-        checks = 0
-        while not signals.requested.wait(0.5):
-            if not node.alive():
-                print(f"splitserve: error: the Ray head exited (status {node.returncode})", file=sys.stderr)
-                return 1
-            checks += 1
-            if checks % 20 == 0 and not named_controller.is_alive(controller):
-                print("splitserve: error: the cluster controller died", file=sys.stderr)
-                return 1
-        return 0
+        return run_until_signalled(
+            signals.requested,
+            lambda: None if node.alive() else f"the Ray head exited (status {node.returncode})",
+            every(20, lambda: None if named_controller.is_alive(controller) else "the cluster controller died"),
+        )
     except StartFailed as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1

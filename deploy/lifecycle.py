@@ -3,7 +3,7 @@ reaped; what the three share.
 
     ShutdownSignals().install() ──▶ start: wait_for(a Ray start call, the stop event)  ── StartFailed: exit 1
         ──▶ the ready line ("... (2 prefill, 1 decode workers)": describe_pools)
-        ──▶ until SIGINT / SIGTERM (exit 0) or the cluster fails (exit 1)
+        ──▶ run_until_signalled(stop, checks...): 0 on SIGINT / SIGTERM, 1 once a check reports a failure
         ──▶ shutdown (each command's own order; a controller it owns: stop_controller) ──▶ reap_descendants
         ──▶ signals.restore()
 
@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.serving.worker_config import WorkerInfo
 
 CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
+POLL_S = 0.5  # how often a running command looks at its signals and runs its checks
+
+# A running command's liveness check: None while all is well, else why the command must stop (its error line).
+Check = Callable[[], str | None]
 
 
 class ShutdownSignals:
@@ -90,6 +96,33 @@ def describe_pools(workers: list[WorkerInfo]) -> str:
     for w in workers:
         counts[w.role] = counts.get(w.role, 0) + 1
     return ", ".join(f"{n} {role}" for role, n in counts.items()) + " worker" + ("s" if len(workers) != 1 else "")
+
+
+# -- running -------------------------------------------------------------------------------------------------
+def run_until_signalled(stop: threading.Event, *checks: Check, poll_s: float = POLL_S) -> int:
+    """Block until `stop` is set (a shutdown signal: returns 0) or a check reports that what the command runs
+    failed (returns 1, its reason printed on stderr as "splitserve: error: <reason>"). Every `poll_s` the checks
+    run in order, the first failure ending the wait; with no check this only waits for the signal."""
+    while not stop.wait(poll_s):
+        for check in checks:
+            reason = check()
+            if reason is not None:
+                print(f"splitserve: error: {reason}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def every(n: int, check: Check) -> Check:
+    """`check` run on every `n`-th call only (None on the others): a check that costs a remote call, at a
+    fraction of the poll rate."""
+    num_calls = 0
+
+    def throttled() -> str | None:
+        nonlocal num_calls
+        num_calls += 1
+        return check() if num_calls % n == 0 else None
+
+    return throttled
 
 
 # -- shutdown ------------------------------------------------------------------------------------------------

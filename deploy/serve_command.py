@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import add_autoscale_args
 from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app, listen, reload_keys_on_sighup
-from deploy.lifecycle import ShutdownSignals, StartFailed, describe_pools, reap_descendants, stop_controller, wait_for
+from deploy.lifecycle import (
+    ShutdownSignals,
+    StartFailed,
+    describe_pools,
+    reap_descendants,
+    run_until_signalled,
+    stop_controller,
+    wait_for,
+)
 from deploy.serve_args import (
     add_gateway_args,
     add_index_args,
@@ -257,11 +265,8 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
             raise StartFailed(str(exc)) from None
         print(f"splitserve: serving {c.engine.model} on {server.url} ({describe_pools(workers)}); Ctrl-C to stop",
               flush=True)  # fmt: skip
-        while not signals.requested.wait(0.5):
-            if directory.lost:
-                print("splitserve: error: the cluster controller died", file=sys.stderr)
-                return 1
-        return 0
+        return run_until_signalled(signals.requested,
+                                   lambda: "the cluster controller died" if directory.lost else None)
     except StartFailed as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1
