@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from deploy import named_controller
     from deploy.ray_node import RayNode
     from deploy.lifecycle import Check, ShutdownSignals, run_until_signalled
-    from deploy.serve_command import ServeConfig, WorkerDirectory, _build_router_app
-    from deploy.gateway_app import listen, reload_keys_on_sighup
+    from deploy.gateway_app import GatewayConfig, listen, reload_keys_on_sighup
+    from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
 
     node = RayNode(args.start_ray) if args.start_ray else None
     signals = ShutdownSignals()
@@ -88,11 +88,10 @@ def run(args: argparse.Namespace) -> int:
         if controller is None:
             return 0
         c = ray.get(controller.config.remote())
-        config = ServeConfig(controller=c, ray_address=args.ray_address, prefix_index=c.redis_url is not None,
-                             redis_url=c.redis_url, **options)
+        config = GatewayConfig(**options)
         directory = WorkerDirectory()
         directory.attach(controller, ray.get(controller.list_workers.remote()))
-        app, access = _build_router_app(config, c, directory, c.redis_url)
+        app, access = build_cluster_gateway_app(config, c, directory, c.redis_url)
         reload_keys_on_sighup(access, config)
         server = listen(app, config)
         server.start(timeout_s=60.0)

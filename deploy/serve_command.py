@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import add_autoscale_args
-from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app, listen, reload_keys_on_sighup
+from deploy.gateway_app import GatewayConfig, listen, reload_keys_on_sighup
 from deploy.lifecycle import (
     ShutdownSignals,
     StartFailed,
@@ -39,8 +39,8 @@ from deploy.serve_args import (
     gateway_options_from_args,
     pools_from_args,
 )
+from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
 from engine.engine_args import add_engine_args
-from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
 
 if TYPE_CHECKING:
@@ -138,86 +138,6 @@ def build_kernels_ahead() -> None:
               file=sys.stderr, flush=True)
 
 
-# -- the router's view of the cluster -------------------------------------------------------------------------
-class WorkerDirectory:
-    """The router's worker provider: `controller.list_workers()`.
-
-    The router's registry calls it from a thread every refresh interval, so it may block on Ray. Before
-    `attach()`, and when the controller is slow, it returns the last list; once the controller actor is gone,
-    `lost` turns true and the list stays frozen.
-    """
-
-    def __init__(self, *, timeout_s: float = 10.0) -> None:
-        self._controller: Any = None
-        self._workers: list[Any] = []
-        self._restarts: list[tuple[str, str, int]] = []
-        self._timeout_s = timeout_s
-        self.lost = False
-
-    def attach(self, controller: Any, workers: list[WorkerInfo]) -> None:
-        self._workers = list(workers)
-        self._controller = controller
-
-    def __call__(self) -> list[Any]:
-        if self._controller is None or self.lost:
-            return list(self._workers)
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        try:
-            workers, restarts = ray.get([self._controller.list_workers.remote(),
-                                         self._controller.restart_counts.remote()], timeout=self._timeout_s)
-            self._workers, self._restarts = list(workers), restarts
-        except GetTimeoutError:
-            pass  # a busy controller: keep the last list
-        except RayActorError:
-            self.lost = True
-        return list(self._workers)
-
-
-    def scale(self, role: str, num_workers: int) -> None:
-        """The admin API's scale (router/admin.py): blocks until the controller resized the pool. RuntimeError
-        when it could not (the admin API answers 503 with it)."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        if self._controller is None or self.lost:
-            raise RuntimeError("the cluster controller is not running")
-        try:
-            ray.get(self._controller.scale.remote(role, num_workers))
-        except RayActorError as exc:
-            raise RuntimeError(f"the cluster controller died: {exc}") from None
-        try:
-            self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
-        except GetTimeoutError:
-            pass  # resized; a busy controller's list reaches the router on the next refresh
-
-    def pool_sizes(self) -> dict[str, int]:
-        """Each pool's configured size, for the autoscaler (router/autoscaler.py); blocks on the controller."""
-        import ray
-
-        if self._controller is None or self.lost:
-            raise RuntimeError("the cluster controller is not running")
-        return dict(ray.get(self._controller.pool_sizes.remote(), timeout=self._timeout_s))
-
-    def pool_workers(self) -> list[Any]:
-        """Every worker and its state, for GET /admin/pools."""
-        import ray
-
-        from router.admin import PoolWorker
-
-        if self._controller is None or self.lost:
-            return []
-        listed = ray.get(self._controller.pool_workers.remote(), timeout=self._timeout_s)
-        return [PoolWorker(worker_id=w.worker_id, role=w.role, state=state, endpoint=getattr(w, "endpoint", ""),
-                           pid=getattr(w, "pid", 0), incarnation=w.incarnation, node_id=getattr(w, "node_id", ""))
-                for state, w in listed]
-
-    def restart_counts(self) -> list[tuple[str, str, int]]:
-        """(role, reason, restarts) as of the last refresh, for the router's splitserve:worker_restarts_total."""
-        return list(self._restarts)
-
-
 # -- the lifecycle -------------------------------------------------------------------------------------------
 def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     """Run the cluster until a shutdown signal; return the exit status. Must run in the main thread.
@@ -236,7 +156,7 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
     try:
-        app, access = _build_router_app(config, c, directory, redis_url)
+        app, access = build_cluster_gateway_app(config, c, directory, redis_url)
     except BaseException:
         if redis is not None:
             redis.stop()
@@ -280,14 +200,6 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
             redis.stop()
         reap_descendants(grace_s=5.0)  # a safety net: ray.shutdown() normally leaves nothing
         signals.restore()
-
-
-def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
-    """The gateway app for this cluster (loads the tokenizer), and its access control (None: /v1/* open)."""
-    served = ServedEngine(model=c.engine.model, load_format=c.engine.load_format, block_size=c.engine.block_size,
-                          max_model_len=c.engine.max_model_len,
-                          mode="colocated" if c.num_colocated_workers else "disaggregated")
-    return build_gateway_app(config, served, directory, auth=c.auth, redis_url=redis_url, pool_controller=directory)
 
 
 def _check_redis(redis_url: str) -> None:
