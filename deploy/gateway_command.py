@@ -119,14 +119,14 @@ def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str,
     """The gateway over a fixed worker list: no Ray (see the module docstring)."""
     from deploy.gateway_app import GatewayConfig, build_gateway_app, listen, reload_keys_on_sighup
     from deploy.lifecycle import ShutdownSignals, describe_pools, run_until_signalled
-    from deploy.serve_command import _check_redis
+    from deploy.redis_server import check_redis
     from deploy.static_workers import StaticWorkers
     from protos.cluster_auth import cluster_auth_from_args
 
     config = GatewayConfig(**options)
     auth = cluster_auth_from_args(args, os.environ)
     if args.redis_url is not None:
-        _check_redis(args.redis_url)  # unreachable, or a password it refuses: exit 2, before waiting on workers
+        check_redis(args.redis_url)  # unreachable, or a password it refuses: exit 2, before waiting on workers
     directory = StaticWorkers(workers, auth=auth)
     signals = ShutdownSignals()
     signals.install()

@@ -39,6 +39,7 @@ from deploy.serve_args import (
     gateway_options_from_args,
     pools_from_args,
 )
+from deploy.redis_server import EmbeddedRedis, RedisUnavailableError, check_redis
 from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
 from engine.engine_args import add_engine_args
 from kv_transfer.native_build import cpu_kernels_disabled
@@ -151,7 +152,7 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     directory = WorkerDirectory()
     redis, redis_url = _start_prefix_index(config)
     if redis is None and redis_url is not None:
-        _check_redis(redis_url)  # a wrong password or an unreachable server fails here, clearly, before any worker
+        check_redis(redis_url)  # a wrong password or an unreachable server fails here, clearly, before any worker
     c = dataclasses.replace(config.controller, redis_url=redis_url)
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
@@ -202,47 +203,12 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
         signals.restore()
 
 
-def _check_redis(redis_url: str) -> None:
-    """PING the Redis of `--redis-url` once; ValueError (exit 2) naming what went wrong: no server there, a
-    password it refuses, a TLS handshake that fails. The URL's password never appears in the message."""
-    import redis
-
-    try:
-        with redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0) as client:
-            client.ping()
-    except redis.AuthenticationError as exc:
-        from urllib.parse import urlsplit
-
-        if urlsplit(redis_url).password is None:
-            raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} needs a password ({exc}); put it in "
-                             "the URL: redis://:PASSWORD@host:port/0 (rediss:// for TLS)") from None
-        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} refused the credentials ({exc}); check "
-                         "the user and password in the URL (redis://[USER]:PASSWORD@host:port/0)") from None
-    except redis.ResponseError as exc:
-        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} answered an error: {exc}") from None
-    except (redis.RedisError, OSError) as exc:
-        raise ValueError(f"--redis-url: cannot reach Redis at {redact_url(redis_url)}: {exc}") from None
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by ***."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:" if parts.username else ":"
-    netloc = f"{user}***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
     """(the embedded Redis, or None; the index's URL, or None without an index)."""
     if not config.prefix_index:
         return None, None
     if config.redis_url is not None:
         return None, config.redis_url
-    from deploy.redis_server import EmbeddedRedis, RedisUnavailableError
     from protos.cluster_auth import generate_secret
 
     try:  # a random password: other local users must not read or poison the index

@@ -52,7 +52,7 @@ def test_the_fixed_list_gateway_imports_neither_torch_nor_ray() -> None:
         "from deploy import cli, gateway_command\n"
         "from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app\n"
         "from deploy.lifecycle import ShutdownSignals, describe_pools\n"
-        "from deploy.serve_command import _check_redis\n"
+        "from deploy.redis_server import check_redis\n"
         "from deploy.static_workers import StaticWorkers, worker_list_from_args\n"
         "from protos.cluster_auth import cluster_auth_from_args\n"
         "from router.server import RouterServer\n"
