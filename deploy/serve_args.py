@@ -235,7 +235,7 @@ def pools_from_args(args: argparse.Namespace, *,
 def _on_gpu(device: str) -> bool:
     """Whether workers of `device` run on a GPU of this machine ("auto": when it has one; asked torch-free)."""
     if device == "auto":
-        from deploy.serve_command import cuda_device_count
+        from deploy.cuda_probe import cuda_device_count
 
         return cuda_device_count() > 0
     return device.startswith("cuda")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import add_autoscale_args
+from deploy.cuda_probe import cuda_device_count
 from deploy.gateway_app import GatewayConfig, listen, reload_keys_on_sighup
 from deploy.lifecycle import (
     ShutdownSignals,
@@ -108,21 +109,6 @@ def require_device(device: str) -> None:
     each worker's engine resolves its device again (engine/device.py)."""
     if device.startswith("cuda") and cuda_device_count() == 0:
         raise ValueError(f"--device {device}: no CUDA GPU is visible on this machine; use --device cpu or auto")
-
-
-def cuda_device_count() -> int:
-    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), asked of the driver library directly, as
-    torch.cuda.is_available() does: this process stays torch-free. 0 without a driver."""
-    import ctypes
-
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
 
 
 def build_kernels_ahead() -> None:
