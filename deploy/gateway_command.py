@@ -34,8 +34,7 @@ import sys
 from typing import Any
 
 from deploy.env_defaults import apply_env_defaults
-from deploy.head_command import add_ray_args
-from deploy.serve_args import add_gateway_args, gateway_options_from_args
+from deploy.serve_args import add_gateway_args, add_ray_args, gateway_options_from_args
 from deploy.static_workers import WorkerList, add_worker_list_args, worker_list_from_args
 from protos.cluster_auth import add_cluster_auth_args
 

@@ -29,30 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deploy.env_defaults import apply_env_defaults
-from deploy.serve_args import add_index_args, add_pool_args, controller_config_from_args
+from deploy.serve_args import add_index_args, add_pool_args, add_ray_args, controller_config_from_args
 from engine.engine_args import add_engine_args
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.ray_node import RayNode
-
-DEFAULT_RAY_ADDRESS = "127.0.0.1:6379"
-# The controller's actor name (deploy/named_controller.py); here so that building the CLI imports no Ray.
-CONTROLLER_NAME = "splitserve-controller"
-CONTROLLER_NAMESPACE = "splitserve"
-
-
-def add_ray_args(p: argparse.ArgumentParser, *, node_help: str, address: str | None = DEFAULT_RAY_ADDRESS) -> None:
-    """How a driver command (`head`, `gateway`) joins Ray and names the controller; `address`: --ray-address's
-    default."""
-    p.add_argument("--ray-address", default=address, help="the Ray cluster's GCS, host:port" +
-                   (f" (default {address})" if address else ""))
-    p.add_argument("--start-ray", default=None, metavar="COMMAND", help=node_help)
-    p.add_argument("--ray-join-timeout", type=float, default=300.0,
-                   help="seconds to wait for the Ray cluster (and the node --start-ray starts) to take us")
-    p.add_argument("--controller-name", default=CONTROLLER_NAME, help="the controller actor's name")
-    p.add_argument("--controller-namespace", default=CONTROLLER_NAMESPACE, help="its Ray namespace")
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("head", help="run the Ray head and the cluster controller (multi-node, Kubernetes)",
