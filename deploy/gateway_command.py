@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from deploy import named_controller
-    from deploy.ray_node import RayNode
-    from deploy.lifecycle import Check, ShutdownSignals, run_until_signalled
     from deploy.gateway_app import GatewayConfig, listen, reload_keys_on_sighup
+    from deploy.lifecycle import Check, ShutdownSignals, run_until_signalled
+    from deploy.ray_node import RayNode
     from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
 
     node = RayNode(args.start_ray) if args.start_ray else None

@@ -33,6 +33,7 @@ from deploy.lifecycle import (
     stop_controller,
     wait_for,
 )
+from deploy.redis_server import EmbeddedRedis, RedisUnavailableError, check_redis
 from deploy.serve_args import (
     add_gateway_args,
     add_index_args,
@@ -40,7 +41,6 @@ from deploy.serve_args import (
     gateway_options_from_args,
     pools_from_args,
 )
-from deploy.redis_server import EmbeddedRedis, RedisUnavailableError, check_redis
 from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
 from engine.engine_args import add_engine_args
 from kv_transfer.native_build import cpu_kernels_disabled
@@ -48,6 +48,7 @@ from kv_transfer.native_build import cpu_kernels_disabled
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig(GatewayConfig):
