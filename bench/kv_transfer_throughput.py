@@ -124,7 +124,7 @@ def _serve_transport(transport: str, layout: KVLayout, num_blocks: int) -> None:
 
     from kv_transfer.registry import make_receiver
 
-    from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+    from kv_transfer.grpc_link import CHANNEL_OPTIONS
 
     server = grpc.server(ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)  # as a worker's server
     port = server.add_insecure_port("127.0.0.1:0")
@@ -143,7 +143,7 @@ def _serve_grpc_bare(handoff_bytes: int) -> None:
 
     import grpc
 
-    from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+    from kv_transfer.grpc_link import CHANNEL_OPTIONS
 
     view = memoryview(zeros_with_huge_pages(handoff_bytes, dtype=torch.uint8).numpy())
 
@@ -325,7 +325,7 @@ class _Runner:
     def _setup_grpc_bare(self, source: _Source, handoff_bytes: int) -> None:
         import grpc
 
-        from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+        from kv_transfer.grpc_link import CHANNEL_OPTIONS
 
         process = self._start_receiver("grpc-bare", str(handoff_bytes))
         channel = grpc.insecure_channel(process.endpoint, options=CHANNEL_OPTIONS)

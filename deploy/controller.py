@@ -15,7 +15,9 @@ since whatever wedged it (a stuck thread, a leaked lock) lives there too. Every 
 incarnation, so the router and the prefix index can tell the new worker from its predecessor.
 
 `ClusterController` is a plain class (tests drive it directly from the driver); `RemoteClusterController` is
-its Ray actor. Ray is confined to this module and `deploy.serve_command`.
+its Ray actor. Ray is imported on loading only here and in `deploy/named_controller.py`; the commands,
+`deploy/lifecycle.py` and `deploy/worker_directory.py` import it when they first talk to Ray, so that building the
+CLI and the fixed-list gateway never do.
 """
 
 from __future__ import annotations

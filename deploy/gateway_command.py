@@ -34,8 +34,7 @@ import sys
 from typing import Any
 
 from deploy.env_defaults import apply_env_defaults
-from deploy.head_command import add_ray_args
-from deploy.serve_args import add_gateway_args, gateway_options_from_args
+from deploy.serve_args import add_gateway_args, add_ray_args, gateway_options_from_args
 from deploy.static_workers import WorkerList, add_worker_list_args, worker_list_from_args
 from protos.cluster_auth import add_cluster_auth_args
 
@@ -69,12 +68,13 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from deploy import named_controller
+    from deploy.gateway_app import GatewayConfig, listen, reload_keys_on_sighup
+    from deploy.lifecycle import Check, ShutdownSignals, run_until_signalled
     from deploy.ray_node import RayNode
-    from deploy.serve_command import ServeConfig, WorkerDirectory, _build_router_app, _ShutdownSignals
-    from deploy.gateway_app import listen, reload_keys_on_sighup
+    from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
 
     node = RayNode(args.start_ray) if args.start_ray else None
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     server = None
     try:
@@ -87,24 +87,20 @@ def run(args: argparse.Namespace) -> int:
         if controller is None:
             return 0
         c = ray.get(controller.config.remote())
-        config = ServeConfig(controller=c, ray_address=args.ray_address, prefix_index=c.redis_url is not None,
-                             redis_url=c.redis_url, **options)
+        config = GatewayConfig(**options)
         directory = WorkerDirectory()
         directory.attach(controller, ray.get(controller.list_workers.remote()))
-        app, access = _build_router_app(config, c, directory, c.redis_url)
+        app, access = build_cluster_gateway_app(config, c, directory, c.redis_url)
         reload_keys_on_sighup(access, config)
         server = listen(app, config)
         server.start(timeout_s=60.0)
         print(f"splitserve: serving {c.engine.model} on {server.url} (gateway; controller "
               f"{args.controller_namespace}/{args.controller_name} at {args.ray_address}); Ctrl-C to stop", flush=True)
-        while not signals.requested.wait(0.5):
-            if directory.lost:
-                print("splitserve: error: the cluster controller is gone", file=sys.stderr)
-                return 1
-            if node is not None and not node.alive():
-                print(f"splitserve: error: this gateway's Ray node exited (status {node.returncode})", file=sys.stderr)
-                return 1
-        return 0
+        checks: list[Check] = [lambda: "the cluster controller is gone" if directory.lost else None]
+        if node is not None:
+            checks.append(lambda: None if node.alive() else
+                          f"this gateway's Ray node exited (status {node.returncode})")
+        return run_until_signalled(signals.requested, *checks)
     except (RuntimeError, TimeoutError) as exc:  # could not join Ray, find the controller, or serve
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1
@@ -121,16 +117,17 @@ def run(args: argparse.Namespace) -> int:
 def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str, Any]) -> int:
     """The gateway over a fixed worker list: no Ray (see the module docstring)."""
     from deploy.gateway_app import GatewayConfig, build_gateway_app, listen, reload_keys_on_sighup
-    from deploy.serve_command import _check_redis, _describe_pools, _ShutdownSignals
+    from deploy.lifecycle import ShutdownSignals, describe_pools, run_until_signalled
+    from deploy.redis_server import check_redis
     from deploy.static_workers import StaticWorkers
     from protos.cluster_auth import cluster_auth_from_args
 
     config = GatewayConfig(**options)
     auth = cluster_auth_from_args(args, os.environ)
     if args.redis_url is not None:
-        _check_redis(args.redis_url)  # unreachable, or a password it refuses: exit 2, before waiting on workers
+        check_redis(args.redis_url)  # unreachable, or a password it refuses: exit 2, before waiting on workers
     directory = StaticWorkers(workers, auth=auth)
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     server = None
     try:
@@ -141,11 +138,9 @@ def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str,
         reload_keys_on_sighup(access, config)
         server = listen(app, config)
         server.start(timeout_s=60.0)
-        print(f"splitserve: serving {served.model} on {server.url} (gateway; {_describe_pools(directory())}, a "
+        print(f"splitserve: serving {served.model} on {server.url} (gateway; {describe_pools(directory())}, a "
               "fixed list); Ctrl-C to stop", flush=True)
-        while not signals.requested.wait(0.5):
-            pass
-        return 0
+        return run_until_signalled(signals.requested)
     except (RuntimeError, TimeoutError) as exc:  # workers that never answered or refuse the secret; cannot serve
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1

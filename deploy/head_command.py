@@ -29,30 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deploy.env_defaults import apply_env_defaults
-from deploy.serve_args import add_index_args, add_pool_args, controller_config_from_args
+from deploy.serve_args import add_index_args, add_pool_args, add_ray_args, controller_config_from_args
 from engine.engine_args import add_engine_args
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.ray_node import RayNode
-
-DEFAULT_RAY_ADDRESS = "127.0.0.1:6379"
-# The controller's actor name (deploy/named_controller.py); here so that building the CLI imports no Ray.
-CONTROLLER_NAME = "splitserve-controller"
-CONTROLLER_NAMESPACE = "splitserve"
-
-
-def add_ray_args(p: argparse.ArgumentParser, *, node_help: str, address: str | None = DEFAULT_RAY_ADDRESS) -> None:
-    """How a driver command (`head`, `gateway`) joins Ray and names the controller; `address`: --ray-address's
-    default."""
-    p.add_argument("--ray-address", default=address, help="the Ray cluster's GCS, host:port" +
-                   (f" (default {address})" if address else ""))
-    p.add_argument("--start-ray", default=None, metavar="COMMAND", help=node_help)
-    p.add_argument("--ray-join-timeout", type=float, default=300.0,
-                   help="seconds to wait for the Ray cluster (and the node --start-ray starts) to take us")
-    p.add_argument("--controller-name", default=CONTROLLER_NAME, help="the controller actor's name")
-    p.add_argument("--controller-namespace", default=CONTROLLER_NAMESPACE, help="its Ray namespace")
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("head", help="run the Ray head and the cluster controller (multi-node, Kubernetes)",
@@ -92,9 +74,17 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
     import ray
 
     from deploy import named_controller
-    from deploy.serve_command import _describe_pools, _ShutdownSignals, _StartFailed, _stop_controller, _wait_for
+    from deploy.lifecycle import (
+        ShutdownSignals,
+        StartFailed,
+        describe_pools,
+        every,
+        run_until_signalled,
+        stop_controller,
+        wait_for,
+    )
 
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     ready_file = Path(args.ready_file) if args.ready_file else None
     controller = None
@@ -107,28 +97,23 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
         signals.install()  # ray.init installs its own SIGTERM handler; ours goes back on top
         controller = named_controller.get_or_create(config, name=args.controller_name,
                                                     namespace=args.controller_namespace)
-        workers = _wait_for(controller.ensure_started.remote(), signals.requested)
+        workers = wait_for(controller.ensure_started.remote(), signals.requested)
         if workers is None:
             return 0  # asked to stop while starting
         if ready_file is not None:
             ready_file.parent.mkdir(parents=True, exist_ok=True)
             ready_file.write_text(f"{os.getpid()}\n")
         print(f"splitserve: head ready: controller {args.controller_namespace}/{args.controller_name} at "
-              f"{args.ray_address} ({_describe_pools(workers)})", flush=True)
+              f"{args.ray_address} ({describe_pools(workers)})", flush=True)
         if node is None:
             controller = None  # joined a cluster we do not own: the controller lives on, detached
             return 0
-        checks = 0
-        while not signals.requested.wait(0.5):
-            if not node.alive():
-                print(f"splitserve: error: the Ray head exited (status {node.returncode})", file=sys.stderr)
-                return 1
-            checks += 1
-            if checks % 20 == 0 and not named_controller.is_alive(controller):
-                print("splitserve: error: the cluster controller died", file=sys.stderr)
-                return 1
-        return 0
-    except _StartFailed as exc:
+        return run_until_signalled(
+            signals.requested,
+            lambda: None if node.alive() else f"the Ray head exited (status {node.returncode})",
+            every(20, lambda: None if named_controller.is_alive(controller) else "the cluster controller died"),
+        )
+    except StartFailed as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1
     except RuntimeError as exc:  # could not join Ray
@@ -138,7 +123,7 @@ def _run_head(args: argparse.Namespace, config: ControllerConfig, node: RayNode 
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
         if controller is not None and node is not None:
-            _stop_controller(controller)
+            stop_controller(controller)
         if ray.is_initialized():
             ray.shutdown()
         if node is not None:

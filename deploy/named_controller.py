@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from deploy.controller import ClusterController, ControllerConfig, init_local_ray
-from deploy.head_command import CONTROLLER_NAME, CONTROLLER_NAMESPACE
+from deploy.serve_args import CONTROLLER_NAME, CONTROLLER_NAMESPACE
 from deploy.ray_node import RayNode
 from engine.serving.worker_config import WorkerInfo
 

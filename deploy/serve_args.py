@@ -1,5 +1,6 @@
-"""The flags of `serve`, in groups that `head` (the pools) and `gateway` (the router) share, and their validation:
-flags -> the router's options and the pools' `ControllerConfig`, with a ValueError naming any bad flag. No I/O."""
+"""The flags of `serve`, in groups that `head` (the pools) and `gateway` (the router) share, how `head` and
+`gateway` join Ray and name the controller, and their validation: flags -> the router's options and the pools'
+`ControllerConfig`, with a ValueError naming any bad flag. No I/O."""
 
 from __future__ import annotations
 
@@ -100,6 +101,22 @@ def add_index_args(p: argparse.ArgumentParser) -> None:
                    help="keep the cluster-wide prefix index in Redis and route by it; --no-prefix-index: no Redis")
 
 
+DEFAULT_RAY_ADDRESS = "127.0.0.1:6379"
+# The controller's actor name (deploy/named_controller.py); here so that building the CLI imports no Ray.
+CONTROLLER_NAME = "splitserve-controller"
+CONTROLLER_NAMESPACE = "splitserve"
+
+
+def add_ray_args(p: argparse.ArgumentParser, *, node_help: str, address: str | None = DEFAULT_RAY_ADDRESS) -> None:
+    """How a driver command (`head`, `gateway`) joins Ray and names the controller; `address`: --ray-address's
+    default."""
+    p.add_argument("--ray-address", default=address, help="the Ray cluster's GCS, host:port" +
+                   (f" (default {address})" if address else ""))
+    p.add_argument("--start-ray", default=None, metavar="COMMAND", help=node_help)
+    p.add_argument("--ray-join-timeout", type=float, default=300.0,
+                   help="seconds to wait for the Ray cluster (and the node --start-ray starts) to take us")
+    p.add_argument("--controller-name", default=CONTROLLER_NAME, help="the controller actor's name")
+    p.add_argument("--controller-namespace", default=CONTROLLER_NAMESPACE, help="its Ray namespace")
 
 
 def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -235,7 +252,7 @@ def pools_from_args(args: argparse.Namespace, *,
 def _on_gpu(device: str) -> bool:
     """Whether workers of `device` run on a GPU of this machine ("auto": when it has one; asked torch-free)."""
     if device == "auto":
-        from deploy.serve_command import cuda_device_count
+        from deploy.cuda_probe import cuda_device_count
 
         return cuda_device_count() > 0
     return device.startswith("cuda")

@@ -16,17 +16,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import add_autoscale_args
-from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app, listen, reload_keys_on_sighup
+from deploy.cuda_probe import cuda_device_count
+from deploy.gateway_app import GatewayConfig, listen, reload_keys_on_sighup
+from deploy.lifecycle import (
+    ShutdownSignals,
+    StartFailed,
+    describe_pools,
+    reap_descendants,
+    run_until_signalled,
+    stop_controller,
+    wait_for,
+)
+from deploy.redis_server import EmbeddedRedis, RedisUnavailableError, check_redis
 from deploy.serve_args import (
     add_gateway_args,
     add_index_args,
@@ -34,15 +41,13 @@ from deploy.serve_args import (
     gateway_options_from_args,
     pools_from_args,
 )
+from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
 from engine.engine_args import add_engine_args
-from engine.serving.worker_config import WorkerInfo
 from kv_transfer.native_build import cpu_kernels_disabled
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
-
-_CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,21 +112,6 @@ def require_device(device: str) -> None:
         raise ValueError(f"--device {device}: no CUDA GPU is visible on this machine; use --device cpu or auto")
 
 
-def cuda_device_count() -> int:
-    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), asked of the driver library directly, as
-    torch.cuda.is_available() does: this process stays torch-free. 0 without a driver."""
-    import ctypes
-
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
-
-
 def build_kernels_ahead() -> None:
     """Compile the C++ CPU kernels once, here, before any worker starts: the workers then only load them, and
     the first request after /health turns 200 costs what any other does. In a child process (this one stays
@@ -134,115 +124,6 @@ def build_kernels_ahead() -> None:
     if subprocess.run(command, stdin=subprocess.DEVNULL, stdout=2, check=False).returncode:  # its report: stderr
         print("splitserve: warning: the C++ CPU kernels did not build; the workers run torch ops instead",
               file=sys.stderr, flush=True)
-
-
-# -- the router's view of the cluster -------------------------------------------------------------------------
-class WorkerDirectory:
-    """The router's worker provider: `controller.list_workers()`.
-
-    The router's registry calls it from a thread every refresh interval, so it may block on Ray. Before
-    `attach()`, and when the controller is slow, it returns the last list; once the controller actor is gone,
-    `lost` turns true and the list stays frozen.
-    """
-
-    def __init__(self, *, timeout_s: float = 10.0) -> None:
-        self._controller: Any = None
-        self._workers: list[Any] = []
-        self._restarts: list[tuple[str, str, int]] = []
-        self._timeout_s = timeout_s
-        self.lost = False
-
-    def attach(self, controller: Any, workers: list[WorkerInfo]) -> None:
-        self._workers = list(workers)
-        self._controller = controller
-
-    def __call__(self) -> list[Any]:
-        if self._controller is None or self.lost:
-            return list(self._workers)
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        try:
-            workers, restarts = ray.get([self._controller.list_workers.remote(),
-                                         self._controller.restart_counts.remote()], timeout=self._timeout_s)
-            self._workers, self._restarts = list(workers), restarts
-        except GetTimeoutError:
-            pass  # a busy controller: keep the last list
-        except RayActorError:
-            self.lost = True
-        return list(self._workers)
-
-
-    def scale(self, role: str, num_workers: int) -> None:
-        """The admin API's scale (router/admin.py): blocks until the controller resized the pool. RuntimeError
-        when it could not (the admin API answers 503 with it)."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        if self._controller is None or self.lost:
-            raise RuntimeError("the cluster controller is not running")
-        try:
-            ray.get(self._controller.scale.remote(role, num_workers))
-        except RayActorError as exc:
-            raise RuntimeError(f"the cluster controller died: {exc}") from None
-        try:
-            self._workers = list(ray.get(self._controller.list_workers.remote(), timeout=self._timeout_s))
-        except GetTimeoutError:
-            pass  # resized; a busy controller's list reaches the router on the next refresh
-
-    def pool_sizes(self) -> dict[str, int]:
-        """Each pool's configured size, for the autoscaler (router/autoscaler.py); blocks on the controller."""
-        import ray
-
-        if self._controller is None or self.lost:
-            raise RuntimeError("the cluster controller is not running")
-        return dict(ray.get(self._controller.pool_sizes.remote(), timeout=self._timeout_s))
-
-    def pool_workers(self) -> list[Any]:
-        """Every worker and its state, for GET /admin/pools."""
-        import ray
-
-        from router.admin import PoolWorker
-
-        if self._controller is None or self.lost:
-            return []
-        listed = ray.get(self._controller.pool_workers.remote(), timeout=self._timeout_s)
-        return [PoolWorker(worker_id=w.worker_id, role=w.role, state=state, endpoint=getattr(w, "endpoint", ""),
-                           pid=getattr(w, "pid", 0), incarnation=w.incarnation, node_id=getattr(w, "node_id", ""))
-                for state, w in listed]
-
-    def restart_counts(self) -> list[tuple[str, str, int]]:
-        """(role, reason, restarts) as of the last refresh, for the router's splitserve:worker_restarts_total."""
-        return list(self._restarts)
-
-
-# -- signals -------------------------------------------------------------------------------------------------
-class _ShutdownSignals:
-    """SIGINT and SIGTERM: the first asks for a clean shutdown, a second forces the exit at once, killing every
-    process this one started (Ray ties raylet and GCS to their parent's life, but not the agents raylet starts)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for sig in self.SIGNALS:
-            previous = signal.signal(sig, self._handle)
-            self._previous.setdefault(sig, previous)
-
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.requested.is_set():
-            os.write(2, b"splitserve: forced exit\n")
-            _kill_descendants()
-            os._exit(128 + signum)
-        self.requested.set()
-        os.write(2, b"splitserve: shutting down (signal again to force)\n")
 
 
 # -- the lifecycle -------------------------------------------------------------------------------------------
@@ -258,12 +139,12 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     directory = WorkerDirectory()
     redis, redis_url = _start_prefix_index(config)
     if redis is None and redis_url is not None:
-        _check_redis(redis_url)  # a wrong password or an unreachable server fails here, clearly, before any worker
+        check_redis(redis_url)  # a wrong password or an unreachable server fails here, clearly, before any worker
     c = dataclasses.replace(config.controller, redis_url=redis_url)
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
     try:
-        app, access = _build_router_app(config, c, directory, redis_url)
+        app, access = build_cluster_gateway_app(config, c, directory, redis_url)
     except BaseException:
         if redis is not None:
             redis.stop()
@@ -274,7 +155,7 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
         if redis is not None:
             redis.stop()
         raise
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     reload_keys_on_sighup(access, config)
     controller = None
@@ -282,80 +163,31 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
         init_local_ray(address=config.ray_address)
         signals.install()  # ray.init installs its own SIGTERM handler; ours goes back on top
         controller = RemoteClusterController.remote(c, factory=factory)
-        workers = _wait_for(controller.start.remote(), signals.requested)
+        workers = wait_for(controller.start.remote(), signals.requested)
         if workers is None:
             return 0  # asked to stop while starting
         directory.attach(controller, workers)
         try:
             server.start(timeout_s=60.0)
         except (RuntimeError, TimeoutError) as exc:
-            raise _StartFailed(str(exc)) from None
-        print(f"splitserve: serving {c.engine.model} on {server.url} ({_describe_pools(workers)}); Ctrl-C to stop",
+            raise StartFailed(str(exc)) from None
+        print(f"splitserve: serving {c.engine.model} on {server.url} ({describe_pools(workers)}); Ctrl-C to stop",
               flush=True)  # fmt: skip
-        while not signals.requested.wait(0.5):
-            if directory.lost:
-                print("splitserve: error: the cluster controller died", file=sys.stderr)
-                return 1
-        return 0
-    except _StartFailed as exc:
+        return run_until_signalled(signals.requested,
+                                   lambda: "the cluster controller died" if directory.lost else None)
+    except StartFailed as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 1
     finally:
         server.stop()  # stop taking requests first; in-flight ones get the router's grace period
         if controller is not None:
-            _stop_controller(controller)
+            stop_controller(controller)
         if ray.is_initialized():
             ray.shutdown()
         if redis is not None:
             redis.stop()
-        _reap_descendants(grace_s=5.0)  # a safety net: ray.shutdown() normally leaves nothing
+        reap_descendants(grace_s=5.0)  # a safety net: ray.shutdown() normally leaves nothing
         signals.restore()
-
-
-class _StartFailed(Exception):
-    pass
-
-
-def _build_router_app(config: ServeConfig, c: Any, directory: WorkerDirectory, redis_url: str | None) -> Any:
-    """The gateway app for this cluster (loads the tokenizer), and its access control (None: /v1/* open)."""
-    served = ServedEngine(model=c.engine.model, load_format=c.engine.load_format, block_size=c.engine.block_size,
-                          max_model_len=c.engine.max_model_len,
-                          mode="colocated" if c.num_colocated_workers else "disaggregated")
-    return build_gateway_app(config, served, directory, auth=c.auth, redis_url=redis_url, pool_controller=directory)
-
-
-def _check_redis(redis_url: str) -> None:
-    """PING the Redis of `--redis-url` once; ValueError (exit 2) naming what went wrong: no server there, a
-    password it refuses, a TLS handshake that fails. The URL's password never appears in the message."""
-    import redis
-
-    try:
-        with redis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0) as client:
-            client.ping()
-    except redis.AuthenticationError as exc:
-        from urllib.parse import urlsplit
-
-        if urlsplit(redis_url).password is None:
-            raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} needs a password ({exc}); put it in "
-                             "the URL: redis://:PASSWORD@host:port/0 (rediss:// for TLS)") from None
-        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} refused the credentials ({exc}); check "
-                         "the user and password in the URL (redis://[USER]:PASSWORD@host:port/0)") from None
-    except redis.ResponseError as exc:
-        raise ValueError(f"--redis-url: Redis at {redact_url(redis_url)} answered an error: {exc}") from None
-    except (redis.RedisError, OSError) as exc:
-        raise ValueError(f"--redis-url: cannot reach Redis at {redact_url(redis_url)}: {exc}") from None
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by ***."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:" if parts.username else ":"
-    netloc = f"{user}***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
@@ -364,7 +196,6 @@ def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
         return None, None
     if config.redis_url is not None:
         return None, config.redis_url
-    from deploy.redis_server import EmbeddedRedis, RedisUnavailableError
     from protos.cluster_auth import generate_secret
 
     try:  # a random password: other local users must not read or poison the index
@@ -372,83 +203,3 @@ def _start_prefix_index(config: ServeConfig) -> tuple[Any, str | None]:
     except RedisUnavailableError as exc:
         raise ValueError(f"the prefix index needs Redis: {exc} (or --no-prefix-index)") from None
     return redis, redis.url
-
-
-def _wait_for(ref: Any, stop: threading.Event) -> Any:
-    """ray.get that gives up (returning None) when a shutdown is requested; start errors become _StartFailed."""
-    import ray
-    from ray.exceptions import RayActorError, RayTaskError
-
-    while not stop.is_set():
-        ready, _ = ray.wait([ref], timeout=0.2)
-        if ready:
-            try:
-                return ray.get(ref)
-            except RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                raise _StartFailed(str(cause) if cause is not None else str(exc)) from None
-            except RayActorError as exc:
-                raise _StartFailed(f"the cluster controller died while starting: {exc}") from None
-    return None
-
-
-def _stop_controller(controller: Any) -> None:
-    import ray
-
-    try:
-        ray.get(controller.shutdown.remote(), timeout=_CONTROLLER_SHUTDOWN_GRACE_S)
-    except Exception:  # timed out or already dead: killing it takes its worker actors along (Ray owner fate)
-        pass
-    try:
-        ray.kill(controller, no_restart=True)
-    except Exception:
-        pass
-
-
-def _describe_pools(workers: list[WorkerInfo]) -> str:
-    counts: dict[str, int] = {}
-    for w in workers:
-        counts[w.role] = counts.get(w.role, 0) + 1
-    return ", ".join(f"{n} {role}" for role, n in counts.items()) + " worker" + ("s" if len(workers) != 1 else "")
-
-
-def _descendants() -> list[int]:
-    """Every live process below this one (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ", comm may hold spaces
-        if fields[0] != b"Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
-    found, stack = [], [os.getpid()]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _kill_descendants() -> None:
-    for pid in _descendants():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _reap_descendants(*, grace_s: float) -> None:
-    """Give the processes below this one `grace_s` to exit on their own, then kill those left."""
-    deadline = time.monotonic() + grace_s
-    while _descendants() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    _kill_descendants()

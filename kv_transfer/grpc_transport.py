@@ -13,13 +13,12 @@ receiver holds READ_AHEAD + 1 messages and one block's buffer. The call carries 
 deadline, so a sender that stalls or dies cancels the call on the receiver (which fails the destination), and a
 receiver that stalls or dies ends the call on the sender with DEADLINE_EXCEEDED or UNAVAILABLE.
 
-This module also holds the gRPC plumbing the torch transport reuses for its control messages: the channel
-cache and the mapping from gRPC status and receiver acks to KVTransferError.
+The channels, the error mapping and the receiver's bookkeeping of open destinations are the gRPC link's, shared
+with the ipc and torch transports (kv_transfer/grpc_link.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import warnings
@@ -30,130 +29,34 @@ from typing import TypeVar
 import grpc
 import torch
 
-from kv_transfer.base import (
-    KVBlockSource,
-    KVReceiver,
-    KVSender,
-    KVSink,
-    SettleOnce,
-    TransferFault,
-    TransferResult,
-    write_verified,
-)
+from kv_transfer.base import KVBlockSource, SettleOnce, TransferResult, write_verified
 from kv_transfer.block_copy import frame, gather
-from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_message
-from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError, error_from_kind, error_kind
+from kv_transfer.grpc_link import (
+    SERVICE,
+    ChannelSender,
+    SettlingReceiver,
+    ack_error,
+    error_ack,
+    refusal,
+    rpc_error,
+    with_source,
+)
+from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message
+from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
-from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 
 # A block larger than this is split (into runs of whole layers where it can be); every message stays below gRPC's
 # 4 MiB default limit. Blocks of real models are ~1-3 MiB (Llama-3-8B, 16 tokens of bf16: 2 MiB) and go whole: a
 # split block costs the receiver a copy more (it is assembled before it is written). SmolLM2's 1.4 MiB blocks of 32
 # tokens, 1 MiB chunks against 3 MiB: 0.38-0.43x against 0.46-0.49x of the raw socket (docs/benchmarks.md).
 CHUNK_BYTES = 3 << 20
-MAX_MESSAGE_BYTES = 64 << 20  # raised on our channels all the same, for the descriptor of a very long prompt
-# HTTP/2 frames up to 4 MiB instead of 16 KiB: a 0.7 MiB block goes in one DATA frame, not 45. The setting is the
-# largest frame an endpoint accepts, so it matters on the receiving server (whose options these also are).
-MAX_FRAME_BYTES = 4 << 20
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.http2.max_frame_size", MAX_FRAME_BYTES),
-)
 READ_AHEAD = 2  # messages the receiver pulls ahead of the one it is writing into the cache
 READ_AHEAD_THREAD = "kv-grpc-read-ahead"  # the name of the thread that pulls them
 STOP_SLACK_S = 5.0  # how long past its deadline the sender waits for gRPC to report the deadline itself
-SERVICE = "splitserve.kv.v1.KVReceiver"  # protos/kv_transfer.proto's package and service
-TRANSFER_METHOD = f"/{SERVICE}/Transfer"
 # A block that came in one chunk is viewed, not copied, out of the received message (read-only bytes) until the
 # sink copies it into the cache; torch warns that such a tensor must not be written, which nothing here does.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
 T = TypeVar("T")
-
-
-# ── plumbing shared with the torch transport ─────────────────────────────────────────────────────────────────
-
-
-class ChannelCache:
-    """One channel per receiver endpoint, made on first use, carrying the cluster secret; thread-safe."""
-
-    def __init__(self, auth: ClusterAuth = OPEN) -> None:
-        self._auth = auth
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
-
-    def channel(self, endpoint: str) -> grpc.Channel:
-        with self._lock:
-            channel = self._channels.get(endpoint)
-            if channel is None:
-                channel = sync_channel(endpoint, self._auth, options=CHANNEL_OPTIONS)
-                self._channels[endpoint] = channel
-        return channel
-
-    def stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KVReceiverStub:
-        return kv_transfer_pb2_grpc.KVReceiverStub(self.channel(endpoint))
-
-    def transfer(self, endpoint: str) -> grpc.StreamUnaryMultiCallable:
-        """KVReceiver.Transfer on `endpoint`, with the hand-made chunk encoding (kv_transfer.grpc_wire)."""
-        return self.channel(endpoint).stream_unary(
-            TRANSFER_METHOD,
-            request_serializer=encode_message,
-            response_deserializer=kv_transfer_pb2.KVTransferAck.FromString,
-        )
-
-    def forget(self, endpoint: str) -> None:
-        """Drop an endpoint's channel after it proved unreachable, so that the next send dials afresh instead of
-        waiting out the old channel's reconnect backoff (a restarted worker reuses its address). Calls still in
-        flight on it keep it alive until they end."""
-        with self._lock:
-            self._channels.pop(endpoint, None)
-
-    def close(self) -> None:
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
-
-
-def rpc_error(exc: grpc.RpcError, *, what: str, endpoint: str, timeout_s: float) -> KVTransferError:
-    """A KVTransferError saying why a call to the receiver at `endpoint` failed."""
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return KVTransferError(f"{what}: timed out after {timeout_s:.3g}s waiting for the receiver at {endpoint}")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return KVTransferError(f"{what}: receiver at {endpoint} unavailable (dead or unreachable): {details}")
-    if code == grpc.StatusCode.CANCELLED:
-        return KVTransferError(f"{what}: call to the receiver at {endpoint} was cancelled: {details}")
-    name = code.name if code is not None else "unknown status"
-    return KVTransferError(f"{what}: receiver at {endpoint} answered {name}: {details}")
-
-
-def refusal(exc: Exception) -> KVTransferError:
-    """The receiver-side view of an exception: KVTransferError subclasses as they are, anything else wrapped."""
-    if isinstance(exc, KVTransferError):
-        return exc
-    return KVTransferError(f"{type(exc).__name__}: {exc}")
-
-
-def error_ack(exc: Exception) -> kv_transfer_pb2.KVTransferAck:
-    err = refusal(exc)
-    return kv_transfer_pb2.KVTransferAck(ok=False, error=str(err), error_kind=error_kind(err))
-
-
-def ack_error(ack: kv_transfer_pb2.KVTransferAck | kv_transfer_pb2.KVOpenAck, *, endpoint: str) -> KVTransferError:
-    """The exception a sender raises for a receiver's negative ack, of the subclass the receiver reported."""
-    return error_from_kind(ack.error_kind, f"receiver at {endpoint} refused: {ack.error}")
-
-
-def with_source(handoff: KVHandoff, *, worker_id: str, transport: str) -> KVHandoff:
-    """The handoff as it goes on the wire: the sender's identity and transport filled in where the caller left
-    them empty."""
-    return dataclasses.replace(
-        handoff,
-        source_worker_id=handoff.source_worker_id or worker_id,
-        transport=handoff.transport or transport,
-    )
 
 
 # ── receiver ─────────────────────────────────────────────────────────────────────────────────────────────────
@@ -246,16 +149,10 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         return error_ack(exc)
 
 
-class Receiver(KVReceiver):
+class Receiver(SettlingReceiver):
     """Serves KVReceiver.Transfer on the worker's gRPC server; one handler thread per handoff in flight."""
 
     name = "grpc"
-
-    def __init__(self, sink: KVSink) -> None:
-        super().__init__(sink)
-        self._lock = threading.Lock()
-        self._open: set[SettleOnce] = set()
-        self._closed = False
 
     def attach(self, server: grpc.Server, endpoint: str) -> None:
         handlers = {
@@ -266,34 +163,6 @@ class Receiver(KVReceiver):
             ),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-
-    def close(self) -> None:
-        """Refuse new handoffs and fail the ones in flight (their handler threads then end the calls)."""
-        with self._lock:
-            self._closed = True
-            dests, self._open = list(self._open), set()
-        for dest in dests:
-            dest.fail("KV receiver closed")
-
-    def open(self, handoff: KVHandoff) -> SettleOnce:
-        """Layout first (before any byte is accepted), then the sink, which may refuse."""
-        self.sink.layout.check_compatible(handoff.layout)
-        with self._lock:
-            if self._closed:
-                raise KVTransferError("KV receiver is closed")
-        dest = SettleOnce(self.sink.open(handoff))
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._open.add(dest)
-        if closed:
-            dest.fail("KV receiver closed")
-            raise KVTransferError("KV receiver is closed")
-        return dest
-
-    def forget(self, dest: SettleOnce) -> None:
-        with self._lock:
-            self._open.discard(dest)
 
     def receive(
         self, handoff: KVHandoff, dest: SettleOnce, messages: Iterator[kv_transfer_pb2.KVTransferMessage | Chunk]
@@ -352,20 +221,10 @@ class Receiver(KVReceiver):
 # ── sender ───────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-class Sender(KVSender):
+class Sender(ChannelSender):
     """Streams each handoff in one call; one cached channel per receiver endpoint. Thread-safe."""
 
     name = "grpc"
-
-    def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
-                 auth: ClusterAuth = OPEN) -> None:
-        self.worker_id = worker_id
-        self.device = torch.device(device)
-        self.fault = fault or TransferFault()
-        self._channels = ChannelCache(auth)
-
-    def close(self) -> None:
-        self._channels.close()
 
     def send(self, handoff: KVHandoff, source: KVBlockSource, *, endpoint: str, timeout_s: float) -> TransferResult:
         start_s = time.monotonic()

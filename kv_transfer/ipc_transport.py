@@ -50,7 +50,6 @@ import torch
 
 from kv_transfer.base import (
     KVBlockSource,
-    KVSender,
     KVSink,
     SettleOnce,
     TransferFault,
@@ -60,16 +59,16 @@ from kv_transfer.base import (
     write_verified,
 )
 from kv_transfer.block_copy import gather_into
-from kv_transfer.grpc_transport import (
+from kv_transfer.grpc_link import (
     SERVICE,
-    ChannelCache,
+    ChannelSender,
+    SettlingReceiver,
     ack_error,
     error_ack,
     refusal,
     rpc_error,
     with_source,
 )
-from kv_transfer.grpc_transport import Receiver as _StreamReceiver
 from kv_transfer.inproc_transport import device_digests
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVRefused, KVTransferError
 from protos import kv_transfer_pb2
@@ -199,9 +198,9 @@ def map_buffer(msg: kv_transfer_pb2.KVIpcBuffer, device: torch.device) -> torch.
 # ── receiver ─────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-class Receiver(_StreamReceiver):
+class Receiver(SettlingReceiver):
     """Serves KVReceiver.IpcTransfer on the worker's gRPC server; one handler thread per handoff in flight. Opening
-    and closing destinations is the grpc receiver's (every destination settled once; `close` fails open ones)."""
+    and closing destinations is the gRPC link's (every destination settled once; `close` fails open ones)."""
 
     name = "ipc"
 
@@ -324,19 +323,16 @@ class _Pair:
     buffer: StagingBuffer | None = None
 
 
-class Sender(KVSender):
+class Sender(ChannelSender):
     """Stages each handoff in a buffer this process shares with the receiver's, on this host. Thread-safe."""
 
     name = "ipc"
 
     def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
                  auth: ClusterAuth = OPEN) -> None:
-        self.worker_id = worker_id
-        self.device = torch.device(device)
+        super().__init__(worker_id=worker_id, device=device, fault=fault, auth=auth)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.fault = fault or TransferFault()
-        self._channels = ChannelCache(auth)
         self._lock = threading.Lock()
         self._pairs: dict[str, _Pair] = {}  # by receiver endpoint
 
@@ -348,7 +344,7 @@ class Sender(KVSender):
                 if pair.buffer is not None:
                     pair.buffer.close()
                     pair.buffer = None
-        self._channels.close()
+        super().close()
 
     def _pair(self, endpoint: str) -> _Pair:
         with self._lock:

@@ -44,7 +44,6 @@ import torch.distributed as dist
 from kv_transfer.base import (
     KVBlockSource,
     KVReceiver,
-    KVSender,
     KVSink,
     SettleOnce,
     TransferFault,
@@ -52,7 +51,7 @@ from kv_transfer.base import (
     write_verified,
 )
 from kv_transfer.block_copy import gather
-from kv_transfer.grpc_transport import ChannelCache, ack_error, error_ack, refusal, rpc_error, with_source
+from kv_transfer.grpc_link import ChannelSender, ack_error, error_ack, refusal, rpc_error, with_source
 from kv_transfer.layout import KVHandoff, KVTransferError, error_kind
 from kv_transfer.pair_group import (
     WILDCARD_HOSTS,
@@ -286,18 +285,15 @@ class Receiver(KVReceiver):
 # ── sender ───────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-class Sender(KVSender):
+class Sender(ChannelSender):
     """One pair group per receiver endpoint, made on first use and after any failure. Thread-safe."""
 
     name = "torch"
 
     def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
                  auth: ClusterAuth = OPEN) -> None:
-        self.worker_id = worker_id
-        self.device = torch.device(device)
+        super().__init__(worker_id=worker_id, device=device, fault=fault, auth=auth)
         self.backend = backend_for(self.device)
-        self.fault = fault or TransferFault()
-        self._channels = ChannelCache(auth)
         self._lock = threading.Lock()
         self._pairs: dict[str, PairGroup] = {}  # by receiver endpoint
 
@@ -306,7 +302,7 @@ class Sender(KVSender):
             pairs, self._pairs = list(self._pairs.values()), {}
         for pair in pairs:
             pair.drop()
-        self._channels.close()
+        super().close()
 
     def _pair(self, endpoint: str) -> PairGroup:
         with self._lock:

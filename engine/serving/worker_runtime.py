@@ -47,7 +47,7 @@ from engine.serving.event_loop_thread import EventLoopThread
 from engine.serving.malloc_tuning import tune_malloc
 from engine.serving.request_gate import RequestGate
 from engine.serving.worker_config import WorkerConfig
-from kv_transfer.grpc_transport import CHANNEL_OPTIONS
+from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.layout import KVLayout
 from kv_transfer.prefix_index import PublisherId
@@ -65,7 +65,7 @@ FAULT_STEP_SLEEP_ENV = "SPLITSERVE_FAULT_STEP_SLEEP_S"
 _MIGRATION_THREADS = 16
 
 # The worker's server takes KV blocks (gRPC transport) and long prompts' token ids and logprobs: big messages and
-# large HTTP/2 frames (kv_transfer.grpc_transport.CHANNEL_OPTIONS).
+# large HTTP/2 frames (kv_transfer.grpc_link.CHANNEL_OPTIONS).
 GRPC_OPTIONS = CHANNEL_OPTIONS
 
 

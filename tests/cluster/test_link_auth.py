@@ -23,7 +23,8 @@ import torch
 from engine.core.sampling_params import SamplingParams
 from engine.serving.convert import sampling_params_to_proto
 from kv_transfer.base import TransferFault
-from kv_transfer.grpc_transport import SERVICE, TRANSFER_METHOD, Sender
+from kv_transfer.grpc_link import SERVICE, TRANSFER_METHOD
+from kv_transfer.grpc_transport import Sender
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayoutMismatch, KVTransferError
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc, serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel

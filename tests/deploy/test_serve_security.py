@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser
-from deploy.redis_server import EmbeddedRedis
-from deploy.serve_command import redact_url, serve, serve_config_from_args
+from deploy.redis_server import EmbeddedRedis, redact_url
+from deploy.serve_command import serve, serve_config_from_args
 from protos.cluster_auth import CLUSTER_SECRET_ENV
 
 PASSWORD = "redis-password-for-tests"

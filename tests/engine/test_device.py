@@ -146,7 +146,7 @@ def test_fp8_kv_cache_runs_on_cuda_and_frees_its_blocks(tiny_model_dir: Path) ->
 
 
 def test_the_torch_free_cuda_probe_of_serve_counts_what_torch_counts() -> None:
-    from deploy.serve_command import cuda_device_count
+    from deploy.cuda_probe import cuda_device_count
 
     assert cuda_device_count() == torch.cuda.device_count()
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from kv_transfer.grpc_transport import TRANSFER_METHOD
+from kv_transfer.grpc_link import TRANSFER_METHOD
 from kv_transfer.grpc_transport import _chunk_pieces  # noqa: PLC2701 - the sender's chunking, checked directly
 from kv_transfer.block_copy import frame
 from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_chunk, encode_message
