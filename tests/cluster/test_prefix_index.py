@@ -10,21 +10,24 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import httpx
 import pytest
 import redis as redis_client
 
 from deploy.redis_server import EmbeddedRedis
+from engine.core.sampling_params import SamplingParams
 from engine.serving.worker_config import WorkerInfo
 from kv_transfer import prefix_index as pi
+from protos import serving_pb2
 from router.app import create_app
 from router.config import RouterConfig
 from router.prefix_index_client import PrefixIndexClient
 from router.prefix_routing import PrefixIndex
 from router.server import RouterServer
 from router.worker_registry import WorkerRegistry
-from tests.cluster.worker_harness import start_worker, wait_blocks_free
+from tests.cluster.worker_harness import generate, start_worker, stub, wait_blocks_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -35,6 +38,23 @@ SYSTEM = [
     "their keepers, their lenses and their lamps, and decline anything else politely. ",
     "You are a terse assistant for a railway timetable office. Answer questions about trains, platforms and "
     "connections in one sentence, and never guess a departure time you were not given. ",
+]
+# Prompt families of five full blocks and more: a family's worker computes one block of a new turn, any other
+# worker six, so a few requests queued there (or counted pending by the router) never outweigh the prefix.
+FAMILIES = [
+    "You are the archivist of a small harbour town. You answer questions about its ships, its storms, its fishing "
+    "fleets and the families who kept its harbour lights burning through two centuries, quoting the ledgers and "
+    "letters in the town archive where you can, and saying plainly when the archive is silent on a point. Keep "
+    "every answer under five sentences, name the document you relied on, and never invent a ship or a date that "
+    "the archive does not hold. ",
+    "You are the booking assistant of a mountain hut association. You answer questions about huts, their opening "
+    "seasons, the paths between them, the snow conditions reported by their wardens and the rules for reserving a "
+    "bunk, and you never promise a bed that the reservation system has not confirmed. Keep every answer short and "
+    "practical, give walking times in hours, and remind walkers to carry a map, water and a warm layer. ",
+    "You are a patient tutor for a night class in bookkeeping. You explain ledgers, journals, trial balances and "
+    "the difference between cash and accrual accounting to adults who are new to the subject, with one small "
+    "worked example per answer, and you check their arithmetic gently when they share it with you. When a learner "
+    "is stuck, ask one question that points to the next step instead of giving the answer away. ",
 ]
 
 
@@ -77,6 +97,17 @@ def complete(url: str, prompt: str, max_tokens: int = 4) -> dict:
 
 def cached_tokens(body: dict) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+class PrefixCounters(NamedTuple):
+    queries: int  # prompt tokens looked up in the worker's prefix cache
+    hits: int  # of which found there
+
+
+def prefill_counters(cluster: Cluster) -> dict[str, PrefixCounters]:
+    """Each prefill worker's own prefix-cache counters, from its GetLoad."""
+    loads = [stub(w).GetLoad(serving_pb2.LoadRequest(), timeout=10) for w in cluster.prefill]
+    return {load.worker_id: PrefixCounters(load.prefix_cache_queries, load.prefix_cache_hits) for load in loads}
 
 
 def pool_hashes(worker) -> set[bytes]:
@@ -133,19 +164,40 @@ def gateway(cluster: Cluster) -> str:
     return cluster.gateway().url
 
 
-def test_requests_sharing_a_prefix_go_where_it_is_cached_and_the_index_lists_every_block(cluster, gateway) -> None:
-    first = [complete(gateway, system + "Question one?") for system in SYSTEM]
-    assert all(cached_tokens(body) == 0 for body in first)
+def test_each_family_is_prefilled_where_its_prefix_is_cached_and_the_index_lists_every_block(cluster,
+                                                                                             gateway) -> None:
+    """Families 0 and 1 are put on prefill-0 and prefill-1 by hand (the decode worker's own Generate naming that
+    prefill worker, no gateway); family 2 is new to both. Then, through the gateway, turns of one family follow
+    each other: round-robin would split them between the two workers, and least-loaded (equal loads, ties by id)
+    would send family 1 to prefill-0. Each turn must be prefilled on its family's worker, with the family's
+    blocks found there: the workers' own prefix counters (GetLoad) say which one ran it and what it found."""
+    tok = cluster.checkpoint.tokenizer
+    decode = stub(cluster.decode[0])
+    for family, worker in zip(FAMILIES[:2], cluster.prefill, strict=True):
+        placed = generate(decode, f"place-{worker.worker_id}", tok.encode(family + "Hello?"),
+                          SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), worker.endpoint)
+        assert not placed.error, placed.error
     wait_index_matches_pools(cluster)
-    for turn in ("How did it start?", "Who worked there?", "What changed later?"):
-        for system in SYSTEM:
-            body = complete(gateway, system + turn)
-            num_system_tokens = len(cluster.checkpoint.tokenizer.encode(system))
-            # The whole system prompt's full blocks came from the prefill worker's cache (routing found them).
-            assert cached_tokens(body) >= (num_system_tokens // BLOCK) * BLOCK > 0, (system[:20], body["usage"])
+    home = {0: cluster.prefill[0].worker_id, 1: cluster.prefill[1].worker_id}
+    order = (1, 1, 2, 0, 0, 2, 1, 0, 2)
+    for turn, family in enumerate(order):
+        before = prefill_counters(cluster)
+        body = complete(gateway, FAMILIES[family] + f"Question {turn}?")
+        after = prefill_counters(cluster)
+        ran = [wid for wid in after if after[wid].queries > before[wid].queries]
+        assert len(ran) == 1, (turn, before, after)
+        hit = after[ran[0]].hits - before[ran[0]].hits
+        first_of_family = family not in home
+        home.setdefault(family, ran[0])
+        assert (ran[0], cached_tokens(body)) == (home[family], hit), (turn, family, home)
+        if first_of_family:
+            assert hit == 0, (turn, family, hit)
+        else:  # at least the family's full blocks (the turn's own text starts in the block after them)
+            assert hit >= (len(tok.encode(FAMILIES[family])) // BLOCK) * BLOCK > 0, (turn, family, hit)
     wait_index_matches_pools(cluster)
     predictions = metric(gateway, "splitserve:prefix_index_predictions_total")
-    assert predictions[(("outcome", "match"),)] >= 6, predictions
+    assert predictions[(("outcome", "match"),)] == len(order), predictions  # the index foresaw every hit
+    assert predictions.get((("outcome", "mismatch"),), 0) == 0, predictions
     status = httpx.get(f"{gateway}/v1/prefix_index", timeout=10).json()
     assert status["up"] and status["routing_policy"] == "prefix-aware"
     by_worker = {w["worker_id"]: w for w in status["workers"]}
