@@ -460,12 +460,14 @@ class LLMEngine:
             self.kv_event_sink(events)
 
     def stats(self) -> EngineStats:
-        """Gauges now, counters since start; finished-request stats since the previous call."""
+        """Gauges now, counters since start; finished-request stats since the previous call (each is handed out
+        once: a caller that wants only the gauges, a worker's GetLoad, drops them)."""
         finished = list(self._finished_stats)
         self._finished_stats.clear()
         return EngineStats(
             num_requests_running=self.scheduler.num_running,
             num_requests_waiting=self.scheduler.num_waiting,
+            num_queued_prompt_tokens=self.scheduler.num_queued_prompt_tokens,
             kv_blocks_used=self.block_pool.num_used_blocks,
             kv_blocks_free=self.block_pool.num_free_blocks,
             kv_cache_usage=self.block_pool.usage,
