@@ -41,7 +41,7 @@ from engine.sampling.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
-from engine.spec_decode.speculator import Speculator, make_proposer
+from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
 from engine.loader.model_identity import model_identity
 from kv_transfer.block_hash import BlockHashNamespace
 from kv_transfer.kv_events import KVEvent
@@ -146,7 +146,7 @@ class LLMEngine:
         self.hash_namespace = BlockHashNamespace(
             model=config.model_id or checkpoint.model_id or model_identity(checkpoint.path),
             block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
-        self.speculator: Speculator | None = None
+        self.speculator: Speculator | NullSpeculator = NullSpeculator()
         if spec is not None:
             proposer = make_proposer(spec, self.runner, draft_checkpoint=draft_checkpoint,
                                      max_model_len=self.max_model_len, attention_backend=config.attention_backend)
@@ -344,19 +344,17 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.speculator is not None:  # drafts wait on the requests for the scheduler to take as extra tokens
-            self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
+        # Drafts wait on the requests for the scheduler to take as extra tokens (none without speculation).
+        self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         scheduled = self.scheduler.schedule()
         self.num_scheduled_last_step = len(scheduled.scheduled)
         if scheduled.is_empty:  # e.g. every waiting request needs blocks that only a finish or an abort frees
             return []
         try:
-            if self.speculator is not None:
-                self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
+            self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
             start_s = time.perf_counter()
             sampled, logprobs, prompt_logprobs = self.runner.execute(scheduled)
-            if self.speculator is not None:
-                self.speculator.observe_step(scheduled, sampled, time.perf_counter() - start_s)
+            self.speculator.observe_step(scheduled, sampled, time.perf_counter() - start_s)
         except Exception as exc:  # a failed step must not strand its requests' blocks
             logger.exception("engine step failed")
             outs = []
@@ -444,8 +442,7 @@ class LLMEngine:
         if children is not None and not children:
             del self._children[parent_id]
         self.runner.release(request.request_id)
-        if self.speculator is not None:
-            self.speculator.release(request.request_id)
+        self.speculator.release(request.request_id)
         stats = RequestStats.of(request)
         self._finished_stats.append(stats)
         return self.outputs.finish(request, stats, error)
@@ -464,6 +461,7 @@ class LLMEngine:
         once: a caller that wants only the gauges, a worker's GetLoad, drops them)."""
         finished = list(self._finished_stats)
         self._finished_stats.clear()
+        spec = self.speculator  # its counters stay zero without speculative decoding
         return EngineStats(
             num_requests_running=self.scheduler.num_running,
             num_requests_waiting=self.scheduler.num_waiting,
@@ -476,18 +474,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._counters.num_prompt_tokens,
             num_generation_tokens=self._counters.num_generation_tokens,
-            finished=finished,
-            **self._spec_decode_stats(),
-        )
-
-    def _spec_decode_stats(self) -> dict[str, object]:
-        spec = self.speculator
-        if spec is None:
-            return {}
-        return dict(
             spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
             spec_decode_chosen_k=dict(sorted(spec.chosen_k.items())),
+            finished=finished,
         )

@@ -345,6 +345,9 @@ def test_stats_gauges_counters_and_request_timings(tiny_checkpoint) -> None:
     assert done.prefix_cache_queries == sum(num_prompt_tokens.values())
     assert done.prefix_cache_hits == 20  # "a-again": 5 of its 22 prompt tokens' blocks, one token recomputed
     assert done.num_preemptions == 0
+    # No speculative decoding: the engine's NullSpeculator leaves every spec_decode_* counter at zero.
+    assert (done.spec_decode_num_drafts, done.spec_decode_num_draft_tokens, done.spec_decode_num_accepted_tokens,
+            done.spec_decode_num_accepted_tokens_per_pos, done.spec_decode_chosen_k) == (0, 0, 0, [], {})
     by_id = {s.request_id: s for s in done.finished}
     assert sorted(by_id) == sorted(num_prompt_tokens)
     for request_id, s in by_id.items():
