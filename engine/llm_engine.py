@@ -31,6 +31,7 @@ from engine.core.stats import EngineStats, RequestStats
 from engine.cuda_graphs import default_capture_sizes
 from engine.device import TORCH_DTYPES, resolve_engine_config
 from engine.kernels.registry import load_all
+from engine.kv_blocks import KVBlocks
 from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
 from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
 from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
@@ -43,7 +44,7 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
 from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
 from engine.loader.model_identity import model_identity
-from kv_transfer.block_hash import BlockHashNamespace
+from kv_transfer.block_hash import BlockHash, BlockHashNamespace
 from kv_transfer.kv_events import KVEvent
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed,
                                   kv_cache_dtype=config.kv_cache_dtype)
+        self.kv_blocks = KVBlocks(self.runner.kv_cache, self.runner.kv_scales)  # what a worker's KV handoff moves
         # None: no CUDA graphs (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold)
         self.cuda_graph_capture_seconds: float | None = None
         if device.type == "cuda" and not config.enforce_eager:
@@ -282,6 +284,11 @@ class LLMEngine:
                 if request is not None:
                     outs.extend(self._finish_with_choices(request))
         return outs
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request, the held ones (prefilled, their KV being handed off) included: all their blocks go
+        back (a worker stopping)."""
+        return self.abort_request([*self.scheduler.requests, *self.scheduler.held])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -455,6 +462,11 @@ class LLMEngine:
         events = self.block_pool.take_events()
         if events and self.kv_event_sink is not None:
             self.kv_event_sink(events)
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds now: after `publish_kv_events`, the snapshot a worker's prefix
+        index publisher sends in place of the events it may have missed."""
+        return self.block_pool.cached_block_hashes()
 
     def stats(self) -> EngineStats:
         """Gauges now, counters since start; finished-request stats since the previous call (each is handed out
