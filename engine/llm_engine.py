@@ -22,7 +22,7 @@ import torch
 from engine.attention.backend import get_attention_backend
 from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.core.block_pool import BlockPool
-from engine.core.fork import choice_params, choice_request_id, parent_request_id
+from engine.core.fork import choice_params, choice_request_id
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
@@ -154,7 +154,7 @@ class LLMEngine:
                                      max_model_len=self.max_model_len, attention_backend=config.attention_backend)
             self.speculator = Speculator(spec, proposer, token_budget=config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._counters = EngineStats()
+        self._num_prompt_tokens = 0  # of every request queued or reserved, since start
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
         # Where the block pool's KV events go after each step (a worker's prefix index publisher); None: dropped.
         self.kv_event_sink: KVEventSink | None = None
@@ -162,7 +162,6 @@ class LLMEngine:
         # Structured outputs: xgrammar loads with the first request that has a grammar (see grammar_compilers).
         self._grammar_compilers: GrammarCompilerCache | None = None
         self._grammar_lock = threading.Lock()
-        self._children: dict[str, list[str]] = {}  # n > 1: a request's other choices that have not finished
 
     def _profiled_num_kv_blocks(self, model: LlamaModel, baseline: MemoryBaseline, block_bytes: int) -> int:
         """The KV blocks --gpu-memory-utilization leaves once a profile forward of the largest step has run."""
@@ -258,20 +257,16 @@ class LLMEngine:
 
     def enqueue(self, request: Request) -> None:
         """Queue a request from `make_request`. Raises ValueError (and queues nothing) if its id is in use."""
+        self._check_choice_ids_free(request)
+        self.scheduler.add_request(request)
+        self.outputs.add(request)
+        self._num_prompt_tokens += request.num_prompt_tokens
+
+    def _check_choice_ids_free(self, request: Request) -> None:
+        """ValueError if the id of a choice `request` will fork (n > 1) is in use (the scheduler checks its own)."""
         for child in request.pending_forks:
             if child.request_id in self.scheduler.requests:
                 raise ValueError(f"request id {child.request_id!r} is already in use")
-        self.scheduler.add_request(request)
-        self._add_outputs(request)
-        self._counters.num_prompt_tokens += request.num_prompt_tokens
-
-    def _add_outputs(self, request: Request) -> None:
-        """Output state for a request and its pending choices; the engine aborts them with it (`_children`)."""
-        self.outputs.add(request)
-        for child in request.pending_forks:
-            self.outputs.add(child)
-        if request.pending_forks:
-            self._children[request.request_id] = [child.request_id for child in request.pending_forks]
 
     def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Abort requests, each with every choice of it (n > 1) still running."""
@@ -279,7 +274,7 @@ class LLMEngine:
         for request_id in request_ids:
             if self.scheduler.release_held(request_id):  # its output already went out as "prefilled"
                 continue
-            for choice_id in [request_id, *self._children.get(request_id, ())]:
+            for choice_id in self.outputs.choice_ids(request_id):
                 request = self.scheduler.finish_request(choice_id, RequestStatus.FINISHED_ABORTED)
                 if request is not None:
                     outs.extend(self._finish_with_choices(request))
@@ -312,13 +307,11 @@ class LLMEngine:
     def reserve_remote(self, request: Request) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
         here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`."""
-        for child in request.pending_forks:
-            if child.request_id in self.scheduler.requests:
-                raise ValueError(f"request id {child.request_id!r} is already in use")
+        self._check_choice_ids_free(request)
         if not self.scheduler.reserve_remote(request):
             return None
-        self._add_outputs(request)
-        self._counters.num_prompt_tokens += request.num_prompt_tokens
+        self.outputs.add(request)
+        self._num_prompt_tokens += request.num_prompt_tokens
         return RemoteReservation(block_ids=self.kv_cache.block_ids(request.request_id),
                                  num_held_blocks=self.kv_cache.num_cached_blocks(request.request_id))
 
@@ -393,43 +386,23 @@ class LLMEngine:
     def _postprocess(
         self, produced: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprobs]], sampled_s: float
     ) -> list[RequestOutput]:
-        """Detokenize the step's tokens (several per request when drafts were accepted) and check stop strings;
-        one output per request that produced tokens."""
+        """One output per request that produced tokens (several when drafts were accepted); a request whose text
+        reached a stop string ends here."""
         outs = []
-        self._counters.num_generation_tokens += len(produced)
-        by_request: dict[str, list[int]] = {}
-        requests: list[Request] = []
-        for request, token_id in produced:
-            if request.request_id not in by_request:
-                by_request[request.request_id] = []
-                requests.append(request)
-            by_request[request.request_id].append(token_id)
-        for request in requests:
-            token_ids = by_request[request.request_id]
-            if request.times.first_token_s is None:
-                request.times.first_token_s = sampled_s
-            request.times.last_token_s = sampled_s
-            token_logprobs = logprobs.get(request.request_id)
-            num_output_before = request.num_output_tokens - len(token_ids)
-            for i, token_id in enumerate(token_ids):
-                stop_string = self.outputs.append_token(
-                    request, token_id, token_logprobs[i] if token_logprobs else None
-                )
-                if stop_string is None:
-                    continue
-                # The text is cut at the stop string, so that is why the request ended, even when the same token
-                # also reached max_tokens or was a stop token id (vLLM's rule too). Tokens after it are dropped.
-                self._counters.num_generation_tokens -= len(token_ids) - i - 1
-                request.truncate_output(num_output_before + i + 1)
-                request.stop_reason = stop_string
-                if request.is_finished:
-                    self.scheduler.release_held(request.request_id)  # a prefilled request needs no handoff now
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                break
+        for request, token_ids in _by_request(produced):
+            if self.outputs.append_tokens(request, token_ids, logprobs.get(request.request_id), sampled_s):
+                self._stop_on_string(request)
             outs.append(self._finish(request) if request.is_finished else self.outputs.snapshot(request))
         return outs
+
+    def _stop_on_string(self, request: Request) -> None:
+        """End a request whose text reached a stop string (its output already cut there), as stopped even when
+        the same token also finished it."""
+        if request.is_finished:
+            self.scheduler.release_held(request.request_id)  # a prefilled request needs no handoff now
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _finish_with_choices(self, request: Request, error: str | None = None) -> list[RequestOutput]:
         """The final output of a request ended from outside a step (abort, failed step), and of its choices not
@@ -442,12 +415,6 @@ class LLMEngine:
         return outs
 
     def _finish(self, request: Request, error: str | None = None) -> RequestOutput:
-        parent_id = parent_request_id(request.request_id, request.index)
-        children = self._children.get(parent_id)
-        if children is not None and request.index:
-            children.remove(request.request_id)
-        if children is not None and not children:
-            del self._children[parent_id]
         self.runner.release(request.request_id)
         self.speculator.release(request.request_id)
         stats = RequestStats.of(request)
@@ -484,8 +451,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv_cache.prefix_queries_tokens,
             prefix_cache_hits=self.kv_cache.prefix_hits_tokens,
             num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self._counters.num_prompt_tokens,
-            num_generation_tokens=self._counters.num_generation_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self.outputs.num_generation_tokens,
             spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
@@ -493,3 +460,11 @@ class LLMEngine:
             spec_decode_chosen_k=dict(sorted(spec.chosen_k.items())),
             finished=finished,
         )
+
+
+def _by_request(produced: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:
+    """A step's tokens by request (a request's in order), the requests in the order they first appear."""
+    grouped: dict[str, tuple[Request, list[int]]] = {}
+    for request, token_id in produced:
+        grouped.setdefault(request.request_id, (request, []))[1].append(token_id)
+    return list(grouped.values())
