@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.core.block_pool import BlockPool
-from engine.core.fork import choice_params, choice_request_id
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
@@ -39,6 +35,7 @@ from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RemoteReservation, RequestOutput
 from engine.sampling.logprobs import TokenLogprobs
+from engine.input_processor import InputProcessor
 from engine.output_processor import OutputProcessor
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
@@ -46,9 +43,6 @@ from engine.spec_decode.speculator import NullSpeculator, Speculator, make_propo
 from engine.loader.model_identity import model_identity
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace
 from kv_transfer.kv_events import KVEvent
-
-if TYPE_CHECKING:
-    from engine.structured.compiler import GrammarCompilerCache
 
 KVEventSink = Callable[[Sequence[KVEvent]], None]
 
@@ -153,15 +147,16 @@ class LLMEngine:
             proposer = make_proposer(spec, self.runner, draft_checkpoint=draft_checkpoint,
                                      max_model_len=self.max_model_len, attention_backend=config.attention_backend)
             self.speculator = Speculator(spec, proposer, token_budget=config.max_num_batched_tokens)
+        self.inputs = InputProcessor(
+            self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            hash_namespace=self.hash_namespace if config.enable_prefix_caching else None,
+            use_grammars=self.runner.use_grammars)
         self.outputs = OutputProcessor(self.tokenizer)
         self._num_prompt_tokens = 0  # of every request queued or reserved, since start
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
         # Where the block pool's KV events go after each step (a worker's prefix index publisher); None: dropped.
         self.kv_event_sink: KVEventSink | None = None
         self.num_scheduled_last_step = 0  # requests the last step() ran; 0: it could run nothing
-        # Structured outputs: xgrammar loads with the first request that has a grammar (see grammar_compilers).
-        self._grammar_compilers: GrammarCompilerCache | None = None
-        self._grammar_lock = threading.Lock()
 
     def _profiled_num_kv_blocks(self, model: LlamaModel, baseline: MemoryBaseline, block_bytes: int) -> int:
         """The KV blocks --gpu-memory-utilization leaves once a profile forward of the largest step has run."""
@@ -190,70 +185,11 @@ class LLMEngine:
     def make_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *, remote_decode: bool = False
     ) -> Request:
-        """Validate and tokenize a request without queueing it: the engine is left untouched, so a caller can
-        check a whole batch before queueing any of it. Raises ValueError naming the problem.
-
-        A request with `structured_outputs` has its grammar compiled here (a schema that does not compile is a
-        ValueError), which can take a second: callers on an event loop run this on a worker thread."""
-        params.validate()
-        if params.structured_outputs is not None:
-            self.grammar_compilers().compile(params.structured_outputs)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            try:  # an int-like id (numpy's too) is taken; a float or str would fail later, inside a shared step
-                prompt_ids = [operator.index(t) for t in prompt]
-            except TypeError:
-                raise ValueError(f"a prompt is text or a sequence of integer token ids, got {prompt!r:.100}") from None
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        bad = [t for t in params.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        room = self.max_model_len - len(prompt_ids)
-        eos = tuple(self.tokenizer.eos_token_ids)
-        # n > 1 (best_of): the other choices wait on choice 0 until its prompt is computed (engine/core/fork.py).
-        # A prefill worker computes only choice 0's prompt and first token; its decode worker forks the rest.
-        num_sequences = 1 if remote_decode else params.num_sequences
-        requests = [
-            Request(
-                choice_request_id(request_id, index),
-                prompt_ids,
-                choice_params(params, index) if params.num_sequences > 1 else params,
-                eos_token_ids=eos,
-                max_tokens=min(params.max_tokens or room, room),
-                hash_namespace=self.hash_namespace if self.config.enable_prefix_caching else None,
-                remote_decode=remote_decode,
-                index=index,
-            )
-            for index in range(num_sequences)
-        ]
-        requests[0].pending_forks = requests[1:]
-        return requests[0]
-
-    def grammar_compilers(self) -> GrammarCompilerCache:
-        """The engine's grammar compiler cache, made (and its matchers given to the runner) on first use, from
-        any thread."""
-        with self._grammar_lock:
-            if self._grammar_compilers is None:
-                from engine.structured.compiler import GrammarCompilerCache
-                from engine.structured.matchers import GrammarMatchers
-
-                compilers = GrammarCompilerCache(self.tokenizer, vocab_size=self.model_config.vocab_size)
-                self.runner.grammars = GrammarMatchers(compilers)
-                self._grammar_compilers = compilers
-            return self._grammar_compilers
+        """Validate and tokenize a request without queueing it (engine/input_processor.py): the engine is left
+        untouched, so a caller can check a whole batch before queueing any of it. Raises ValueError naming the
+        problem. A grammar is compiled here, which can take a second: callers on an event loop run this on a
+        worker thread."""
+        return self.inputs.make_request(request_id, prompt, params, remote_decode=remote_decode)
 
     def enqueue(self, request: Request) -> None:
         """Queue a request from `make_request`. Raises ValueError (and queues nothing) if its id is in use."""
