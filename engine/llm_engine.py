@@ -1,47 +1,36 @@
-"""The single-process engine. One `step()` is the recipe:
+"""The engine: one model, continuous batching, on the thread that calls it. `step()` is the recipe:
 
-    schedule → execute → postprocess → publish stats/events
+    propose drafts → schedule → execute (drafts verified) → update the requests → postprocess → publish KV events
 
-Requests enter through `add_request` (validated before any block is allocated) and leave finished, aborted or
-errored; on every one of those exits the scheduler returns their KV blocks to the pool.
+Its parts are assembled once (engine/engine_builder.py); the step only runs them. Requests enter through
+`add_request` (`make_request` + `enqueue`; on a decode worker `reserve_remote` + `commit_remote`), validated by
+the input processor before any block is allocated, and leave finished, aborted or errored; on every one of
+those exits the scheduler returns their KV blocks to the pool and the output processor hands out their last
+output. The workers read it through `stats()`, `kv_blocks` and the methods below, never its parts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import torch
-
-from engine.attention.backend import get_attention_backend
-from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.stats import EngineStats, RequestStats
-from engine.cuda_graphs import default_capture_sizes
-from engine.device import TORCH_DTYPES, resolve_engine_config
-from engine.kernels.registry import load_all
+from engine.engine_builder import build_engine_parts
+from engine.input_processor import InputProcessor
 from engine.kv_blocks import KVBlocks
-from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
-from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
-from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
-from engine.model.llama import LlamaModel
-from engine.model_runner import ModelRunner
+from engine.loader.checkpoint import Checkpoint
+from engine.output_processor import OutputProcessor
 from engine.outputs import RemoteReservation, RequestOutput
 from engine.sampling.logprobs import TokenLogprobs
-from engine.input_processor import InputProcessor
-from engine.output_processor import OutputProcessor
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
-from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
-from engine.loader.model_identity import model_identity
-from kv_transfer.block_hash import BlockHash, BlockHashNamespace
+from kv_transfer.block_hash import BlockHash
 from kv_transfer.kv_events import KVEvent
 
 KVEventSink = Callable[[Sequence[KVEvent]], None]
@@ -51,69 +40,22 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
-        # Device and dtype made concrete first: `--device cuda` without a GPU fails here, before any weight loads.
-        self.config = config = resolve_engine_config(config)
-        self.device = device = torch.device(config.device)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        dtype = TORCH_DTYPES[config.dtype]
-        # On cuda with no KV size given, the KV cache gets what --gpu-memory-utilization leaves after a profile
-        # forward (engine/memory_profile.py), measured from here: before any weight of this engine is on the GPU.
-        memory_baseline = None
-        self.memory_profile: MemoryProfile | None = None  # what the profile measured, where it ran
-        if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
-            memory_baseline = MemoryBaseline(device, utilization=config.gpu_memory_utilization)
-        checkpoint = checkpoint or load_engine_checkpoint(config, device)
-        self.model_config = mc = checkpoint.config
-        self.tokenizer = checkpoint.tokenizer
+        """The parts the step runs on, assembled once (engine/engine_builder.py: device, weights, KV cache size,
+        kernels, CUDA graphs, speculator), and the control plane around them. Raises ValueError for a config
+        the model or the device cannot run."""
+        parts = build_engine_parts(config, checkpoint)
+        self.config = config = parts.config  # device and dtype concrete
+        self.device, self.model_config, self.tokenizer = parts.device, parts.model_config, parts.tokenizer
+        self.max_model_len, self.num_kv_blocks = parts.max_model_len, parts.num_kv_blocks
+        self.hash_namespace = parts.hash_namespace
+        self.runner, self.speculator = parts.runner, parts.speculator
+        self.kv_blocks = KVBlocks(self.runner.kv_cache, self.runner.kv_scales)  # what a worker's KV handoff moves
+        # What start-up found: the cuda memory profile (None: not profiled), the C++ kernels loaded (cpu), the
+        # attention backend, the seconds CUDA-graph capture took (None: no graphs).
+        self.memory_profile, self.cpu_kernels = parts.memory_profile, parts.cpu_kernels
+        self.attention_backend_name = parts.attention_backend_name
+        self.cuda_graph_capture_seconds = parts.cuda_graph_capture_seconds
 
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's context length {mc.max_position_embeddings}"
-            )
-        block_bytes = kv_block_bytes(mc, config.block_size, dtype, config.kv_cache_dtype)
-        spec = config.speculative_config
-        assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
-        if spec is not None and spec.method in ("draft_model", "layer_skip") and device.type != "cpu":
-            raise ValueError(f"speculative method {spec.method!r} runs on cpu only so far (its drafter builds its "
-                             "step on the host); ngram runs on any device")
-        draft_checkpoint = None
-        if spec is not None and spec.method == "draft_model":  # its KV blocks come out of the same memory
-            assert spec.model is not None
-            draft_checkpoint = load_checkpoint(spec.model, dtype=dtype)
-            block_bytes += draft_kv_block_bytes(draft_checkpoint, config.block_size, dtype.itemsize)
-        if memory_baseline is None:  # else set once the model is on the GPU and profiled
-            kv_cache_memory = config.kv_cache_memory_bytes or CPU_KV_CACHE_MEMORY_BYTES
-            self.num_kv_blocks = config.num_kv_blocks or kv_cache_memory // block_bytes
-            if self.num_kv_blocks * config.block_size < self.max_model_len:
-                raise ValueError(
-                    f"the KV cache ({self.num_kv_blocks} blocks of {config.block_size} tokens) cannot hold one request "
-                    f"of max_model_len={self.max_model_len} tokens: raise --num-kv-blocks or lower --max-model-len"
-                )
-
-        # The C++ kernels load here (and build here only on a machine nobody built them for), never inside the
-        # first request's forward pass.
-        self.cpu_kernels = load_all() if device.type == "cpu" else []
-        attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5, device=device,
-                                          kv_cache_dtype=config.kv_cache_dtype)
-        self.attention_backend_name = attention.name
-        logger.info("engine on %s, %s, KV cache %s, attention backend %s", device, config.dtype,
-                    config.kv_cache_dtype, attention.name)
-        weights = checkpoint.weights
-        if device.type != "cpu" or any(t.dtype != dtype for t in weights.values()):
-            # A copy per engine (the checkpoint's CPU tensors may be shared by other engines), in the engine's
-            # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
-            weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
-        model = LlamaModel(mc, weights, attention, max_positions=self.max_model_len)
-        if memory_baseline is not None:
-            # Only what the model holds stays on the device before the profile counts the weights: the unfused
-            # q/k/v and gate/up tensors the model concatenated go now, not when __init__ returns.
-            del weights
-            checkpoint = dataclasses.replace(checkpoint, weights={})
-            self.num_kv_blocks = self._profiled_num_kv_blocks(model, memory_baseline, block_bytes)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, config.block_size,
-                    self.num_kv_blocks * block_bytes / GIB)
         self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(
             self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -126,29 +68,8 @@ class LLMEngine:
             ),
             self.kv_cache,
         )
-        self.runner = ModelRunner(model, num_blocks=self.num_kv_blocks, block_size=config.block_size, seed=config.seed,
-                                  kv_cache_dtype=config.kv_cache_dtype)
-        self.kv_blocks = KVBlocks(self.runner.kv_cache, self.runner.kv_scales)  # what a worker's KV handoff moves
-        # None: no CUDA graphs (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold)
-        self.cuda_graph_capture_seconds: float | None = None
-        if device.type == "cuda" and not config.enforce_eager:
-            if attention.name == "triton" and config.kv_cache_dtype == "auto":
-                self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(
-                    max_seq_len=min(self.max_model_len, config.max_seq_len_to_capture),
-                    sizes=list(config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs)))
-            else:
-                logger.info("CUDA graphs off: the %s attention backend with a %s KV cache runs eagerly",
-                            attention.name, config.kv_cache_dtype)
-        self.hash_namespace = BlockHashNamespace(
-            model=config.model_id or checkpoint.model_id or model_identity(checkpoint.path),
-            block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
-        self.speculator: Speculator | NullSpeculator = NullSpeculator()
-        if spec is not None:
-            proposer = make_proposer(spec, self.runner, draft_checkpoint=draft_checkpoint,
-                                     max_model_len=self.max_model_len, attention_backend=config.attention_backend)
-            self.speculator = Speculator(spec, proposer, token_budget=config.max_num_batched_tokens)
         self.inputs = InputProcessor(
-            self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            self.tokenizer, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             hash_namespace=self.hash_namespace if config.enable_prefix_caching else None,
             use_grammars=self.runner.use_grammars)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -157,23 +78,6 @@ class LLMEngine:
         # Where the block pool's KV events go after each step (a worker's prefix index publisher); None: dropped.
         self.kv_event_sink: KVEventSink | None = None
         self.num_scheduled_last_step = 0  # requests the last step() ran; 0: it could run nothing
-
-    def _profiled_num_kv_blocks(self, model: LlamaModel, baseline: MemoryBaseline, block_bytes: int) -> int:
-        """The KV blocks --gpu-memory-utilization leaves once a profile forward of the largest step has run."""
-        config = self.config
-        baseline.weights_loaded()
-        spec = config.speculative_config
-        num_spec = spec.num_speculative_tokens if isinstance(spec, SpeculativeConfig) else 0
-        profile_forward(model, num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-                        num_logit_rows=config.max_num_seqs * (1 + num_spec), block_size=config.block_size,
-                        kv_cache_dtype=config.kv_cache_dtype)
-        self.memory_profile = profile = baseline.measure()
-        num_blocks = num_kv_blocks_for(profile, utilization=config.gpu_memory_utilization, block_bytes=block_bytes,
-                                       block_size=config.block_size, max_model_len=self.max_model_len)
-        logger.info("GPU memory: %.2f GiB total × utilization %s; weights %.2f GiB, profile peak %.2f GiB, "
-                    "outside torch %.2f GiB", profile.total_bytes / GIB, config.gpu_memory_utilization,
-                    profile.weights_bytes / GIB, profile.peak_torch_bytes / GIB, profile.non_torch_bytes / GIB)
-        return num_blocks
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:

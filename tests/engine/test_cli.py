@@ -180,14 +180,14 @@ def test_real_model_json_output_matches_llm_generate(
     assert len(printed) == len(prompts) and all(set(p) == {"text", "token_ids"} for p in printed)
 
     # The same through the offline API, reusing the already loaded checkpoint instead of loading it again.
-    import engine.llm_engine
+    import engine.engine_builder
     from engine import LLM
 
     def shared_checkpoint(model: str, dtype):  # noqa: ANN001, ANN202
         assert model == "smollm2-135m"
         return smollm2_checkpoint
 
-    monkeypatch.setattr(engine.llm_engine, "load_checkpoint", shared_checkpoint)
+    monkeypatch.setattr(engine.engine_builder, "load_checkpoint", shared_checkpoint)
     expected = LLM(model="smollm2-135m", num_kv_blocks=128, max_model_len=2048).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=8)
     )
