@@ -184,6 +184,7 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step of the recipe; the outputs of the requests that produced tokens or ended in it."""
         # Drafts wait on the requests for the scheduler to take as extra tokens (none without speculation).
         self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
         scheduled = self.scheduler.schedule()
@@ -206,22 +207,11 @@ class LLMEngine:
         # The tokens exist from here: stamped before update_from_output, which stamps finish times, so that a
         # request finishing on its first token never reports a ttft longer than its e2e latency.
         sampled_s = time.monotonic()
-        self._record_prompt_logprobs(prompt_logprobs)
+        self.outputs.record_prompt_logprobs(prompt_logprobs, self.scheduler.requests)
         produced = self.scheduler.update_from_output(scheduled, sampled)
         outs = self._postprocess(produced, logprobs, sampled_s)
         self.publish_kv_events()
         return outs
-
-    def _record_prompt_logprobs(self, prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
-        """Keep the step's prompt logprobs on their requests; positions already recorded (a prompt recomputed
-        after a preemption) are not recorded twice."""
-        for request_id, (start, entries) in prompt_logprobs.items():
-            request = self.scheduler.requests.get(request_id)
-            if request is None:
-                continue
-            skip = len(request.prompt_logprobs) - start
-            if skip >= 0:
-                request.prompt_logprobs.extend(entries[skip:])
 
     def _postprocess(
         self, produced: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprobs]], sampled_s: float

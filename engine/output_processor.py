@@ -1,6 +1,7 @@
 """Per-request output state: incremental detokenization, the stop-string cut, logprobs, the outputs handed back.
 
     add(request)                   state for a request and for the choices it will fork (n > 1)
+    record_prompt_logprobs(...)    a step's prompt logprobs kept on their requests
     append_tokens(request, ...)    one step's tokens of a request; True: a stop string ended its text there
     snapshot(request)              the output of a running request after the step (its delta consumed)
     finish(request, stats)         its final output; its state goes
@@ -12,7 +13,7 @@ counts the output tokens kept (`num_generation_tokens`, since start).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.core.fork import parent_request_id
@@ -90,6 +91,20 @@ class OutputProcessor:
                 return True
         self.num_generation_tokens += len(token_ids)
         return False
+
+    def record_prompt_logprobs(
+        self, prompt_logprobs: Mapping[str, tuple[int, list[TokenLogprobs]]], requests: Mapping[str, Request]
+    ) -> None:
+        """Keep a step's prompt logprobs (by request id: the first position, the entries from it) on their
+        `requests`, for the first output to hand out; positions already recorded (a prompt recomputed after a
+        preemption) are not recorded twice."""
+        for request_id, (start, entries) in prompt_logprobs.items():
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            skip = len(request.prompt_logprobs) - start
+            if skip >= 0:
+                request.prompt_logprobs.extend(entries[skip:])
 
     def _append_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
         """Record a new token; returns the stop string it completed, if any."""
