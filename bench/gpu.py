@@ -177,12 +177,13 @@ def run_to_completion(engine: LLMEngine) -> int:
 
 def abort_all(engine: LLMEngine) -> None:
     """After a failed phase: nothing of it is left to run in the next one."""
-    engine.abort_request(list(engine.scheduler.requests))
+    engine.abort_all()
 
 
 def check_blocks_free(engine: LLMEngine) -> None:
-    if engine.block_pool.num_used_blocks:
-        raise RuntimeError(f"{engine.block_pool.num_used_blocks} KV blocks still in use after a phase")
+    num_used = engine.stats().kv_blocks_used
+    if num_used:
+        raise RuntimeError(f"{num_used} KV blocks still in use after a phase")
 
 
 def measure_decode(
@@ -203,7 +204,7 @@ def measure_decode(
             generated[o.request_id] = len(o.token_ids)
 
     # Every prompt computed (each request has its first token): pure decode from here.
-    step_until(engine, lambda: min(generated.values()) > 0 and not engine.scheduler.waiting, step)
+    step_until(engine, lambda: min(generated.values()) > 0 and not engine.stats().num_requests_waiting, step)
     for _ in range(args.warmup_steps):
         step()
     times, kv_tokens = [], []

@@ -68,7 +68,7 @@ def run_ours(checkpoint, work, args) -> float:
                 produced += len(out.token_ids)
     elapsed = time.perf_counter() - start
     assert produced == sum(o for _, o in work)
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.stats().kv_blocks_used == 0
     return elapsed
 
 

@@ -290,7 +290,7 @@ def run_wave(
             if out.finished:
                 done[out.request_id] = out
     wall_s = time.perf_counter() - start
-    assert engine.block_pool.num_used_blocks == 0, "KV blocks leaked"
+    assert engine.stats().kv_blocks_used == 0, "KV blocks leaked"
     outs = [done[i] for i in ids]
     for out in outs:
         if out.finish_reason != "length" or len(out.token_ids) != max_tokens:

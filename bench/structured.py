@@ -79,7 +79,7 @@ def main() -> None:
     prompt = tok.encode(tok.apply_chat_template(PROMPT), add_special_tokens=False)
     spec = GrammarSpec.json_schema(SCHEMA)
     start = time.perf_counter()
-    engine.grammar_compilers().compile(spec)
+    engine.inputs.grammar_compilers().compile(spec)
     print(f"schema compiled in {time.perf_counter() - start:.3f} s; prompt {len(prompt)} tokens; "
           f"{args.max_tokens} output tokens per request; torch threads {torch.get_num_threads()}")
     decode_tokens_per_s(engine, prompt, 2, 8, spec)  # warm-up: both paths once

@@ -169,11 +169,11 @@ class DecodeWorker(RuntimeWorker):
                     f"{self.config.kv_transfer_timeout_s:.0f}s",
                 )
             await asyncio.sleep(RESERVE_POLL_S)
-        runner = runtime.engine.runner
+        blocks = runtime.engine.kv_blocks
         reservation = Reservation(
-            req.request_id, req.num_prompt_tokens, reserved.block_ids, runner.kv_cache, runtime.layout,
+            req.request_id, req.num_prompt_tokens, reserved.block_ids, blocks.kv_cache, runtime.layout,
             first_block=reserved.num_held_blocks, transfer_id=secrets.token_hex(16), source_endpoint=prefill_endpoint,
-            kv_scales=runner.kv_scales,
+            kv_scales=blocks.kv_scales,
         )
         self.sink.add(reservation)
         return reservation

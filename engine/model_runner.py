@@ -26,6 +26,7 @@ from engine.structured.bitmask import TokenBitmask
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphs
+    from engine.structured.compiler import GrammarCompilerCache
     from engine.structured.matchers import GrammarMatchers
 
 _PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
@@ -43,9 +44,15 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._generators: dict[str, torch.Generator] = {}
-        # Structured outputs: the requests' grammar matchers (set by the engine; None: no request may have one).
+        # Structured outputs: the requests' grammar matchers (use_grammars; None: no request may have one).
         self.grammars: GrammarMatchers | None = None
         self.graphs: DecodeGraphs | None = None  # the captured decode steps (cuda only; capture_cuda_graphs)
+
+    def use_grammars(self, compilers: GrammarCompilerCache) -> None:
+        """Structured outputs from now on: the requests' grammar matchers, over grammars `compilers` compiled."""
+        from engine.structured.matchers import GrammarMatchers
+
+        self.grammars = GrammarMatchers(compilers)
 
     def skip_remote_draw(self, request: Request) -> None:
         """The request's first token was sampled on another worker (a prefill worker) from the same seed: start

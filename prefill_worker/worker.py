@@ -185,8 +185,8 @@ class PrefillWorker(RuntimeWorker):
             transport=self.config.kv_transport,
             first_block=request.decode_cached_blocks,  # the decode worker holds these already
         )
-        runner = runtime.engine.runner
-        source = HeldBlocks(runner.kv_cache, block_ids, layout, runner.kv_scales)
+        blocks = runtime.engine.kv_blocks
+        source = HeldBlocks(blocks.kv_cache, block_ids, layout, blocks.kv_scales)
         if len(handoff.block_indices) >= 2 and self._take_cut():
             source = CutHalfWay(source, handoff)
         result = self.sender.send(

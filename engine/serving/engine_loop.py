@@ -54,7 +54,7 @@ class EngineLoop:
             return
         if self._thread.is_alive():
             try:
-                self.call(lambda e: e.abort_request(list(e.scheduler.requests) + list(e.scheduler.held)), timeout_s)
+                self.call(lambda e: e.abort_all(), timeout_s)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 logger.exception("aborting requests at shutdown failed")
         self._stopped.set()

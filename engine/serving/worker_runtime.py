@@ -37,6 +37,7 @@ import grpc
 import grpc.aio
 
 from engine.core.fork import choice_request_id
+from engine.core.stats import EngineStats
 from engine.device import resolve_engine_config
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
@@ -47,6 +48,7 @@ from engine.serving.event_loop_thread import EventLoopThread
 from engine.serving.malloc_tuning import tune_malloc
 from engine.serving.request_gate import RequestGate
 from engine.serving.worker_config import WorkerConfig
+from engine.spec_decode.config import SpeculativeConfig
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.layout import KVLayout
@@ -187,7 +189,7 @@ class WorkerRuntime:
 
         def snapshot(engine: LLMEngine) -> None:  # on the engine thread: after every event already published
             engine.publish_kv_events()
-            publisher.offer_snapshot(engine.block_pool.cached_block_hashes())
+            publisher.offer_snapshot(engine.cached_block_hashes())
 
         def request_snapshot() -> None:
             try:
@@ -240,38 +242,30 @@ class WorkerRuntime:
         )
 
     async def load_stats(self) -> serving_pb2.LoadStats:
-        def snapshot(engine: LLMEngine) -> serving_pb2.LoadStats:
-            pool = engine.block_pool
-            spec = engine.speculator
-            spec_decode = {}
-            if spec is not None:  # decode-side speculation (any worker's engine speculates for what it decodes)
-                max_k = spec.config.num_speculative_tokens
-                spec_decode = dict(
-                    spec_decode_num_drafts=spec.num_drafts,
-                    spec_decode_num_draft_tokens=spec.num_draft_tokens,
-                    spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-                    spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
-                    spec_decode_chosen_k=[spec.chosen_k.get(k, 0) for k in range(max_k + 1)],
-                )
-            return serving_pb2.LoadStats(
-                **spec_decode,  # type: ignore[arg-type]
-                num_requests_running=engine.scheduler.num_running,
-                num_requests_waiting=engine.scheduler.num_waiting,
-                num_queued_prompt_tokens=engine.scheduler.num_queued_prompt_tokens,
-                kv_blocks_used=pool.num_used_blocks,
-                kv_blocks_free=pool.num_free_blocks,
-                kv_blocks_total=engine.num_kv_blocks,
-                kv_cache_usage=pool.usage,
-                prefix_cache_queries=engine.kv_cache.prefix_queries_tokens,
-                prefix_cache_hits=engine.kv_cache.prefix_hits_tokens,
-                num_preemptions=engine.scheduler.num_preemptions,
-                max_num_seqs=engine.config.max_num_seqs,
-                kv_namespace=serving_pb2.KVNamespace(
-                    model=engine.hash_namespace.model, block_size=engine.hash_namespace.block_size,
-                    kv_dtype=engine.hash_namespace.kv_dtype),
-            )
-
-        stats = await self.call(snapshot)
+        engine = self.engine  # its config, size and namespace are fixed at start; its stats are read on its thread
+        now = await self.call(lambda e: e.stats())
+        namespace = engine.hash_namespace
+        stats = serving_pb2.LoadStats(
+            num_requests_running=now.num_requests_running,
+            num_requests_waiting=now.num_requests_waiting,
+            num_queued_prompt_tokens=now.num_queued_prompt_tokens,
+            kv_blocks_used=now.kv_blocks_used,
+            kv_blocks_free=now.kv_blocks_free,
+            kv_blocks_total=engine.num_kv_blocks,
+            kv_cache_usage=now.kv_cache_usage,
+            prefix_cache_queries=now.prefix_cache_queries,
+            prefix_cache_hits=now.prefix_cache_hits,
+            num_preemptions=now.num_preemptions,
+            max_num_seqs=engine.config.max_num_seqs,
+            kv_namespace=serving_pb2.KVNamespace(model=namespace.model, block_size=namespace.block_size,
+                                                 kv_dtype=namespace.kv_dtype),
+            # Decode-side speculation (any worker's engine speculates for what it decodes); zeros without it.
+            spec_decode_num_drafts=now.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=now.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=now.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=now.spec_decode_num_accepted_tokens_per_pos,
+            spec_decode_chosen_k=chosen_k_counts(now, engine.config.speculative_config),
+        )
         stats.worker_id = self.config.worker_id
         stats.role = self.config.role
         stats.incarnation = self.config.incarnation
@@ -307,6 +301,14 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> serving_pb2.AbortResponse:
         return serving_pb2.AbortResponse(found=await self.runtime.abort(request.request_id))
+
+
+def chosen_k_counts(stats: EngineStats, spec: SpeculativeConfig | dict | None) -> list[int]:
+    """How often the speculation policy chose each k in 0..num_speculative_tokens (LoadStats' dense form of
+    `stats.spec_decode_chosen_k`); empty without speculative decoding."""
+    if not isinstance(spec, SpeculativeConfig):  # None, or a dict EngineConfig has already turned into one
+        return []
+    return [stats.spec_decode_chosen_k.get(k, 0) for k in range(spec.num_speculative_tokens + 1)]
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:

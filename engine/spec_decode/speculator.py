@@ -6,7 +6,8 @@
     observe      after the step: the target step's time (for the cost model) and what was accepted (metrics)
 
 The acceptance counts per request live on the request (`Request.spec`); the totals and the distribution of the
-chosen k live here, as counters since start.
+chosen k live here, as counters since start. Without speculative decoding the engine runs a `NullSpeculator`:
+the same hooks, doing nothing, and counters that stay zero, so the step has no `if speculating` branch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from engine.core.request import Request, RequestStatus, SpecDecodeCounts
@@ -125,6 +127,31 @@ class Speculator:
 
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
+
+
+class NullSpeculator:
+    """The engine's speculator when speculative decoding is off: every hook does nothing (no request ever gets a
+    draft token), and every counter stays zero (`Speculator`'s, as the engine's stats read them)."""
+
+    num_drafts = 0
+    num_draft_tokens = 0
+    num_accepted_tokens = 0
+    num_accepted_tokens_per_pos: Sequence[int] = ()
+    chosen_k: Mapping[int, int] = MappingProxyType({})
+
+    def propose(self, running: Sequence[Request], waiting: Sequence[Request]) -> None:
+        pass
+
+    def draft(self, scheduled: SchedulerOutput) -> None:
+        pass
+
+    def observe_step(
+        self, scheduled: SchedulerOutput, sampled: Mapping[str, Sequence[int]], elapsed_s: float
+    ) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
 
 
 def _decodes(item: ScheduledRequest) -> bool:

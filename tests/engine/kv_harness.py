@@ -78,12 +78,13 @@ def hand_off_prompt(prefill, decode, sender, sink: DecodeKVSink, endpoint: str, 
     request = decode.make_request(request_id, prompt, params)
     reserved = decode.reserve_remote(request)
     assert reserved is not None
-    reservation = Reservation(request_id, request.num_prompt_tokens, reserved.block_ids, decode.runner.kv_cache,
-                              layout, first_block=reserved.num_held_blocks, kv_scales=decode.runner.kv_scales)
+    reservation = Reservation(request_id, request.num_prompt_tokens, reserved.block_ids, decode.kv_blocks.kv_cache,
+                              layout, first_block=reserved.num_held_blocks, kv_scales=decode.kv_blocks.kv_scales)
     sink.add(reservation)
     handoff = KVHandoff(request_id=request_id, transfer_id=uuid.uuid4().hex, num_tokens=request.num_prompt_tokens,
                         layout=layout, first_block=reserved.num_held_blocks)
-    source = HeldBlocks(prefill.runner.kv_cache, prefill.held_block_ids(request_id), layout, prefill.runner.kv_scales)
+    source = HeldBlocks(prefill.kv_blocks.kv_cache, prefill.held_block_ids(request_id), layout,
+                        prefill.kv_blocks.kv_scales)
     fault = TransferFault(corrupt_block=handoff.block_indices[-1] if corrupt_last_byte else None, corrupt_byte=-1)
     sender.fault = fault  # type: ignore[attr-defined]
     try:

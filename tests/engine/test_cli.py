@@ -180,17 +180,22 @@ def test_real_model_json_output_matches_llm_generate(
     assert len(printed) == len(prompts) and all(set(p) == {"text", "token_ids"} for p in printed)
 
     # The same through the offline API, reusing the already loaded checkpoint instead of loading it again.
-    import engine.llm_engine
+    import engine.loader.checkpoint
     from engine import LLM
+
+    loaded = []
 
     def shared_checkpoint(model: str, dtype):  # noqa: ANN001, ANN202
         assert model == "smollm2-135m"
+        loaded.append(model)
         return smollm2_checkpoint
 
-    monkeypatch.setattr(engine.llm_engine, "load_checkpoint", shared_checkpoint)
+    # Where the engine's loader (load_engine_checkpoint) looks it up.
+    monkeypatch.setattr(engine.loader.checkpoint, "load_checkpoint", shared_checkpoint)
     expected = LLM(model="smollm2-135m", num_kv_blocks=128, max_model_len=2048).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=8)
     )
+    assert loaded == ["smollm2-135m"]
     assert [p["token_ids"] for p in printed] == [o.token_ids for o in expected]
     assert [p["text"] for p in printed] == [o.text for o in expected]
     assert all(1 <= len(p["token_ids"]) <= 8 for p in printed)

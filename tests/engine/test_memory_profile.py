@@ -140,9 +140,9 @@ def test_a_cpu_engine_takes_2_gib_or_the_size_given_and_logs_its_blocks(
 
     assert CPU_KV_CACHE_MEMORY_BYTES == 2 * GIB
     # The cpu default, read where the engine reads it, made small: 2 GiB would be touched page by page here.
-    monkeypatch.setattr("engine.llm_engine.CPU_KV_CACHE_MEMORY_BYTES", 3 * MIB)
+    monkeypatch.setattr("engine.engine_builder.CPU_KV_CACHE_MEMORY_BYTES", 3 * MIB)
     sizes = {**TINY_ENGINE, "num_kv_blocks": None, "device": "cpu", "gpu_memory_utilization": 0.001}
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.engine_builder"):
         engine = LLM(model=str(tiny_model_dir), **sizes).engine  # type: ignore[arg-type]
     block_bytes = engine.runner.kv_cache[:, :, 0].nbytes
     assert engine.num_kv_blocks == 3 * MIB // block_bytes  # utilization is ignored on cpu

@@ -324,6 +324,8 @@ def test_stats_gauges_counters_and_request_timings(tiny_checkpoint) -> None:
 
     running = engine.stats()
     assert (running.num_requests_running, running.num_requests_waiting) == (2, 1)
+    # "a" and "b" computed their prompts in the first step (256-token budget); "c" waits with all of its own.
+    assert running.num_queued_prompt_tokens == len(engine.tokenizer.encode(prompts["c"]))
     assert running.kv_blocks_used > 0 and running.kv_blocks_used + running.kv_blocks_free == engine.num_kv_blocks
     assert running.kv_cache_usage == running.kv_blocks_used / engine.num_kv_blocks
     assert running.finished == []
@@ -336,13 +338,16 @@ def test_stats_gauges_counters_and_request_timings(tiny_checkpoint) -> None:
     num_prompt_tokens = {r: len(o) if isinstance(o, list) else len(engine.tokenizer.encode(o)) for r, o in
                          prompts.items()}
     num_prompt_tokens["a-again"] = 22
-    assert (done.num_requests_running, done.num_requests_waiting) == (0, 0)
+    assert (done.num_requests_running, done.num_requests_waiting, done.num_queued_prompt_tokens) == (0, 0, 0)
     assert (done.kv_blocks_used, done.kv_blocks_free, done.kv_cache_usage) == (0, engine.num_kv_blocks, 0.0)
     assert done.num_prompt_tokens == sum(num_prompt_tokens.values())
     assert done.num_generation_tokens == 3 * 5 + 1
     assert done.prefix_cache_queries == sum(num_prompt_tokens.values())
     assert done.prefix_cache_hits == 20  # "a-again": 5 of its 22 prompt tokens' blocks, one token recomputed
     assert done.num_preemptions == 0
+    # No speculative decoding: the engine's NullSpeculator leaves every spec_decode_* counter at zero.
+    assert (done.spec_decode_num_drafts, done.spec_decode_num_draft_tokens, done.spec_decode_num_accepted_tokens,
+            done.spec_decode_num_accepted_tokens_per_pos, done.spec_decode_chosen_k) == (0, 0, 0, [], {})
     by_id = {s.request_id: s for s in done.finished}
     assert sorted(by_id) == sorted(num_prompt_tokens)
     for request_id, s in by_id.items():

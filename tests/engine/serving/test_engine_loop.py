@@ -8,7 +8,7 @@ import time
 
 from engine.core.sampling_params import SamplingParams
 from engine.serving.engine_loop import EngineLoop
-from tests.engine.tiny_model import make_engine
+from tests.engine.tiny_model import assert_no_blocks_held, make_engine
 
 
 def test_a_loop_that_can_schedule_nothing_sleeps_and_wakes_on_a_command(tiny_checkpoint) -> None:
@@ -69,3 +69,20 @@ def test_the_heartbeat_shows_a_step_that_runs_long(tiny_checkpoint) -> None:
         assert 0.2 < loop.step_running_s() < 0.7
     finally:
         loop.stop()
+
+
+def test_stopping_the_loop_aborts_every_request_the_held_ones_included(tiny_checkpoint) -> None:
+    """A worker stopping: a request whose KV is being handed off (held after its prefill), a reservation whose KV
+    never came and a decoding request all end, and every block goes back."""
+    engine = make_engine(tiny_checkpoint)  # 64 blocks of 4 tokens, max_model_len 128
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    engine.enqueue(engine.make_request("held", list(range(1, 30)), params, remote_decode=True))
+    engine.add_request("decoding", list(range(1, 20)), params)
+    engine.step()  # both prompts computed: "held" keeps its 8 blocks for the handoff, "decoding" goes on
+    assert len(engine.held_block_ids("held")) == 8
+    assert engine.reserve_remote(engine.make_request("reserved", list(range(40, 60)), params)) is not None
+    loop = EngineLoop(engine, name="test-loop")
+    loop.start()
+    loop.stop()
+    assert_no_blocks_held(engine)
+    assert not engine.scheduler.held

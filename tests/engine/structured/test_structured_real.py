@@ -60,12 +60,12 @@ def test_fifty_generated_schemas_all_validate(smollm2_checkpoint, engine) -> Non
     assert len({json.dumps(schema) for schema in schemas}) == NUM_SCHEMAS
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=MAX_TOKENS,
                              structured_outputs=GrammarSpec.json_schema(schema)) for i, schema in enumerate(schemas)]
-    compiled_before = engine.grammar_compilers().num_compiled
+    compiled_before = engine.inputs.grammar_compilers().num_compiled
     outputs = _run(engine, [prompt] * NUM_SCHEMAS, params)
     for schema, out in zip(schemas, outputs, strict=True):
         assert out.finish_reason == "stop", (schema, out.text)
         jsonschema.validate(json.loads(out.text), schema)
-    assert engine.grammar_compilers().num_compiled - compiled_before == NUM_SCHEMAS
+    assert engine.inputs.grammar_compilers().num_compiled - compiled_before == NUM_SCHEMAS
 
 
 def test_greedy_under_a_grammar_is_identical_with_prompt_lookup(smollm2_checkpoint, engine) -> None:  # noqa: ANN001

@@ -1,0 +1,195 @@
+"""How an engine is put together from its config, once, at start-up:
+
+    device and dtype made concrete (`--device cuda` without a GPU fails here, before any weight loads)
+    → the checkpoint (and a draft model's) → the KV cache's size: given, or what a profile forward leaves on cuda
+    → the C++ kernels and the attention backend → the model on the device → the runner, its KV cache allocated
+    → the decode step's CUDA graphs → the block-hash namespace → the speculator (a NullSpeculator when off)
+
+`build_engine_parts` returns what an engine's step runs on, `EngineParts`; `LLMEngine` builds its control plane
+(block pool, scheduler, input and output processors) around them, sized by `num_kv_blocks`. The runner is the
+part a rank of a tensor-parallel worker would build for itself; the control plane stays one per engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionBackend, get_attention_backend
+from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.cuda_graphs import default_capture_sizes
+from engine.device import TORCH_DTYPES, resolve_engine_config
+from engine.kernels.registry import load_all
+from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
+from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
+from engine.loader.model_identity import model_identity
+from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
+from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
+from engine.tokenizer.tokenizer import Tokenizer
+from kv_transfer.block_hash import BlockHashNamespace
+from kv_transfer.native_build import KernelStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineParts:
+    config: EngineConfig  # device and dtype concrete (engine/device.py)
+    device: torch.device
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+    num_kv_blocks: int
+    runner: ModelRunner  # the model, its KV cache of num_kv_blocks blocks, the sampler, the CUDA graphs
+    speculator: Speculator | NullSpeculator
+    hash_namespace: BlockHashNamespace
+    # What start-up found: the cuda memory profile (None: not profiled), the C++ kernels loaded (cpu), the
+    # attention backend, the seconds CUDA-graph capture took (None: no graphs).
+    memory_profile: MemoryProfile | None
+    cpu_kernels: list[KernelStatus]
+    attention_backend_name: str
+    cuda_graph_capture_seconds: float | None
+
+
+def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = None) -> EngineParts:
+    """Assemble an engine's parts from `config`, over `checkpoint` if given (else loaded as the config says).
+    Raises ValueError for a config the model or the device cannot run (context length, KV cache size,
+    speculative method)."""
+    config = resolve_engine_config(config)
+    device = torch.device(config.device)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    dtype = TORCH_DTYPES[config.dtype]
+    # On cuda with no KV size given, the KV cache gets what --gpu-memory-utilization leaves after a profile
+    # forward (engine/memory_profile.py), measured from here: before any weight of this engine is on the GPU.
+    memory_baseline = None
+    if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+        memory_baseline = MemoryBaseline(device, utilization=config.gpu_memory_utilization)
+    checkpoint = checkpoint or load_engine_checkpoint(config, device)
+    mc = checkpoint.config
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {mc.max_position_embeddings}")
+    spec = config.speculative_config
+    assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
+    draft_checkpoint = _draft_checkpoint(spec, device, dtype)
+    block_bytes = kv_block_bytes(mc, config.block_size, dtype, config.kv_cache_dtype)
+    if draft_checkpoint is not None:  # the draft model's KV blocks come out of the same memory
+        block_bytes += draft_kv_block_bytes(draft_checkpoint, config.block_size, dtype.itemsize)
+    # Checked before any kernel or weight loads; 0 on cuda without a size given: set once the model is profiled.
+    num_kv_blocks = _given_num_kv_blocks(config, block_bytes, max_model_len) if memory_baseline is None else 0
+
+    # The C++ kernels load here (and build here only on a machine nobody built them for), never inside the
+    # first request's forward pass.
+    cpu_kernels = load_all() if device.type == "cpu" else []
+    attention = get_attention_backend(config.attention_backend, scale=mc.head_dim**-0.5, device=device,
+                                      kv_cache_dtype=config.kv_cache_dtype)
+    logger.info("engine on %s, %s, KV cache %s, attention backend %s", device, config.dtype,
+                config.kv_cache_dtype, attention.name)
+    model = _model_on_device(checkpoint, attention, device=device, dtype=dtype, max_model_len=max_model_len)
+    memory_profile = None
+    if memory_baseline is not None:
+        checkpoint = dataclasses.replace(checkpoint, weights={})  # only what the model holds stays on the device
+        memory_profile = _profile(model, memory_baseline, config, max_model_len)
+        num_kv_blocks = num_kv_blocks_for(memory_profile, utilization=config.gpu_memory_utilization,
+                                          block_bytes=block_bytes, block_size=config.block_size,
+                                          max_model_len=max_model_len)
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_kv_blocks, config.block_size,
+                num_kv_blocks * block_bytes / GIB)
+    runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=config.block_size, seed=config.seed,
+                         kv_cache_dtype=config.kv_cache_dtype)
+    cuda_graph_capture_seconds = _capture_cuda_graphs(runner, config, attention, device, max_model_len)
+    hash_namespace = BlockHashNamespace(
+        model=config.model_id or checkpoint.model_id or model_identity(checkpoint.path),
+        block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
+    speculator = _speculator(spec, runner, draft_checkpoint, config, max_model_len)
+    return EngineParts(
+        config=config, device=device, model_config=mc, tokenizer=checkpoint.tokenizer, max_model_len=max_model_len,
+        num_kv_blocks=num_kv_blocks, runner=runner, speculator=speculator, hash_namespace=hash_namespace,
+        memory_profile=memory_profile, cpu_kernels=cpu_kernels, attention_backend_name=attention.name,
+        cuda_graph_capture_seconds=cuda_graph_capture_seconds,
+    )
+
+
+def _draft_checkpoint(spec: SpeculativeConfig | None, device: torch.device, dtype: torch.dtype) -> Checkpoint | None:
+    """The draft model of a draft_model speculator, loaded; None for any other. Model drafters run on cpu only."""
+    if spec is not None and spec.method in ("draft_model", "layer_skip") and device.type != "cpu":
+        raise ValueError(f"speculative method {spec.method!r} runs on cpu only so far (its drafter builds its "
+                         "step on the host); ngram runs on any device")
+    if spec is None or spec.method != "draft_model":
+        return None
+    assert spec.model is not None
+    return load_checkpoint(spec.model, dtype=dtype)
+
+
+def _given_num_kv_blocks(config: EngineConfig, block_bytes: int, max_model_len: int) -> int:
+    """The KV blocks the config asks for, in blocks or in bytes (cpu's default without either); a ValueError if
+    they cannot hold one request of max_model_len tokens."""
+    kv_cache_memory = config.kv_cache_memory_bytes or CPU_KV_CACHE_MEMORY_BYTES
+    num_kv_blocks = config.num_kv_blocks or kv_cache_memory // block_bytes
+    if num_kv_blocks * config.block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache ({num_kv_blocks} blocks of {config.block_size} tokens) cannot hold one request "
+            f"of max_model_len={max_model_len} tokens: raise --num-kv-blocks or lower --max-model-len"
+        )
+    return num_kv_blocks
+
+
+def _model_on_device(checkpoint: Checkpoint, attention: AttentionBackend, *, device: torch.device,
+                     dtype: torch.dtype, max_model_len: int) -> LlamaModel:
+    """The model over the checkpoint's weights, on `device` in `dtype`. The unfused q/k/v and gate/up tensors it
+    concatenates are dropped on return: only what the model holds stays (what a memory profile counts)."""
+    weights = checkpoint.weights
+    if device.type != "cpu" or any(t.dtype != dtype for t in weights.values()):
+        # A copy per engine (the checkpoint's CPU tensors may be shared by other engines), in the engine's
+        # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
+        weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
+    return LlamaModel(checkpoint.config, weights, attention, max_positions=max_model_len)
+
+
+def _profile(model: LlamaModel, baseline: MemoryBaseline, config: EngineConfig, max_model_len: int) -> MemoryProfile:
+    """What the GPU holds once the weights are on it and a profile forward of the largest step has run."""
+    baseline.weights_loaded()
+    spec = config.speculative_config
+    num_spec = spec.num_speculative_tokens if isinstance(spec, SpeculativeConfig) else 0
+    profile_forward(model, num_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                    num_logit_rows=config.max_num_seqs * (1 + num_spec), block_size=config.block_size,
+                    kv_cache_dtype=config.kv_cache_dtype)
+    profile = baseline.measure()
+    logger.info("GPU memory: %.2f GiB total × utilization %s; weights %.2f GiB, profile peak %.2f GiB, "
+                "outside torch %.2f GiB", profile.total_bytes / GIB, config.gpu_memory_utilization,
+                profile.weights_bytes / GIB, profile.peak_torch_bytes / GIB, profile.non_torch_bytes / GIB)
+    return profile
+
+
+def _capture_cuda_graphs(runner: ModelRunner, config: EngineConfig, attention: AttentionBackend,
+                         device: torch.device, max_model_len: int) -> float | None:
+    """Capture the decode step's CUDA graphs where they can run; the seconds capture took, or None: no graphs
+    (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold)."""
+    if device.type != "cuda" or config.enforce_eager:
+        return None
+    if attention.name != "triton" or config.kv_cache_dtype != "auto":
+        logger.info("CUDA graphs off: the %s attention backend with a %s KV cache runs eagerly",
+                    attention.name, config.kv_cache_dtype)
+        return None
+    return runner.capture_cuda_graphs(max_seq_len=min(max_model_len, config.max_seq_len_to_capture),
+                                      sizes=list(config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs)))
+
+
+def _speculator(spec: SpeculativeConfig | None, runner: ModelRunner, draft_checkpoint: Checkpoint | None,
+                config: EngineConfig, max_model_len: int) -> Speculator | NullSpeculator:
+    """The configured speculator over the runner (its proposer may draft with the runner's model and KV), or a
+    NullSpeculator without speculative decoding."""
+    if spec is None:
+        return NullSpeculator()
+    proposer = make_proposer(spec, runner, draft_checkpoint=draft_checkpoint, max_model_len=max_model_len,
+                             attention_backend=config.attention_backend)
+    return Speculator(spec, proposer, token_budget=config.max_num_batched_tokens)

@@ -1,0 +1,115 @@
+"""From what a caller asks for to a `Request` ready to queue: the sampling params validated, a grammar compiled, the
+prompt tokenized and checked against the model (vocabulary, context length), the choices of n > 1 made.
+
+It touches no engine state, so a caller can check a whole batch before queueing any of it, and can do so on any
+thread (the worker does it off its event loop: compiling a grammar can take a second). No torch.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from engine.core.fork import choice_params, choice_request_id
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.tokenizer.tokenizer import Tokenizer
+from kv_transfer.block_hash import BlockHashNamespace
+
+if TYPE_CHECKING:
+    from engine.structured.compiler import GrammarCompilerCache
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        hash_namespace: BlockHashNamespace | None,
+        use_grammars: Callable[[GrammarCompilerCache], None],
+    ) -> None:
+        """`hash_namespace`: what the requests hash their blocks in (None: no prefix caching). `use_grammars` is
+        called once, with the grammar compiler cache made for the first request that has a grammar (the runner
+        builds its matchers from it)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.hash_namespace = hash_namespace
+        self._use_grammars = use_grammars
+        # Structured outputs: xgrammar loads with the first request that has a grammar (see grammar_compilers).
+        self._grammar_compilers: GrammarCompilerCache | None = None
+        self._grammar_lock = threading.Lock()
+
+    def make_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *, remote_decode: bool = False
+    ) -> Request:
+        """A validated, tokenized request, and the choices it will fork (n > 1) as its `pending_forks`. Raises
+        ValueError naming the problem.
+
+        A request with `structured_outputs` has its grammar compiled here (a schema that does not compile is a
+        ValueError). `remote_decode` (a prefill worker's request): only choice 0, whose KV is handed off after its
+        first token; the decode worker forks the others."""
+        params.validate()
+        if params.structured_outputs is not None:
+            self.grammar_compilers().compile(params.structured_outputs)
+        prompt_ids = self._prompt_ids(prompt)
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        room = self.max_model_len - len(prompt_ids)
+        eos = tuple(self.tokenizer.eos_token_ids)
+        # n > 1 (best_of): the other choices wait on choice 0 until its prompt is computed (engine/core/fork.py).
+        num_sequences = 1 if remote_decode else params.num_sequences
+        requests = [
+            Request(
+                choice_request_id(request_id, index),
+                prompt_ids,
+                choice_params(params, index) if params.num_sequences > 1 else params,
+                eos_token_ids=eos,
+                max_tokens=min(params.max_tokens or room, room),
+                hash_namespace=self.hash_namespace,
+                remote_decode=remote_decode,
+                index=index,
+            )
+            for index in range(num_sequences)
+        ]
+        requests[0].pending_forks = requests[1:]
+        return requests[0]
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids, each within the vocabulary; a ValueError for an empty or malformed prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            try:  # an int-like id (numpy's too) is taken; a float or str would fail later, inside a shared step
+                prompt_ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError(f"a prompt is text or a sequence of integer token ids, got {prompt!r:.100}") from None
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return prompt_ids
+
+    def grammar_compilers(self) -> GrammarCompilerCache:
+        """The grammar compiler cache, made (and handed to `use_grammars`) on first use, from any thread."""
+        with self._grammar_lock:
+            if self._grammar_compilers is None:
+                from engine.structured.compiler import GrammarCompilerCache
+
+                compilers = GrammarCompilerCache(self.tokenizer, vocab_size=self.vocab_size)
+                self._use_grammars(compilers)
+                self._grammar_compilers = compilers
+            return self._grammar_compilers

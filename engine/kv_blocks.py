@@ -1,0 +1,24 @@
+"""The engine's paged KV memory as a worker's KV handoff sees it: what a prefill worker reads and a decode worker
+writes, block by block.
+
+    kv_cache   [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: every layer in one tensor, so that
+               kv_cache[:, :, block_id] (one block across all layers) moves in one strided copy
+    kv_scales  [num_layers, 2, num_blocks, num_kv_heads] float32: an int8 cache's scales; None for any other
+
+A view, not a copy: the runner's own tensors, which every forward pass reads and writes, for the engine's
+lifetime. Which blocks a caller may touch is the control plane's to say: a held request's
+(`LLMEngine.held_block_ids`, read-only until `release_held`) or a reservation's (`LLMEngine.reserve_remote`,
+written before `commit_remote`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_scales: torch.Tensor | None  # int8 only: [num_layers, 2, num_blocks, num_kv_heads] float32
