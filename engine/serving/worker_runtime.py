@@ -336,13 +336,3 @@ def _inject_slow_steps(engine: LLMEngine, sleep_s: float) -> None:
 
     engine.step = slow_step  # type: ignore[method-assign]
 
-
-def elapsed_s(start: float | None, end: float | None) -> float:
-    """A duration from two monotonic stamps, 0 when either is missing."""
-    if start is None or end is None:
-        return 0.0
-    return max(end - start, 0.0)
-
-
-def now_s() -> float:
-    return time.monotonic()
