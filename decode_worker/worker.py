@@ -285,14 +285,9 @@ class DecodeServicer(WorkerServicer):
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         # An async generator function itself: that is how grpc.aio tells a streaming handler from a unary one.
-        gate = self.worker.runtime.gate
-        if not gate.enter():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker.worker_id} is draining")
-        try:
+        async with self.admitted(context):
             async for message in self.worker.generate(request, context):
                 yield message
-        finally:
-            gate.exit()
 
     async def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")

@@ -211,13 +211,8 @@ class PrefillServicer(WorkerServicer):
     async def Prefill(
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.PrefillResponse:
-        gate = self.worker.runtime.gate
-        if not gate.enter():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker.worker_id} is draining")
-        try:
+        async with self.admitted(context):
             return await self.worker.prefill(request, context)
-        finally:
-            gate.exit()
 
     async def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -24,11 +24,12 @@ through a servicer subclassing `WorkerServicer`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -286,10 +287,22 @@ class WorkerRuntime:
 
 
 class WorkerServicer(serving_pb2_grpc.WorkerServicer):
-    """Health, GetLoad and Abort for every role; roles add Generate or Prefill."""
+    """Health, GetLoad and Abort for every role; roles add Generate or Prefill, each inside `admitted`."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """One request RPC through the runtime's gate: ends the call UNAVAILABLE "draining" (retryable: nothing
+        was done) once the worker drains; else counts it in flight until the block inside is left, however."""
+        gate = self.runtime.gate
+        if not gate.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.runtime.config.worker_id} is draining")
+        try:
+            yield
+        finally:
+            gate.exit()
 
     async def Health(
         self, request: serving_pb2.HealthRequest, context: grpc.aio.ServicerContext
