@@ -52,7 +52,6 @@ from engine.serving.worker_config import WorkerConfig
 from engine.spec_decode.config import SpeculativeConfig
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
-from kv_transfer.layout import KVLayout
 from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import add_port, server_interceptors
@@ -138,7 +137,7 @@ class WorkerRuntime:
             self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.advertise_host or config.host}:{port}"
-        self.layout = kv_layout(self.engine)
+        self.layout = self.engine.kv_blocks.layout
         self.gate = RequestGate()
         self._started = False
         self._stopped = False
@@ -322,19 +321,6 @@ def chosen_k_counts(stats: EngineStats, spec: SpeculativeConfig | dict | None) -
     if not isinstance(spec, SpeculativeConfig):  # None, or a dict EngineConfig has already turned into one
         return []
     return [stats.spec_decode_chosen_k.get(k, 0) for k in range(spec.num_speculative_tokens + 1)]
-
-
-def kv_layout(engine: LLMEngine) -> KVLayout:
-    """The KV layout a worker over `engine` names in its handoffs: its blocks' shape, model dtype and KV cache dtype."""
-    mc, config = engine.model_config, engine.config
-    return KVLayout(
-        num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-        block_size=config.block_size,
-        dtype=config.dtype,
-        kv_cache_dtype=config.kv_cache_dtype,
-    )
 
 
 def _inject_slow_steps(engine: LLMEngine, sleep_s: float) -> None:
