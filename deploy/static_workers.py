@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from deploy.gateway_app import ServedEngine
-from engine.serving.worker_config import WorkerInfo
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import ClusterAuth, sync_channel
+from protos.worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from router.admin import PoolWorker

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from engine.config import EngineConfig
-from engine.serving.worker_config import WorkerConfig, WorkerInfo
+from engine.serving.worker_config import WorkerConfig
 from protos.cluster_auth import sync_channel
+from protos.worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from engine.loader.checkpoint import Checkpoint

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine.serving.worker_config import WorkerInfo
 from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
 from protos import serving_pb2
+from protos.worker_info import WorkerInfo
 from router.app import create_app
 from router.config import RouterConfig
 from router.server import RouterServer
