@@ -29,16 +29,16 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
+from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
-from engine.serving.engine_loop import EngineLoopClosed
-from engine.serving.convert import logprobs_from_proto, output_to_response, sampling_params_from_proto
-from engine.serving.worker_config import WorkerConfig
-from engine.serving.worker_runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
-from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from kv_transfer.registry import make_receiver
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
+from worker.config import WorkerConfig
+from worker.convert import logprobs_from_proto, output_to_response, sampling_params_from_proto
+from worker.engine_loop import EngineLoopClosed
+from worker.runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
 

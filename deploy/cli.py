@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from engine.loader.errors import ModelLoadError  # torch-free, like everything imported here
-from engine.serving.log_config import configure_logging
+from worker.log_config import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:

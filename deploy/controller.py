@@ -40,11 +40,11 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTa
 from deploy.placement import host_actor_options, local_node_resources
 from deploy.worker_host import LIVE, STALLED, UNRESPONSIVE, WorkerFactory, WorkerHost, WorkerInfo
 from engine.config import EngineConfig
-from engine.serving.log_config import configure_logging
-from engine.serving.worker_config import WorkerConfig
 from kv_transfer.registry import TRANSPORTS
 from protos.cluster_auth import OPEN, ClusterAuth
 from protos.worker_info import ROLES, check_role
+from worker.config import WorkerConfig
+from worker.log_config import configure_logging
 
 logger = logging.getLogger(__name__)
 

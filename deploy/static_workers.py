@@ -1,6 +1,6 @@
 """A fixed list of worker processes, without Ray: what `splitserve gateway --prefill HOST:PORT --decode HOST:PORT`
 (SGLang's router PD mode) or `--colocated HOST:PORT` routes to. The workers are plain processes
-(`python -m prefill_worker`, `python -m decode_worker [--role colocated]`: engine/serving/worker_main.py).
+(`python -m prefill_worker`, `python -m decode_worker [--role colocated]`: worker/main.py).
 
     flags ──▶ WorkerList (roles and endpoints, validated, no I/O)
           ──▶ StaticWorkers.discover(): `Health` on every endpoint until each answers ok (bounded:

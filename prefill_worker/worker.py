@@ -28,14 +28,14 @@ import torch
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
-from engine.serving.convert import logprobs_to_proto, sampling_params_from_proto
-from engine.serving.worker_config import WorkerConfig
-from engine.serving.worker_runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 from kv_transfer.base import TransferResult
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_sender
 from kv_transfer.wire_block import read_wire_block, read_wire_blocks
 from protos import serving_pb2, serving_pb2_grpc
+from worker.config import WorkerConfig
+from worker.convert import logprobs_to_proto, sampling_params_from_proto
+from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.core.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
-from engine.serving.convert import sampling_params_to_proto
 from protos import serving_pb2
 from router.errors import ApiError, bad_request
+from worker.convert import sampling_params_to_proto
 
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = 3.4028234663852886e38  # a larger float becomes inf in a protobuf `float` field

@@ -5,7 +5,7 @@
       .aio                   the asyncio loop (its own thread) the server and every handler run on
       .server / .endpoint    grpc.aio.Server bound at construction ("host:port"); role servicers register on it
       .start() / .stop()     loop and server up / down (stop aborts every request, freeing its blocks)
-      .gate / .drain(t)      the request RPCs' gate (engine/serving/request_gate.py); drain: refuse new
+      .gate / .drain(t)      the request RPCs' gate (worker/request_gate.py); drain: refuse new
                              requests, wait up to t seconds for those in flight (before a scale-down's stop)
       await .call(fn)        fn(engine) on the engine thread, awaited from a handler without blocking the loop
       .outputs(request_id)   an asyncio.Queue fed with the request's RequestOutputs from the engine thread
@@ -43,18 +43,18 @@ from engine.device import resolve_engine_config
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
 from engine.outputs import RequestOutput
-from engine.serving.engine_loop import EngineLoop, EngineLoopClosed
-from engine.serving.kv_event_publisher import NullPublisher, RedisKVEventPublisher
-from engine.serving.event_loop_thread import EventLoopThread
-from engine.serving.malloc_tuning import tune_malloc
-from engine.serving.request_gate import RequestGate
-from engine.serving.worker_config import WorkerConfig
 from engine.spec_decode.config import SpeculativeConfig
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import add_port, server_interceptors
+from worker.config import WorkerConfig
+from worker.engine_loop import EngineLoop, EngineLoopClosed
+from worker.event_loop_thread import EventLoopThread
+from worker.kv_event_publisher import NullPublisher, RedisKVEventPublisher
+from worker.malloc_tuning import tune_malloc
+from worker.request_gate import RequestGate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
