@@ -7,8 +7,8 @@ import dataclasses
 import json
 import sys
 
-from engine.core.sampling_params import SamplingParams
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.request.sampling_params import SamplingParams
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -25,7 +25,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.fork import choice_params, choice_request_id, parent_request_id
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.stats import EngineStats, RequestStats
 from engine.cuda_graphs import default_capture_sizes
@@ -37,7 +37,7 @@ from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blo
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.outputs import RemoteReservation, RequestOutput
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.core.request import Request
 from engine.core.stats import RequestStats
 from engine.outputs import RequestOutput
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
 from engine.tokenizer.detokenizer import IncrementalDetokenizer
 from engine.tokenizer.tokenizer import Tokenizer
 

@@ -16,8 +16,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.core.sampling_params import SamplingParams
-from engine.structured.spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
+from engine.request.sampling_params import SamplingParams
 from engine.serving.convert import sampling_params_to_proto
 from protos import serving_pb2
 from router.errors import ApiError, bad_request

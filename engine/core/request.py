@@ -21,8 +21,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.core.sampling_params import SamplingParams
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
+from engine.request.sampling_params import SamplingParams
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace, extend_block_hashes
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sampling.sampling_batch import MIN_TEMPERATURE
 from engine.structured.bitmask import TokenBitmask

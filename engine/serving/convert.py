@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.core.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
-from engine.sampling.logprobs import TokenLogprobs
-from engine.structured.spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
+from engine.request.logprobs import TokenLogprobs
+from engine.request.sampling_params import SamplingParams
 from protos import serving_pb2
 
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.serving.convert import sampling_params_to_proto
 from kv_transfer.base import TransferFault
 from kv_transfer.grpc_transport import SERVICE, TRANSFER_METHOD, Sender

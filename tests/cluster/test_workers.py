@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from tests.cluster.worker_harness import engine_config, generate, start_worker, stub, wait_blocks_free
 
 pytestmark = pytest.mark.slow

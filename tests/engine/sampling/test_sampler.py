@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.sampling.sampler import Sampler, SamplingRow
 from tests.engine.sampling.helpers import assert_matches_distribution, draw_counts, make_row, softmax
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.core.request import Request, RequestStatus
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.speculator import Speculator

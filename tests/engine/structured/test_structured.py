@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
 from engine.sampling.sampler import Sampler
 from engine.structured.bitmask import (
@@ -19,9 +19,9 @@ from engine.structured.bitmask import (
     pack_bitmask,
     unpack_bitmask,
 )
+from engine.request.grammar_spec import GrammarSpec
 from engine.structured.compiler import GrammarCompilerCache
 from engine.structured.matchers import GrammarMatchers
-from engine.structured.spec import GrammarSpec
 from tests.engine.sampling.helpers import make_row
 from tests.engine.structured.tiny_vocab import EOS_ID, VOCAB_SIZE, TinyTokenizer, byte_ids, token_id
 

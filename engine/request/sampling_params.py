@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.structured.spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 
 # OpenAI's and vLLM's bound on a logit bias; and on how many choices one request may ask for (vLLM sets none: a
 # cap keeps one request from taking a whole decode worker's batch).
