@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.backend import get_attention_backend
-from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig, SpeculativeConfig
 from engine.core.block_pool import BlockPool
 from engine.core.fork import choice_params, choice_request_id, parent_request_id
 from engine.core.kv_cache_manager import KVCacheManager
@@ -39,7 +39,6 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RemoteReservation, RequestOutput
 from engine.request.logprobs import TokenLogprobs
 from engine.output_processor import OutputProcessor
-from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
 from engine.spec_decode.speculator import Speculator, make_proposer
 from engine.loader.model_identity import model_identity
