@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from engine.request.sampling_params import SamplingParams
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_batch import SamplingRow
 
 
 def make_row(

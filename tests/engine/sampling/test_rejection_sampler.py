@@ -24,7 +24,8 @@ import torch
 from engine.request.sampling_params import SamplingParams
 from engine.sampling import rejection_sampler
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_batch import SamplingRow
 
 VOCAB_SIZE = 8
 NUM_TRIALS = 6_000
