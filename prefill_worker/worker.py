@@ -28,7 +28,7 @@ import torch
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
-from engine.serving.convert import logprobs_to_proto, sampling_params_from_proto
+from engine.request.wire import logprobs_to_proto, sampling_params_from_proto
 from engine.serving.worker_config import WorkerConfig
 from engine.serving.worker_runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 from kv_transfer.base import TransferResult

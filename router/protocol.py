@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request.grammar_spec import GrammarSpec
 from engine.request.sampling_params import SamplingParams
-from engine.serving.convert import sampling_params_to_proto
+from engine.request.wire import sampling_params_to_proto
 from protos import serving_pb2
 from router.errors import ApiError, bad_request
 

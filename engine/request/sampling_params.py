@@ -1,12 +1,25 @@
-"""Per-request sampling parameters, named and defaulted as in vLLM's `SamplingParams`.
+"""Per-request sampling parameters, named and defaulted as in vLLM's `SamplingParams`, and their field table.
 
-Control plane: no torch. `validate()` runs when a request is added, so bad values fail fast with a message that
-names the parameter, before any KV block is allocated.
+Torch-free. `validate()` runs when a request is added, so bad values fail fast with a message that names the
+parameter, before any KV block is allocated.
+
+The field table is the class itself: each field is declared once, with its default and, through `param()`, the
+other places it comes from. Everything that reads or writes the parameters field by field reads the table:
+
+    its protobuf form     protos/serving.proto's SamplingParams has a field of the same name; how it travels
+                          (optional, repeated, map, message) is that declaration's (engine/request/wire.py, both ways)
+    a command-line flag   `flag`: the `splitserve generate` flag that sets it (engine/generate_command.py)
+    the OpenAI body       `body`: the router copies the request body's field of the same name, which means the
+                          same (None there: this default); the other fields it derives (router/protocol.py)
+
+A new sampling parameter is one line here, its proto field, its check in `validate()`, and the sampler stage that
+reads it (plus its OpenAI body field, if it has one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from engine.request.grammar_spec import GrammarSpec
 
@@ -16,29 +29,44 @@ MAX_LOGIT_BIAS = 100.0
 MAX_NUM_CHOICES = 128
 
 
+def param(default: Any = MISSING, *, factory: Any = MISSING, flag: str | None = None, help: str | None = None,
+          body: bool = False) -> Any:
+    """A field of the table: its default (or default `factory`), its `splitserve generate` `flag` (with `help`),
+    and whether OpenAI's request `body` carries it under its own name (see the module docstring)."""
+    metadata: dict[str, object] = {"body": body}
+    if flag is not None:
+        metadata.update(flag=flag, help=help)
+    return field(default=default, default_factory=factory, metadata=metadata)
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
-    n: int = 1  # choices: the prompt is prefilled once, its blocks shared by every choice (engine/core/fork.py)
-    best_of: int | None = None  # generate this many (>= n), return the n of highest cumulative logprob; None: n
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # in (0, 1]
-    top_k: int = 0  # 0 (or -1) disables
-    min_p: float = 0.0  # in [0, 1]
-    repetition_penalty: float = 1.0  # > 0; 1 disables; applies to prompt and output tokens
-    presence_penalty: float = 0.0  # in [-2, 2]
-    frequency_penalty: float = 0.0  # in [-2, 2]
-    seed: int | None = None  # same seed -> same output, whatever else is in the batch
-    max_tokens: int | None = 16  # None: up to max_model_len
-    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # number of top logprobs to return with each token (the sampled one is extra)
-    skip_special_tokens: bool = True
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, every step
-    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (the first has none), top-k each
-    structured_outputs: GrammarSpec | None = None  # the grammar every sampled token must follow
+    # choices: the prompt is prefilled once, its blocks shared by every choice (engine/core/fork.py)
+    n: int = param(1, body=True)
+    best_of: int | None = param(None)  # generate this many (>= n), return the n of highest cumulative logprob; None: n
+    temperature: float = param(1.0, flag="--temperature", body=True)  # 0 means greedy
+    top_p: float = param(1.0, flag="--top-p", body=True)  # in (0, 1]
+    top_k: int = param(0, flag="--top-k", body=True)  # 0 (or -1) disables
+    min_p: float = param(0.0, flag="--min-p", body=True)  # in [0, 1]
+    # > 0; 1 disables; applies to prompt and output tokens
+    repetition_penalty: float = param(1.0, flag="--repetition-penalty", body=True)
+    presence_penalty: float = param(0.0, flag="--presence-penalty", body=True)  # in [-2, 2]
+    frequency_penalty: float = param(0.0, flag="--frequency-penalty", body=True)  # in [-2, 2]
+    # same seed -> same output, whatever else is in the batch
+    seed: int | None = param(None, flag="--request-seed", help="per-request sampling seed", body=True)
+    max_tokens: int | None = param(16, flag="--max-tokens")  # None: up to max_model_len
+    min_tokens: int = param(0, body=True)  # EOS and stop token ids are masked until this many tokens are out
+    stop: list[str] = param(factory=list, flag="--stop", help="a stop string; repeatable", body=True)
+    stop_token_ids: list[int] = param(factory=list, body=True)
+    ignore_eos: bool = param(False, flag="--ignore-eos", body=True)
+    include_stop_str_in_output: bool = param(False, body=True)
+    # number of top logprobs to return with each token (the sampled one is extra)
+    logprobs: int | None = param(None, flag="--logprobs")
+    skip_special_tokens: bool = param(True, body=True)
+    logit_bias: dict[int, float] = param(factory=dict)  # token id -> added to its logit, every step
+    # vLLM's: logprobs of the prompt's tokens (the first has none), top-k each
+    prompt_logprobs: int | None = param(None)
+    structured_outputs: GrammarSpec | None = param(None)  # the grammar every sampled token must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,3 +124,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+
+
+# The table's columns: the fields the OpenAI body carries under their own names; and each flag's field.
+BODY_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if f.metadata["body"])
+FLAG_FIELDS: dict[str, str] = {f.metadata["flag"]: f.name for f in fields(SamplingParams) if "flag" in f.metadata}

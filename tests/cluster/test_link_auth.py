@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from engine.request.sampling_params import SamplingParams
-from engine.serving.convert import sampling_params_to_proto
+from engine.request.wire import sampling_params_to_proto
 from kv_transfer.base import TransferFault
 from kv_transfer.grpc_transport import SERVICE, TRANSFER_METHOD, Sender
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayoutMismatch, KVTransferError

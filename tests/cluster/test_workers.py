@@ -129,7 +129,7 @@ def test_first_token_that_finishes_moves_no_kv(pair, prompt_ids) -> None:
 
 def test_cancelled_stream_frees_blocks_on_both_workers(pair, prompt_ids) -> None:
     prefill, decode = pair
-    from engine.serving.convert import sampling_params_to_proto
+    from engine.request.wire import sampling_params_to_proto
     from protos import serving_pb2
 
     call = stub(decode).Generate(serving_pb2.GenerateRequest(
@@ -323,7 +323,7 @@ def test_n_choices_fork_on_the_decode_worker_after_the_kv_arrives(pair, prompt_i
     assert early.messages[-1].usage.completion_tokens == 3
     wait_blocks_free(prefill, decode)
 
-    from engine.serving.convert import sampling_params_to_proto
+    from engine.request.wire import sampling_params_to_proto
     from protos import serving_pb2
 
     call = d.Generate(serving_pb2.GenerateRequest(

@@ -233,7 +233,7 @@ def test_grammar_spec_validation() -> None:
 
 
 def test_the_spec_crosses_processes_in_the_proto() -> None:
-    from engine.serving.convert import sampling_params_from_proto, sampling_params_to_proto
+    from engine.request.wire import sampling_params_from_proto, sampling_params_to_proto
 
     spec = GrammarSpec.choice(["yes", "no"])
     params = sampling_params_from_proto(sampling_params_to_proto(SamplingParams(structured_outputs=spec)))
