@@ -55,7 +55,6 @@ from router.protocol import (
     check_completion_request,
     check_model,
     num_logprobs,
-    stop_strings,
     to_sampling_params,
 )
 from router.responses import ResponseHeader
@@ -295,8 +294,6 @@ def _output_spec(
         header=ResponseHeader(request_id=job.request_id, created=int(time.time()), model=body.model, chat=chat),
         tokenizer=tokenizer,
         num_logprobs=num_logprobs(body),
-        stop=tuple(stop_strings(body)),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
         include_usage=body.include_usage,
         n=body.n,
         num_choices=num_choices(job.params),

@@ -145,7 +145,8 @@ class ResumableStream:
         if step.stop_str is not None:
             del rewritten.token_ids[step.num_tokens_kept:]
             del rewritten.logprobs[step.num_tokens_kept:]
-            rewritten.finish_reason, rewritten.stop_reason = "stop", step.stop_str
+            rewritten.finish_reason = "stop"
+            rewritten.stop_reason.CopyFrom(serving_pb2.StopReason(stop_string=step.stop_str))
             if not message.finish_reason:  # the worker would go on: the gateway ends it here
                 self._end_stream(rewritten)
         elif message.finish_reason:

@@ -1,4 +1,4 @@
-"""The request contract on the wire: SamplingParams and TokenLogprobs <-> their protobuf messages
+"""The request contract on the wire: SamplingParams, TokenLogprobs and StopReason <-> their protobuf messages
 (protos/serving.proto). Torch-free.
 
 SamplingParams travels by its field table (engine/request/sampling_params.py), with no code per field: each field
@@ -26,6 +26,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from engine.request.logprobs import TokenLogprobs
 from engine.request.sampling_params import SamplingParams
+from engine.request.stop_reason import StopReason
 from protos import serving_pb2
 
 FLOAT32_MAX = 3.4028234663852886e38  # a larger float becomes inf in a protobuf `float` field
@@ -108,6 +109,18 @@ def logprobs_from_proto(msg: serving_pb2.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(
         token_id=msg.token_id, logprob=msg.logprob, rank=msg.rank, top=[(t.token_id, t.logprob) for t in msg.top]
     )
+
+
+def stop_reason_to_proto(reason: int | str) -> serving_pb2.StopReason:
+    if isinstance(reason, str):
+        return serving_pb2.StopReason(stop_string=reason)
+    return serving_pb2.StopReason(stop_token_id=reason)
+
+
+def stop_reason_from_proto(msg: serving_pb2.StopReason) -> StopReason:
+    """None for an unset message (EOS)."""
+    which = msg.WhichOneof("reason")
+    return None if which is None else getattr(msg, which)
 
 
 def _is_map(wire: FieldDescriptor) -> bool:

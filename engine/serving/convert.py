@@ -4,7 +4,7 @@ engine/request/wire.py's.)"""
 from __future__ import annotations
 
 from engine.outputs import RequestOutput
-from engine.request.wire import logprobs_to_proto
+from engine.request.wire import logprobs_to_proto, stop_reason_to_proto
 from protos import serving_pb2
 
 
@@ -20,7 +20,7 @@ def output_to_response(out: RequestOutput) -> serving_pb2.GenerateResponse:
     if out.finished:
         msg.finish_reason = out.finish_reason or ""
         if out.stop_reason is not None:
-            msg.stop_reason = str(out.stop_reason)
+            msg.stop_reason.CopyFrom(stop_reason_to_proto(out.stop_reason))
         msg.error = out.error or ""
         msg.usage.prompt_tokens = len(out.prompt_token_ids)
         msg.usage.completion_tokens = len(out.token_ids)

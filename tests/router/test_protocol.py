@@ -158,11 +158,15 @@ def test_fit_max_tokens() -> None:
 
 
 def test_stop_reason() -> None:
-    assert openai_stop_reason("stop", "7", ["7"], [7]) == "7"  # a stop string wins over the same token id
-    assert openai_stop_reason("stop", "7", [], [7]) == 7
-    assert openai_stop_reason("stop", "2", [], []) is None  # EOS
-    assert openai_stop_reason("length", "x", ["x"], []) is None
-    assert openai_stop_reason("stop", "", [], []) is None
+    def finished(finish_reason: str, **reason: object) -> serving_pb2.GenerateResponse:
+        return serving_pb2.GenerateResponse(finish_reason=finish_reason, stop_reason=serving_pb2.StopReason(**reason))
+
+    assert openai_stop_reason(finished("stop", stop_string="7")) == "7"
+    assert openai_stop_reason(finished("stop", stop_token_id=7)) == 7
+    assert openai_stop_reason(finished("stop", stop_string="")) == ""  # set, though no request sends an empty stop
+    assert openai_stop_reason(finished("stop")) is None  # EOS
+    assert openai_stop_reason(serving_pb2.GenerateResponse(finish_reason="stop")) is None
+    assert openai_stop_reason(finished("length", stop_string="x")) is None
 
 
 def entry(token: str, logprob: float, *top: tuple[str, float]) -> serving_pb2.TokenLogprobs:
