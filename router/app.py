@@ -42,7 +42,7 @@ from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
 from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, GenerationJob, num_choices
+from router.dispatcher import Dispatcher, GenerationJob
 from router.errors import GENERATION_ERRORS, bad_request, error_body, install_error_handlers, without_validation_errors
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
@@ -296,7 +296,7 @@ def _output_spec(
         num_logprobs=num_logprobs(body),
         include_usage=body.include_usage,
         n=body.n,
-        num_choices=num_choices(job.params),
+        num_choices=job.params.num_sequences,
         echo=_echo_text(body, job, tokenizer),
         prompt_token_ids=tuple(job.prompt_token_ids),
         prompt_logprobs=body.prompt_logprobs is not None,
