@@ -20,11 +20,11 @@ ENGINE = REPO_ROOT / "engine"
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contract", ("engine.request", "engine.config")),  # what a request asks for; how an engine is configured
     ("base", ("engine.kernels", "engine.tokenizer", "engine.huge_pages", "engine.device")),
-    ("control plane", ("engine.core", "engine.outputs", "engine.output_processor")),
+    ("control plane", ("engine.core", "engine.outputs", "engine.output_processor", "engine.kv_blocks")),
     ("model", ("engine.attention", "engine.model", "engine.kv_cache_dtype", "engine.cuda_graphs", "engine.loader")),
     ("sampling", ("engine.structured", "engine.sampling")),
-    ("runner", ("engine.model_runner", "engine.memory_profile", "engine.spec_decode")),
-    ("engine", ("engine.llm_engine", "engine.llm", "engine.engine_args")),
+    ("runner", ("engine.model_runner", "engine.memory_profile", "engine.spec_decode", "engine.input_processor")),
+    ("engine", ("engine.llm_engine", "engine.engine_builder", "engine.llm", "engine.engine_args")),
     ("entry points", ("engine.serving", "engine.generate_command", "engine")),
 )
 # The contract is imported by the router, which never imports torch: it stands on nothing else of the engine.
