@@ -31,8 +31,9 @@ import grpc.aio
 
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
+from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
 from engine.serving.engine_loop import EngineLoopClosed
-from engine.serving.convert import logprobs_from_proto, output_to_response, sampling_params_from_proto
+from engine.serving.convert import output_to_response
 from engine.serving.worker_config import WorkerConfig
 from engine.serving.worker_runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
 from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState

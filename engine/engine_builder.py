@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionBackend, get_attention_backend
-from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig, SpeculativeConfig
 from engine.cuda_graphs import default_capture_sizes
 from engine.device import TORCH_DTYPES, resolve_engine_config
 from engine.kernels.registry import load_all
@@ -30,7 +30,6 @@ from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blo
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
 from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
 from engine.tokenizer.tokenizer import Tokenizer

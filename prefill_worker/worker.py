@@ -28,7 +28,7 @@ import torch
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
-from engine.serving.convert import logprobs_to_proto, sampling_params_from_proto
+from engine.request.wire import logprobs_to_proto, sampling_params_from_proto, stop_reason_to_proto
 from engine.serving.worker_config import WorkerConfig
 from engine.serving.worker_runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 from kv_transfer.base import TransferResult
@@ -164,7 +164,8 @@ class PrefillWorker(RuntimeWorker):
             reply.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
         if out.finish_reason != "prefilled":
             reply.finish_reason = out.finish_reason or "error"
-            reply.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
+            if out.stop_reason is not None:
+                reply.stop_reason.CopyFrom(stop_reason_to_proto(out.stop_reason))
             reply.text = out.text
             reply.error = out.error or ""
         return reply

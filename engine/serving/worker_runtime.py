@@ -48,7 +48,7 @@ from engine.serving.event_loop_thread import EventLoopThread
 from engine.serving.malloc_tuning import tune_malloc
 from engine.serving.request_gate import RequestGate
 from engine.serving.worker_config import WorkerConfig
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import SpeculativeConfig
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.layout import KVLayout

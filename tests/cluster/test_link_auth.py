@@ -20,8 +20,8 @@ import grpc
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
-from engine.serving.convert import sampling_params_to_proto
+from engine.request.sampling_params import SamplingParams
+from engine.request.wire import sampling_params_to_proto
 from kv_transfer.base import TransferFault
 from kv_transfer.grpc_link import SERVICE, TRANSFER_METHOD
 from kv_transfer.grpc_transport import Sender

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.core.sampling_params import SamplingParams
-from engine.serving.convert import sampling_params_to_proto
+from engine.request.sampling_params import SamplingParams
+from engine.request.wire import sampling_params_to_proto
 from engine.serving.worker_config import WorkerConfig
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
