@@ -68,10 +68,10 @@ from bench.gpu_floors import (
     weight_bytes,
 )
 from engine.config import EngineConfig
-from engine.core.sampling_params import SamplingParams
 from engine.device import TORCH_DTYPES, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint
+from engine.request.sampling_params import SamplingParams
 from engine.loader.dummy_weights import (
     DUMMY_SHAPES,
     byte_level_tokenizer,

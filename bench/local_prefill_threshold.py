@@ -35,9 +35,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine.config import EngineConfig
-    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
     from engine.loader.model_registry import resolve_model
+    from engine.request.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(resolve_model("smollm2-135m")), num_kv_blocks=2048,
                                     max_model_len=2048, num_threads=len(os.sched_getaffinity(0))))

@@ -37,7 +37,7 @@ PROMPT = ("The history of the lighthouse begins in the ancient world, where fire
 
 def offline_round(engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, float]:  # noqa: ANN001
     """(TTFT, decode tokens/s) of one request on the in-process engine, stepping as a worker's loop does."""
-    from engine.core.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     start_s = time.perf_counter()
     engine.add_request(f"o{time.monotonic_ns()}", prompt_ids,

@@ -28,7 +28,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader.checkpoint import load_checkpoint  # noqa: E402
 from engine.loader.model_registry import resolve_model  # noqa: E402
-from engine.structured.spec import GrammarSpec  # noqa: E402
+from engine.request.grammar_spec import GrammarSpec  # noqa: E402
 
 SCHEMA = {
     "type": "array", "minItems": 200,

@@ -32,11 +32,12 @@ import grpc.aio
 from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
+from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
 from kv_transfer.registry import make_receiver
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
 from worker.config import WorkerConfig
-from worker.convert import logprobs_from_proto, output_to_response, sampling_params_from_proto
+from worker.convert import output_to_response
 from worker.engine_loop import EngineLoopClosed
 from worker.runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
 

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     node = RayNode(args.start_ray) if args.start_ray else None  # a bad command fails here (exit 2)
     resolve_model(config.engine.model)  # a bad --model fails before Ray starts
     # No kernel build here (`serve` builds ahead for its own machine): the workers run on the pool nodes, whose
-    # image has them built (deploy/setup.sh) or whose engines build them before they serve.
+    # image has every variant built (`build-kernels --all-variants`) or whose engines build them before they serve.
     return _run_head(args, config, node)
 
 

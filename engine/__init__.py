@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig, SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 

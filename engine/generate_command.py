@@ -6,47 +6,48 @@ import argparse
 import dataclasses
 import json
 import sys
+import typing
 
-from engine.core.sampling_params import SamplingParams
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.request.sampling_params import FLAG_FIELDS, SamplingParams
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text offline with the in-process engine")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--logprobs", type=int, default=None)
-    p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
+    add_sampling_flags(p)
     p.add_argument("--json", action="store_true", help='print one {"text", "token_ids"} JSON object per prompt')
     add_engine_args(p)
     p.set_defaults(func=run)
 
 
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for each SamplingParams field its table gives one (`param(flag=...)`), defaulting as the field: a bool
+    is a switch, a list a repeatable flag, anything else one value of the field's type."""
+    types, defaults = typing.get_type_hints(SamplingParams), SamplingParams()
+    for field in dataclasses.fields(SamplingParams):
+        flag = field.metadata.get("flag")
+        if flag is None:
+            continue
+        kind = types[field.name]
+        default = getattr(defaults, field.name)
+        help_text = field.metadata["help"]
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", help=help_text)
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(flag, action="append", default=default, help=help_text)
+        else:  # int, float, or one of them or None
+            (scalar,) = [t for t in typing.get_args(kind) or (kind,) if t is not type(None)]
+            parser.add_argument(flag, type=scalar, default=default, help=help_text)
+
+
+def sampling_params_from_flags(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{name: getattr(args, flag[2:].replace("-", "_")) for flag, name in FLAG_FIELDS.items()})
+
+
 def run(args: argparse.Namespace) -> int:
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-        seed=args.request_seed,
-    )
+    params = sampling_params_from_flags(args)
     params.validate()  # fail on bad sampling flags before loading the model
     from engine.llm import LLM  # torch loads here, after the flags are known to be good
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.fork import choice_params, choice_request_id
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.tokenizer.tokenizer import Tokenizer
 from kv_transfer.block_hash import BlockHashNamespace
 

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.model.config import ModelConfig
 from kv_transfer.layout import KVLayout
 
 
@@ -30,15 +28,3 @@ class KVBlocks:
     kv_scales: torch.Tensor | None  # int8 only: [num_layers, 2, num_blocks, num_kv_heads] float32
     layout: KVLayout
 
-
-def kv_layout(model_config: ModelConfig, config: EngineConfig) -> KVLayout:
-    """The layout of an engine's KV blocks (`config` with its dtype concrete): the one place it is read off the
-    model and the engine config."""
-    return KVLayout(
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        block_size=config.block_size,
-        dtype=config.dtype,
-        kv_cache_dtype=config.kv_cache_dtype,
-    )

@@ -6,9 +6,9 @@ import itertools
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
-from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

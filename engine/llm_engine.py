@@ -20,16 +20,16 @@ from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.stats import EngineStats, RequestStats
-from engine.engine_builder import build_engine_parts
+from engine.engine_builder import build_engine_parts, kv_layout
 from engine.input_processor import InputProcessor
-from engine.kv_blocks import KVBlocks, kv_layout
+from engine.kv_blocks import KVBlocks
 from engine.loader.checkpoint import Checkpoint
 from engine.output_processor import OutputProcessor
 from engine.outputs import RemoteReservation, RequestOutput
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
 from kv_transfer.block_hash import BlockHash
 from kv_transfer.kv_events import KVEvent
 

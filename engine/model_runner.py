@@ -18,10 +18,11 @@ from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.huge_pages import zeros_with_huge_pages
 from engine.model.llama import LlamaModel
+from engine.request.logprobs import TokenLogprobs
 from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logprobs
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
-from engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs
-from engine.sampling.sampling_batch import MIN_TEMPERATURE
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_batch import MIN_TEMPERATURE, SamplingRow
 from engine.structured.bitmask import TokenBitmask
 
 if TYPE_CHECKING:

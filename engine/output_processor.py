@@ -20,7 +20,7 @@ from engine.core.fork import parent_request_id
 from engine.core.request import Request
 from engine.core.stats import RequestStats
 from engine.outputs import RequestOutput
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
 from engine.tokenizer.detokenizer import IncrementalDetokenizer
 from engine.tokenizer.tokenizer import Tokenizer
 

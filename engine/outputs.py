@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.stats import RequestStats
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
+from engine.request.stop_reason import StopReason
 
 
 @dataclass
@@ -19,7 +20,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked for
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
+    stop_reason: StopReason = None  # the stop token id or stop string, if one ended it
     error: str | None = None
     stats: RequestStats | None = None  # set when finished
     index: int = 0  # the choice (n > 1), engine/core/fork.py

@@ -28,13 +28,13 @@ import torch
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
+from engine.request.wire import logprobs_to_proto, sampling_params_from_proto, stop_reason_to_proto
 from kv_transfer.base import TransferResult
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_sender
 from kv_transfer.wire_block import read_wire_block, read_wire_blocks
 from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
-from worker.convert import logprobs_to_proto, sampling_params_from_proto
 from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,8 @@ class PrefillWorker(RuntimeWorker):
             reply.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs)
         if out.finish_reason != "prefilled":
             reply.finish_reason = out.finish_reason or "error"
-            reply.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
+            if out.stop_reason is not None:
+                reply.stop_reason.CopyFrom(stop_reason_to_proto(out.stop_reason))
             reply.text = out.text
             reply.error = out.error or ""
         return reply

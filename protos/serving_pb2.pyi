@@ -101,6 +101,14 @@ class TokenLogprobs(_message.Message):
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
+class StopReason(_message.Message):
+    __slots__ = ("stop_string", "stop_token_id")
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -145,13 +153,13 @@ class GenerateResponse(_message.Message):
     text_delta: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     finish_reason: str
-    stop_reason: str
+    stop_reason: StopReason
     error: str
     usage: Usage
     timings: StageTimings
     index: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., error: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "decode_endpoint", "decode_worker_id", "transfer_id", "decode_cached_blocks")
@@ -183,13 +191,13 @@ class PrefillResponse(_message.Message):
     first_token_id: int
     first_logprobs: TokenLogprobs
     finish_reason: str
-    stop_reason: str
+    stop_reason: StopReason
     text: str
     error: str
     num_cached_tokens: int
     timings: StageTimings
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -42,7 +42,7 @@ from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
 from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, GenerationJob, num_choices
+from router.dispatcher import Dispatcher, GenerationJob
 from router.errors import GENERATION_ERRORS, bad_request, error_body, install_error_handlers, without_validation_errors
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
@@ -55,7 +55,6 @@ from router.protocol import (
     check_completion_request,
     check_model,
     num_logprobs,
-    stop_strings,
     to_sampling_params,
 )
 from router.responses import ResponseHeader
@@ -295,11 +294,9 @@ def _output_spec(
         header=ResponseHeader(request_id=job.request_id, created=int(time.time()), model=body.model, chat=chat),
         tokenizer=tokenizer,
         num_logprobs=num_logprobs(body),
-        stop=tuple(stop_strings(body)),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
         include_usage=body.include_usage,
         n=body.n,
-        num_choices=num_choices(job.params),
+        num_choices=job.params.num_sequences,
         echo=_echo_text(body, job, tokenizer),
         prompt_token_ids=tuple(job.prompt_token_ids),
         prompt_logprobs=body.prompt_logprobs is not None,

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
+from engine.request.sampling_params import SamplingParams
+from engine.request.wire import sampling_params_to_proto
 from protos import serving_pb2
 from router.admission import Admission, AdmissionRefused, Ticket
 from router.config import RouterConfig
@@ -76,12 +78,7 @@ def _blamed_worker(code: grpc.StatusCode, route: Route, loads: Sequence[WorkerLo
 class GenerationJob:
     request_id: str
     prompt_token_ids: list[int]
-    params: serving_pb2.SamplingParams
-
-
-def num_choices(params: serving_pb2.SamplingParams) -> int:
-    """How many sequences a Generate stream carries (each ends with its own finish_reason): best_of, else n."""
-    return params.best_of if params.HasField("best_of") else max(params.n, 1)
+    params: SamplingParams  # validated (router/protocol.py); put on the wire with each Generate call
 
 
 def api_error_from_rpc(error: grpc.aio.AioRpcError) -> tuple[ApiError, str]:
@@ -126,7 +123,7 @@ class GenerationStream:
         self._abort_timeout_s = abort_timeout_s
         self._buffered: list[serving_pb2.GenerateResponse] = []
         self.num_generated_tokens = 0
-        self._num_choices_left = num_choices(job.params)  # n > 1: the stream ends after every choice's finish
+        self._num_choices_left = job.params.num_sequences  # n > 1: the stream ends after every choice's finish
         self.usage: serving_pb2.Usage | None = None
         self.finished = False  # ended: with a finish_reason, an error, or end of stream
         self._closed = False
@@ -335,7 +332,7 @@ class Dispatcher:
         request = serving_pb2.GenerateRequest(
             request_id=job.request_id,
             prompt_token_ids=job.prompt_token_ids,
-            params=job.params,
+            params=sampling_params_to_proto(job.params),
             prefill_endpoint=route.prefill.endpoint if route.prefill is not None else "",
             router_queue_s=tracker.dispatched(),
         )

@@ -43,14 +43,15 @@ and after the migration (GenerationStream's `num_prior_tokens`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
+from engine.request.sampling_params import SamplingParams
 from engine.tokenizer.detokenizer import IncrementalDetokenizer  # torch-free
-from protos import serving_pb2
 
 if TYPE_CHECKING:
     from engine.tokenizer.tokenizer import Tokenizer
@@ -79,28 +80,26 @@ class ResumedRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: serving_pb2.SamplingParams
+    params: SamplingParams
     num_prior_tokens: int  # tokens streamed before the migration, now the end of the prompt
 
 
 def resume_request(
-    *, request_id: str, prompt_token_ids: Sequence[int], params: serving_pb2.SamplingParams,
+    *, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
     streamed_token_ids: Sequence[int], num_migrations: int,
 ) -> ResumedRequest | None:
     """The request that continues after `streamed_token_ids`, on its `num_migrations`-th migration (1-based);
     None when nothing is left to generate (max_tokens already reached)."""
     num_prior = len(streamed_token_ids)
-    resumed = serving_pb2.SamplingParams()
-    resumed.CopyFrom(params)
-    if params.HasField("max_tokens"):
-        if params.max_tokens <= num_prior:
+    max_tokens = params.max_tokens
+    if max_tokens is not None:
+        if max_tokens <= num_prior:
             return None
-        resumed.max_tokens = params.max_tokens - num_prior
-    resumed.min_tokens = max(params.min_tokens - num_prior, 0)
+        max_tokens -= num_prior
     return ResumedRequest(
         request_id=f"{request_id}-m{num_migrations}",
         prompt_token_ids=[*prompt_token_ids, *streamed_token_ids],
-        params=resumed,
+        params=dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(params.min_tokens - num_prior, 0)),
         num_prior_tokens=num_prior,
     )
 
@@ -122,11 +121,10 @@ class TextContinuation:
     then `step` for each resumed message's token ids, then `finish` once when the worker finishes (not after a
     stop string was found)."""
 
-    def __init__(self, tokenizer: Tokenizer, params: serving_pb2.SamplingParams,
-                 streamed_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, streamed_token_ids: Sequence[int]) -> None:
         self._detokenizer = IncrementalDetokenizer(
             tokenizer,
-            skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+            skip_special_tokens=params.skip_special_tokens,
             stop=tuple(params.stop),
             include_stop_str_in_output=params.include_stop_str_in_output,
         )

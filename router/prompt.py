@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.errors import bad_request
-from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, logit_bias
+from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.tools import ToolPlan, tool_messages
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer
     A 400 for ids outside the vocabulary, in the prompt or in `stop_token_ids`.
     """
     _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
-    _check_in_vocab(list(logit_bias(request)), tokenizer, "logit_bias", what="logit_bias token ids")
+    _check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -50,7 +50,7 @@ def chat_prompt_token_ids(
     """The token ids of the chat template rendered over `request.messages` (tool turns and the `tools` plan's
     tool prompt written in by router/tools.py); a 400 for `stop_token_ids` outside the vocabulary."""
     _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
-    _check_in_vocab(list(logit_bias(request)), tokenizer, "logit_bias", what="logit_bias token ids")
+    _check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
     messages = [{"role": message.role, "content": _text_of(message, index)}
                 for index, message in enumerate(request.messages)]
     messages = tool_messages(request, messages, tools)

@@ -1,29 +1,30 @@
 """The OpenAI request bodies the router accepts, and their conversion to the workers' `SamplingParams`.
 
 Field names and defaults follow OpenAI's API plus vLLM's extensions (top_k, min_p, repetition_penalty,
-stop_token_ids, ignore_eos, min_tokens, ...). Unknown fields are ignored, as vLLM does. Values are checked by
-the engine's own `SamplingParams.validate()`, so the router rejects exactly what a worker would, before any
-worker sees the request.
+stop_token_ids, ignore_eos, min_tokens, ...). Unknown fields are ignored, as vLLM does. The body fields that are
+SamplingParams fields of the same name and meaning are copied by its field table (`BODY_FIELDS`); the rest
+(best_of, logit_bias, logprobs, prompt_logprobs, max_tokens, structured outputs) are derived here. Values are
+checked by the engine's own `SamplingParams.validate()`, so the router rejects exactly what a worker would,
+before any worker sees the request.
 
 Bad input stays a 4xx: the models take the shapes and the list sizes (they are what /openapi.json publishes),
-`check_*_request` the text (valid Unicode, no NUL in what becomes the prompt), and `to_sampling_params` the
-values, including those `validate()` accepts but the protobuf fields of protos/serving.proto cannot carry.
+`check_*_request` the text (valid Unicode, no NUL in what becomes the prompt) and the logit_bias keys, and
+`to_sampling_params` the values, including those `validate()` accepts but the protobuf fields of
+protos/serving.proto cannot carry. `to_sampling_params` returns the validated SamplingParams; the dispatcher puts
+them on the wire.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.core.sampling_params import SamplingParams
-from engine.structured.spec import GrammarSpec
-from protos import serving_pb2
+from engine.request.grammar_spec import GrammarSpec
+from engine.request.sampling_params import BODY_FIELDS, SamplingParams
+from engine.request.wire import check_fits_wire
 from router.errors import ApiError, bad_request
-from worker.convert import sampling_params_to_proto
-
-_INT32_MAX = 2**31 - 1
-_FLOAT32_MAX = 3.4028234663852886e38  # a larger float becomes inf in a protobuf `float` field
 
 # Caps on the stop conditions a request carries to a worker. Within the body-size limit alone, a stop list could
 # make the Generate message pass the workers' 4 MiB gRPC receive limit, a 503 for what is bad input; capped, it
@@ -79,6 +80,22 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @cached_property
+    def token_logit_bias(self) -> dict[int, float]:
+        """logit_bias with integer keys (JSON keys are strings), parsed once; a 400 for a key that is no integer.
+        The values' range is `SamplingParams.validate()`'s to check, the ids' the tokenizer's (router/prompt.py)."""
+        biases: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r:.40}",
+                                  "logit_bias") from None
+            if not 0 <= token_id < 2**32:
+                raise bad_request(f"logit_bias token ids must be in [0, vocab_size), got {token_id}", "logit_bias")
+            biases[token_id] = bias
+        return biases
 
 
 class CompletionRequest(_SamplingFields):
@@ -204,21 +221,6 @@ def num_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | No
     return request.logprobs
 
 
-def logit_bias(request: CompletionRequest | ChatCompletionRequest) -> dict[int, float]:
-    """The request's logit_bias with integer keys (JSON keys are strings); a 400 for a key that is no integer.
-    The values' range is `SamplingParams.validate()`'s to check, the ids' the tokenizer's (router/prompt.py)."""
-    biases: dict[int, float] = {}
-    for key, bias in (request.logit_bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r:.40}", "logit_bias") from None
-        if not 0 <= token_id < 2**32:
-            raise bad_request(f"logit_bias token ids must be in [0, vocab_size), got {token_id}", "logit_bias")
-        biases[token_id] = bias
-    return biases
-
-
 def num_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
     """vLLM's prompt_logprobs; a completion with echo and logprobs asks for them too (OpenAI's echo shape)."""
     echoed = request.logprobs if isinstance(request, CompletionRequest) and request.echo else None
@@ -230,47 +232,33 @@ def num_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> i
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
     structured_outputs: GrammarSpec | None = None,
-) -> serving_pb2.SamplingParams:
+) -> SamplingParams:
     """The workers' SamplingParams for `request`, generating at most `max_tokens` (already fitted to the context),
     its output following `structured_outputs` (router/structured.py, router/tools.py) when given.
 
-    Validated by the engine's `SamplingParams.validate()`; a bad value is a 400 naming the parameter.
+    Validated by the engine's `SamplingParams.validate()` and fit for the wire (`check_fits_wire`); a bad value is a
+    400 naming the parameter.
     """
-    defaults = SamplingParams()
     best_of = request.best_of if isinstance(request, CompletionRequest) else None
     logprobs = num_logprobs(request)
     if best_of is not None and best_of > request.n and logprobs is None:
         logprobs = 0  # the best choices are those of highest cumulative logprob: the router ranks them
-    engine_params = SamplingParams(
-        n=request.n,
+    same_named = {name: getattr(request, name) for name in BODY_FIELDS if getattr(request, name) is not None}
+    params = SamplingParams(
+        **same_named,
         best_of=best_of,
-        logit_bias=logit_bias(request),
+        logit_bias=request.token_logit_bias,
         prompt_logprobs=num_prompt_logprobs(request),
-        temperature=_or(request.temperature, defaults.temperature),
-        top_p=_or(request.top_p, defaults.top_p),
-        top_k=_or(request.top_k, defaults.top_k),
-        min_p=_or(request.min_p, defaults.min_p),
-        repetition_penalty=_or(request.repetition_penalty, defaults.repetition_penalty),
-        presence_penalty=_or(request.presence_penalty, defaults.presence_penalty),
-        frequency_penalty=_or(request.frequency_penalty, defaults.frequency_penalty),
-        seed=request.seed,
         max_tokens=max_tokens,
-        min_tokens=request.min_tokens,
-        stop=stop_strings(request),
-        stop_token_ids=list(request.stop_token_ids or []),
-        ignore_eos=request.ignore_eos,
-        include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=logprobs,
-        skip_special_tokens=request.skip_special_tokens,
         structured_outputs=structured_outputs,
     )
     try:
-        engine_params.validate()
+        params.validate()
+        check_fits_wire(params)
     except ValueError as error:
         raise bad_request(str(error), _param_of(str(error), request)) from error
-    _check_wire_ranges(engine_params)
-
-    return sampling_params_to_proto(engine_params)
+    return params
 
 
 def stop_strings(request: CompletionRequest | ChatCompletionRequest) -> list[str]:
@@ -280,7 +268,7 @@ def stop_strings(request: CompletionRequest | ChatCompletionRequest) -> list[str
 
 
 def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
-    logit_bias(request)  # 400 on a key that is no token id
+    request.token_logit_bias  # noqa: B018 - parsed here: 400 on a key that is no token id
     if request.user is not None:
         check_text(request.user, param="user")
     for name in ("guided_regex", "guided_grammar"):
@@ -308,29 +296,6 @@ def _check_message_text(message: ChatMessage, where: str) -> None:
         check_text(part.type, param="messages", where=f"{where}.content[{index}].type")
         if part.text is not None:
             check_text(part.text, param="messages", where=f"{where}.content[{index}].text", allow_nul=False)
-
-
-def _check_wire_ranges(params: SamplingParams) -> None:
-    """400 for the values `validate()` accepts that the protobuf fields cannot carry: a float32 overflows to
-    inf, an int32 or uint32 raises. The others are bounded already: min_tokens <= max_tokens <= max_model_len,
-    logprobs <= 20, seed by validate(); top_p, min_p and the presence and frequency penalties by their ranges.
-
-    Python's json reads NaN, Infinity and 1e400 (as inf), none a JSON number: validate() refuses NaN
-    everywhere, and +inf passes only the two open-ended floats, which the float32 bound refuses.
-    """
-    for name in ("temperature", "repetition_penalty"):
-        value = getattr(params, name)
-        if value > _FLOAT32_MAX:
-            raise bad_request(f"{name} must be finite and at most {_FLOAT32_MAX:.7g} (a 32-bit float), got {value}",
-                              name)
-    if params.top_k > _INT32_MAX:
-        raise bad_request(f"top_k must be at most {_INT32_MAX}, got {params.top_k}", "top_k")
-    if params.stop_token_ids and max(params.stop_token_ids) >= 2**32:
-        raise bad_request("stop_token_ids must be below 2**32", "stop_token_ids")
-
-
-def _or(value: float | int | None, default: float | int) -> float | int:
-    return default if value is None else value
 
 
 def _param_of(message: str, request: CompletionRequest | ChatCompletionRequest) -> str | None:

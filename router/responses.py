@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.request.stop_reason import StopReason
+from engine.request.wire import stop_reason_from_proto
 from protos import serving_pb2
 
 if TYPE_CHECKING:
@@ -59,21 +61,12 @@ def sse_event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def openai_stop_reason(
-    finish_reason: str, stop_reason: str, stop: Sequence[str], stop_token_ids: Sequence[int]
-) -> str | int | None:
-    """The proto's stop_reason (a stop string, or a token id in decimal) as vLLM reports it.
-
-    The request's own stop lists disambiguate: a stop string "7" stays a str, stop token 7 becomes an int; EOS
-    and anything unrecognised become None.
-    """
-    if finish_reason != "stop" or not stop_reason:
+def openai_stop_reason(message: serving_pb2.GenerateResponse) -> StopReason:
+    """A finished message's stop reason as vLLM reports it: the stop string (str) or stop token id (int) that
+    ended it; None for EOS and for any finish other than "stop"."""
+    if message.finish_reason != "stop":
         return None
-    if stop_reason in stop:
-        return stop_reason
-    if stop_reason.isdigit() and int(stop_reason) in stop_token_ids:
-        return int(stop_reason)
-    return None
+    return stop_reason_from_proto(message.stop_reason)
 
 
 # -- bodies --------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import grpc.aio
 
 from protos import serving_pb2
-from router.dispatcher import Dispatcher, GenerationJob, GenerationStream, api_error_from_rpc, num_choices
+from router.dispatcher import Dispatcher, GenerationJob, GenerationStream, api_error_from_rpc
 from router.errors import ApiError
 from router.metrics import RequestTracker
 from router.migration import TextContinuation, resume_request, worker_gone
@@ -97,7 +97,7 @@ class ResumableStream:
         self._failed_workers.append(old.worker_id)
         self._dispatcher.mark_unhealthy(old.worker_id, f"Generate stream lost: {error.details()}")
         limit = self._dispatcher.max_migrations
-        if num_choices(self._job.params) > 1:  # its choices are not resumed (each would need its own request)
+        if self._job.params.num_sequences > 1:  # its choices are not resumed (each would need its own request)
             self._tracker.failed("migration_limit")
             raise ApiError(status_code=503, message=(
                 f"worker {old.worker_id} went away mid-stream ({error.code().name}: {error.details()}); a request "
@@ -145,7 +145,8 @@ class ResumableStream:
         if step.stop_str is not None:
             del rewritten.token_ids[step.num_tokens_kept:]
             del rewritten.logprobs[step.num_tokens_kept:]
-            rewritten.finish_reason, rewritten.stop_reason = "stop", step.stop_str
+            rewritten.finish_reason = "stop"
+            rewritten.stop_reason.CopyFrom(serving_pb2.StopReason(stop_string=step.stop_str))
             if not message.finish_reason:  # the worker would go on: the gateway ends it here
                 self._end_stream(rewritten)
         elif message.finish_reason:

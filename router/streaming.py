@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc.aio
 
+from engine.request.stop_reason import StopReason
 from protos import serving_pb2
 from router.dispatcher import api_error_from_rpc, message_failure
 from router.errors import ApiError
@@ -54,8 +55,6 @@ class OutputSpec:
     header: ResponseHeader
     tokenizer: Tokenizer
     num_logprobs: int | None  # None: no logprobs
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
     include_usage: bool = False
     tools: ToolPlan | None = None  # chat with tools: the output becomes content and tool_calls (router/tools.py)
     n: int = 1  # choices returned
@@ -73,7 +72,7 @@ class _Choice:
     entries: list[serving_pb2.TokenLogprobs] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str = ""
-    stop_reason: str = ""
+    stop_reason: StopReason = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -105,7 +104,7 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
             choice.entries.extend(message.logprobs)
             choice.num_tokens += len(message.token_ids)
             if message.finish_reason:
-                choice.finish_reason, choice.stop_reason = message.finish_reason, message.stop_reason
+                choice.finish_reason, choice.stop_reason = message.finish_reason, openai_stop_reason(message)
                 num_left -= 1
         selected = best_choices(choices, spec.n)
         usage = _usage(stream)
@@ -129,9 +128,7 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
                 finish_reason = _tool_finish_reason(finish_reason, bool(tool_calls))
             bodies.append(choice_body(
                 spec.header, index=index, text=text, tool_calls=tool_calls, finish_reason=finish_reason,
-                stop_reason=openai_stop_reason(choice.finish_reason, choice.stop_reason, spec.stop,
-                                               spec.stop_token_ids),
-                logprobs=logprobs))
+                stop_reason=choice.stop_reason, logprobs=logprobs))
         prompt_logprobs = vllm_prompt_logprobs(prompt_entries, spec.tokenizer) if spec.prompt_logprobs else None
         return choices_response_body(spec.header, bodies, usage, prompt_logprobs)
     finally:
@@ -189,10 +186,8 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
                     yield sse_event(chunk_body(header, text=None, finish_reason=finish_reason, logprobs=logprobs,
                                                include_usage=spec.include_usage, index=index))
             elif text or logprobs is not None or finish_reason is not None:
-                stop_reason = openai_stop_reason(message.finish_reason, message.stop_reason, spec.stop,
-                                                 spec.stop_token_ids)
                 yield sse_event(chunk_body(header, text=text, finish_reason=finish_reason,
-                                           stop_reason=stop_reason, logprobs=logprobs,
+                                           stop_reason=openai_stop_reason(message), logprobs=logprobs,
                                            include_usage=spec.include_usage, index=index))
             if finish_reason is not None:
                 num_left -= 1

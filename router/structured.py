@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from engine.structured.spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 from router.errors import bad_request
 from router.protocol import check_text
 

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.structured.spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, check_text
 

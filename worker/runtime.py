@@ -37,13 +37,13 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
+from engine.config import SpeculativeConfig
 from engine.core.fork import choice_request_id
 from engine.core.stats import EngineStats
 from engine.device import resolve_engine_config
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
 from engine.outputs import RequestOutput
-from engine.spec_decode.config import SpeculativeConfig
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.prefix_index import PublisherId

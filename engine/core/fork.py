@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 
 _SEED_RANGE = 2**64  # validate() takes seeds in [-2**63, 2**64); torch seeds with their value mod 2**64
 

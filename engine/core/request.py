@@ -21,8 +21,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.core.sampling_params import SamplingParams
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
+from engine.request.sampling_params import SamplingParams
+from engine.request.stop_reason import StopReason
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace, extend_block_hashes
 
 
@@ -129,7 +130,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on first scheduling
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.stop_reason: StopReason = None  # the stop token id or stop string that ended it
         # Prefill worker: after the first token, hand the KV off instead of decoding (blocks held, not freed).
         self.remote_decode = remote_decode
         self.times = RequestTimes()

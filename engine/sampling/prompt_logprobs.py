@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling.logprobs import TokenLogprobs
+from engine.request.logprobs import TokenLogprobs
 
 
 def prompt_positions(start: int, num_new_tokens: int, num_prompt_tokens: int) -> range:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.logprobs import TokenLogprobs
-from engine.sampling.sampler import Sampler, SamplingRow
-from engine.sampling.sampling_batch import MIN_TEMPERATURE
+from engine.request.logprobs import TokenLogprobs
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_batch import MIN_TEMPERATURE, SamplingRow
 from engine.structured.bitmask import TokenBitmask
 
 

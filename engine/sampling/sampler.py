@@ -26,32 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.logprobs import TokenLogprobs
 from engine.sampling.logit_filters import min_p_threshold, top_k_threshold, top_p_threshold
-from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.penalties import apply_frequency_presence_penalties, apply_repetition_penalty, mask_tokens
-from engine.sampling.sampling_batch import LogprobStage, RandomStage, SamplingBatch
+from engine.sampling.sampling_batch import LogprobStage, RandomStage, SamplingBatch, SamplingRow
 from engine.structured.bitmask import TokenBitmask, apply_token_bitmask
-
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs"]
-
-
-@dataclass
-class SamplingRow:
-    """One request that needs a token this step.
-
-    `generator` is the request's own, seeded from `params.seed` by the caller and kept across steps; best on the
-    logits' device (one elsewhere works, at the cost of a copy per step). None draws from the sampler's default
-    generator. Token ids must be < vocab_size.
-    min_tokens masking applies whatever `params.ignore_eos` says: ignore_eos only affects stopping, which is the
-    engine's business.
-    """
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    prompt_token_ids: Sequence[int]  # for the repetition penalty
-    output_token_ids: Sequence[int]  # tokens generated so far: penalties and min_tokens
-    eos_token_ids: tuple[int, ...]  # masked with params.stop_token_ids while len(output) < params.min_tokens
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""One step's sampling work, turned from per-request Python values into a few tensors in one pass over the rows.
+"""One step's sampling work: the rows that need a token (`SamplingRow`), turned from per-request Python values into a
+few tensors in one pass over them (`SamplingBatch`).
 
 Absent stages are None: the builder does no tensor work for a stage no row needs, which is what keeps the common
 steps (all greedy, all alike) cheap.
@@ -19,18 +20,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine.request.sampling_params import SamplingParams
 from engine.sampling.logit_bias import LogitBiasStage
-
-if TYPE_CHECKING:
-    from engine.sampling.sampler import SamplingRow
 
 # Temperatures below this are greedy: dividing logits by them would overflow float32 (vLLM uses the same cut).
 MIN_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """One request that needs a token this step.
+
+    `generator` is the request's own, seeded from `params.seed` by the caller and kept across steps; best on the
+    logits' device (one elsewhere works, at the cost of a copy per step). None draws from the sampler's default
+    generator. Token ids must be < vocab_size.
+    min_tokens masking applies whatever `params.ignore_eos` says: ignore_eos only affects stopping, which is the
+    engine's business.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]  # for the repetition penalty
+    output_token_ids: Sequence[int]  # tokens generated so far: penalties and min_tokens
+    eos_token_ids: tuple[int, ...]  # masked with params.stop_token_ids while len(output) < params.min_tokens
 
 
 @dataclass(frozen=True)

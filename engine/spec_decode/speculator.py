@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from engine.config import SpeculativeConfig
 from engine.core.request import Request, RequestStatus, SpecDecodeCounts
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
-from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.cost_model import StepCostModel
 from engine.spec_decode.policy import choose_dynamic, choose_fixed
 from engine.spec_decode.proposer import Proposer

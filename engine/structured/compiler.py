@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.structured.spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 
 if TYPE_CHECKING:
     import xgrammar

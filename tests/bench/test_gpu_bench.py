@@ -104,7 +104,7 @@ def test_hf_side_is_the_same_model(shape: str, monkeypatch: pytest.MonkeyPatch) 
     This is what checks the HF config the script derives (RoPE scaling, Qwen2's biases, tied or not)."""
     import torch
 
-    from engine.core.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     monkeypatch.setitem(dummy_weights.DUMMY_SHAPES, shape, TINY_SHAPES[shape])
     # Weights 10x the models' init scale: at 0.02 attention is near-uniform and positions barely matter, so a wrong

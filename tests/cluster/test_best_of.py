@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from protos.worker_info import WorkerInfo
 from router.app import create_app
 from router.config import RouterConfig

@@ -20,7 +20,8 @@ import grpc
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
+from engine.request.wire import sampling_params_to_proto
 from kv_transfer.base import TransferFault
 from kv_transfer.grpc_link import SERVICE, TRANSFER_METHOD
 from kv_transfer.grpc_transport import Sender
@@ -29,7 +30,6 @@ from protos import kv_transfer_pb2, kv_transfer_pb2_grpc, serving_pb2, serving_p
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 from tests.cluster.worker_harness import generate, start_worker, stub
 from tests.engine.tiny_model import TINY_ENGINE, drain, finals, make_engine, write_tiny_checkpoint
-from worker.convert import sampling_params_to_proto
 
 AUTH = ClusterAuth(secret="the-cluster-secret")
 WRONG = ClusterAuth(secret="not-the-cluster-secret")

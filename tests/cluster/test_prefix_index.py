@@ -17,7 +17,7 @@ import pytest
 import redis as redis_client
 
 from deploy.redis_server import EmbeddedRedis
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from kv_transfer import prefix_index as pi
 from protos import serving_pb2
 from protos.worker_info import WorkerInfo

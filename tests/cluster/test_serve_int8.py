@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
 from engine.kv_cache_dtype import kv_block_bytes
+from engine.request.sampling_params import SamplingParams
 from kv_transfer.layout import cdiv
 from tests.cluster.test_serve_openai import client_for, scrape, wait_until_every_block_is_free
 from tests.cluster.worker_harness import engine_config

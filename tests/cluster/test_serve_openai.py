@@ -27,10 +27,10 @@ import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from tests.cluster.worker_harness import engine_config
-from tests.engine.structured.schemas import generated_schema
 from tests.deploy.processes import ServeProcess, serve_argv, serving
+from tests.engine.structured.schemas import generated_schema
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from tests.cluster.worker_harness import engine_config, generate, start_worker, stub, wait_blocks_free
 
 pytestmark = pytest.mark.slow
@@ -127,9 +127,29 @@ def test_first_token_that_finishes_moves_no_kv(pair, prompt_ids) -> None:
     wait_blocks_free(prefill, decode)
 
 
+def test_a_stop_on_the_first_token_keeps_its_kind_through_both_workers(
+    pair, prompt_ids, offline, smollm2_checkpoint
+) -> None:
+    """The prefill worker ends the request on its first token; what stopped it, a stop token id or a stop string,
+    reaches the decode worker's stream as that kind (it travelled as text, token 7 and string "7" alike)."""
+    prefill, decode = pair
+    first = offline[0][0][0]
+    first_text = smollm2_checkpoint.tokenizer.decode([first])
+    for request_id, params, kind, value in [
+        ("stop-id", SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=[first]), "stop_token_id", first),
+        ("stop-str", SamplingParams(max_tokens=4, temperature=0.0, stop=[first_text]), "stop_string", first_text),
+    ]:
+        result = generate(stub(decode), request_id, prompt_ids[0], params, prefill.endpoint)
+        assert (result.token_ids, result.finish_reason) == ([first], "stop"), request_id
+        stop_reason = result.messages[-1].stop_reason
+        assert stop_reason.WhichOneof("reason") == kind and getattr(stop_reason, kind) == value
+        assert result.messages[0].timings.kv_transfer_bytes == 0
+    wait_blocks_free(prefill, decode)
+
+
 def test_cancelled_stream_frees_blocks_on_both_workers(pair, prompt_ids) -> None:
     prefill, decode = pair
-    from worker.convert import sampling_params_to_proto
+    from engine.request.wire import sampling_params_to_proto
     from protos import serving_pb2
 
     call = stub(decode).Generate(serving_pb2.GenerateRequest(
@@ -323,7 +343,7 @@ def test_n_choices_fork_on_the_decode_worker_after_the_kv_arrives(pair, prompt_i
     assert early.messages[-1].usage.completion_tokens == 3
     wait_blocks_free(prefill, decode)
 
-    from worker.convert import sampling_params_to_proto
+    from engine.request.wire import sampling_params_to_proto
     from protos import serving_pb2
 
     call = d.Generate(serving_pb2.GenerateRequest(

@@ -171,7 +171,7 @@ def _check_the_admin_api_scales_each_pool(url: str, token: str, serve: ServeProc
 def test_speculative_config_reaches_every_workers_engine_config() -> None:
     from deploy.cli import build_parser
     from deploy.serve_command import serve_config_from_args
-    from engine.spec_decode.config import SpeculativeConfig
+    from engine.config import SpeculativeConfig
 
     flags = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     config = serve_config_from_args(build_parser().parse_args(flags))

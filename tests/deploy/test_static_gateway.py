@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import ClusterAuth, sync_channel
 from tests.cluster.test_serve_openai import wait_until_every_block_is_free

@@ -118,6 +118,22 @@ def test_bad_flag_in_a_real_process_exits_non_zero_with_one_line() -> None:
 # -- good input ----------------------------------------------------------------------------------------------------
 
 
+def test_sampling_flags_set_their_fields() -> None:
+    """The flags SamplingParams' field table names, each setting its field; none given: the fields' defaults."""
+    from deploy.cli import build_parser
+    from engine.generate_command import sampling_params_from_flags
+
+    def parse(*flags: str) -> SamplingParams:
+        return sampling_params_from_flags(build_parser().parse_args(["generate", "--prompt", "hi", *flags]))
+
+    assert parse() == SamplingParams()
+    assert parse("--max-tokens", "5", "--temperature", "0", "--top-p", "0.5", "--top-k", "3", "--min-p", "0.25",
+                 "--repetition-penalty", "1.5", "--presence-penalty", "1", "--frequency-penalty", "-1", "--stop", "a",
+                 "--stop", "b", "--ignore-eos", "--logprobs", "2", "--request-seed", "7") == SamplingParams(
+        max_tokens=5, temperature=0.0, top_p=0.5, top_k=3, min_p=0.25, repetition_penalty=1.5, presence_penalty=1.0,
+        frequency_penalty=-1.0, stop=["a", "b"], ignore_eos=True, logprobs=2, seed=7)
+
+
 
 def _json_lines(capsys: pytest.CaptureFixture[str]) -> list[dict]:
     captured = capsys.readouterr()

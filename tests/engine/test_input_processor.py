@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.input_processor import InputProcessor
-from engine.structured.spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 from kv_transfer.block_hash import BlockHashNamespace
 from tests.engine.structured.tiny_vocab import EOS_ID, VOCAB_SIZE, TinyTokenizer
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig
-from engine.core.sampling_params import SamplingParams
 from engine.engine_args import add_engine_args, engine_config_from_args
+from engine.request.sampling_params import SamplingParams
 from engine.memory_profile import (
     GIB,
     MemoryProfile,

@@ -229,7 +229,7 @@ def test_speculative_config_flag_reaches_the_engine_config() -> None:
 
     from engine.config import EngineConfig
     from engine.engine_args import add_engine_args, engine_config_from_args
-    from engine.spec_decode.config import SpeculativeConfig
+    from engine.config import SpeculativeConfig
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -25,10 +25,10 @@ import torch
 from tests.engine.tokenizer.corpus import train_tokenizer, write_hf_dir
 
 if TYPE_CHECKING:
-    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
     from engine.loader.checkpoint import Checkpoint
     from engine.outputs import RequestOutput
+    from engine.request.sampling_params import SamplingParams
 
 TINY_DIMS = dict(
     hidden_size=64,
@@ -144,7 +144,7 @@ def write_gguf(path: Path, architecture: str = "llama", vocab_size: int = 32) ->
 
 def greedy(max_tokens: int = 8, **kwargs: object) -> SamplingParams:
     """Greedy decoding of exactly `max_tokens` tokens (EOS ignored) unless a stop in `kwargs` ends it first."""
-    from engine.core.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
 

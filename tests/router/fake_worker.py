@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.request.wire import stop_reason_to_proto
 from engine.tokenizer.bpe import BYTE_TO_UNICODE, AddedToken
 from engine.tokenizer.pre_tokenizer import GPT2_PATTERN
 from engine.tokenizer.spec import TokenizerSpec
@@ -55,7 +56,7 @@ class Script:
 
     text: str = "Hello world"  # generated one byte-token per message, up to max_tokens
     finish_reason: str = ""  # "": "length" when max_tokens cut the text, else "stop" (EOS)
-    stop_reason: str = ""
+    stop_reason: int | str | None = None  # the stop token id or stop string the finish reports (None: EOS)
     delay_s: float = 0.0  # before each message
     status: grpc.StatusCode | None = None  # abort the call with this before any message
     status_times: int | None = None  # ... only the first this many calls (None: every call)
@@ -172,7 +173,8 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
                                                    for token_id in request.prompt_token_ids[1:])
             if index == num_tokens - 1:
                 message.finish_reason = script.finish_reason or ("length" if num_tokens < len(data) else "stop")
-                message.stop_reason = script.stop_reason
+                if script.stop_reason is not None:
+                    message.stop_reason.CopyFrom(stop_reason_to_proto(script.stop_reason))
                 message.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
                                                          completion_tokens=num_tokens * (choice + 1),
                                                          cached_tokens=0))

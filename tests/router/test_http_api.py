@@ -162,9 +162,13 @@ def test_chat_logprobs(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize(
     ("request_stop", "worker_stop_reason", "expected"),
-    [({"stop": ["\n\n", "7"]}, "7", "7"), ({"stop_token_ids": [7]}, "7", 7), ({}, "2", None)],
+    [({"stop": ["\n\n", "7"]}, "7", "7"), ({"stop_token_ids": [7]}, 7, 7), ({}, None, None),
+     # a stop string and a stop token id that read alike stay apart: token 7 is reported as 7, not "7"
+     ({"stop": ["7"], "stop_token_ids": [7]}, 7, 7), ({"stop": ["7"], "stop_token_ids": [7]}, "7", "7")],
 )
-def test_stop_reason_propagates(cluster: Cluster, request_stop: dict, worker_stop_reason: str, expected) -> None:
+def test_stop_reason_propagates(
+    cluster: Cluster, request_stop: dict, worker_stop_reason: int | str | None, expected: int | str | None
+) -> None:
     cluster.decode.script = Script(text="Hi", finish_reason="stop", stop_reason=worker_stop_reason)
     body = cluster.client.post("/v1/completions", json={"model": MODEL, "prompt": "x", **request_stop}).json()
     assert body["choices"][0]["finish_reason"] == "stop"

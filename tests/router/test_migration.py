@@ -3,12 +3,14 @@ gateway over fake workers, one of which goes away mid-stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
 import httpx
 import pytest
 
+from engine.request.sampling_params import SamplingParams
 from engine.tokenizer.detokenizer import IncrementalDetokenizer
 from protos import serving_pb2
 from router.migration import (
@@ -45,8 +47,8 @@ def test_worker_gone(code: grpc.StatusCode, details: str, reason: str | None) ->
 
 
 def test_the_resumed_request_carries_the_streamed_tokens_and_what_is_left() -> None:
-    params = serving_pb2.SamplingParams(temperature=0.7, seed=42, max_tokens=10, min_tokens=4, stop=["x"],
-                                        stop_token_ids=[7], logprobs=2)
+    params = SamplingParams(temperature=0.7, seed=42, max_tokens=10, min_tokens=4, stop=["x"], stop_token_ids=[7],
+                            logprobs=2)
     resumed = resume_request(request_id="cmpl-1", prompt_token_ids=[1, 2, 3], params=params,
                              streamed_token_ids=[9, 8, 7, 6, 5, 4], num_migrations=2)
     assert resumed is not None
@@ -54,23 +56,20 @@ def test_the_resumed_request_carries_the_streamed_tokens_and_what_is_left() -> N
     assert resumed.prompt_token_ids == [1, 2, 3, 9, 8, 7, 6, 5, 4]
     assert resumed.num_prior_tokens == 6
     assert resumed.params.max_tokens == 4 and resumed.params.min_tokens == 0
-    expected = serving_pb2.SamplingParams()
-    expected.CopyFrom(params)
-    expected.max_tokens, expected.min_tokens = 4, 0
-    assert resumed.params == expected  # seed, stop lists, logprobs, temperature: unchanged
+    assert resumed.params == dataclasses.replace(params, max_tokens=4, min_tokens=0)  # the rest: unchanged
     assert params.max_tokens == 10 and params.min_tokens == 4  # the original is left alone
 
 
 def test_an_unset_max_tokens_stays_unset_and_min_tokens_shrinks() -> None:
-    params = serving_pb2.SamplingParams(min_tokens=5)
+    params = SamplingParams(max_tokens=None, min_tokens=5)
     resumed = resume_request(request_id="r", prompt_token_ids=[1], params=params, streamed_token_ids=[2, 3],
                              num_migrations=1)
     assert resumed is not None
-    assert not resumed.params.HasField("max_tokens") and resumed.params.min_tokens == 3
+    assert resumed.params.max_tokens is None and resumed.params.min_tokens == 3
 
 
 def test_nothing_is_left_to_resume_once_max_tokens_were_streamed() -> None:
-    params = serving_pb2.SamplingParams(max_tokens=3)
+    params = SamplingParams(max_tokens=3)
     assert resume_request(request_id="r", prompt_token_ids=[1], params=params, streamed_token_ids=[2, 3, 4],
                           num_migrations=1) is None
 
@@ -78,7 +77,7 @@ def test_nothing_is_left_to_resume_once_max_tokens_were_streamed() -> None:
 # -- the text after a migration --------------------------------------------------------------------------------
 
 
-def _worker_text(tokenizer, params: serving_pb2.SamplingParams, token_ids: list[int]) -> str:  # type: ignore[no-untyped-def]
+def _worker_text(tokenizer, params: SamplingParams, token_ids: list[int]) -> str:  # type: ignore[no-untyped-def]
     """What one undisturbed worker streams for `token_ids` (its add_token deltas, then finish)."""
     detokenizer = IncrementalDetokenizer(tokenizer, stop=tuple(params.stop),
                                          include_stop_str_in_output=params.include_stop_str_in_output)
@@ -90,7 +89,7 @@ def _worker_text(tokenizer, params: serving_pb2.SamplingParams, token_ids: list[
 def test_every_migration_point_continues_the_text_exactly(tokenizer, stop: list[str]) -> None:
     """Before the cut, the first worker's deltas (what it held back never went out); after it, the gateway's.
     Together they equal the undisturbed text — across a 2-byte character and a stop string split at the cut."""
-    params = serving_pb2.SamplingParams(stop=stop)
+    params = SamplingParams(stop=stop)
     token_ids = token_ids_of("Hello wé! done")
     expected = _worker_text(tokenizer, params, token_ids)
     for cut in range(len(token_ids)):
@@ -114,7 +113,7 @@ def test_every_migration_point_continues_the_text_exactly(tokenizer, stop: list[
 
 
 def test_a_stop_string_across_the_cut_keeps_only_the_tokens_up_to_it(tokenizer) -> None:
-    params = serving_pb2.SamplingParams(stop=["wor"])
+    params = SamplingParams(stop=["wor"])
     continuation = TextContinuation(tokenizer, params, token_ids_of("Hello wo"))  # "wo" was held back
     step = continuation.step(token_ids_of("rld"))
     assert (step.text_delta, step.num_tokens_kept, step.stop_str) == ("", 1, "wor")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.request.sampling_params import SamplingParams
 from protos import serving_pb2
 from router.errors import ApiError, error_body
 from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens
@@ -41,35 +42,32 @@ def chat(**fields: object) -> ChatCompletionRequest:
 
 
 def test_defaults_convert_to_vllm_defaults() -> None:
-    params = to_sampling_params(completion(), max_tokens=16)
-    assert params == serving_pb2.SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
-                                                repetition_penalty=1.0, max_tokens=16, skip_special_tokens=True)
-    assert not params.HasField("seed") and not params.HasField("logprobs")
+    assert to_sampling_params(completion(), max_tokens=16) == SamplingParams(max_tokens=16)
+    assert to_sampling_params(chat(), max_tokens=7) == SamplingParams(max_tokens=7)
 
 
 def test_every_field_converts() -> None:
     request = completion(temperature=0, top_p=0.5, top_k=-1, min_p=0.1, seed=7, stop="x", stop_token_ids=[3],
                          ignore_eos=True, min_tokens=1, include_stop_str_in_output=True, skip_special_tokens=False,
                          presence_penalty=1, frequency_penalty=-1, repetition_penalty=1.2, logprobs=0)
-    params = to_sampling_params(request, max_tokens=4)
-    assert params.temperature == 0.0 and params.HasField("temperature")  # 0 (greedy) is sent, not dropped
-    assert params.top_p == 0.5 and params.top_k == 0 and params.min_p == pytest.approx(0.1)
-    assert params.seed == 7 and list(params.stop) == ["x"] and list(params.stop_token_ids) == [3]
-    assert params.ignore_eos and params.min_tokens == 1 and params.include_stop_str_in_output
-    assert not params.skip_special_tokens
-    assert params.presence_penalty == 1 and params.frequency_penalty == -1
-    assert params.repetition_penalty == pytest.approx(1.2)
-    assert params.HasField("logprobs") and params.logprobs == 0
+    assert to_sampling_params(request, max_tokens=4) == SamplingParams(
+        temperature=0.0, top_p=0.5, top_k=0, min_p=0.1, seed=7, stop=["x"], stop_token_ids=[3], ignore_eos=True,
+        min_tokens=1, include_stop_str_in_output=True, skip_special_tokens=False, presence_penalty=1.0,
+        frequency_penalty=-1.0, repetition_penalty=1.2, logprobs=0, max_tokens=4)
+    derived = completion(n=2, best_of=3, logit_bias={"5": -1.5}, echo=True, logprobs=1, prompt_logprobs=0)
+    assert to_sampling_params(derived, max_tokens=4) == SamplingParams(
+        n=2, best_of=3, logit_bias={5: -1.5}, logprobs=1, prompt_logprobs=1, max_tokens=4)
+    assert to_sampling_params(completion(n=2, best_of=3), max_tokens=4).logprobs == 0  # best_of ranks by them
 
 
 def test_chat_logprobs_convert() -> None:
-    assert not to_sampling_params(chat(), max_tokens=1).HasField("logprobs")
+    assert to_sampling_params(chat(), max_tokens=1).logprobs is None
     assert to_sampling_params(chat(logprobs=True), max_tokens=1).logprobs == 0
     assert to_sampling_params(chat(logprobs=True, top_logprobs=5), max_tokens=1).logprobs == 5
 
 
-def test_seeds_travel_as_int64() -> None:
-    assert to_sampling_params(completion(seed=2**63), max_tokens=1).seed == -(2**63)
+def test_seeds_in_torchs_range_pass() -> None:
+    assert to_sampling_params(completion(seed=2**64 - 1), max_tokens=1).seed == 2**64 - 1  # int64 on the wire
     assert to_sampling_params(completion(seed=-5), max_tokens=1).seed == -5
 
 
@@ -80,7 +78,9 @@ def test_seeds_travel_as_int64() -> None:
      ({"presence_penalty": -3}, "presence_penalty"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
      ({"min_tokens": 20}, "min_tokens"), ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"),
      ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [2**32]}, "stop_token_ids"),
-     ({"seed": -(2**63) - 1}, "seed"), ({"temperature": float("nan")}, "temperature")],
+     ({"seed": -(2**63) - 1}, "seed"), ({"temperature": float("nan")}, "temperature"),
+     ({"temperature": 1e39}, "temperature"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+     ({"top_k": 2**31}, "top_k"), ({"logit_bias": {"1": 101}}, "logit_bias")],
 )
 def test_validation_names_the_parameter(fields: dict, param: str) -> None:
     with pytest.raises(ApiError) as error:
@@ -158,11 +158,15 @@ def test_fit_max_tokens() -> None:
 
 
 def test_stop_reason() -> None:
-    assert openai_stop_reason("stop", "7", ["7"], [7]) == "7"  # a stop string wins over the same token id
-    assert openai_stop_reason("stop", "7", [], [7]) == 7
-    assert openai_stop_reason("stop", "2", [], []) is None  # EOS
-    assert openai_stop_reason("length", "x", ["x"], []) is None
-    assert openai_stop_reason("stop", "", [], []) is None
+    def finished(finish_reason: str, **reason: object) -> serving_pb2.GenerateResponse:
+        return serving_pb2.GenerateResponse(finish_reason=finish_reason, stop_reason=serving_pb2.StopReason(**reason))
+
+    assert openai_stop_reason(finished("stop", stop_string="7")) == "7"
+    assert openai_stop_reason(finished("stop", stop_token_id=7)) == 7
+    assert openai_stop_reason(finished("stop", stop_string="")) == ""  # set, though no request sends an empty stop
+    assert openai_stop_reason(finished("stop")) is None  # EOS
+    assert openai_stop_reason(serving_pb2.GenerateResponse(finish_reason="stop")) is None
+    assert openai_stop_reason(finished("length", stop_string="x")) is None
 
 
 def entry(token: str, logprob: float, *top: tuple[str, float]) -> serving_pb2.TokenLogprobs:

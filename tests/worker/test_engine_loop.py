@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from tests.engine.tiny_model import assert_no_blocks_held, make_engine
 from worker.engine_loop import EngineLoop
 

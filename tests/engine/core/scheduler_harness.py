@@ -8,8 +8,8 @@ from collections.abc import Callable
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.request.sampling_params import SamplingParams
 from kv_transfer.block_hash import BlockHashNamespace
 from kv_transfer.layout import cdiv
 

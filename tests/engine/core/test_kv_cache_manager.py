@@ -6,11 +6,11 @@ from collections.abc import Callable
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
-from kv_transfer.layout import cdiv
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from kv_transfer.block_hash import BlockHashNamespace, hash_token_blocks
 from kv_transfer.kv_events import BlockRemoved, BlockStored
+from kv_transfer.layout import cdiv
 
 AllFree = Callable[[BlockPool], None]
 

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.core.sampling_params import SamplingParams
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.request.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_batch import SamplingRow
 
 
 def make_row(

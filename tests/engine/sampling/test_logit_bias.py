@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.sampling.sampler import Sampler
 from tests.engine.sampling.helpers import make_row
 

@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.sampling import rejection_sampler
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_batch import SamplingRow
 
 VOCAB_SIZE = 8
 NUM_TRIALS = 6_000

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
-from engine.sampling.sampler import Sampler, SamplingRow
+from engine.request.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_batch import SamplingRow
 from tests.engine.sampling.helpers import assert_matches_distribution, draw_counts, make_row, softmax
 
 VOCAB_SIZE = 300

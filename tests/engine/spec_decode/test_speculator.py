@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from engine.config import SpeculativeConfig
 from engine.core.request import Request, RequestStatus
-from engine.core.sampling_params import SamplingParams
-from engine.spec_decode.config import SpeculativeConfig
+from engine.request.sampling_params import SamplingParams
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.speculator import Speculator
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
 from engine.sampling.sampler import Sampler
 from engine.structured.bitmask import (
@@ -19,9 +19,9 @@ from engine.structured.bitmask import (
     pack_bitmask,
     unpack_bitmask,
 )
+from engine.request.grammar_spec import GrammarSpec
 from engine.structured.compiler import GrammarCompilerCache
 from engine.structured.matchers import GrammarMatchers
-from engine.structured.spec import GrammarSpec
 from tests.engine.sampling.helpers import make_row
 from tests.engine.structured.tiny_vocab import EOS_ID, VOCAB_SIZE, TinyTokenizer, byte_ids, token_id
 
@@ -233,7 +233,7 @@ def test_grammar_spec_validation() -> None:
 
 
 def test_the_spec_crosses_processes_in_the_proto() -> None:
-    from worker.convert import sampling_params_from_proto, sampling_params_to_proto
+    from engine.request.wire import sampling_params_from_proto, sampling_params_to_proto
 
     spec = GrammarSpec.choice(["yes", "no"])
     params = sampling_params_from_proto(sampling_params_to_proto(SamplingParams(structured_outputs=spec)))

@@ -14,8 +14,8 @@ import re
 import jsonschema
 import pytest
 
-from engine.core.sampling_params import SamplingParams
-from engine.structured.spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
+from engine.request.sampling_params import SamplingParams
 from tests.engine.structured.schemas import generated_schema
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.core.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid() -> None:
