@@ -11,7 +11,7 @@ Imports nothing heavy: `worker.config`, `worker.convert` and the gate load witho
     event_loop_thread.py  the asyncio loop (its own thread) the server, the handlers and aio channels run on
     request_gate.py       RequestGate: counts the request RPCs in flight, shuts to new ones when draining
     kv_event_publisher.py the KV events, off the engine's thread, to the Redis prefix index
-    convert.py            protobuf <-> engine types for the worker services
+    convert.py            the engine's outputs as the Generate stream's messages (the request's own: engine/request)
     main.py               the process entry point (`python -m prefill_worker` / `decode_worker`)
     fresh_thread.py, malloc_tuning.py, log_config.py   process set-up: OpenMP teams, glibc malloc, logging
 

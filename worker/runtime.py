@@ -334,4 +334,3 @@ def _inject_slow_steps(engine: LLMEngine, sleep_s: float) -> None:
         return step()
 
     engine.step = slow_step  # type: ignore[method-assign]
-
