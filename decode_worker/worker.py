@@ -142,7 +142,12 @@ class DecodeWorker(RuntimeWorker):
                 finished = not num_left
                 yield msg
         except GenerateFailed as exc:
-            finished = False
+            # The router retries a failed attempt at once, under the same request id, maybe to this very worker:
+            # let go of this attempt before the status tells it so (gRPC sends the status inside `abort`, before
+            # the `finally` below runs). Were the engine's abort still queued when the retry's stream starts
+            # listening, this attempt's final "abort" output would end the retry's stream.
+            finished = True
+            await self._let_go(req, reservation, num_choices)
             await context.abort(exc.code, str(exc))
         finally:
             runtime.unlisten(request_id, num_choices)
@@ -242,6 +247,19 @@ class DecodeWorker(RuntimeWorker):
             lambda e: e.commit_remote(req.request_id, reply.first_token_id, first_logprobs, reply.num_cached_tokens)
         )
         return None, prompt_logprobs
+
+    async def _let_go(self, req: Request, reservation: Reservation | None, num_choices: int) -> None:
+        """What `_abandon` does, and wait until the engine has aborted the request: once this returns, nothing of
+        the request is left on this worker (no listener, no reservation, no request in the engine), so another
+        request of the same id starts afresh."""
+        self.runtime.unlisten(req.request_id, num_choices)
+        self.sink.remove(req.request_id)
+        if reservation is not None:
+            reservation.cancel("request failed before its first token")
+        try:
+            await self.runtime.call(lambda e: e.abort_request([req.request_id]))
+        except EngineLoopClosed:  # its stop() aborted everything already
+            pass
 
     def _abandon(self, req: Request, reservation: Reservation | None) -> None:
         """Free what the request holds, without waiting (this runs on the asyncio loop, maybe cancelled)."""
