@@ -36,6 +36,7 @@ from engine.serving.convert import logprobs_from_proto, output_to_response, samp
 from engine.serving.worker_config import WorkerConfig
 from engine.serving.worker_runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
 from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
+from kv_transfer.handoff_failure import REASON_KEY, REASONS
 from kv_transfer.registry import make_receiver
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
@@ -43,14 +44,25 @@ from protos.cluster_auth import aio_channel
 logger = logging.getLogger(__name__)
 
 RESERVE_POLL_S = 0.01
+# Why a failed Prefill call left the request without KV (kv_transfer/handoff_failure.py); else prefill_failed.
+_PREFILL_CALL_FAILURES = {
+    grpc.StatusCode.UNAVAILABLE: "prefill_unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "prefill_timeout",
+}
 
 
 class GenerateFailed(Exception):
-    """A request that cannot go on; `code` is the gRPC status the stream ends with."""
+    """A request that cannot go on; `code` is the gRPC status the stream ends with, `handoff_failure` (ABORTED
+    only) why it got no KV, one of kv_transfer/handoff_failure.py's REASONS, for the gateway's metrics."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, handoff_failure: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.handoff_failure = handoff_failure
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((REASON_KEY, self.handoff_failure),) if self.handoff_failure else ()
 
 
 class DecodeWorker(RuntimeWorker):
@@ -148,7 +160,7 @@ class DecodeWorker(RuntimeWorker):
             # listening, this attempt's final "abort" output would end the retry's stream.
             finished = True
             await self._let_go(req, reservation, num_choices)
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc), exc.trailing_metadata)
         finally:
             runtime.unlisten(request_id, num_choices)
             if not finished:
@@ -214,13 +226,15 @@ class DecodeWorker(RuntimeWorker):
             raise GenerateFailed(
                 grpc.StatusCode.ABORTED,
                 f"prefill worker {request.prefill_endpoint} failed ({code.name}): {exc.details()}",
+                handoff_failure=_PREFILL_CALL_FAILURES.get(code, "prefill_failed"),
             ) from None
         timings.prefill_queue_s = reply.timings.prefill_queue_s
         timings.prefill_s = reply.timings.prefill_s
         timings.kv_transfer_s = reply.timings.kv_transfer_s
         timings.kv_transfer_bytes = reply.timings.kv_transfer_bytes
         if reply.error:  # the prompt ran but its KV never arrived: this pair failed, not the request
-            raise GenerateFailed(grpc.StatusCode.ABORTED, reply.error)
+            raise GenerateFailed(grpc.StatusCode.ABORTED, reply.error,
+                                 handoff_failure=reply.error_reason if reply.error_reason in REASONS else "")
         prompt_logprobs = list(reply.prompt_logprobs)
         if reply.finish_reason:
             return serving_pb2.GenerateResponse(

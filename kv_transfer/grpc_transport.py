@@ -42,7 +42,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.block_copy import frame, gather
 from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_message
-from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError, error_from_kind, error_kind
+from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError, KVTransferTimeout, error_from_kind, error_kind
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 
@@ -120,7 +120,7 @@ def rpc_error(exc: grpc.RpcError, *, what: str, endpoint: str, timeout_s: float)
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return KVTransferError(f"{what}: timed out after {timeout_s:.3g}s waiting for the receiver at {endpoint}")
+        return KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s waiting for the receiver at {endpoint}")
     if code == grpc.StatusCode.UNAVAILABLE:
         return KVTransferError(f"{what}: receiver at {endpoint} unavailable (dead or unreachable): {details}")
     if code == grpc.StatusCode.CANCELLED:
@@ -393,7 +393,7 @@ class Sender(KVSender):
             ack = call.result(timeout=timeout_s + STOP_SLACK_S)  # gRPC ends the call at timeout_s; this is a net
         except grpc.FutureTimeoutError:
             call.cancel()
-            raise KVTransferError(f"{what}: no answer from the receiver at {endpoint} after {timeout_s:.3g}s") from None
+            raise KVTransferTimeout(f"{what}: no answer from the receiver at {endpoint} after {timeout_s:.3g}s") from None
         except grpc.RpcError as exc:
             if gave_up:
                 raise gave_up[0] from None

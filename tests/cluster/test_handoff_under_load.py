@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -52,25 +52,31 @@ def _metric(url: str, name: str) -> dict[str, float]:
 
 
 @pytest.fixture
-def gateway(smollm2_checkpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list]]:
-    """The gateway's URL, and its workers: a prefill worker that cuts its first handoff of 2+ blocks, a decode
-    worker whose every step sleeps STEP_SLEEP_S first."""
-    monkeypatch.setenv(FAULT_KV_CUTS_ENV, "1")
-    prefill = start_worker("prefill", smollm2_checkpoint, worker_id="prefill-0", **ENGINE)
-    monkeypatch.delenv(FAULT_KV_CUTS_ENV)
-    monkeypatch.setenv(FAULT_STEP_SLEEP_ENV, str(STEP_SLEEP_S))
-    decode = start_worker("decode", smollm2_checkpoint, worker_id="decode-0", **ENGINE)
-    workers = [prefill, decode]
-    infos = [WorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint) for w in workers]
-    config = RouterConfig(served_model_names=(MODEL,), max_model_len=1024)
-    registry = WorkerRegistry(lambda: infos, refresh_interval_s=0.3, load_timeout_s=5.0)
-    server = RouterServer(create_app(config, registry, smollm2_checkpoint.tokenizer)).start()
+def start_gateway(smollm2_checkpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[str, list]]]:
+    """`start_gateway(num_cuts=, step_sleep_s=)`: the gateway's URL and its workers, a prefill worker that cuts its
+    first `num_cuts` handoffs of 2+ blocks and a decode worker whose every step sleeps `step_sleep_s` first."""
+    started: list = []
+
+    def start(*, num_cuts: int, step_sleep_s: float = 0.0) -> tuple[str, list]:
+        monkeypatch.setenv(FAULT_KV_CUTS_ENV, str(num_cuts))
+        prefill = start_worker("prefill", smollm2_checkpoint, worker_id="prefill-0", **ENGINE)
+        started.append(prefill)
+        monkeypatch.delenv(FAULT_KV_CUTS_ENV)
+        monkeypatch.setenv(FAULT_STEP_SLEEP_ENV, str(step_sleep_s))
+        decode = start_worker("decode", smollm2_checkpoint, worker_id="decode-0", **ENGINE)
+        started.append(decode)
+        infos = [WorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint) for w in (prefill, decode)]
+        config = RouterConfig(served_model_names=(MODEL,), max_model_len=1024)
+        registry = WorkerRegistry(lambda: infos, refresh_interval_s=0.3, load_timeout_s=5.0)
+        server = RouterServer(create_app(config, registry, smollm2_checkpoint.tokenizer)).start()
+        started.insert(0, server)
+        return server.url, [prefill, decode]
+
     try:
-        yield server.url, workers
+        yield start
     finally:
-        server.stop()
-        for worker in workers:
-            worker.stop()
+        for each in started:
+            each.stop()
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +94,9 @@ def expected(smollm2_checkpoint) -> str:
     raise AssertionError("unreachable")
 
 
-def test_a_cut_handoff_retried_while_the_decode_engine_is_busy_gets_its_greedy_answer(gateway, expected) -> None:
-    url, workers = gateway
+def test_a_cut_handoff_retried_while_the_decode_engine_is_busy_gets_its_greedy_answer(start_gateway,
+                                                                                      expected) -> None:
+    url, workers = start_gateway(num_cuts=1, step_sleep_s=STEP_SLEEP_S)
     decode = workers[1]
     body = {"model": MODEL, "temperature": 0, "ignore_eos": True}
     stop_beside = threading.Event()
@@ -116,4 +123,16 @@ def test_a_cut_handoff_retried_while_the_decode_engine_is_busy_gets_its_greedy_a
         beside.join(timeout=60)
     assert _metric(url, "splitserve:request_retries_total") == {"aborted": 1}  # it was cut, and retried
     assert not _metric(url, "splitserve:request_failure_total")
+    wait_blocks_free(*workers)
+
+
+def test_a_handoff_failing_on_every_attempt_says_why_in_the_503_and_the_failure_count(start_gateway) -> None:
+    url, workers = start_gateway(num_cuts=2)  # the first attempt's and the retry's handoffs
+    response = httpx.post(f"{url}/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert response.status_code == 503, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("the KV handoff failed on the last of 2 attempts (kv_transfer_failed): "), message
+    assert "handoff cut after" in message  # the sender's own words
+    assert _metric(url, "splitserve:request_failure_total") == {"kv_transfer_failed": 1}
     wait_blocks_free(*workers)
