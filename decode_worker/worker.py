@@ -10,11 +10,13 @@ One `Generate` stream, disaggregated (`prefill_endpoint` set):
 Colocated (no `prefill_endpoint`): the request is queued whole and this worker's engine prefills it too.
 
 A failure of the prefill side (its worker unreachable, the KV handoff cut or timed out) ends the stream with
-ABORTED before any token, which the router retries; the request itself was fine.
+ABORTED before any token, which the router retries at once under the same request id; the request itself was
+fine. The status names why (kv_transfer/handoff_failure.py), and goes out only once this attempt is gone from the
+worker (`_let_go`), so that the retry meets nothing of it.
 
 Every exit frees the blocks exactly once: a finished request through the engine; a refused, failed or timed-out
-handoff, a cancelled stream or a client that went away through `_abandon` (cancel the reservation first, so no
-late block write can land, then abort the request in the engine).
+handoff through `_let_go`, a cancelled stream or a client that went away through `_abandon` (both cancel the
+reservation first, so no late block write can land, then abort the request in the engine; `_let_go` waits for it).
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class DecodeWorker(RuntimeWorker):
         timings = serving_pb2.StageTimings(router_queue_s=request.router_queue_s)
         reservation: Reservation | None = None
         finished = False
+        released = False  # let go of before its status went out (a failure before its first token)
         num_left = num_choices
         num_completion_tokens = 0
         first = True  # the first message carries the stage timings
@@ -158,14 +161,15 @@ class DecodeWorker(RuntimeWorker):
             # let go of this attempt before the status tells it so (gRPC sends the status inside `abort`, before
             # the `finally` below runs). Were the engine's abort still queued when the retry's stream starts
             # listening, this attempt's final "abort" output would end the retry's stream.
-            finished = True
             await self._let_go(req, reservation, num_choices)
+            released = True  # and nothing more of this attempt may touch the id, which the retry may hold by now
             await context.abort(exc.code, str(exc), exc.trailing_metadata)
         finally:
-            runtime.unlisten(request_id, num_choices)
-            if not finished:
-                self._abandon(req, reservation)
-            self.sink.remove(request_id)
+            if not released:
+                runtime.unlisten(request_id, num_choices)
+                if not finished:
+                    self._abandon(req, reservation)
+                self.sink.remove(request_id)
 
     async def _reserve(self, req: Request, prefill_endpoint: str) -> Reservation:
         """Blocks for the request to start, waiting while the pool is full (decode queue). Registers the
