@@ -10,11 +10,13 @@ One `Generate` stream, disaggregated (`prefill_endpoint` set):
 Colocated (no `prefill_endpoint`): the request is queued whole and this worker's engine prefills it too.
 
 A failure of the prefill side (its worker unreachable, the KV handoff cut or timed out) ends the stream with
-ABORTED before any token, which the router retries; the request itself was fine.
+ABORTED before any token, which the router retries at once under the same request id; the request itself was
+fine. The status names why (kv_transfer/handoff_failure.py), and goes out only once this attempt is gone from the
+worker (`_let_go`), so that the retry meets nothing of it.
 
 Every exit frees the blocks exactly once: a finished request through the engine; a refused, failed or timed-out
-handoff, a cancelled stream or a client that went away through `_abandon` (cancel the reservation first, so no
-late block write can land, then abort the request in the engine).
+handoff through `_let_go`, a cancelled stream or a client that went away through `_abandon` (both cancel the
+reservation first, so no late block write can land, then abort the request in the engine; `_let_go` waits for it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from decode_worker.reservation import DecodeKVSink, Reservation, ReservationStat
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
+from kv_transfer.handoff_failure import REASON_KEY, REASONS
 from kv_transfer.registry import make_receiver
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
@@ -44,14 +47,25 @@ from worker.runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerSer
 logger = logging.getLogger(__name__)
 
 RESERVE_POLL_S = 0.01
+# Why a failed Prefill call left the request without KV (kv_transfer/handoff_failure.py); else prefill_failed.
+_PREFILL_CALL_FAILURES = {
+    grpc.StatusCode.UNAVAILABLE: "prefill_unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "prefill_timeout",
+}
 
 
 class GenerateFailed(Exception):
-    """A request that cannot go on; `code` is the gRPC status the stream ends with."""
+    """A request that cannot go on; `code` is the gRPC status the stream ends with, `handoff_failure` (ABORTED
+    only) why it got no KV, one of kv_transfer/handoff_failure.py's REASONS, for the gateway's metrics."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, handoff_failure: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.handoff_failure = handoff_failure
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((REASON_KEY, self.handoff_failure),) if self.handoff_failure else ()
 
 
 class DecodeWorker(RuntimeWorker):
@@ -95,6 +109,7 @@ class DecodeWorker(RuntimeWorker):
         timings = serving_pb2.StageTimings(router_queue_s=request.router_queue_s)
         reservation: Reservation | None = None
         finished = False
+        released = False  # let go of before its status went out (a failure before its first token)
         num_left = num_choices
         num_completion_tokens = 0
         first = True  # the first message carries the stage timings
@@ -143,13 +158,19 @@ class DecodeWorker(RuntimeWorker):
                 finished = not num_left
                 yield msg
         except GenerateFailed as exc:
-            finished = False
-            await context.abort(exc.code, str(exc))
+            # The router retries a failed attempt at once, under the same request id, maybe to this very worker:
+            # let go of this attempt before the status tells it so (gRPC sends the status inside `abort`, before
+            # the `finally` below runs). Were the engine's abort still queued when the retry's stream starts
+            # listening, this attempt's final "abort" output would end the retry's stream.
+            await self._let_go(req, reservation, num_choices)
+            released = True  # and nothing more of this attempt may touch the id, which the retry may hold by now
+            await context.abort(exc.code, str(exc), exc.trailing_metadata)
         finally:
-            runtime.unlisten(request_id, num_choices)
-            if not finished:
-                self._abandon(req, reservation)
-            self.sink.remove(request_id)
+            if not released:
+                runtime.unlisten(request_id, num_choices)
+                if not finished:
+                    self._abandon(req, reservation)
+                self.sink.remove(request_id)
 
     async def _reserve(self, req: Request, prefill_endpoint: str) -> Reservation:
         """Blocks for the request to start, waiting while the pool is full (decode queue). Registers the
@@ -210,13 +231,15 @@ class DecodeWorker(RuntimeWorker):
             raise GenerateFailed(
                 grpc.StatusCode.ABORTED,
                 f"prefill worker {request.prefill_endpoint} failed ({code.name}): {exc.details()}",
+                handoff_failure=_PREFILL_CALL_FAILURES.get(code, "prefill_failed"),
             ) from None
         timings.prefill_queue_s = reply.timings.prefill_queue_s
         timings.prefill_s = reply.timings.prefill_s
         timings.kv_transfer_s = reply.timings.kv_transfer_s
         timings.kv_transfer_bytes = reply.timings.kv_transfer_bytes
         if reply.error:  # the prompt ran but its KV never arrived: this pair failed, not the request
-            raise GenerateFailed(grpc.StatusCode.ABORTED, reply.error)
+            raise GenerateFailed(grpc.StatusCode.ABORTED, reply.error,
+                                 handoff_failure=reply.error_reason if reply.error_reason in REASONS else "")
         prompt_logprobs = list(reply.prompt_logprobs)
         if reply.finish_reason:
             return serving_pb2.GenerateResponse(
@@ -243,6 +266,19 @@ class DecodeWorker(RuntimeWorker):
             lambda e: e.commit_remote(req.request_id, reply.first_token_id, first_logprobs, reply.num_cached_tokens)
         )
         return None, prompt_logprobs
+
+    async def _let_go(self, req: Request, reservation: Reservation | None, num_choices: int) -> None:
+        """What `_abandon` does, and wait until the engine has aborted the request: once this returns, nothing of
+        the request is left on this worker (no listener, no reservation, no request in the engine), so another
+        request of the same id starts afresh."""
+        self.runtime.unlisten(req.request_id, num_choices)
+        self.sink.remove(req.request_id)
+        if reservation is not None:
+            reservation.cancel("request failed before its first token")
+        try:
+            await self.runtime.call(lambda e: e.abort_request([req.request_id]))
+        except EngineLoopClosed:  # its stop() aborted everything already
+            pass
 
     def _abandon(self, req: Request, reservation: Reservation | None) -> None:
         """Free what the request holds, without waiting (this runs on the asyncio loop, maybe cancelled)."""

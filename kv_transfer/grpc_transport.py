@@ -42,7 +42,7 @@ from kv_transfer.grpc_link import (
     with_source,
 )
 from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message
-from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError
+from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError, KVTransferTimeout
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 # A block larger than this is split (into runs of whole layers where it can be); every message stays below gRPC's
@@ -252,7 +252,7 @@ class Sender(ChannelSender):
             ack = call.result(timeout=timeout_s + STOP_SLACK_S)  # gRPC ends the call at timeout_s; this is a net
         except grpc.FutureTimeoutError:
             call.cancel()
-            raise KVTransferError(f"{what}: no answer from the receiver at {endpoint} after {timeout_s:.3g}s") from None
+            raise KVTransferTimeout(f"{what}: no answer from the receiver at {endpoint} after {timeout_s:.3g}s") from None
         except grpc.RpcError as exc:
             if gave_up:
                 raise gave_up[0] from None

@@ -33,7 +33,7 @@ from kv_transfer.base import (
     write_verified,
 )
 from kv_transfer.block_copy import gather
-from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError
+from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError, KVTransferTimeout
 
 SCHEME = "inproc://"
 
@@ -163,7 +163,7 @@ class Sender(KVSender):
                         f"handoff {handoff.transfer_id}: sender stopped after {num_sent} blocks (fault)"
                     )
                 if time.monotonic() > deadline_s:
-                    raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} timed out after {timeout_s}s")
+                    raise KVTransferTimeout(f"handoff {handoff.transfer_id} to {endpoint} timed out after {timeout_s}s")
                 view = source.read_block(index)  # a strided view of the sender's cache
                 if view.device.type == "cpu":
                     block, check = gather(view)

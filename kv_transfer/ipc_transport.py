@@ -70,7 +70,7 @@ from kv_transfer.grpc_link import (
     with_source,
 )
 from kv_transfer.inproc_transport import device_digests
-from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVRefused, KVTransferError
+from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVRefused, KVTransferError, KVTransferTimeout
 from protos import kv_transfer_pb2
 from protos.cluster_auth import OPEN, ClusterAuth
 
@@ -356,7 +356,7 @@ class Sender(ChannelSender):
         what = f"KV handoff {handoff.transfer_id} ({handoff.num_bytes} bytes) to {endpoint}"
         pair = self._pair(endpoint)
         if not pair.lock.acquire(timeout=timeout_s):
-            raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s waiting for the previous transfer")
+            raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s waiting for the previous transfer")
         try:
             self._transfer(handoff, source, endpoint, pair, start_s + timeout_s, timeout_s, what)
         finally:
@@ -375,7 +375,7 @@ class Sender(ChannelSender):
             commit = self._stage(handoff, source, buffer, deadline_s, timeout_s, what)
             time_left_s = deadline_s - time.monotonic()
             if time_left_s <= 0:
-                raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s")
+                raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s")
             request = kv_transfer_pb2.KVIpcHandoff(descriptor=descriptor, commit=commit)
             try:
                 ack = self._channels.stub(endpoint).IpcTransfer(request, timeout=time_left_s)
@@ -425,7 +425,7 @@ class Sender(ChannelSender):
                 read_blocks(source, indices[:stop], blocks[:stop])
                 raise KVTransferError(f"{what}: sender stopped after {stop} blocks (fault)")
             if time.monotonic() > deadline_s:
-                raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s")
+                raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s")
             read_blocks(source, indices, blocks)
             digests = device_digests(blocks)
             self._corrupt(indices, blocks)
@@ -435,7 +435,7 @@ class Sender(ChannelSender):
             if slot == self.fault.stop_after_blocks:
                 raise KVTransferError(f"{what}: sender stopped after {slot} blocks (fault)")
             if time.monotonic() > deadline_s:
-                raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s")
+                raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s")
             commit.crc32c.append(gather_into(blocks[slot], source.read_block(index)))
             self._corrupt(range(index, index + 1), blocks[slot:slot + 1])
         return commit

@@ -44,6 +44,10 @@ class KVTransferError(RuntimeError):
     """A handoff failed: the peer refused it, died, timed out, or a block arrived corrupt."""
 
 
+class KVTransferTimeout(KVTransferError):
+    """The handoff's deadline passed before the receiver confirmed it (the sender's view)."""
+
+
 class KVLayoutMismatch(KVTransferError):
     """Sender and receiver disagree on the block layout: refused before any byte moves."""
 

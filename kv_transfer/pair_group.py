@@ -19,7 +19,7 @@ import urllib.parse
 import torch
 import torch.distributed as dist
 
-from kv_transfer.layout import KVHandoff, KVTransferError
+from kv_transfer.layout import KVHandoff, KVTransferError, KVTransferTimeout
 
 NCCL_WATCHDOG_S = 600.0  # NCCL's own op timeout; our deadlines are enforced by polling and abort, well before it
 NCCL_POLL_S = 0.0005
@@ -139,8 +139,8 @@ class PairGroup:
         threading.Thread(target=run, name=f"kv-pair-rendezvous-{self.key}", daemon=True).start()
         if not finished.wait(max(remaining_s(deadline_s), 0)):
             self.drop()
-            raise KVTransferError(f"pair group {self.key or '(new)'}: the peer did not complete the rendezvous "
-                                  "before the deadline (dead or frozen)")
+            raise KVTransferTimeout(f"pair group {self.key or '(new)'}: the peer did not complete the rendezvous "
+                                    "before the deadline (dead or frozen)")
         if outcome[0] is not None:
             raise outcome[0]
         if self.group is None:
@@ -163,10 +163,11 @@ class PairGroup:
             # NCCL's wait only orders streams; poll for completion on the host so the deadline holds.
             while not work.is_completed():
                 if remaining_s(deadline_s) <= 0:
-                    raise KVTransferError(f"{what}: timed out")
+                    raise KVTransferTimeout(f"{what}: timed out")
                 time.sleep(NCCL_POLL_S)
             work.wait()
         except KVTransferError:
             raise
-        except RuntimeError as exc:
-            raise KVTransferError(f"{what}: {exc}") from None
+        except RuntimeError as exc:  # gloo's own timeout (the deadline) among others
+            error = KVTransferTimeout if remaining_s(deadline_s) <= 0 else KVTransferError
+            raise error(f"{what}: {exc}") from None

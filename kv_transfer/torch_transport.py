@@ -52,7 +52,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.block_copy import gather
 from kv_transfer.grpc_link import ChannelSender, ack_error, error_ack, refusal, rpc_error, with_source
-from kv_transfer.layout import KVHandoff, KVTransferError, error_kind
+from kv_transfer.layout import KVHandoff, KVTransferError, KVTransferTimeout, error_kind
 from kv_transfer.pair_group import (
     WILDCARD_HOSTS,
     PairGroup,
@@ -319,7 +319,7 @@ class Sender(ChannelSender):
         what = f"KV handoff {handoff.transfer_id} ({handoff.num_bytes} bytes) to {endpoint}"
         pair = self._pair(endpoint)
         if not pair.lock.acquire(timeout=timeout_s):
-            raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s waiting for the previous transfer")
+            raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s waiting for the previous transfer")
         try:
             used, checksums = self._transfer(handoff, source, endpoint, pair, deadline_s, timeout_s, what)
             commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.transfer_id, crc32c=checksums)
@@ -393,7 +393,7 @@ class Sender(ChannelSender):
         """One control call to the receiver, bounded by what is left of the handoff's deadline."""
         time_left_s = remaining_s(deadline_s)
         if time_left_s <= 0:
-            raise KVTransferError(f"{what}: timed out after {timeout_s:.3g}s")
+            raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s")
         try:
             return rpc(self._channels.stub(endpoint), time_left_s)
         except grpc.RpcError as exc:

@@ -30,6 +30,7 @@ from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
 from engine.request.wire import logprobs_to_proto, sampling_params_from_proto, stop_reason_to_proto
 from kv_transfer.base import TransferResult
+from kv_transfer.handoff_failure import reason_of
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_sender
 from kv_transfer.wire_block import read_wire_block, read_wire_blocks
@@ -133,6 +134,7 @@ class PrefillWorker(RuntimeWorker):
                 logger.warning("KV handoff of %s to %s failed: %s", request_id, request.decode_endpoint, exc)
                 reply.finish_reason = "error"
                 reply.error = f"KV transfer to the decode worker failed: {exc}"
+                reply.error_reason = reason_of(exc)
                 return reply
             finally:
                 done = True

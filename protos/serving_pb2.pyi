@@ -176,7 +176,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., decode_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "stop_reason", "text", "error", "num_cached_tokens", "timings", "prompt_logprobs")
+    __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "stop_reason", "text", "error", "num_cached_tokens", "timings", "prompt_logprobs", "error_reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class PrefillResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_REASON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprobs: TokenLogprobs
@@ -197,7 +198,8 @@ class PrefillResponse(_message.Message):
     num_cached_tokens: int
     timings: StageTimings
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    error_reason: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., error_reason: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -33,6 +33,7 @@ import grpc.aio
 
 from engine.request.sampling_params import SamplingParams
 from engine.request.wire import sampling_params_to_proto
+from kv_transfer import handoff_failure
 from protos import serving_pb2
 from router.admission import Admission, AdmissionRefused, Ticket
 from router.config import RouterConfig
@@ -53,7 +54,8 @@ _RPC_ERRORS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "unavailable"),
     grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
     grpc.StatusCode.CANCELLED: (503, "unavailable"),
-    grpc.StatusCode.ABORTED: (503, "kv_transfer"),  # the prefill side failed the request on every attempt
+    # The prefill side failed the request on every attempt; counted by why (api_error_from_rpc).
+    grpc.StatusCode.ABORTED: (503, handoff_failure.UNNAMED),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 
@@ -81,10 +83,17 @@ class GenerationJob:
     params: SamplingParams  # validated (router/protocol.py); put on the wire with each Generate call
 
 
-def api_error_from_rpc(error: grpc.aio.AioRpcError) -> tuple[ApiError, str]:
-    """The HTTP error for a failed Generate call, and the failure reason to count."""
-    status, reason = _RPC_ERRORS.get(error.code(), (500, "worker_error"))
-    details = error.details() or error.code().name
+def api_error_from_rpc(error: grpc.aio.AioRpcError, *, num_attempts: int = 1) -> tuple[ApiError, str]:
+    """The HTTP error for a failed Generate call (the last of `num_attempts`), and the failure reason to count. A
+    failed KV handoff (ABORTED) is counted by why it failed, as the decode worker named it
+    (kv_transfer/handoff_failure.py), and says so."""
+    code = error.code()
+    status, reason = _RPC_ERRORS.get(code, (500, "worker_error"))
+    details = error.details() or code.name
+    if code == grpc.StatusCode.ABORTED:
+        reason = handoff_failure.reason_in(error.trailing_metadata()) or handoff_failure.UNNAMED
+        attempts = f" on the last of {num_attempts} attempts" if num_attempts > 1 else ""
+        return ApiError(status_code=status, message=f"the KV handoff failed{attempts} ({reason}): {details}"), reason
     return ApiError(status_code=status, message=f"worker: {details}"), reason
 
 
@@ -144,7 +153,7 @@ class GenerationStream:
     async def read_first(self) -> None:
         """Wait for the first message (the Dispatcher's part). A failed call is not counted as a failed request
         here: the Dispatcher may retry it elsewhere."""
-        message = await self._read_call(count_rpc_failure=False)
+        message = await self._read_call(count_rpc_failure=False, first=True)
         if message is not None:
             self._buffered.append(message)
 
@@ -152,9 +161,15 @@ class GenerationStream:
         """After `read_first`: the error when the stream failed before producing anything."""
         if not self._buffered:
             return ApiError(status_code=500, message="the worker ended the stream without a finish reason")
-        return message_failure(self._buffered[0])
+        message = self._buffered[0]
+        if message.finish_reason == "abort":
+            detail = f": {message.error}" if message.error else ""
+            return ApiError(status_code=503,
+                            message=f"worker {self.worker_id} aborted the request before its first token{detail}")
+        return message_failure(message)
 
-    async def _read_call(self, count_rpc_failure: bool = True) -> serving_pb2.GenerateResponse | None:
+    async def _read_call(self, count_rpc_failure: bool = True,
+                         first: bool = False) -> serving_pb2.GenerateResponse | None:
         try:
             message = await self._call.read()
         except grpc.aio.AioRpcError as error:
@@ -168,7 +183,10 @@ class GenerationStream:
             return None
         self._tracker.on_message(message)
         self.num_generated_tokens += len(message.token_ids)
-        if message.finish_reason == "abort":
+        if message.finish_reason == "abort" and first:  # the client gets a 503 (first_failure): a failure
+            self.finished = True
+            self._tracker.failed("worker_aborted")
+        elif message.finish_reason == "abort":
             self.finished = True  # counted as vLLM does: a finished request, reason abort
             self._tracker.finished("abort", num_prompt_tokens=self.num_prompt_tokens,
                                    num_generated_tokens=self.num_completion_tokens)
@@ -287,7 +305,7 @@ class Dispatcher:
                     local_prefill_threshold_tokens=self._config.disagg_prefill_threshold_tokens)
             except NoWorkerError as error:
                 if last_error is not None:  # nowhere left to retry: the worker's own error says more
-                    api_error, reason = api_error_from_rpc(last_error)
+                    api_error, reason = api_error_from_rpc(last_error, num_attempts=attempt - 1)
                     tracker.failed(reason)
                     raise api_error from last_error
                 tracker.failed("no_worker")
@@ -313,7 +331,7 @@ class Dispatcher:
                     tracker.retried(code.name.lower())
                     last_error = error
                     continue
-                api_error, reason = api_error_from_rpc(error)
+                api_error, reason = api_error_from_rpc(error, num_attempts=attempt)
                 tracker.failed(reason)
                 raise api_error from error
             except BaseException:  # cancelled while waiting (client gone): tell the worker

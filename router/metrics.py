@@ -11,7 +11,13 @@ Measured here, per request (router clock):
     splitserve:request_success_total{finished_reason}  counter  stop | length | abort (client went away, or
                                                           the worker aborted it)
     splitserve:request_failure_total{reason}    counter    no_worker | unavailable | timeout | bad_request
-                                                           (the worker refused it) | kv_transfer | worker_error
+                                                           (the worker refused it) | worker_error |
+                                                           worker_aborted (before its first token) | a failed
+                                                           KV handoff, by why (kv_transfer/handoff_failure.py):
+                                                           kv_transfer_timeout | kv_transfer_refused |
+                                                           kv_transfer_checksum | kv_transfer_failed |
+                                                           prefill_unavailable | prefill_timeout |
+                                                           prefill_failed | kv_transfer (its worker named none)
     splitserve:request_retries_total{reason}    counter    dispatches retried before any token: unavailable
                                                            (target unreachable) | aborted (KV handoff failed)
     splitserve:request_migrations_total{reason} counter    streams resumed on another decode worker after theirs

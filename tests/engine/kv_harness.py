@@ -50,6 +50,34 @@ def greedy_with_logits(engine, num_tokens: int) -> list[tuple[list[int], list[to
     return results
 
 
+def prompt_logits(engine, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced: the logits the engine computes at each position of `text` but the last, [P - 1, vocab], and
+    the token each position predicts, [P - 1]. The prompt runs through the engine's own step loop, chunked as its
+    `max_num_batched_tokens` cuts it, so a chunk after the first reads its context from the KV cache (quantized, in
+    a quantized cache), not from the fresh K/V of its own step. No token is chosen, so no tie between two
+    logits can change what is measured."""
+    model = engine.runner.model
+    compute_logits = model.compute_logits
+    recorded: list[torch.Tensor] = []
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        recorded.append(logits.clone())
+        return logits
+
+    model.compute_logits = recording
+    try:
+        request = engine.make_request("teacher-forced", text, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        engine.enqueue(request)
+        steps_until_finished(engine, "teacher-forced")
+    finally:
+        model.compute_logits = compute_logits
+    # In step order: each chunk's prompt positions (prompt logprobs), then the last position's row (the sample).
+    logits = torch.cat(recorded)[:-1]  # [P - 1, vocab]
+    assert logits.shape[0] == request.num_prompt_tokens - 1
+    return logits, torch.tensor(request.prompt_token_ids[1:])
+
+
 def agreement(reference: list, quantized: list) -> tuple[list[int], float]:
     """(per prompt, the tokens its outputs agree on before they first differ; the largest |logit difference| at
     those positions and the first differing one, where both still saw the same context)."""

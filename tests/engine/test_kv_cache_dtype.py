@@ -1,15 +1,21 @@
 """`--kv-cache-dtype int8`: int8 KV with per-block-per-head scales, on the torch attention backend.
 
-The accuracy bound, stated and tested here, over the test prompts (tests/engine/tiny_model.PROMPTS), 16 greedy
-tokens each, int8 cache against the unquantized (float32) one; "agreeing tokens" count each output up to where it
-first differs, and the logit difference is taken only there (the contexts are equal up to then):
+The accuracy bound, stated and tested here: a fixed English text (TEXT) runs teacher-forced through the cache in
+small prefill chunks, so that every chunk after the first reads its context from the cache (quantized blocks, in
+an int8 cache) and blocks are written in parts (a later part that raises a block's scale requantizes the earlier
+one); the int8 cache is held to the unquantized (float32) one's logits on the very same positions:
 
-    tiny model (logits spread ~19)       all 4 outputs identical (64/64 agreeing tokens); max |logit diff| 0.10 < 0.25
-    SmolLM2-135M (slow; spread ~48)      2 of 4 identical, the others part at tokens 10 and 14: 56/64 agreeing
-                                         tokens (87.5%), every output's first 10 equal; max |logit diff| 0.82 < 1.0
+    tiny model (random weights, logits spread ~19; chunks of 3, blocks of 4)
+        max |logit diff| over every position < 0.15                       (measured 0.057)
+    SmolLM2-135M (slow; chunks of 8, blocks of 16; 162 positions)
+        perplexity of the text within 2% of the float32 cache's:
+        |ln(ppl_int8 / ppl_float32)| = |mean NLL difference| < 0.02 nats  (measured -0.003, 1.0008x on an Intel VM)
 
-Greedy outputs part where the top two logits are closer than the quantization error; one scale per 16-token block
-and head is coarse where a head has outlier channels (a per-token scale would buy accuracy with memory).
+Neither measure chooses a token, so neither depends on which of two nearly tied logits a CPU's rounding puts
+first (greedy agreement did: 56/64 tokens on one machine, 48/64 on another, for the same cache). Each bound is
+shown to have teeth: dequantizing with a scale 10% too large breaks both (max diff ~1.0 on the tiny model,
+perplexity 1.10x on SmolLM2), as do swapped heads' scales or a block whose earlier tokens are not requantized
+(1.18x) — see `_scale_read_10_percent_large`.
 
 A block's int8 cache costs 4 B*D / (B*D + 4) times less than float32's (3.76x at the tiny model's B*D = 64, 3.98x
 at SmolLM2's 1024): at least 3.5x the blocks in the same --kv-cache-memory.
@@ -17,6 +23,8 @@ at SmolLM2's 1024): at least 3.5x the blocks in the same --kv-cache-memory.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,15 +35,10 @@ from decode_worker.reservation import DecodeKVSink, Reservation, ReservationStat
 from deploy.cli import build_parser, main
 from deploy.serve_args import controller_config_from_args
 from engine import SamplingParams
+from engine.attention import int8_kv
 from engine.attention.int8_kv import dequantize_slots, quantize_store
 from kv_transfer.layout import KVChecksumError
-from tests.engine.kv_harness import (
-    agreement,
-    greedy_with_logits,
-    hand_off_prompt,
-    steps_until_finished,
-    transfer_link,
-)
+from tests.engine.kv_harness import hand_off_prompt, prompt_logits, steps_until_finished, transfer_link
 from tests.engine.tiny_model import PROMPTS, TINY_ENGINE, make_engine
 
 if TYPE_CHECKING:
@@ -43,8 +46,34 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-TINY_LOGIT_BOUND = 0.25
-SMOLLM2_LOGIT_BOUND = 1.0
+# A fixed text for teacher-forced measures (what it says matters only to SmolLM2, which finds it plain English).
+TEXT = (
+    "The river rises in the hills above the town and runs for forty miles before it reaches the sea. In spring the "
+    "snow melts and the water comes down fast and brown, carrying branches and stones, and the farmers watch the "
+    "banks. By midsummer it is slow and clear, and children swim in the deep pools below the old mill. The mill has "
+    "not turned for a hundred years, but its wheel is still there, green with moss, and every visitor stops to look "
+    "at it. In autumn the salmon come up from the sea to lay their eggs in the gravel beds, and for a few weeks the "
+    "bridges are crowded with people who have come to see them leap the weir. Then the rains return, the water rises "
+    "again, and the valley settles into another long winter of short days and cold nights."
+)
+TINY_TEXT = TEXT[: TEXT.index("By midsummer")].strip()  # 118 tokens of the tiny tokenizer: fits max_model_len 128
+TINY_LOGIT_BOUND = 0.15
+SMOLLM2_NLL_BOUND = 0.02  # nats per token: perplexity within a factor exp(0.02) = 1.020
+
+
+@contextmanager
+def _scale_read_10_percent_large() -> Iterator[None]:
+    """A broken int8 cache: every read of the prefill context dequantizes with its scale 10% too large."""
+    dequantize_slots = int8_kv.dequantize_slots
+
+    def broken(data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_slots(data, scales * 1.1, slots, dtype)
+
+    int8_kv.dequantize_slots = broken
+    try:
+        yield
+    finally:
+        int8_kv.dequantize_slots = dequantize_slots
 
 
 def test_a_block_keeps_its_tokens_within_one_step_of_its_final_scale() -> None:
@@ -93,16 +122,20 @@ def test_int8_fits_at_least_3_5_times_the_blocks(tiny_model_dir: Path) -> None:
     assert int8.hash_namespace.root != fp32.hash_namespace.root
 
 
-def test_int8_greedy_agrees_with_the_unquantized_cache(tiny_model_dir: Path) -> None:
-    reference = greedy_with_logits(_llm(tiny_model_dir).engine, 16)
-    llm = _llm(tiny_model_dir, kv_cache_dtype="int8")
-    quantized = greedy_with_logits(llm.engine, 16)
+def test_int8_logits_through_the_cache_stay_near_the_unquantized_ones(tiny_checkpoint) -> None:
+    def logits(**overrides: object) -> torch.Tensor:
+        engine = make_engine(tiny_checkpoint, max_num_batched_tokens=3, **overrides)
+        result, _ = prompt_logits(engine, TINY_TEXT)
+        assert engine.block_pool.num_used_blocks == 0
+        if overrides:
+            assert engine.attention_backend_name == "torch-int8"
+        return result
 
-    num_agreeing, max_diff = agreement(reference, quantized)
-    assert num_agreeing == [16] * len(PROMPTS)
+    reference = logits()
+    max_diff = (logits(kv_cache_dtype="int8") - reference).abs().max().item()
     assert 0 < max_diff < TINY_LOGIT_BOUND  # > 0: the cache really was quantized
-    assert llm.engine.attention_backend_name == "torch-int8"
-    assert llm.engine.block_pool.num_used_blocks == 0
+    with _scale_read_10_percent_large():  # the bound catches a broken cache
+        assert (logits(kv_cache_dtype="int8") - reference).abs().max().item() > 2 * TINY_LOGIT_BOUND
 
 
 def test_int8_blocks_come_back_after_an_abort(tiny_model_dir: Path) -> None:
@@ -177,19 +210,22 @@ def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint,
 
 
 @pytest.mark.slow
-def test_int8_greedy_agrees_on_smollm2(smollm2_checkpoint) -> None:
+def test_int8_perplexity_through_the_cache_on_smollm2(smollm2_checkpoint) -> None:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    def engine(**overrides: object) -> LLMEngine:
-        config = EngineConfig(max_model_len=256, num_kv_blocks=64, **overrides)  # type: ignore[arg-type]
-        return LLMEngine(config, smollm2_checkpoint)
+    def nll(**overrides: object) -> float:
+        """Mean negative log-likelihood per token of TEXT, through the cache in chunks of 8 tokens."""
+        config = EngineConfig(max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=8,  # type: ignore[arg-type]
+                              **overrides)
+        engine = LLMEngine(config, smollm2_checkpoint)
+        logits, targets = prompt_logits(engine, TEXT)
+        assert engine.block_pool.num_used_blocks == 0
+        return torch.nn.functional.cross_entropy(logits, targets).item()
 
-    reference = greedy_with_logits(engine(), 16)
-    int8 = engine(kv_cache_dtype="int8")
-    quantized = greedy_with_logits(int8, 16)
-    num_agreeing, max_diff = agreement(reference, quantized)
-    assert sum(num_agreeing) >= 0.85 * 16 * len(PROMPTS)
-    assert min(num_agreeing) >= 10
-    assert 0 < max_diff < SMOLLM2_LOGIT_BOUND
-    assert int8.block_pool.num_used_blocks == 0
+    reference = nll()
+    assert reference < 4.0  # SmolLM2 reads the text as English (3.43 nats; a uniform guess is ln 49152 = 10.8)
+    int8 = nll(kv_cache_dtype="int8")
+    assert 0 < abs(int8 - reference) < SMOLLM2_NLL_BOUND  # != 0: the cache really was quantized
+    with _scale_read_10_percent_large():  # the bound catches a broken cache
+        assert nll(kv_cache_dtype="int8") - reference > 2 * SMOLLM2_NLL_BOUND

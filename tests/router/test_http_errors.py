@@ -130,6 +130,24 @@ def test_error_message_before_any_token(cluster: Cluster, script: Script, status
         assert_error(response, status, None, fragment)
 
 
+def test_an_abort_before_any_token_is_counted_as_a_failure_not_a_finish(cluster: Cluster) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> dict[tuple[str, str], float]:
+        families = text_string_to_metric_families(cluster.client.get("/metrics").text)
+        return {(s.name, next(iter(s.labels.values()), "")): s.value for f in families for s in f.samples
+                if s.name in ("splitserve:request_failure_total", "splitserve:request_success_total")}
+
+    cluster.decode.script = Script(abort_after=0)
+    before = counts()
+    response = cluster.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert_error(response, 503, None, "worker decode-0 aborted the request before its first token")
+    after = counts()
+    assert after.get(("splitserve:request_failure_total", "worker_aborted"), 0) == (
+        before.get(("splitserve:request_failure_total", "worker_aborted"), 0) + 1)
+    assert after[("splitserve:request_success_total", "abort")] == before[("splitserve:request_success_total", "abort")]
+
+
 @pytest.mark.parametrize("script", [Script(error_after=2), Script(abort_after=2)])
 def test_failure_mid_stream_is_an_error_event(cluster: Cluster, script: Script) -> None:
     cluster.decode.script = script
