@@ -10,7 +10,7 @@ prefill worker's `HeldBlocks` does) and the receiver's sink writes it into anoth
 reservation does, verifying the checksum as it copies); both caches, like the workers', are in huge pages
 (engine/huge_pages.py), and so are the baselines' buffers. The receiver runs in a separate process (a real gRPC
 server with the transport's receiver and a worker's gRPC options and malloc settings, see
-engine/serving/malloc_tuning.py), except for `inproc`, whose receiver lives in the sender's process by
+worker/malloc_tuning.py), except for `inproc`, whose receiver lives in the sender's process by
 definition. The baseline `tcp` is a sender `sendall`-ing each handoff's bytes (gathered once, before timing) over
 loopback to a receiver process that `recv_into`s a preallocated buffer and acks each handoff with one byte. The
 reference `grpc-bare` sends the same pre-gathered blocks as bare gRPC messages (no protobuf framing, no checksum,
@@ -45,9 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from engine.huge_pages import zeros_with_huge_pages  # noqa: E402
-from engine.serving.malloc_tuning import tune_malloc  # noqa: E402
 from kv_transfer.block_copy import copy_checked, gather  # noqa: E402
 from kv_transfer.layout import KVHandoff, KVLayout  # noqa: E402
+from worker.malloc_tuning import tune_malloc  # noqa: E402
 
 SMOLLM2_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 # "grpc-bare" is a reference, not a transport: the same blocks as bare gRPC messages (no protobuf framing, no

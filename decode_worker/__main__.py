@@ -3,7 +3,7 @@
 import sys
 
 from decode_worker.worker import DecodeWorker
-from engine.serving.worker_main import serve_forever
+from worker.main import serve_forever
 
 if __name__ == "__main__":
     sys.exit(serve_forever(DecodeWorker, None, ("decode", "colocated")))

@@ -31,18 +31,18 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
+from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
-from engine.serving.engine_loop import EngineLoopClosed
-from engine.serving.convert import output_to_response
-from engine.serving.worker_config import WorkerConfig
-from engine.serving.worker_runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
-from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from kv_transfer.handoff_failure import REASON_KEY, REASONS
 from kv_transfer.registry import make_receiver
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
+from worker.config import WorkerConfig
+from worker.convert import output_to_response
+from worker.engine_loop import EngineLoopClosed
+from worker.runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
 
@@ -322,14 +322,9 @@ class DecodeServicer(WorkerServicer):
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         # An async generator function itself: that is how grpc.aio tells a streaming handler from a unary one.
-        gate = self.worker.runtime.gate
-        if not gate.enter():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker.worker_id} is draining")
-        try:
+        async with self.admitted(context):
             async for message in self.worker.generate(request, context):
                 yield message
-        finally:
-            gate.exit()
 
     async def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")

@@ -7,7 +7,7 @@ import sys
 
 from deploy.env_defaults import apply_env_defaults
 from engine.loader.errors import ModelLoadError  # torch-free, like everything imported here
-from engine.serving.log_config import configure_logging
+from worker.log_config import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,10 +40,11 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTa
 from deploy.placement import host_actor_options, local_node_resources
 from deploy.worker_host import LIVE, STALLED, UNRESPONSIVE, WorkerFactory, WorkerHost, WorkerInfo
 from engine.config import EngineConfig
-from engine.serving.log_config import configure_logging
-from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
 from protos.cluster_auth import OPEN, ClusterAuth
+from protos.worker_info import ROLES, check_role
+from worker.config import WorkerConfig
+from worker.log_config import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -314,8 +315,7 @@ class ClusterController:
         """Grow or shrink the pool of `role` to `num_workers`; the other pools are untouched. Growing returns once
         the new workers serve; shrinking drains the newest workers first (see the module docstring) and returns
         once they are gone. Returns the published workers afterwards."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        check_role(role)
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         with self._op_lock:

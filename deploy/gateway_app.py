@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deploy.serve_args import DEFAULT_DISAGG_PREFILL_THRESHOLD
-from engine.serving.worker_config import WorkerInfo
 from protos.cluster_auth import ClusterAuth
+from protos.worker_info import WorkerInfo
 from router.rate_limit import RateLimits
 
 if TYPE_CHECKING:

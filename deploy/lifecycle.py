@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.serving.worker_config import WorkerInfo
+    from protos.worker_info import WorkerInfo
 
 CONTROLLER_SHUTDOWN_GRACE_S = 30.0  # the controller stops all workers in parallel, each within stop_timeout_s
 POLL_S = 0.5  # how often a running command looks at its signals and runs its checks

@@ -22,9 +22,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from deploy.controller import ClusterController, ControllerConfig, init_local_ray
-from deploy.serve_args import CONTROLLER_NAME, CONTROLLER_NAMESPACE
 from deploy.ray_node import RayNode
-from engine.serving.worker_config import WorkerInfo
+from deploy.serve_args import CONTROLLER_NAME, CONTROLLER_NAMESPACE
+from protos.worker_info import WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A fixed list of worker processes, without Ray: what `splitserve gateway --prefill HOST:PORT --decode HOST:PORT`
 (SGLang's router PD mode) or `--colocated HOST:PORT` routes to. The workers are plain processes
-(`python -m prefill_worker`, `python -m decode_worker [--role colocated]`: engine/serving/worker_main.py).
+(`python -m prefill_worker`, `python -m decode_worker [--role colocated]`: worker/main.py).
 
     flags ──▶ WorkerList (roles and endpoints, validated, no I/O)
           ──▶ StaticWorkers.discover(): `Health` on every endpoint until each answers ok (bounded:
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from deploy.gateway_app import ServedEngine
-from engine.serving.worker_config import WorkerInfo
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import ClusterAuth, sync_channel
+from protos.worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from router.admin import PoolWorker

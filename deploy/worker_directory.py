@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app
-from engine.serving.worker_config import WorkerInfo
+from protos.worker_info import WorkerInfo
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from engine.config import EngineConfig
-from engine.serving.worker_config import WorkerConfig, WorkerInfo
 from protos.cluster_auth import sync_channel
+from protos.worker_info import WorkerInfo
+from worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from engine.loader.checkpoint import Checkpoint
@@ -206,12 +207,12 @@ class WorkerHost:
         return self._checkpoints[key]
 
     def _start_one(self, config: WorkerConfig) -> _Running:
-        from engine.serving.fresh_thread import run_on_fresh_thread
+        from worker.fresh_thread import run_on_fresh_thread
 
         if config.host in WILDCARD_HOSTS and not config.advertise_host:
             config = replace(config, advertise_host=self._node_ip)
         # Weights and engine are built on a thread that then exits: the engine loop's thread must be this
-        # process's only OpenMP master (engine/serving/fresh_thread.py).
+        # process's only OpenMP master (worker/fresh_thread.py).
         worker = run_on_fresh_thread(lambda: self._factory.build(config, self._checkpoint_for(config.engine)))
         try:
             endpoint = worker.start()

@@ -34,6 +34,7 @@ from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
 from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
 from engine.tokenizer.tokenizer import Tokenizer
 from kv_transfer.block_hash import BlockHashNamespace
+from kv_transfer.layout import KVLayout
 from kv_transfer.native_build import KernelStatus
 
 logger = logging.getLogger(__name__)
@@ -192,3 +193,16 @@ def _speculator(spec: SpeculativeConfig | None, runner: ModelRunner, draft_check
     proposer = make_proposer(spec, runner, draft_checkpoint=draft_checkpoint, max_model_len=max_model_len,
                              attention_backend=config.attention_backend)
     return Speculator(spec, proposer, token_budget=config.max_num_batched_tokens)
+
+
+def kv_layout(model_config: ModelConfig, config: EngineConfig) -> KVLayout:
+    """The layout of an engine's KV blocks (`config` with its dtype concrete): the one place it is read off the
+    model and the engine config."""
+    return KVLayout(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        block_size=config.block_size,
+        dtype=config.dtype,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )

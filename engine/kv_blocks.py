@@ -4,6 +4,8 @@ writes, block by block.
     kv_cache   [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: every layer in one tensor, so that
                kv_cache[:, :, block_id] (one block across all layers) moves in one strided copy
     kv_scales  [num_layers, 2, num_blocks, num_kv_heads] float32: an int8 cache's scales; None for any other
+    layout     how a handoff names one of these blocks (kv_transfer/layout.py): the shape above without num_blocks,
+               the model's dtype and the cache's
 
 A view, not a copy: the runner's own tensors, which every forward pass reads and writes, for the engine's
 lifetime. Which blocks a caller may touch is the control plane's to say: a held request's
@@ -17,8 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.layout import KVLayout
+
 
 @dataclass(frozen=True)
 class KVBlocks:
     kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     kv_scales: torch.Tensor | None  # int8 only: [num_layers, 2, num_blocks, num_kv_heads] float32
+    layout: KVLayout
+

@@ -23,7 +23,7 @@ from engine.core.request import Request, RequestStatus
 from engine.request.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.stats import EngineStats, RequestStats
-from engine.engine_builder import build_engine_parts
+from engine.engine_builder import build_engine_parts, kv_layout
 from engine.input_processor import InputProcessor
 from engine.kv_blocks import KVBlocks
 from engine.loader.checkpoint import Checkpoint
@@ -49,7 +49,8 @@ class LLMEngine:
         self.max_model_len, self.num_kv_blocks = parts.max_model_len, parts.num_kv_blocks
         self.hash_namespace = parts.hash_namespace
         self.runner, self.speculator = parts.runner, parts.speculator
-        self.kv_blocks = KVBlocks(self.runner.kv_cache, self.runner.kv_scales)  # what a worker's KV handoff moves
+        # What a worker's KV handoff moves, and how it names it.
+        self.kv_blocks = KVBlocks(self.runner.kv_cache, self.runner.kv_scales, kv_layout(self.model_config, config))
         # What start-up found: the cuda memory profile (None: not profiled), the C++ kernels loaded (cpu), the
         # attention backend, the seconds CUDA-graph capture took (None: no graphs).
         self.memory_profile, self.cpu_kernels = parts.memory_profile, parts.cpu_kernels

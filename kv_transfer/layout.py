@@ -166,27 +166,16 @@ class KVLayout:
         if diffs:
             raise KVLayoutMismatch("KV layout mismatch between peers (" + "; ".join(diffs) + ")")
 
+    # The proto message's fields are the dataclass' fields, name for name.
     def to_proto(self) -> kv_transfer_pb2.KVLayout:
-        return kv_transfer_pb2.KVLayout(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            block_size=self.block_size,
-            dtype=self.dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
+        return kv_transfer_pb2.KVLayout(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
     def from_proto(cls, msg: kv_transfer_pb2.KVLayout) -> KVLayout:
+        values = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        values["kv_cache_dtype"] = msg.kv_cache_dtype or "auto"  # unset: a peer from before quantized handoffs
         try:
-            return cls(
-                num_layers=msg.num_layers,
-                num_kv_heads=msg.num_kv_heads,
-                head_dim=msg.head_dim,
-                block_size=msg.block_size,
-                dtype=msg.dtype,
-                kv_cache_dtype=msg.kv_cache_dtype or "auto",  # unset: a peer from before quantized handoffs
-            )
+            return cls(**values)
         except ValueError as exc:
             raise KVLayoutMismatch(f"peer sent an invalid KV layout: {exc}") from None
 

@@ -1,6 +1,6 @@
 """The cluster-wide prefix index in Redis: which worker holds which KV blocks. The one module that owns its keys.
 
-Workers write it (`engine/serving/kv_event_publisher.py`, from their KV events); the router reads it
+Workers write it (`worker/kv_event_publisher.py`, from their KV events); the router reads it
 (`router/prefix_index_client.py`) and writes short-lived provisional entries for its routing decisions. Both sides
 import this module: it needs the `redis` client only, never torch.
 

@@ -29,14 +29,14 @@ from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
 from engine.request.wire import logprobs_to_proto, sampling_params_from_proto, stop_reason_to_proto
-from engine.serving.worker_config import WorkerConfig
-from engine.serving.worker_runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 from kv_transfer.base import TransferResult
 from kv_transfer.handoff_failure import reason_of
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_sender
 from kv_transfer.wire_block import read_wire_block, read_wire_blocks
 from protos import serving_pb2, serving_pb2_grpc
+from worker.config import WorkerConfig
+from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
 
@@ -214,13 +214,8 @@ class PrefillServicer(WorkerServicer):
     async def Prefill(
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.PrefillResponse:
-        gate = self.worker.runtime.gate
-        if not gate.enter():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker.worker_id} is draining")
-        try:
+        async with self.admitted(context):
             return await self.worker.prefill(request, context)
-        finally:
-            gate.exit()
 
     async def Generate(self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

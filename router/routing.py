@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.serving.worker_config import ROLES  # noqa: F401 - the one definition, re-exported for the router
 from kv_transfer.layout import cdiv
+from protos.worker_info import ROLES  # noqa: F401 - the one definition, re-exported for the router
 
 POLICIES = ("prefix-aware", "least-loaded", "round-robin")
 

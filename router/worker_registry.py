@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
+from kv_transfer.block_hash import BlockHashNamespace
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, aio_channel
-from engine.serving.worker_config import WorkerInfo
-from kv_transfer.block_hash import BlockHashNamespace
+from protos.worker_info import WorkerInfo
 from router.routing import WorkerLoad
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ flag a parser takes is documented, and a plain default a table states is the par
     ─────────                                        ───────
     a flag table: `| flag | default | meaning |`     deploy/cli.py's `splitserve` subcommands
     its flags: the backticked `--names` of its       `python -m prefill_worker` / `decode_worker`
-    first column; named by the heading above it      (engine/serving/worker_main.py)
+    first column; named by the heading above it      (worker/main.py)
                        └──────── TABLES_OF: command → its tables ────────┘
 
 A command's tables together document each of its flags exactly once; a row without a flag (`engine flags`)
@@ -109,7 +109,7 @@ class _Parsed(Exception):
 
 def _worker_parser(roles: tuple[str, ...]) -> argparse.ArgumentParser:
     """The parser `parse_worker_config` builds (it builds and parses in one call: its parse is intercepted)."""
-    from engine.serving import worker_main
+    from worker import main as worker_main
 
     def intercept(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> argparse.Namespace:
         raise _Parsed(self)

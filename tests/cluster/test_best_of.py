@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from engine.request.sampling_params import SamplingParams
-from engine.serving.worker_config import WorkerInfo
+from protos.worker_info import WorkerInfo
 from router.app import create_app
 from router.config import RouterConfig
 from router.server import RouterServer

@@ -21,16 +21,16 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from engine.core.sampling_params import SamplingParams
-from engine.serving.worker_config import WorkerInfo
-from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
+from engine.request.sampling_params import SamplingParams
 from prefill_worker.worker import FAULT_KV_CUTS_ENV
 from protos import serving_pb2
+from protos.worker_info import WorkerInfo
 from router.app import create_app
 from router.config import RouterConfig
 from router.server import RouterServer
 from router.worker_registry import WorkerRegistry
 from tests.cluster.worker_harness import engine_config, start_worker, stub, wait_blocks_free
+from worker.runtime import FAULT_STEP_SLEEP_ENV
 
 pytestmark = [pytest.mark.slow]
 

@@ -237,7 +237,7 @@ def test_the_gateway_reaches_the_workers_only_with_the_secret(workers, checkpoin
     import httpx
     import openai
 
-    from engine.serving.worker_config import WorkerInfo
+    from protos.worker_info import WorkerInfo
     from engine.tokenizer.tokenizer import Tokenizer
     from router.api_keys import AccessControl, ApiKeyRing
     from router.app import create_app

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
 from tests.deploy.processes import serve_argv, serving
+from worker.runtime import FAULT_STEP_SLEEP_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

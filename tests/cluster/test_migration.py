@@ -11,15 +11,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine.serving.worker_config import WorkerInfo
-from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
 from protos import serving_pb2
+from protos.worker_info import WorkerInfo
 from router.app import create_app
 from router.config import RouterConfig
 from router.server import RouterServer
 from router.worker_registry import WorkerRegistry
 from tests.cluster.load import stream_greedy
 from tests.cluster.worker_harness import start_worker, stub, wait_blocks_free
+from worker.runtime import FAULT_STEP_SLEEP_ENV
 
 pytestmark = [pytest.mark.slow]
 

@@ -25,11 +25,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import CLUSTER_SECRET_ENV, ClusterAuth, sync_channel
 from tests.cluster.load import SteadyLoad, stream_greedy
 from tests.deploy.processes import ServeProcess, serve_argv, serving
+from worker.runtime import FAULT_STEP_SLEEP_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -18,9 +18,9 @@ import redis as redis_client
 
 from deploy.redis_server import EmbeddedRedis
 from engine.request.sampling_params import SamplingParams
-from engine.serving.worker_config import WorkerInfo
 from kv_transfer import prefix_index as pi
 from protos import serving_pb2
+from protos.worker_info import WorkerInfo
 from router.app import create_app
 from router.config import RouterConfig
 from router.prefix_index_client import PrefixIndexClient

@@ -219,7 +219,7 @@ def test_no_room_on_the_decode_worker_is_resource_exhausted(smollm2_checkpoint) 
 def test_a_draining_pair_refuses_new_requests_and_finishes_the_one_it_holds(
     smollm2_checkpoint, prompt_ids, offline, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.serving.worker_runtime import FAULT_STEP_SLEEP_ENV
+    from worker.runtime import FAULT_STEP_SLEEP_ENV
     from protos import serving_pb2
 
     prefill = start_worker("prefill", smollm2_checkpoint, worker_id="p-drain")

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.request.sampling_params import SamplingParams
 from engine.request.wire import sampling_params_to_proto
-from engine.serving.worker_config import WorkerConfig
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
+from worker.config import WorkerConfig
 
 ENGINE = dict(num_kv_blocks=192, max_model_len=1024, max_num_batched_tokens=1024)
 

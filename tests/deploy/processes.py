@@ -101,7 +101,7 @@ def describe(pids: list[int]) -> list[str]:
 
 
 READY = re.compile(r"^splitserve: serving \S+ on (http://\S+) ")
-WORKER_READY = re.compile(r"^ENDPOINT (\S+)$")  # a worker process' (engine/serving/worker_main.py)
+WORKER_READY = re.compile(r"^ENDPOINT (\S+)$")  # a worker process' (worker/main.py)
 
 
 class ServeProcess:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import grpc
 
 from engine.config import EngineConfig
-from engine.serving.worker_config import WorkerConfig
 from protos import serving_pb2, serving_pb2_grpc
+from worker.config import WorkerConfig
 
 UNHEALTHY_FILE_ENV = "STUB_UNHEALTHY_FILE"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deploy.lifecycle import ShutdownSignals, describe_pools, every, run_until_signalled
-from engine.serving.worker_config import WorkerInfo
+from protos.worker_info import WorkerInfo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,9 +17,9 @@ from deploy.static_workers import (
     check_workers,
     worker_list_from_args,
 )
-from engine.serving.worker_config import WorkerInfo
 from protos import serving_pb2
 from protos.cluster_auth import OPEN
+from protos.worker_info import WorkerInfo
 from tests.router.conftest import dead_endpoint
 from tests.router.fake_worker import FakeWorker
 

@@ -9,9 +9,9 @@ import pytest
 
 from deploy.worker_host import LIVE, UNRESPONSIVE, WorkerHost
 from engine.config import EngineConfig
-from engine.serving.worker_config import WorkerConfig
 from protos import serving_pb2, serving_pb2_grpc
 from tests.deploy.stub_worker import StubCheckpoint, StubWorker, StubWorkerFactory
+from worker.config import WorkerConfig
 
 
 class RecordingFactory:

@@ -12,7 +12,6 @@ import torch
 
 from decode_worker.reservation import DecodeKVSink, Reservation
 from engine import SamplingParams
-from engine.serving.worker_runtime import kv_layout
 from kv_transfer.base import TransferFault
 from kv_transfer.layout import KVHandoff
 from prefill_worker.worker import HeldBlocks
@@ -100,7 +99,7 @@ def hand_off_prompt(prefill, decode, sender, sink: DecodeKVSink, endpoint: str, 
     `sender` to the receiver at `endpoint` (which writes into `sink`), release the prefill's hold. Returns the
     reservation and the first token. `corrupt_last_byte`: the last block's last byte arrives flipped (an int8
     block's: a scale's), so the checksum fails."""
-    layout = kv_layout(decode)
+    layout = decode.kv_blocks.layout
     prefill.enqueue(prefill.make_request(request_id, prompt, params, remote_decode=True))
     first = steps_until_finished(prefill, request_id)
     request = decode.make_request(request_id, prompt, params)

@@ -94,14 +94,13 @@ def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_che
     from decode_worker.reservation import DecodeKVSink, ReservationState
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.serving.worker_runtime import kv_layout
 
     config = EngineConfig(**{**TINY_ENGINE, "device": "cuda", "dtype": "bfloat16",  # type: ignore[arg-type]
                              "kv_cache_dtype": kv_cache_dtype})
     colocated, prefill, decode = (LLMEngine(config, tiny_checkpoint) for _ in range(3))
     graphs = kv_cache_dtype == "auto"  # an fp8 cache runs on the torch backend, eagerly
     assert (decode.runner.graphs is not None) == graphs
-    layout = kv_layout(decode)
+    layout = decode.kv_blocks.layout
     cuda = torch.device("cuda")
     sink = DecodeKVSink(layout, cuda)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -37,7 +37,6 @@ from deploy.serve_args import controller_config_from_args
 from engine import SamplingParams
 from engine.attention import int8_kv
 from engine.attention.int8_kv import dequantize_slots, quantize_store
-from engine.serving.worker_runtime import kv_layout
 from kv_transfer.layout import KVChecksumError
 from tests.engine.kv_harness import hand_off_prompt, prompt_logits, steps_until_finished, transfer_link
 from tests.engine.tiny_model import PROMPTS, TINY_ENGINE, make_engine
@@ -182,8 +181,9 @@ def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint,
     token for token (the decode engine reads the very cache the colocated one would have), and every block of
     both engines comes back. A corrupted scale fails the checksum: nothing commits, every block comes back."""
     colocated, prefill, decode = (make_engine(tiny_checkpoint, kv_cache_dtype="int8") for _ in range(3))
-    layout = kv_layout(decode)  # what a worker over the engine names in its handoffs
-    assert layout.kv_cache_dtype == "int8" and layout == kv_layout(prefill) != kv_layout(make_engine(tiny_checkpoint))
+    layout = decode.kv_blocks.layout  # what a worker over the engine names in its handoffs
+    assert layout.kv_cache_dtype == "int8"
+    assert layout == prefill.kv_blocks.layout != make_engine(tiny_checkpoint).kv_blocks.layout
     sink = DecodeKVSink(layout, torch.device("cpu"))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with transfer_link(transport, sink, torch.device("cpu")) as (sender, endpoint):

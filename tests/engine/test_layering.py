@@ -25,7 +25,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sampling", ("engine.structured", "engine.sampling")),
     ("runner", ("engine.model_runner", "engine.memory_profile", "engine.spec_decode", "engine.input_processor")),
     ("engine", ("engine.llm_engine", "engine.engine_builder", "engine.llm", "engine.engine_args")),
-    ("entry points", ("engine.serving", "engine.generate_command", "engine")),
+    ("entry points", ("engine.generate_command", "engine")),
 )
 # The contract is imported by the router, which never imports torch: it stands on nothing else of the engine.
 CONTRACT_MAY_IMPORT = ("engine.request", "protos")

@@ -45,7 +45,7 @@ class Server:
     """A grpc.aio server on its own event loop thread, as a worker runs one."""
 
     def __init__(self, auth: ClusterAuth) -> None:
-        from engine.serving.event_loop_thread import EventLoopThread
+        from worker.event_loop_thread import EventLoopThread
 
         self.worker = CountingWorker()
         self.aio = EventLoopThread("test-grpc")

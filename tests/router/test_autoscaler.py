@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from engine.serving.worker_config import WorkerInfo
 from protos import serving_pb2
+from protos.worker_info import WorkerInfo
 from router.admin import PoolWorker
 from router.autoscale_policy import AutoscalePolicy, PoolBounds
 from router.autoscaler import Autoscaler, AutoscalerConfig

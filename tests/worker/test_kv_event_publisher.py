@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from engine.serving.kv_event_publisher import NullPublisher, RedisKVEventPublisher
 from kv_transfer import prefix_index as pi
 from kv_transfer.block_hash import BlockHashNamespace, hash_token_blocks
 from kv_transfer.kv_events import BlockRemoved, BlockStored
+from worker.kv_event_publisher import NullPublisher, RedisKVEventPublisher
 
 pytestmark = pytest.mark.redis
 
@@ -129,7 +129,7 @@ def test_an_outage_drops_events_then_a_snapshot_restores_the_index(redis_db, red
 def test_publish_never_blocks_and_drops_nothing_silently(redis_db, redis_url) -> None:
     engine = FakeEngine()
     publisher = make(redis_url, engine)  # not started: nothing drains the queue
-    import engine.serving.kv_event_publisher as module
+    import worker.kv_event_publisher as module
 
     limit, module._MAX_QUEUED_BATCHES = module._MAX_QUEUED_BATCHES, 3
     try:

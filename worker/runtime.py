@@ -5,7 +5,7 @@
       .aio                   the asyncio loop (its own thread) the server and every handler run on
       .server / .endpoint    grpc.aio.Server bound at construction ("host:port"); role servicers register on it
       .start() / .stop()     loop and server up / down (stop aborts every request, freeing its blocks)
-      .gate / .drain(t)      the request RPCs' gate (engine/serving/request_gate.py); drain: refuse new
+      .gate / .drain(t)      the request RPCs' gate (worker/request_gate.py); drain: refuse new
                              requests, wait up to t seconds for those in flight (before a scale-down's stop)
       await .call(fn)        fn(engine) on the engine thread, awaited from a handler without blocking the loop
       .outputs(request_id)   an asyncio.Queue fed with the request's RequestOutputs from the engine thread
@@ -24,11 +24,12 @@ through a servicer subclassing `WorkerServicer`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,25 +37,24 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
+from engine.config import SpeculativeConfig
 from engine.core.fork import choice_request_id
 from engine.core.stats import EngineStats
 from engine.device import resolve_engine_config
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
 from engine.outputs import RequestOutput
-from engine.serving.engine_loop import EngineLoop, EngineLoopClosed
-from engine.serving.kv_event_publisher import NullPublisher, RedisKVEventPublisher
-from engine.serving.event_loop_thread import EventLoopThread
-from engine.serving.malloc_tuning import tune_malloc
-from engine.serving.request_gate import RequestGate
-from engine.serving.worker_config import WorkerConfig
-from engine.config import SpeculativeConfig
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
-from kv_transfer.layout import KVLayout
 from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import add_port, server_interceptors
+from worker.config import WorkerConfig
+from worker.engine_loop import EngineLoop, EngineLoopClosed
+from worker.event_loop_thread import EventLoopThread
+from worker.kv_event_publisher import NullPublisher, RedisKVEventPublisher
+from worker.malloc_tuning import tune_malloc
+from worker.request_gate import RequestGate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,7 +137,7 @@ class WorkerRuntime:
             self.aio.stop()
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.advertise_host or config.host}:{port}"
-        self.layout = kv_layout(self.engine)
+        self.layout = self.engine.kv_blocks.layout
         self.gate = RequestGate()
         self._started = False
         self._stopped = False
@@ -286,10 +286,22 @@ class WorkerRuntime:
 
 
 class WorkerServicer(serving_pb2_grpc.WorkerServicer):
-    """Health, GetLoad and Abort for every role; roles add Generate or Prefill."""
+    """Health, GetLoad and Abort for every role; roles add Generate or Prefill, each inside `admitted`."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """One request RPC through the runtime's gate: ends the call UNAVAILABLE "draining" (retryable: nothing
+        was done) once the worker drains; else counts it in flight until the block inside is left, however."""
+        gate = self.runtime.gate
+        if not gate.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.runtime.config.worker_id} is draining")
+        try:
+            yield
+        finally:
+            gate.exit()
 
     async def Health(
         self, request: serving_pb2.HealthRequest, context: grpc.aio.ServicerContext
@@ -311,19 +323,6 @@ def chosen_k_counts(stats: EngineStats, spec: SpeculativeConfig | dict | None) -
     return [stats.spec_decode_chosen_k.get(k, 0) for k in range(spec.num_speculative_tokens + 1)]
 
 
-def kv_layout(engine: LLMEngine) -> KVLayout:
-    """The KV layout a worker over `engine` names in its handoffs: its blocks' shape, model dtype and KV cache dtype."""
-    mc, config = engine.model_config, engine.config
-    return KVLayout(
-        num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-        block_size=config.block_size,
-        dtype=config.dtype,
-        kv_cache_dtype=config.kv_cache_dtype,
-    )
-
-
 def _inject_slow_steps(engine: LLMEngine, sleep_s: float) -> None:
     if sleep_s <= 0:
         return
@@ -335,14 +334,3 @@ def _inject_slow_steps(engine: LLMEngine, sleep_s: float) -> None:
         return step()
 
     engine.step = slow_step  # type: ignore[method-assign]
-
-
-def elapsed_s(start: float | None, end: float | None) -> float:
-    """A duration from two monotonic stamps, 0 when either is missing."""
-    if start is None or end is None:
-        return 0.0
-    return max(end - start, 0.0)
-
-
-def now_s() -> float:
-    return time.monotonic()

@@ -1,5 +1,5 @@
-"""A worker's configuration, and what the rest of the cluster knows of a running worker. Frozen, no I/O, no torch:
-the controller, the router and the workers all import it."""
+"""A worker's configuration. Frozen, no I/O, no torch: the controller builds one per worker it starts, the worker
+process from its flags (what the rest of the cluster knows of a running worker is protos/worker_info.py's)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from protos.cluster_auth import OPEN, ClusterAuth
-
-ROLES = ("prefill", "decode", "colocated")
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerInfo:
-    """A running worker as the controller publishes it and the router reaches it."""
-
-    worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
-    endpoint: str  # "host:port" of its gRPC `Worker` service
-    incarnation: int = 0  # changes on every restart: index entries and channels of an older one are stale
-    pid: int = 0  # the process hosting it (for operators and tests; 0: not known)
-    node_id: str = ""  # the Ray node it runs on ("": not on Ray)
-    # Chosen for removal by a scale-down: still listed (so in-flight calls, Aborts and load polls reach it) but
-    # routed no new request; it refuses new ones itself too (UNAVAILABLE "draining").
-    draining: bool = False
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if not self.worker_id or not self.endpoint:
-            raise ValueError(f"worker_id and endpoint must be non-empty, got {self.worker_id!r}, {self.endpoint!r}")
+from protos.worker_info import check_role
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +29,6 @@ class WorkerConfig:
     auth: ClusterAuth = OPEN
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        check_role(self.role)
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}")

@@ -7,8 +7,8 @@ import threading
 import time
 
 from engine.request.sampling_params import SamplingParams
-from engine.serving.engine_loop import EngineLoop
 from tests.engine.tiny_model import assert_no_blocks_held, make_engine
+from worker.engine_loop import EngineLoop
 
 
 def test_a_loop_that_can_schedule_nothing_sleeps_and_wakes_on_a_command(tiny_checkpoint) -> None:

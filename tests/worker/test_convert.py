@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.outputs import RequestOutput
 from engine.request.wire import stop_reason_from_proto
-from engine.serving.convert import output_to_response
+from worker.convert import output_to_response
 
 
 def finished(stop_reason: int | str | None) -> RequestOutput:

@@ -8,7 +8,7 @@ import logging
 import os
 
 LEVEL_ENV = "SPLITSERVE_LOGGING_LEVEL"
-_PACKAGES = ("engine", "kv_transfer", "router", "deploy", "prefill_worker", "decode_worker")
+_PACKAGES = ("engine", "kv_transfer", "router", "deploy", "worker", "prefill_worker", "decode_worker")
 
 
 def configure_logging() -> None:

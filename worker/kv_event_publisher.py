@@ -170,7 +170,7 @@ class RedisKVEventPublisher:
             registered = self._redis.hget(pi.workers_key(self._prefix), self._publisher.worker_id)
         except self._errors as exc:
             self._mark_down(exc)
-            self._needs_snapshot, self._snapshot_asked = True, False
+            self._resynchronise()
             return
         self.up = True
         expected = f"{self._publisher.incarnation} {self._publisher.role} {self._seq}".encode()
@@ -178,7 +178,12 @@ class RedisKVEventPublisher:
             logger.info("prefix index: this worker's entries are gone or stale (%r); republishing a snapshot",
                         registered)
             self.stats.num_gaps += 1
-            self._needs_snapshot, self._snapshot_asked = True, False
+            self._resynchronise()
+
+    def _resynchronise(self) -> None:
+        """The index may lack batches of ours: drop incremental ones until a snapshot is sent (asked of the engine
+        on the next pass that finds Redis answering)."""
+        self._needs_snapshot, self._snapshot_asked = True, False
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -203,7 +208,7 @@ class RedisKVEventPublisher:
             answer = self._apply(args=pi.apply_args(self._prefix, batch))
         except self._errors as exc:
             self._mark_down(exc)
-            self._needs_snapshot, self._snapshot_asked = True, False
+            self._resynchronise()
             return
         answer = answer.decode() if isinstance(answer, bytes) else answer
         self.up = True
@@ -216,7 +221,7 @@ class RedisKVEventPublisher:
         elif answer == pi.GAP:
             self.stats.num_gaps += 1
             logger.info("prefix index: sequence gap at batch %d; republishing a snapshot", batch.seq)
-            self._needs_snapshot, self._snapshot_asked = True, False
+            self._resynchronise()
         else:  # STALE: a newer incarnation of this worker id publishes: this one is on its way out
             logger.warning("prefix index: a newer incarnation of %s publishes; this one stops publishing",
                            self._publisher.worker_id)

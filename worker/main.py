@@ -21,11 +21,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.engine_args import add_engine_args, engine_config_from_args
-from engine.serving.fresh_thread import run_on_fresh_thread
-from engine.serving.log_config import configure_logging
-from engine.serving.worker_config import ROLES, WorkerConfig
 from kv_transfer.registry import TRANSPORTS
 from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
+from protos.worker_info import ROLES
+from worker.config import WorkerConfig
+from worker.fresh_thread import run_on_fresh_thread
+from worker.log_config import configure_logging
 
 logger = logging.getLogger(__name__)
 

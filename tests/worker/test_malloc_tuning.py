@@ -11,7 +11,7 @@ import pytest
 # Run in a fresh interpreter: mallopt changes the whole process, and the test runner's must stay as it was.
 _PROBE = """
 import resource, sys
-from engine.serving.malloc_tuning import tune_malloc
+from worker.malloc_tuning import tune_malloc
 assert tune_malloc() and tune_malloc()  # applied, then idempotent
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):

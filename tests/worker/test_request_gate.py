@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine.serving.request_gate import RequestGate
+from worker.request_gate import RequestGate
 
 
 def test_a_drain_refuses_new_calls_and_waits_for_those_in_flight() -> None:
