@@ -1,6 +1,7 @@
 """Admission control at the gateway: a request the target pool has no room for waits here, in arrival order, in a
 bounded queue; beyond the bound it is refused at once (429, with Retry-After), before any worker sees it.
 
+    refused = admission.refuse_on_arrival()         a full queue refuses any request, before its body is read
     ticket = await admission.acquire(num_blocks)    FIFO wait; AdmissionRefused when refused or timed out
     ... dispatch, stream ...
     ticket.release()                                idempotent: room for the next request
@@ -181,17 +182,10 @@ class Admission:
             return Ticket(None, num_blocks, 0.0, self._clock())
         if not self._queue and fits(self.capacity, self.in_flight, num_blocks):
             return self._admit(num_blocks, queued_s=0.0)
-        queued = Usage(num_requests=len(self._queue), num_blocks=self._queued_blocks)
-        wait_s = expected_wait_s(queued.num_requests + 1, self.mean_hold_s, self.capacity)
-        if not may_queue(self.capacity, queued, num_blocks, max_queued_requests=self._max_queued_requests,
-                         wait_s=wait_s, queue_timeout_s=self._queue_timeout_s):
-            self._on_refused("queue_full")
-            raise AdmissionRefused(
-                "queue_full",
-                f"the server is at capacity ({self.in_flight.num_requests} requests running, {queued.num_requests} "
-                f"queued); retry later",
-                retry_after_s=retry_after_s(wait_s),
-            )
+        refused = self._refusal(num_blocks)
+        if refused is not None:
+            self._on_refused(refused.reason)
+            raise refused
         waiter = _Waiter(num_blocks, asyncio.get_running_loop().create_future(), self._clock())
         self._queue.append(waiter)
         self._queued_blocks += num_blocks
@@ -213,7 +207,33 @@ class Admission:
                 self._leave(waiter)
             raise
 
+    def refuse_on_arrival(self) -> AdmissionRefused | None:
+        """The refusal that `acquire` would give any request arriving now, whatever its size, else None: what a
+        gateway may answer before it reads (parses, tokenizes) a request's body. A request of one block is the
+        smallest, and the bounds only tighten with size, so one refused at one block is refused at any size. A
+        refusal is counted as `acquire`'s are."""
+        if not self.enabled or (not self._queue and fits(self.capacity, self.in_flight, 1)):
+            return None
+        refused = self._refusal(1)
+        if refused is not None:
+            self._on_refused(refused.reason)
+        return refused
+
     # -- internals -------------------------------------------------------------------------------------------
+    def _refusal(self, num_blocks: int) -> AdmissionRefused | None:
+        """Why a request of `num_blocks` that does not fit now may not wait either (429), else None."""
+        queued = Usage(num_requests=len(self._queue), num_blocks=self._queued_blocks)
+        wait_s = expected_wait_s(queued.num_requests + 1, self.mean_hold_s, self.capacity)
+        if may_queue(self.capacity, queued, num_blocks, max_queued_requests=self._max_queued_requests,
+                     wait_s=wait_s, queue_timeout_s=self._queue_timeout_s):
+            return None
+        return AdmissionRefused(
+            "queue_full",
+            f"the server is at capacity ({self.in_flight.num_requests} requests running, {queued.num_requests} "
+            f"queued); retry later",
+            retry_after_s=retry_after_s(wait_s),
+        )
+
     def _admit(self, num_blocks: int, *, queued_s: float) -> Ticket:
         self.in_flight = Usage(num_requests=self.in_flight.num_requests + 1,
                                num_blocks=self.in_flight.num_blocks + num_blocks)

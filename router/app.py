@@ -10,7 +10,8 @@
     GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
 
 With API keys (router/api_keys.py), /v1/* (and /metrics with --metrics-require-key) need a bearer key; /health
-stays open.
+stays open. While the admission queue is full, a generation request gets its 429 before its body is read
+(router/admission_guard.py).
 
 `create_app` owns the registry's and the prefix index client's lifecycles: the app's lifespan starts them
 (inside the serving event loop, where their gRPC channels and Redis connections must live) and closes them.
@@ -38,6 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
+from router.admission_guard import AdmissionGuard
 from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
 from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
 from router.body_limit import BodyLimit
@@ -149,6 +151,9 @@ def create_app(
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.add_middleware(BodyLimit, max_body_bytes=config.max_request_body_bytes)  # 413 before any parsing
+    # A full queue's 429 before the body is read (outside BodyLimit, which reads it), after the API key's check.
+    app.add_middleware(AdmissionGuard, admission=admission,
+                       on_refused=lambda reason: metrics.request_failure.labels(reason=reason).inc())
     if access is not None:  # added last: outermost, so a request without a key is refused before its body is read
         app.add_middleware(ApiKeyGuard, access=access,
                            on_rejected=lambda reason: metrics.api_key_rejections.labels(reason=reason).inc(),
