@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.config_checks import AT_LEAST_ONE, AT_LEAST_ZERO, POSITIVE, check_fields, checked, one_of
 from router.routing import POLICIES as ROUTING_POLICIES
 
 MODES = ("disaggregated", "colocated")
@@ -19,65 +20,44 @@ class RouterConfig:
     """
 
     served_model_names: tuple[str, ...]
-    max_model_len: int
-    mode: str = "disaggregated"  # "disaggregated": prefill + decode pools; "colocated": one pool runs both
-    block_size: int = 16
-    request_timeout_s: float = 600.0  # deadline of one Generate call, queueing included
-    abort_timeout_s: float = 2.0  # deadline of the belt-and-braces Abort sent after a cancellation
+    max_model_len: int = checked(POSITIVE)
+    # "disaggregated": prefill + decode pools; "colocated": one pool runs both
+    mode: str = checked(one_of(MODES), default="disaggregated")
+    block_size: int = checked(POSITIVE, default=16)
+    request_timeout_s: float = checked(POSITIVE, default=600.0)  # deadline of one Generate call, queueing included
+    # deadline of the belt-and-braces Abort sent after a cancellation
+    abort_timeout_s: float = checked(POSITIVE, default=2.0)
     # Attempts per request when the chosen worker is unreachable before it sent anything (UNAVAILABLE):
     # the next attempt goes to another worker.
-    max_dispatch_attempts: int = 2
+    max_dispatch_attempts: int = checked(AT_LEAST_ONE, default=2)
     # Migrations per request when its decode worker goes away mid-stream (router/migration.py): the request
     # resumes on another worker from the tokens already streamed; after this many, the client gets an error event.
-    max_migrations: int = 3
-    default_completion_max_tokens: int = 16  # /v1/completions without max_tokens, as in OpenAI and vLLM
+    max_migrations: int = checked(AT_LEAST_ZERO, default=3)
+    # /v1/completions without max_tokens, as in OpenAI and vLLM
+    default_completion_max_tokens: int = checked(AT_LEAST_ONE, default=16)
     # A request body over this is a 413 before it is parsed (router/body_limit.py). vLLM's server sets no limit
     # and SGLang's gateway 512 MiB, for base64 images; this gateway takes text only. 32 MiB holds a 1M-token
     # prompt (~4M characters) even were every character a 6-byte JSON \u escape, and bounds the memory and the
     # parsing one request can cost.
-    max_request_body_bytes: int = 32 * 1024 * 1024
+    max_request_body_bytes: int = checked(POSITIVE, default=32 * 1024 * 1024)
     # Admission control (router/admission.py): off dispatches everything at once (the engines queue it, as in
     # vLLM); requests held while the pool is full, None: as many as the pool runs at once; and how long one may
     # wait there before a 503.
     admission_control: bool = True
-    max_queued_requests: int | None = None
-    queue_timeout_s: float = 30.0
+    max_queued_requests: int | None = checked(AT_LEAST_ZERO, default=None)
+    queue_timeout_s: float = checked(POSITIVE, default=30.0)
     # Routing (router/routing.py): the policy, and conditional disaggregation: a prompt of which the chosen
     # decode worker lacks at most this many tokens is prefilled there, with no KV handoff (0: never).
-    routing_policy: str = "prefix-aware"
-    disagg_prefill_threshold_tokens: int = 0
+    routing_policy: str = checked(one_of(ROUTING_POLICIES), default="prefix-aware")
+    disagg_prefill_threshold_tokens: int = checked(AT_LEAST_ZERO, default=0)
     # The autoscaling signals' sliding window (router/pool_signals.py): TTFT and TPOT percentiles cover the
     # requests measured in the last this many seconds.
-    signal_window_s: float = 60.0
+    signal_window_s: float = checked(POSITIVE, default=60.0)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not name for name in self.served_model_names):
             raise ValueError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.routing_policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}")
-        if self.disagg_prefill_threshold_tokens < 0:
-            raise ValueError(f"disagg_prefill_threshold_tokens must be >= 0, got {self.disagg_prefill_threshold_tokens}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        for name in ("request_timeout_s", "abort_timeout_s", "queue_timeout_s", "signal_window_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
-        if self.max_dispatch_attempts < 1:
-            raise ValueError(f"max_dispatch_attempts must be at least 1, got {self.max_dispatch_attempts}")
-        if self.max_migrations < 0:
-            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if self.default_completion_max_tokens < 1:
-            raise ValueError(
-                f"default_completion_max_tokens must be at least 1, got {self.default_completion_max_tokens}"
-            )
+        check_fields(self)
 
     @property
     def target_role(self) -> str:
