@@ -7,55 +7,14 @@
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from deploy.serve_args import DEFAULT_DISAGG_PREFILL_THRESHOLD
 from engine.serving.worker_config import WorkerInfo
 from protos.cluster_auth import ClusterAuth
-from router.rate_limit import RateLimits
+from router.config import GatewayConfig, ServedEngine
 
 if TYPE_CHECKING:
     from router.admin import PoolWorker
-    from router.autoscaler import AutoscalerConfig
-    from router.server import GatewayTls
-
-
-@dataclass(frozen=True, kw_only=True)
-class GatewayConfig:
-    """The router's options (`add_gateway_args`' flags), shared by `serve` and `gateway`."""
-
-    host: str = "127.0.0.1"  # the router's HTTP address
-    port: int = 8000  # 0: any free port (the ready line names it)
-    request_timeout_s: float = 600.0  # one request, gateway queue included
-    admission_control: bool = True  # False: every request straight to the workers (vLLM's behaviour)
-    max_queued_requests: int | None = None  # the gateway's admission queue; None: derived from the pool
-    queue_timeout_s: float = 30.0  # longest wait in the gateway's queue before a 503
-    max_migrations: int = 3  # times one request may move to another decode worker after losing its own
-    admin_token: str | None = field(default=None, repr=False)  # the admin API's bearer token; None: no admin API
-    routing_policy: str = "prefix-aware"
-    disagg_prefill_threshold_tokens: int = DEFAULT_DISAGG_PREFILL_THRESHOLD
-    # Security (docs/security.md): API keys (none: /v1/* open) and where they come from, per-key rate limits,
-    # HTTPS at the gateway. The cluster secret and gRPC TLS are the workers' (`ServedEngine` does not carry them).
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    api_key_file: str | None = None
-    metrics_require_key: bool = False
-    rate_limits: RateLimits = field(default_factory=RateLimits)
-    tls: GatewayTls | None = None
-    signal_window_s: float = 60.0  # the autoscaling signals' latency window
-    autoscaler: AutoscalerConfig | None = None  # the built-in autoscaler; None: the pools keep their sizes
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServedEngine:
-    """What the gateway must know of the workers' engine to serve it: from the controller's engine config, or
-    from the workers' own Health answers (deploy/static_workers.py)."""
-
-    model: str  # --model: a registered name, a path, or (load_format "dummy") a dummy shape
-    load_format: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None  # None: the checkpoint's context length
-    mode: str = "disaggregated"  # or "colocated"
 
 
 class WorkerSource(Protocol):

@@ -141,7 +141,7 @@ def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
                              tokens_per_minute=args.rate_limit_tokens_per_minute)
     if (rate_limits.enabled or args.metrics_require_key) and not (api_keys or args.api_key_file):
         raise ValueError("rate limits and --metrics-require-key are per API key: give --api-key or --api-key-file")
-    from router.server import GatewayTls
+    from router.config import GatewayTls
 
     tls = (GatewayTls(keyfile=args.ssl_keyfile, certfile=args.ssl_certfile, ca_certs=args.ssl_ca_certs)
            if args.ssl_keyfile is not None else None)

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import json
 import socket
-import ssl
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
 
 from router.app import create_app
-from router.config import RouterConfig
+from router.config import GatewayTls, RouterConfig
 from router.worker_registry import WorkerProvider, WorkerRegistry
 
 if TYPE_CHECKING:
@@ -40,23 +38,6 @@ if TYPE_CHECKING:
 
 # grpc.aio is built for asyncio's own loop; uvicorn would pick uvloop whenever it happens to be installed.
 _LOOP = "asyncio"
-
-
-@dataclass(frozen=True, kw_only=True)
-class GatewayTls:
-    """HTTPS at the gateway, with vLLM's flag names: `--ssl-keyfile`, `--ssl-certfile`, and `--ssl-ca-certs`,
-    which here also requires every client to present a certificate that CA signed (vLLM asks for that with a
-    separate `--ssl-cert-reqs 2`; a CA given for nothing else would be a surprise)."""
-
-    keyfile: str
-    certfile: str
-    ca_certs: str | None = None
-
-    def uvicorn_options(self) -> dict[str, object]:
-        options: dict[str, object] = {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile}
-        if self.ca_certs is not None:
-            options.update(ssl_ca_certs=self.ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        return options
 
 
 def build_router_app(

@@ -311,7 +311,7 @@ def test_a_full_queue_refuses_before_the_body_is_read(fakes, tokenizer) -> None:
     decode.load.max_num_seqs = 1  # one running, one queued (max_queued_requests), then 429
     decode.script = Script(hang_after=1)
     config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN, max_queued_requests=1,
-                          queue_timeout_s=30.0)
+                          queue_timeout_s=30.0, disagg_prefill_threshold_tokens=0)
     registry = WorkerRegistry(lambda: [info_of(prefill), info_of(decode)], refresh_interval_s=0.5,
                               load_timeout_s=1.0)
     spy = _BodySpy(create_app(config, registry, tokenizer))
