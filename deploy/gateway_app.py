@@ -45,29 +45,10 @@ def build_gateway_app(config: GatewayConfig, served: ServedEngine, directory: Wo
         access = AccessControl(ring=ApiKeyRing(config.api_keys, key_file=config.api_key_file),
                                limiter=RateLimiter(config.rate_limits) if config.rate_limits.enabled else None,
                                metrics_require_key=config.metrics_require_key)
-    return build_router_app(
-        model=served.model,
-        worker_provider=directory,
-        load_format=served.load_format,
-        mode=served.mode,
-        block_size=served.block_size,
-        max_model_len=served.max_model_len,
-        request_timeout_s=config.request_timeout_s,
-        admission_control=config.admission_control,
-        max_queued_requests=config.max_queued_requests,
-        queue_timeout_s=config.queue_timeout_s,
-        max_migrations=config.max_migrations,
-        admin=AdminApi(token=config.admin_token, controller=directory) if config.admin_token else None,
-        restart_counts=directory.restart_counts,
-        redis_url=redis_url,
-        routing_policy=config.routing_policy,
-        disagg_prefill_threshold_tokens=config.disagg_prefill_threshold_tokens,
-        signal_window_s=config.signal_window_s,
-        autoscaler=config.autoscaler,
-        pool_controller=pool_controller if config.autoscaler is not None else None,
-        auth=auth,
-        access=access,
-    ), access
+    admin = AdminApi(token=config.admin_token, controller=directory) if config.admin_token else None
+    return build_router_app(config, served, directory, auth=auth, redis_url=redis_url, access=access, admin=admin,
+                            restart_counts=directory.restart_counts,
+                            pool_controller=pool_controller if config.autoscaler is not None else None), access
 
 
 def listen(app: Any, config: GatewayConfig) -> Any:
