@@ -41,7 +41,7 @@ from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
 from router.admission_guard import AdmissionGuard
 from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
-from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
+from router.autoscaler import Autoscaler, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob, num_choices
@@ -83,7 +83,6 @@ def create_app(
     restart_counts: RestartCounts | None = None,
     admin: AdminApi | None = None,
     access: AccessControl | None = None,
-    autoscaler: AutoscalerConfig | None = None,
     pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `config.served_model_names` through the workers `registry` knows.
@@ -92,21 +91,19 @@ def create_app(
     `restart_counts` (optional): the cluster controller's worker restarts, for /metrics.
     `admin` (optional): the admin API's token and controller (router/admin.py); without it /admin/* is a 404.
     `access` (optional): API keys and per-key rate limits (router/api_keys.py); without it /v1/* is open.
-    `autoscaler` (optional, disaggregated only): run the built-in autoscaler (router/autoscaler.py) in the app's
+    `config.autoscaler` (disaggregated only): run the built-in autoscaler (router/autoscaler.py) in the app's
     lifespan, resizing the pools through `pool_controller`.
     """
+    autoscaler = config.autoscaler
     if autoscaler is not None and (pool_controller is None or config.mode != "disaggregated"):
         raise ValueError("the autoscaler needs a pool controller and the disaggregated mode")
     metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts,
                             signal_window_s=config.signal_window_s)
     if prefix_index is not None:
         metrics.registry.register(PrefixIndexCollector(prefix_index.client))
-    admission = Admission(
-        role=config.target_role, enabled=config.admission_control, max_queued_requests=config.max_queued_requests,
-        queue_timeout_s=config.queue_timeout_s,
-        on_refused=lambda reason: metrics.admission_rejections.labels(reason=reason).inc(),
-        on_admitted=metrics.admission_queue_time.observe,
-    )
+    admission = Admission(config, role=config.target_role,
+                          on_refused=lambda reason: metrics.admission_rejections.labels(reason=reason).inc(),
+                          on_admitted=metrics.admission_queue_time.observe)
     metrics.admission_queue_requests.set_function(lambda: admission.num_queued)
     metrics.admission_in_flight_requests.set_function(lambda: admission.in_flight.num_requests)
     registry.add_listener(lambda: admission.update(registry.loads()))

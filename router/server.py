@@ -75,7 +75,7 @@ def build_router_app(
         prefix_index = PrefixIndex(PrefixIndexClient(redis_url), namespace=registry.hash_namespace,
                                    live_workers=registry.incarnations)
     return create_app(router_config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts,
-                      admin=admin, access=access, autoscaler=config.autoscaler, pool_controller=pool_controller)
+                      admin=admin, access=access, pool_controller=pool_controller)
 
 
 def load_tokenizer(model: str, load_format: str = "auto") -> tuple[Tokenizer, int]:

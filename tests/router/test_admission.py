@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from router.admission import (
     retry_after_s,
 )
 from router.app import create_app
-from router.config import RouterConfig
+from router.config import GatewayConfig, RouterConfig
 from router.errors import error_body
 from router.routing import WorkerLoad
 from router.server import RouterServer
@@ -90,8 +91,8 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
-def admission(**kwargs: object) -> Admission:
-    a = Admission(role="decode", **kwargs)  # type: ignore[arg-type]
+def admission(on_refused: Callable[[str], None] | None = None, **settings: object) -> Admission:
+    a = Admission(GatewayConfig(**settings), role="decode", on_refused=on_refused)  # type: ignore[arg-type]
     a.update([load("d0", max_num_seqs=2, kv_blocks_total=10)])
     return a
 
@@ -215,7 +216,7 @@ def test_the_mean_hold_time_bounds_the_queue() -> None:
     now = [0.0]
 
     async def scenario() -> None:
-        a = Admission(role="decode", queue_timeout_s=5.0, clock=lambda: now[0])
+        a = Admission(GatewayConfig(queue_timeout_s=5.0), role="decode", clock=lambda: now[0])
         a.update([load("d0", max_num_seqs=2, kv_blocks_total=100)])
         first = await a.acquire(1)
         now[0] = 4.0
@@ -238,7 +239,7 @@ def test_the_mean_hold_time_bounds_the_queue() -> None:
 
 def test_disabled_admission_dispatches_everything_at_once() -> None:
     async def scenario() -> None:
-        a = Admission(role="decode", enabled=False)
+        a = Admission(GatewayConfig(admission_control=False), role="decode")
         a.update([load("d0", max_num_seqs=1, kv_blocks_total=2)])
         tickets = [await a.acquire(2) for _ in range(10)]
         assert a.num_queued == 0 and a.in_flight == Usage()  # nothing counted
@@ -279,7 +280,7 @@ def test_a_refusal_on_arrival_is_what_acquire_would_answer_at_any_size() -> None
 
     run(scenario())
     assert refused == ["queue_full"] * 3  # each refusal counted once, early or late
-    assert Admission(role="decode", enabled=False).refuse_on_arrival() is None
+    assert Admission(GatewayConfig(admission_control=False), role="decode").refuse_on_arrival() is None
 
 
 # -- through HTTP ---------------------------------------------------------------------------------------------
