@@ -1,7 +1,8 @@
-"""The gateway's own configuration and its app, whatever finds the workers: the Ray controller (`serve`, `gateway
---ray-address`) or a fixed list of worker processes (`gateway --prefill/--decode/--colocated`). No Ray here.
+"""The gateway's app, whatever finds the workers: the Ray controller (`serve`, `gateway --ray-address`) or a fixed
+list of worker processes (`gateway --prefill/--decode/--colocated`). No Ray here.
 
-    GatewayConfig (router flags) + ServedEngine (what the workers run) + a WorkerSource ──▶ build_gateway_app
+    GatewayConfig (its settings, from the flags: router/config.py) + ServedEngine (what the workers run)
+        + a WorkerSource ──▶ build_gateway_app: its API keys and admin API, then router.server.build_router_app
 """
 
 from __future__ import annotations
