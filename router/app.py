@@ -69,6 +69,8 @@ from router.worker_registry import WorkerRegistry
 
 if TYPE_CHECKING:
     from engine.tokenizer.tokenizer import Tokenizer
+    from router.structured import GrammarSpec
+    from router.tools import ToolPlan
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
@@ -166,16 +168,10 @@ def create_app(
         arrival_s = time.perf_counter()
         check_model(body.model, config.served_model_names)
         check_completion_request(body)
-        structured_outputs = structured_outputs_of(body)
-        token_ids = await asyncio.to_thread(completion_prompt_token_ids, body, tokenizer)
-        max_tokens = fit_max_tokens(
-            body.max_tokens, default=config.default_completion_max_tokens, num_prompt_tokens=len(token_ids),
-            max_model_len=config.max_model_len, prompt_param="prompt", max_tokens_param="max_tokens")
-        job = GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
-                            params=to_sampling_params(body, max_tokens=max_tokens,
-                                                      structured_outputs=structured_outputs))
-        return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=False), body.stream,
-                               _tracker(raw, arrival_s))
+        return await _complete(raw, body, arrival_s, lambda: completion_prompt_token_ids(body, tokenizer),
+                               structured_outputs=structured_outputs_of(body), tools=None,
+                               max_tokens=body.max_tokens, default_max_tokens=config.default_completion_max_tokens,
+                               max_tokens_param="max_tokens")
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -189,15 +185,28 @@ def create_app(
                 raise bad_request(f"tool_choice {body.tool_choice!r} constrains the output: it cannot be combined "
                                   "with response_format or guided decoding", "tool_choice")
             structured_outputs = tools.structured_outputs()
-        token_ids = await asyncio.to_thread(chat_prompt_token_ids, body, tokenizer, tools)
-        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = fit_max_tokens(
-            body.requested_max_tokens, default=None, num_prompt_tokens=len(token_ids),
-            max_model_len=config.max_model_len, prompt_param="messages", max_tokens_param=max_tokens_param)
-        job = GenerationJob(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
-                            params=to_sampling_params(body, max_tokens=max_tokens,
-                                                      structured_outputs=structured_outputs))
-        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=True), tools=tools)
+        return await _complete(raw, body, arrival_s, lambda: chat_prompt_token_ids(body, tokenizer, tools),
+                               structured_outputs=structured_outputs, tools=tools,
+                               max_tokens=body.requested_max_tokens, default_max_tokens=None,
+                               max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
+                               else "max_tokens")
+
+    async def _complete(
+        raw: Request, body: CompletionRequest | ChatCompletionRequest, arrival_s: float,
+        prompt_token_ids: Callable[[], list[int]], *, structured_outputs: GrammarSpec | None,
+        tools: ToolPlan | None, max_tokens: int | None, default_max_tokens: int | None, max_tokens_param: str,
+    ) -> Response:
+        """What both endpoints do with a checked request: tokenize its prompt (in a thread: it may be long), fit
+        `max_tokens` (else `default_max_tokens`, else all that fits) to the context, and generate."""
+        chat = isinstance(body, ChatCompletionRequest)
+        token_ids = await asyncio.to_thread(prompt_token_ids)
+        fitted = fit_max_tokens(max_tokens, default=default_max_tokens, num_prompt_tokens=len(token_ids),
+                                max_model_len=config.max_model_len, prompt_param="messages" if chat else "prompt",
+                                max_tokens_param=max_tokens_param)
+        job = GenerationJob(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                            prompt_token_ids=token_ids,
+                            params=to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs))
+        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat), tools=tools)
         return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:
