@@ -1,7 +1,9 @@
-"""Goodput as offered load rises past capacity, with and without the gateway's admission control, in one run.
+"""Goodput as offered load rises past capacity, with and without the gateway's admission control, in one run; and
+what a refusal costs the gateway.
 
     python bench/overload.py [--loads 0.5,1,2,5,10] [--duration 30] [--slo-ttft 3]
                              [--serve-flags "--max-num-seqs 32"] [--admission-flags "--queue-timeout 1.5"]
+                             [--refusals 2000]                  (0: skip the refusal cost; --loads "": skip goodput)
 
 AIPerf (NVIDIA's load generator, on PyPI; kept out of splitserve's dependencies) drives a real `splitserve serve`
 (1 prefill + 1 decode worker) with Poisson arrivals of short completions (16 prompt tokens, 16 generated,
@@ -20,19 +22,35 @@ runs it when the saved copy is missing. Install AIPerf in a venv of its own:
    the configuration's own peak, and TTFT p50/p99 of the completed requests.
 
 Issue 15's target: with admission control, goodput at 10x capacity stays within 80% of its peak.
+
+0. Refusal cost, first, on a server of its own (`serve <serve-flags> --max-num-seqs 1 --max-queued-requests 1`,
+   every engine step sleeping 5 s): one request runs and one waits, so the gateway's queue is full and stays so;
+   `--refusals` requests of the workload's shape (a 16-token prompt, streamed) are then sent over 8 keep-alive
+   connections, each answered 429. Printed: the gateway process' CPU time (user + system, /proc/<pid>/stat) per
+   429, less what it spends idle with the same two requests held (measured before and after, per second).
+   Issue 31's target: <= 0.25 ms per refused request.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shlex
 import sys
+import time
+
+import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.serve_process import Serve, metric  # noqa: E402
+from bench.serve_process import MODEL, Serve, metric  # noqa: E402
 from bench.serve_process import aiperf as run_aiperf  # noqa: E402
+
+FAULT_STEP_SLEEP_ENV = "SPLITSERVE_FAULT_STEP_SLEEP_S"  # worker/runtime.py's (which imports torch)
+# The goodput workload's request: 16 prompt tokens (SmolLM2's tokenizer), 16 out, streamed.
+REFUSED_BODY = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog while the farmer sleeps under the",
+                "max_tokens": 16, "stream": True, "ignore_eos": True}
 
 SLO_FLAGS = ["--endpoint-type", "completions", "--streaming", "--use-server-token-count",
              "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
@@ -45,6 +63,88 @@ def aiperf(args: argparse.Namespace, url: str, load_flags: list[str], slo_s: flo
     return run_aiperf(url, [*SLO_FLAGS, "--goodput", f"time_to_first_token:{slo_s * 1000:.0f}", *load_flags])
 
 
+def cpu_s(pid: int) -> float:
+    """A process' CPU time so far, user + system, all its threads (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_per_s(pid: int, seconds: float) -> float:
+    start_cpu, start = cpu_s(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_s(pid) - start_cpu) / (time.monotonic() - start)
+
+
+async def hold(url: str, num_requests: int) -> list[asyncio.Task]:
+    """`num_requests` long streamed completions, left open: they hold the pool's slot and the queue's place."""
+    client = httpx.AsyncClient(base_url=url, timeout=None)
+
+    async def one() -> None:
+        body = {**REFUSED_BODY, "max_tokens": 200}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for _ in response.aiter_bytes():
+                pass
+
+    tasks = [asyncio.create_task(one()) for _ in range(num_requests)]
+    for _ in range(600):  # until the gateway shows one request in flight and one queued
+        text = (await client.get("/metrics")).text
+        if ("splitserve:admission_in_flight_requests 1.0" in text
+                and "splitserve:admission_queue_requests 1.0" in text):
+            return tasks
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"the gateway never held 1 running and 1 queued request:\n{text[-2000:]}")
+
+
+async def refuse(url: str, num_requests: int, num_connections: int = 8) -> dict[int, int]:
+    """Send `num_requests` over `num_connections` keep-alive connections; how many got each status."""
+    statuses: dict[int, int] = {}
+    limits = httpx.Limits(max_connections=num_connections, max_keepalive_connections=num_connections)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        remaining = iter(range(num_requests))
+
+        async def sender() -> None:
+            for _ in remaining:
+                status = (await client.post("/v1/completions", json=REFUSED_BODY)).status_code
+                statuses[status] = statuses.get(status, 0) + 1
+
+        await asyncio.gather(*(sender() for _ in range(num_connections)))
+    return statuses
+
+
+def refusal_cost(base_flags: list[str], num_requests: int) -> None:
+    """Step 0 of the module docstring: the gateway's CPU per 429, printed."""
+    os.environ[FAULT_STEP_SLEEP_ENV] = "5"  # inherited by serve and its workers: the held requests barely move
+    try:
+        server = Serve([*base_flags, "--max-num-seqs", "1", "--max-queued-requests", "1"])
+    finally:
+        del os.environ[FAULT_STEP_SLEEP_ENV]
+    pid = server.proc.pid  # the gateway runs in serve's own process (the workers and Ray's in others)
+
+    async def run() -> tuple[float, float, float, float, dict[int, int]]:
+        held = await hold(server.url, 2)
+        idle_before = await asyncio.to_thread(idle_cpu_per_s, pid, 5.0)
+        start_cpu, start = cpu_s(pid), time.monotonic()
+        statuses = await refuse(server.url, num_requests)
+        busy_cpu, wall = cpu_s(pid) - start_cpu, time.monotonic() - start
+        idle_after = await asyncio.to_thread(idle_cpu_per_s, pid, 5.0)
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        return busy_cpu, wall, idle_before, idle_after, statuses
+
+    try:
+        busy_cpu, wall, idle_before, idle_after, statuses = asyncio.run(run())
+    finally:
+        server.stop()
+    idle = (idle_before + idle_after) / 2
+    per_429_ms = (busy_cpu - idle * wall) / num_requests * 1000
+    print(f"refusal cost: {num_requests} requests in {wall:.2f} s ({num_requests / wall:.0f}/s), statuses "
+          f"{dict(sorted(statuses.items()))}; gateway CPU {busy_cpu:.2f} s, idle {idle * 1000:.1f} ms/s "
+          f"(before {idle_before * 1000:.1f}, after {idle_after * 1000:.1f}): {per_429_ms:.3f} ms of CPU per 429 "
+          f"(target <= 0.25)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loads", default="0.5,1,2,5,10")
@@ -53,9 +153,14 @@ def main() -> None:
     parser.add_argument("--calibration-concurrency", type=int, default=64)
     parser.add_argument("--serve-flags", default="--max-model-len 256")
     parser.add_argument("--admission-flags", default="")
+    parser.add_argument("--refusals", type=int, default=2000, help="requests refused to measure a 429's CPU (0: skip)")
     args = parser.parse_args()
-    loads = [float(x) for x in args.loads.split(",")]
+    loads = [float(x) for x in args.loads.split(",") if x]
     base = shlex.split(args.serve_flags)
+    if args.refusals:
+        refusal_cost(base, args.refusals)
+    if not loads:
+        return
     configs = {"admission": base + shlex.split(args.admission_flags), "no-admission": base + ["--no-admission-control"]}
 
     servers = {name: Serve(flags) for name, flags in configs.items()}

@@ -1,13 +1,22 @@
 """`serve`'s autoscaling flags (vLLM-style names where vLLM has one): the built-in autoscaler's bounds, SLOs and
-cool-downs, validated into an `AutoscalerConfig` (router/autoscaler.py), and the signals' window."""
+cool-downs, validated into an `AutoscalerConfig` (router/autoscaler.py), and the signals' window (a field of the
+gateway's config, `AUTOSCALE_WINDOW`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING
 
+from deploy.config_flags import ConfigFlag, add_config_flags
+from router.config import GatewayConfig
+
 if TYPE_CHECKING:
     from router.autoscaler import AutoscalerConfig
+
+# The gateway's signals' window: a GatewayConfig field (gateway_config_from_args takes it with `flags`).
+AUTOSCALE_WINDOW = ConfigFlag("--autoscale-window", "signal_window_s",
+                              "seconds of requests behind the TTFT/TPOT percentiles of the splitserve:pool_* "
+                              "signals (with or without --autoscale)", type=float)
 
 
 def add_autoscale_args(p: argparse.ArgumentParser) -> None:
@@ -31,9 +40,7 @@ def add_autoscale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scale-down-cooldown", type=float, default=120.0,
                    help="seconds a pool must stay idle (and unresized) before it shrinks by one worker")
     g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds between autoscaling decisions")
-    g.add_argument("--autoscale-window", type=float, default=60.0,
-                   help="seconds of requests behind the TTFT/TPOT percentiles of the splitserve:pool_* signals "
-                        "(with or without --autoscale)")
+    add_config_flags(g, GatewayConfig, (AUTOSCALE_WINDOW,))
 
 
 def autoscaler_from_args(args: argparse.Namespace, num_prefill: int, num_decode: int,
@@ -43,8 +50,6 @@ def autoscaler_from_args(args: argparse.Namespace, num_prefill: int, num_decode:
     from router.autoscale_policy import AutoscalePolicy, PoolBounds  # the gateway's, loaded only when serving
     from router.autoscaler import AutoscalerConfig
 
-    if not args.autoscale_window > 0:
-        raise ValueError(f"--autoscale-window must be positive, got {args.autoscale_window}")
     bound_flags = {f"--{pool}-workers-{end}": getattr(args, f"{pool}_workers_{end}")
                    for pool in ("prefill", "decode") for end in ("min", "max")}
     if not args.autoscale:

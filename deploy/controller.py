@@ -45,6 +45,7 @@ from protos.cluster_auth import OPEN, ClusterAuth
 from protos.worker_info import ROLES, check_role
 from worker.config import WorkerConfig
 from worker.log_config import configure_logging
+from router.config_checks import AT_LEAST_ONE, AT_LEAST_ZERO, POSITIVE, check_fields, checked, one_of
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,11 @@ class ControllerConfig:
     """The pools to start and how workers are configured and watched. No I/O."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    num_prefill_workers: int = 1
-    num_decode_workers: int = 1
-    num_colocated_workers: int = 0
-    kv_transport: str = "grpc"
-    kv_transfer_timeout_s: float = 30.0
+    num_prefill_workers: int = checked(AT_LEAST_ZERO, default=1)
+    num_decode_workers: int = checked(AT_LEAST_ZERO, default=1)
+    num_colocated_workers: int = checked(AT_LEAST_ZERO, default=0)
+    kv_transport: str = checked(one_of(TRANSPORTS), default="grpc")
+    kv_transfer_timeout_s: float = checked(POSITIVE, default=30.0)
     worker_host: str = "127.0.0.1"  # the address workers bind; a wildcard (0.0.0.0) advertises the node's IP
     # Ask Ray for the CPUs (engine threads) and GPUs each worker uses (deploy/placement.py): on a joined
     # multi-node cluster; the embedded local one oversubscribes its cores on purpose.
@@ -90,31 +91,20 @@ class ControllerConfig:
     worker_env: Mapping[str, str] = field(default_factory=dict)  # environment of every worker process
     redis_url: str | None = field(default=None, repr=False)  # the workers' prefix index (may hold a password)
     auth: ClusterAuth = OPEN  # the cluster secret and gRPC TLS every worker serves and calls with
-    health_interval_s: float = 2.0  # between watch passes; 0 disables the watch thread (tests call check_health)
-    health_timeout_s: float = 2.0  # one worker's Health RPC
-    num_failed_checks_to_restart: int = 3  # consecutive failed checks of a live process before it is replaced
-    start_timeout_s: float = 600.0  # one host: process start, model load, servers up
-    stop_timeout_s: float = 10.0  # graceful stop of one host before its process is killed
+    # between watch passes; 0 disables the watch thread (tests call check_health)
+    health_interval_s: float = checked(AT_LEAST_ZERO, default=2.0)
+    health_timeout_s: float = checked(POSITIVE, default=2.0)  # one worker's Health RPC
+    # consecutive failed checks of a live process before it is replaced
+    num_failed_checks_to_restart: int = checked(AT_LEAST_ONE, default=3)
+    start_timeout_s: float = checked(POSITIVE, default=600.0)  # one host: process start, model load, servers up
+    stop_timeout_s: float = checked(POSITIVE, default=10.0)  # graceful stop of one host before its process is killed
     # A worker removed by a scale-down finishes its requests for up to this long before it stops (the rest are
     # migrated by the gateway); 0: stop at once. `serve --drain-timeout`.
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = checked(AT_LEAST_ZERO, default=30.0)
     max_restart_backoff_s: float = 30.0  # a host that fails to restart is retried after 1, 2, 4 ... s, up to this
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill_workers", "num_decode_workers", "num_colocated_workers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.kv_transport not in TRANSPORTS:
-            raise ValueError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
-        for name in ("kv_transfer_timeout_s", "health_timeout_s", "start_timeout_s", "stop_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if self.health_interval_s < 0:
-            raise ValueError(f"health_interval_s must be >= 0, got {self.health_interval_s}")
-        if self.num_failed_checks_to_restart < 1:
-            raise ValueError(f"num_failed_checks_to_restart must be >= 1, got {self.num_failed_checks_to_restart}")
+        check_fields(self)
 
     @property
     def shares_one_process(self) -> bool:

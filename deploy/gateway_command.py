@@ -31,12 +31,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from deploy.env_defaults import apply_env_defaults
-from deploy.serve_args import add_gateway_args, add_ray_args, gateway_options_from_args
+from deploy.serve_args import add_gateway_args, add_ray_args, gateway_config_from_args
 from deploy.static_workers import WorkerList, add_worker_list_args, worker_list_from_args
 from protos.cluster_auth import add_cluster_auth_args
+
+if TYPE_CHECKING:
+    from router.config import GatewayConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -58,17 +61,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = gateway_options_from_args(args)
+    config = gateway_config_from_args(args)
     workers = worker_list_from_args(args)
     if workers is not None:
-        return run_static(args, workers, options)
+        return run_static(args, workers, config)
     for flag in ("ray_join_timeout", "controller_wait_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     import ray
 
     from deploy import named_controller
-    from deploy.gateway_app import GatewayConfig, listen, reload_keys_on_sighup
+    from deploy.gateway_app import listen, reload_keys_on_sighup
     from deploy.lifecycle import Check, ShutdownSignals, run_until_signalled
     from deploy.ray_node import RayNode
     from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
@@ -87,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
         if controller is None:
             return 0
         c = ray.get(controller.config.remote())
-        config = GatewayConfig(**options)
         directory = WorkerDirectory()
         directory.attach(controller, ray.get(controller.list_workers.remote()))
         app, access = build_cluster_gateway_app(config, c, directory, c.redis_url)
@@ -114,15 +116,14 @@ def run(args: argparse.Namespace) -> int:
         signals.restore()
 
 
-def run_static(args: argparse.Namespace, workers: WorkerList, options: dict[str, Any]) -> int:
+def run_static(args: argparse.Namespace, workers: WorkerList, config: GatewayConfig) -> int:
     """The gateway over a fixed worker list: no Ray (see the module docstring)."""
-    from deploy.gateway_app import GatewayConfig, build_gateway_app, listen, reload_keys_on_sighup
+    from deploy.gateway_app import build_gateway_app, listen, reload_keys_on_sighup
     from deploy.lifecycle import ShutdownSignals, describe_pools, run_until_signalled
     from deploy.redis_server import check_redis
     from deploy.static_workers import StaticWorkers
     from protos.cluster_auth import cluster_auth_from_args
 
-    config = GatewayConfig(**options)
     auth = cluster_auth_from_args(args, os.environ)
     if args.redis_url is not None:
         check_redis(args.redis_url)  # unreachable, or a password it refuses: exit 2, before waiting on workers

@@ -1,19 +1,22 @@
 """The flags of `serve`, in groups that `head` (the pools) and `gateway` (the router) share, how `head` and
-`gateway` join Ray and name the controller, and their validation: flags -> the router's options and the pools'
-`ControllerConfig`, with a ValueError naming any bad flag. No I/O."""
+`gateway` join Ray and name the controller, and their validation: flags -> the router's `GatewayConfig` and the
+pools' `ControllerConfig`, with a ValueError naming any bad flag. No I/O."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import autoscaler_from_args
+from deploy.config_flags import ConfigFlag, add_config_flags, config_from_flags
 from engine.engine_args import engine_config_from_args
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.registry import TRANSPORTS
 from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
+from router.config import GatewayConfig, GatewayTls
 from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
 
@@ -23,44 +26,51 @@ if TYPE_CHECKING:
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # router.api_keys.API_KEY_ENV (not imported here: it pulls FastAPI in)
 
-# Conditional disaggregation's default: the decode worker prefills a prompt itself when it lacks at most this
-# many of its tokens (docs/benchmarks.md, "Conditional disaggregation", says how it was chosen).
-DEFAULT_DISAGG_PREFILL_THRESHOLD = 32
+# The router's flags: each sets the GatewayConfig field it names (router/config.py), whose default it takes.
+GATEWAY_FLAGS = (
+    ConfigFlag("--host", "host", "the router's address (0.0.0.0: every interface)"),
+    ConfigFlag("--port", "port", "the router's port; 0 picks a free one", type=int),
+    ConfigFlag("--request-timeout", "request_timeout_s",
+               "seconds one request may take end to end, the gateway's queue included", type=float),
+    ConfigFlag("--admission-control", "admission_control",
+               "hold requests at the gateway while the pool is full, refuse (429) beyond the queue; "
+               "--no-admission-control sends every request to the workers at once, as vLLM does",
+               action=argparse.BooleanOptionalAction),
+    ConfigFlag("--max-queued-requests", "max_queued_requests",
+               "requests the gateway holds while the pool is full; beyond it answers 429 (default: as many as the "
+               "pool runs at once, sum of max_num_seqs; queued KV blocks are bounded by the pool's KV cache too)",
+               type=int),
+    ConfigFlag("--queue-timeout", "queue_timeout_s",
+               "seconds a request may wait in the gateway's queue before it gets 503", type=float),
+    ConfigFlag("--max-migrations", "max_migrations",
+               "times one request may resume on another decode worker when its own goes away mid-stream (0: "
+               "never; the client then gets an error event)", type=int),
+    ConfigFlag("--admin-token", "admin_token",
+               "bearer token of the gateway's admin API (POST /admin/scale, GET /admin/pools; `splitserve "
+               "scale`); default: $SPLITSERVE_ADMIN_TOKEN; neither: the admin API is off"),
+    ConfigFlag("--routing-policy", "routing_policy",
+               "how the gateway picks workers: by cached prefix and load, by load, or in turn",
+               choices=ROUTING_POLICIES),
+    ConfigFlag("--disagg-prefill-threshold", "disagg_prefill_threshold_tokens",
+               "tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled there, "
+               "with no KV handoff (0: always disaggregate)", type=int),
+)
+# Security's flags of one field each; --api-key, --rate-limit-*, --ssl-* make a field of several (or of the
+# environment) in gateway_config_from_args.
+SECURITY_FLAGS = (
+    ConfigFlag("--api-key-file", "api_key_file", "a file of API keys, one per line (# comments); re-read on SIGHUP"),
+    ConfigFlag("--metrics-require-key", "metrics_require_key", "/metrics needs an API key too", action="store_true"),
+)
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     """The router's flags (`serve`, `gateway`)."""
-    p.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="the router's port; 0 picks a free one")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds one request may take end to end, the gateway's queue included")
-    p.add_argument("--admission-control", action=argparse.BooleanOptionalAction, default=True,
-                   help="hold requests at the gateway while the pool is full, refuse (429) beyond the queue; "
-                        "--no-admission-control sends every request to the workers at once, as vLLM does")
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="requests the gateway holds while the pool is full; beyond it answers 429 (default: as "
-                        "many as the pool runs at once, sum of max_num_seqs; queued KV blocks are bounded by the "
-                        "pool's KV cache too)")
-    p.add_argument("--queue-timeout", type=float, default=30.0,
-                   help="seconds a request may wait in the gateway's queue before it gets 503")
-    p.add_argument("--max-migrations", type=int, default=3,
-                   help="times one request may resume on another decode worker when its own goes away "
-                        "mid-stream (0: never; the client then gets an error event)")
-    p.add_argument("--admin-token", default=None,
-                   help="bearer token of the gateway's admin API (POST /admin/scale, GET /admin/pools; "
-                        "`splitserve scale`); default: $SPLITSERVE_ADMIN_TOKEN; neither: the admin API is off")
-    p.add_argument("--routing-policy", default="prefix-aware", choices=ROUTING_POLICIES,
-                   help="how the gateway picks workers: by cached prefix and load, by load, or in turn")
-    p.add_argument("--disagg-prefill-threshold", type=int, default=DEFAULT_DISAGG_PREFILL_THRESHOLD,
-                   help="tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled "
-                        "there, with no KV handoff (0: always disaggregate)")
+    add_config_flags(p, GatewayConfig, GATEWAY_FLAGS)
     security = p.add_argument_group("security (docs/security.md)")
     security.add_argument("--api-key", action="append", default=None,
                           help=f"an API key /v1/* accepts as `Authorization: Bearer <key>`; repeatable (default: "
                                f"${API_KEY_ENV}); no key at all: /v1/* is open")
-    security.add_argument("--api-key-file", default=None,
-                          help="a file of API keys, one per line (# comments); re-read on SIGHUP")
-    security.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    add_config_flags(security, GatewayConfig, SECURITY_FLAGS)
     security.add_argument("--rate-limit-requests-per-minute", type=float, default=None,
                           help="per API key: requests per minute (429 with Retry-After beyond)")
     security.add_argument("--rate-limit-tokens-per-minute", type=float, default=None,
@@ -119,19 +129,10 @@ def add_ray_args(p: argparse.ArgumentParser, *, node_help: str, address: str | N
     p.add_argument("--controller-namespace", default=CONTROLLER_NAMESPACE, help="its Ray namespace")
 
 
-def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """ServeConfig's router fields from `add_gateway_args`' flags, validated (ValueError naming the flag)."""
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    for flag in ("request_timeout", "queue_timeout"):
-        if not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
-    if args.max_migrations < 0:
-        raise ValueError(f"--max-migrations must be >= 0, got {args.max_migrations}")
-    if args.disagg_prefill_threshold < 0:
-        raise ValueError(f"--disagg-prefill-threshold must be >= 0, got {args.disagg_prefill_threshold}")
+def gateway_config_from_args(args: argparse.Namespace, *, flags: Iterable[ConfigFlag] = (),
+                              **fields: Any) -> GatewayConfig:
+    """The gateway's config from `add_gateway_args`' flags, `flags` (a command's own, of GatewayConfig fields) and
+    `fields` (set by the command otherwise), checked: a ValueError names the bad flag."""
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     if args.ssl_ca_certs is not None and args.ssl_keyfile is None:
@@ -141,17 +142,12 @@ def gateway_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
                              tokens_per_minute=args.rate_limit_tokens_per_minute)
     if (rate_limits.enabled or args.metrics_require_key) and not (api_keys or args.api_key_file):
         raise ValueError("rate limits and --metrics-require-key are per API key: give --api-key or --api-key-file")
-    from router.server import GatewayTls
-
     tls = (GatewayTls(keyfile=args.ssl_keyfile, certfile=args.ssl_certfile, ca_certs=args.ssl_ca_certs)
            if args.ssl_keyfile is not None else None)
-    return dict(host=args.host, port=args.port, request_timeout_s=args.request_timeout,
-                admission_control=args.admission_control, max_queued_requests=args.max_queued_requests,
-                queue_timeout_s=args.queue_timeout, max_migrations=args.max_migrations,
-                admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None,
-                routing_policy=args.routing_policy, disagg_prefill_threshold_tokens=args.disagg_prefill_threshold,
-                api_keys=api_keys, api_key_file=args.api_key_file, metrics_require_key=args.metrics_require_key,
-                rate_limits=rate_limits, tls=tls)
+    return config_from_flags(
+        GatewayConfig, (*GATEWAY_FLAGS, *SECURITY_FLAGS, *flags), args,
+        admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None, api_keys=api_keys,
+        rate_limits=rate_limits, tls=tls, **fields)
 
 
 def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:

@@ -21,9 +21,9 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deploy.autoscale_args import add_autoscale_args
+from deploy.autoscale_args import AUTOSCALE_WINDOW, add_autoscale_args
 from deploy.cuda_probe import cuda_device_count
-from deploy.gateway_app import GatewayConfig, listen, reload_keys_on_sighup
+from deploy.gateway_app import listen, reload_keys_on_sighup
 from deploy.lifecycle import (
     ShutdownSignals,
     StartFailed,
@@ -38,7 +38,7 @@ from deploy.serve_args import (
     add_gateway_args,
     add_index_args,
     add_pool_args,
-    gateway_options_from_args,
+    gateway_config_from_args,
     pools_from_args,
 )
 from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
@@ -48,12 +48,14 @@ from kv_transfer.native_build import cpu_kernels_disabled
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
     from deploy.worker_host import WorkerFactory
+    from router.config import GatewayConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig(GatewayConfig):
-    """The router's options (GatewayConfig) and the cluster it fronts."""
+class ServeConfig:
+    """The gateway's config and the cluster it fronts."""
 
+    gateway: GatewayConfig
     controller: ControllerConfig
     ray_address: str | None = None  # None: a private local Ray cluster, started and stopped with the command
     # The prefix index: an embedded redis-server started with the command (the default), a Redis of your own
@@ -82,9 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Validate the flags and build the config. Raises ValueError naming the bad flag."""
     controller, autoscaler = pools_from_args(args, autoscale=True)
-    return ServeConfig(controller=controller, ray_address=args.ray_address, prefix_index=args.prefix_index,
-                       redis_url=args.redis_url, signal_window_s=args.autoscale_window, autoscaler=autoscaler,
-                       **gateway_options_from_args(args))
+    gateway = gateway_config_from_args(args, flags=(AUTOSCALE_WINDOW,), autoscaler=autoscaler)
+    return ServeConfig(gateway=gateway, controller=controller, ray_address=args.ray_address,
+                       prefix_index=args.prefix_index, redis_url=args.redis_url)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,20 +146,20 @@ def serve(config: ServeConfig, *, factory: WorkerFactory | None = None) -> int:
     # The router first (it loads only the tokenizer) and its socket bound: a taken port fails in a second,
     # before any worker loads the model.
     try:
-        app, access = build_cluster_gateway_app(config, c, directory, redis_url)
+        app, access = build_cluster_gateway_app(config.gateway, c, directory, redis_url)
     except BaseException:
         if redis is not None:
             redis.stop()
         raise
     try:
-        server = listen(app, config)
+        server = listen(app, config.gateway)
     except ValueError:
         if redis is not None:
             redis.stop()
         raise
     signals = ShutdownSignals()
     signals.install()
-    reload_keys_on_sighup(access, config)
+    reload_keys_on_sighup(access, config.gateway)
     controller = None
     try:
         init_local_ray(address=config.ray_address)

@@ -2,7 +2,8 @@
 
 Imports nothing heavy, and the whole package never imports torch or ray: the router runs on any machine.
 
-    config.py           RouterConfig: served model names, max_model_len, mode, timeouts
+    config.py           GatewayConfig (the gateway's settings, one field a flag), ServedEngine, RouterConfig
+    config_checks.py    range checks declared on config fields (`checked(POSITIVE, default=30.0)`)
     protocol.py         OpenAI request bodies and their conversion to the workers' SamplingParams
     prompt.py           prompt / chat messages -> token ids; max_tokens against the context length
     responses.py        OpenAI response and stream-chunk shapes, logprobs shapes

@@ -1,6 +1,7 @@
 """Admission control at the gateway: a request the target pool has no room for waits here, in arrival order, in a
 bounded queue; beyond the bound it is refused at once (429, with Retry-After), before any worker sees it.
 
+    refused = admission.refuse_on_arrival()         a full queue refuses any request, before its body is read
     ticket = await admission.acquire(num_blocks)    FIFO wait; AdmissionRefused when refused or timed out
     ... dispatch, stream ...
     ticket.release()                                idempotent: room for the next request
@@ -23,12 +24,13 @@ Room is counted by this router, per request, from dispatch to the end of its str
     cancelled      a client that disconnects while queued leaves the queue (its handler is cancelled)
     no worker      a pool with no healthy worker admits at once: routing answers 503, nothing to wait for
     unreported     a worker reporting no max_num_seqs or no KV size leaves that bound off (None: unbounded)
-    disabled       `enabled=False` (`serve --no-admission-control`): every request is dispatched at once and the
-                   engines queue it, as vLLM does
+    disabled       `admission_control` False (`serve --no-admission-control`): every request is dispatched at once
+                   and the engines queue it, as vLLM does
 
 Decisions are the pure functions below (`fits`, `may_queue`, `expected_wait_s`, `retry_after_s`); `Admission`
 only keeps the queue and the counts. The counts are this router's own: several gateway replicas each admit up to
-the full capacity (the engines then queue the excess themselves).
+the full capacity (the engines then queue the excess themselves). The settings (`admission_control`,
+`max_queued_requests`, `queue_timeout_s`) are the gateway's config, checked there (router/config.py).
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.routing import WorkerLoad
+
+if TYPE_CHECKING:
+    from router.config import GatewayConfig
 
 _MIN_RETRY_AFTER_S = 1
 _MAX_RETRY_AFTER_S = 60
@@ -141,21 +147,15 @@ class _Waiter:
 
 
 class Admission:
-    """The queue and the in-flight counts of one router, on its event loop. `update(loads)` after every load poll
-    (capacity may have grown: the queue moves)."""
+    """The queue and the in-flight counts of one router, on its event loop, for the pool of `role` and with
+    `config`'s admission settings. `update(loads)` after every load poll (capacity may have grown: the queue
+    moves)."""
 
-    def __init__(self, *, role: str, enabled: bool = True, max_queued_requests: int | None = None,
-                 queue_timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, config: GatewayConfig, *, role: str, clock: Callable[[], float] = time.monotonic,
                  on_refused: Callable[[str], None] | None = None,
                  on_admitted: Callable[[float], None] | None = None) -> None:
-        if max_queued_requests is not None and max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
-        if not queue_timeout_s > 0:
-            raise ValueError(f"queue_timeout_s must be positive, got {queue_timeout_s}")
+        self.config = config
         self.role = role
-        self.enabled = enabled
-        self._max_queued_requests = max_queued_requests
-        self._queue_timeout_s = queue_timeout_s
         self._clock = clock
         self._on_refused = on_refused or (lambda reason: None)
         self._on_admitted = on_admitted or (lambda queued_s: None)
@@ -176,34 +176,27 @@ class Admission:
     async def acquire(self, num_blocks: int) -> Ticket:
         """A ticket once the request may be dispatched; AdmissionRefused when it may not wait, or waited past the
         queue timeout. Cancelled (the client left): it leaves the queue."""
-        if not self.enabled:
+        if not self.config.admission_control:
             self._on_admitted(0.0)
             return Ticket(None, num_blocks, 0.0, self._clock())
         if not self._queue and fits(self.capacity, self.in_flight, num_blocks):
             return self._admit(num_blocks, queued_s=0.0)
-        queued = Usage(num_requests=len(self._queue), num_blocks=self._queued_blocks)
-        wait_s = expected_wait_s(queued.num_requests + 1, self.mean_hold_s, self.capacity)
-        if not may_queue(self.capacity, queued, num_blocks, max_queued_requests=self._max_queued_requests,
-                         wait_s=wait_s, queue_timeout_s=self._queue_timeout_s):
-            self._on_refused("queue_full")
-            raise AdmissionRefused(
-                "queue_full",
-                f"the server is at capacity ({self.in_flight.num_requests} requests running, {queued.num_requests} "
-                f"queued); retry later",
-                retry_after_s=retry_after_s(wait_s),
-            )
+        refused = self._refusal(num_blocks)
+        if refused is not None:
+            self._on_refused(refused.reason)
+            raise refused
         waiter = _Waiter(num_blocks, asyncio.get_running_loop().create_future(), self._clock())
         self._queue.append(waiter)
         self._queued_blocks += num_blocks
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), self._queue_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(waiter.future), self.config.queue_timeout_s)
         except TimeoutError:
             if waiter.future.done():  # admitted in the same instant: keep it
                 return waiter.future.result()
             self._leave(waiter)
             self._on_refused("queue_timeout")
             raise AdmissionRefused(
-                "queue_timeout", f"the request waited {self._queue_timeout_s:g} s for room without getting it",
+                "queue_timeout", f"the request waited {self.config.queue_timeout_s:g} s for room without getting it",
                 retry_after_s=retry_after_s(expected_wait_s(len(self._queue) + 1, self.mean_hold_s, self.capacity)),
             ) from None
         except asyncio.CancelledError:
@@ -213,7 +206,33 @@ class Admission:
                 self._leave(waiter)
             raise
 
+    def refuse_on_arrival(self) -> AdmissionRefused | None:
+        """The refusal that `acquire` would give any request arriving now, whatever its size, else None: what a
+        gateway may answer before it reads (parses, tokenizes) a request's body. A request of one block is the
+        smallest, and the bounds only tighten with size, so one refused at one block is refused at any size. A
+        refusal is counted as `acquire`'s are."""
+        if not self.config.admission_control or (not self._queue and fits(self.capacity, self.in_flight, 1)):
+            return None
+        refused = self._refusal(1)
+        if refused is not None:
+            self._on_refused(refused.reason)
+        return refused
+
     # -- internals -------------------------------------------------------------------------------------------
+    def _refusal(self, num_blocks: int) -> AdmissionRefused | None:
+        """Why a request of `num_blocks` that does not fit now may not wait either (429), else None."""
+        queued = Usage(num_requests=len(self._queue), num_blocks=self._queued_blocks)
+        wait_s = expected_wait_s(queued.num_requests + 1, self.mean_hold_s, self.capacity)
+        if may_queue(self.capacity, queued, num_blocks, max_queued_requests=self.config.max_queued_requests,
+                     wait_s=wait_s, queue_timeout_s=self.config.queue_timeout_s):
+            return None
+        return AdmissionRefused(
+            "queue_full",
+            f"the server is at capacity ({self.in_flight.num_requests} requests running, {queued.num_requests} "
+            f"queued); retry later",
+            retry_after_s=retry_after_s(wait_s),
+        )
+
     def _admit(self, num_blocks: int, *, queued_s: float) -> Ticket:
         self.in_flight = Usage(num_requests=self.in_flight.num_requests + 1,
                                num_blocks=self.in_flight.num_blocks + num_blocks)

@@ -10,7 +10,8 @@
     GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
 
 With API keys (router/api_keys.py), /v1/* (and /metrics with --metrics-require-key) need a bearer key; /health
-stays open.
+stays open. While the admission queue is full, a generation request gets its 429 before its body is read
+(router/admission_guard.py).
 
 `create_app` owns the registry's and the prefix index client's lifecycles: the app's lifespan starts them
 (inside the serving event loop, where their gRPC channels and Redis connections must live) and closes them.
@@ -38,8 +39,9 @@ from starlette.types import Receive, Scope, Send
 
 from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
+from router.admission_guard import AdmissionGuard
 from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
-from router.autoscaler import Autoscaler, AutoscalerConfig, ScalableCluster
+from router.autoscaler import Autoscaler, ScalableCluster
 from router.body_limit import BodyLimit
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob
@@ -66,6 +68,8 @@ from router.worker_registry import WorkerRegistry
 
 if TYPE_CHECKING:
     from engine.tokenizer.tokenizer import Tokenizer
+    from router.structured import GrammarSpec
+    from router.tools import ToolPlan
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
@@ -80,7 +84,6 @@ def create_app(
     restart_counts: RestartCounts | None = None,
     admin: AdminApi | None = None,
     access: AccessControl | None = None,
-    autoscaler: AutoscalerConfig | None = None,
     pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `config.served_model_names` through the workers `registry` knows.
@@ -89,21 +92,19 @@ def create_app(
     `restart_counts` (optional): the cluster controller's worker restarts, for /metrics.
     `admin` (optional): the admin API's token and controller (router/admin.py); without it /admin/* is a 404.
     `access` (optional): API keys and per-key rate limits (router/api_keys.py); without it /v1/* is open.
-    `autoscaler` (optional, disaggregated only): run the built-in autoscaler (router/autoscaler.py) in the app's
+    `config.autoscaler` (disaggregated only): run the built-in autoscaler (router/autoscaler.py) in the app's
     lifespan, resizing the pools through `pool_controller`.
     """
+    autoscaler = config.autoscaler
     if autoscaler is not None and (pool_controller is None or config.mode != "disaggregated"):
         raise ValueError("the autoscaler needs a pool controller and the disaggregated mode")
     metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts,
                             signal_window_s=config.signal_window_s)
     if prefix_index is not None:
         metrics.registry.register(PrefixIndexCollector(prefix_index.client))
-    admission = Admission(
-        role=config.target_role, enabled=config.admission_control, max_queued_requests=config.max_queued_requests,
-        queue_timeout_s=config.queue_timeout_s,
-        on_refused=lambda reason: metrics.admission_rejections.labels(reason=reason).inc(),
-        on_admitted=metrics.admission_queue_time.observe,
-    )
+    admission = Admission(config, role=config.target_role,
+                          on_refused=lambda reason: metrics.admission_rejections.labels(reason=reason).inc(),
+                          on_admitted=metrics.admission_queue_time.observe)
     metrics.admission_queue_requests.set_function(lambda: admission.num_queued)
     metrics.admission_in_flight_requests.set_function(lambda: admission.in_flight.num_requests)
     registry.add_listener(lambda: admission.update(registry.loads()))
@@ -148,6 +149,9 @@ def create_app(
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.add_middleware(BodyLimit, max_body_bytes=config.max_request_body_bytes)  # 413 before any parsing
+    # A full queue's 429 before the body is read (outside BodyLimit, which reads it), after the API key's check.
+    app.add_middleware(AdmissionGuard, admission=admission,
+                       on_refused=lambda reason: metrics.request_failure.labels(reason=reason).inc())
     if access is not None:  # added last: outermost, so a request without a key is refused before its body is read
         app.add_middleware(ApiKeyGuard, access=access,
                            on_rejected=lambda reason: metrics.api_key_rejections.labels(reason=reason).inc(),
@@ -163,16 +167,10 @@ def create_app(
         arrival_s = time.perf_counter()
         check_model(body.model, config.served_model_names)
         check_completion_request(body)
-        structured_outputs = structured_outputs_of(body)
-        token_ids = await asyncio.to_thread(completion_prompt_token_ids, body, tokenizer)
-        max_tokens = fit_max_tokens(
-            body.max_tokens, default=config.default_completion_max_tokens, num_prompt_tokens=len(token_ids),
-            max_model_len=config.max_model_len, prompt_param="prompt", max_tokens_param="max_tokens")
-        job = GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
-                            params=to_sampling_params(body, max_tokens=max_tokens,
-                                                      structured_outputs=structured_outputs))
-        return await _generate(raw, job, _output_spec(body, job, tokenizer, chat=False), body.stream,
-                               _tracker(raw, arrival_s))
+        return await _complete(raw, body, arrival_s, lambda: completion_prompt_token_ids(body, tokenizer),
+                               structured_outputs=structured_outputs_of(body), tools=None,
+                               max_tokens=body.max_tokens, default_max_tokens=config.default_completion_max_tokens,
+                               max_tokens_param="max_tokens")
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -186,15 +184,28 @@ def create_app(
                 raise bad_request(f"tool_choice {body.tool_choice!r} constrains the output: it cannot be combined "
                                   "with response_format or guided decoding", "tool_choice")
             structured_outputs = tools.structured_outputs()
-        token_ids = await asyncio.to_thread(chat_prompt_token_ids, body, tokenizer, tools)
-        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = fit_max_tokens(
-            body.requested_max_tokens, default=None, num_prompt_tokens=len(token_ids),
-            max_model_len=config.max_model_len, prompt_param="messages", max_tokens_param=max_tokens_param)
-        job = GenerationJob(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=token_ids,
-                            params=to_sampling_params(body, max_tokens=max_tokens,
-                                                      structured_outputs=structured_outputs))
-        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=True), tools=tools)
+        return await _complete(raw, body, arrival_s, lambda: chat_prompt_token_ids(body, tokenizer, tools),
+                               structured_outputs=structured_outputs, tools=tools,
+                               max_tokens=body.requested_max_tokens, default_max_tokens=None,
+                               max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
+                               else "max_tokens")
+
+    async def _complete(
+        raw: Request, body: CompletionRequest | ChatCompletionRequest, arrival_s: float,
+        prompt_token_ids: Callable[[], list[int]], *, structured_outputs: GrammarSpec | None,
+        tools: ToolPlan | None, max_tokens: int | None, default_max_tokens: int | None, max_tokens_param: str,
+    ) -> Response:
+        """What both endpoints do with a checked request: tokenize its prompt (in a thread: it may be long), fit
+        `max_tokens` (else `default_max_tokens`, else all that fits) to the context, and generate."""
+        chat = isinstance(body, ChatCompletionRequest)
+        token_ids = await asyncio.to_thread(prompt_token_ids)
+        fitted = fit_max_tokens(max_tokens, default=default_max_tokens, num_prompt_tokens=len(token_ids),
+                                max_model_len=config.max_model_len, prompt_param="messages" if chat else "prompt",
+                                max_tokens_param=max_tokens_param)
+        job = GenerationJob(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                            prompt_token_ids=token_ids,
+                            params=to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs))
+        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat), tools=tools)
         return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:

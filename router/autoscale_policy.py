@@ -30,20 +30,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from router.config_checks import AT_LEAST_ONE, AT_LEAST_ZERO, POSITIVE, Check, check_fields, checked
 from router.pool_signals import QUANTILES, PoolSignals
 
 POOLS = ("prefill", "decode")
 UP, DOWN, HOLD = "up", "down", "hold"
 
 
+_FRACTION = Check(lambda share: 0 < share <= 1, "must be in (0, 1]")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PoolBounds:
-    min_workers: int
+    min_workers: int = checked(AT_LEAST_ONE)
     max_workers: int
 
     def __post_init__(self) -> None:
-        if self.min_workers < 1:
-            raise ValueError(f"min_workers must be at least 1, got {self.min_workers}")
+        check_fields(self)
         if self.max_workers < self.min_workers:
             raise ValueError(f"max_workers ({self.max_workers}) must be >= min_workers ({self.min_workers})")
 
@@ -54,32 +57,21 @@ class AutoscalePolicy:
 
     prefill: PoolBounds
     decode: PoolBounds
-    ttft_slo_s: float
-    tpot_slo_s: float
-    slo_quantile: float = 0.9  # the percentile held to the SLOs: one of pool_signals.QUANTILES
-    min_samples: int = 3  # requests in the window before a percentile counts as pressure
-    max_waiting_per_worker: float = 4.0
-    max_queued_prompt_tokens_per_worker: int = 8192
-    max_kv_cache_usage: float = 0.85
-    scale_down_slo_fraction: float = 0.5  # "well under the SLO"
-    scale_down_kv_usage: float = 0.5
-    scale_up_cooldown_s: float = 30.0
-    scale_down_cooldown_s: float = 120.0
+    ttft_slo_s: float = checked(POSITIVE)
+    tpot_slo_s: float = checked(POSITIVE)
+    # the percentile held to the SLOs: one of pool_signals.QUANTILES
+    slo_quantile: float = checked(Check(lambda q: q in QUANTILES, f"must be one of {QUANTILES}"), default=0.9)
+    min_samples: int = checked(AT_LEAST_ONE, default=3)  # requests in the window before a percentile counts
+    max_waiting_per_worker: float = checked(POSITIVE, default=4.0)
+    max_queued_prompt_tokens_per_worker: int = checked(POSITIVE, default=8192)
+    max_kv_cache_usage: float = checked(_FRACTION, default=0.85)
+    scale_down_slo_fraction: float = checked(_FRACTION, default=0.5)  # "well under the SLO"
+    scale_down_kv_usage: float = checked(_FRACTION, default=0.5)
+    scale_up_cooldown_s: float = checked(AT_LEAST_ZERO, default=30.0)
+    scale_down_cooldown_s: float = checked(AT_LEAST_ZERO, default=120.0)
 
     def __post_init__(self) -> None:
-        for name in ("ttft_slo_s", "tpot_slo_s", "max_waiting_per_worker", "max_queued_prompt_tokens_per_worker"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("scale_up_cooldown_s", "scale_down_cooldown_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.slo_quantile not in QUANTILES:
-            raise ValueError(f"slo_quantile must be one of {QUANTILES}, got {self.slo_quantile}")
-        if self.min_samples < 1:
-            raise ValueError(f"min_samples must be at least 1, got {self.min_samples}")
-        for name in ("max_kv_cache_usage", "scale_down_slo_fraction", "scale_down_kv_usage"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        check_fields(self)
 
     def bounds(self, pool: str) -> PoolBounds:
         return {"prefill": self.prefill, "decode": self.decode}[pool]

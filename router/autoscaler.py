@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from router.admin import PoolController
+from router.config_checks import POSITIVE, check_fields, checked
 from router.autoscale_policy import HOLD, POOLS, AutoscalePolicy, Decision, PoolState, decide_pool
 from router.pool_signals import PoolSignals
 
@@ -41,11 +42,10 @@ class ScalableCluster(PoolController, Protocol):
 @dataclass(frozen=True, kw_only=True)
 class AutoscalerConfig:
     policy: AutoscalePolicy
-    interval_s: float = 5.0  # between ticks
+    interval_s: float = checked(POSITIVE, default=5.0)  # between ticks
 
     def __post_init__(self) -> None:
-        if not self.interval_s > 0:
-            raise ValueError(f"interval_s must be positive, got {self.interval_s}")
+        check_fields(self)
 
 
 class Autoscaler:

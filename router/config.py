@@ -1,17 +1,114 @@
-"""RouterConfig: what the gateway needs to know about the model it serves and how to dispatch. No I/O."""
+"""The gateway's settings, declared once: each field states its default and its range (router/config_checks.py).
+
+    GatewayConfig   what the operator chooses: the router's flags (`serve`, `gateway`: deploy/serve_args.py, each
+                    flag named after the field it sets and defaulting to it) and the settings no flag exposes
+    ServedEngine    what the workers' engine fixes: the model, its context length and block size, the mode
+    RouterConfig    a GatewayConfig and the served model's facts, resolved (build_router_app: router/server.py)
+
+Built once from the flags and passed whole, down to the component that reads a setting (the dispatcher, the
+admission queue): a new setting is a field here and, when the operator sets it, a flag. Frozen, no I/O.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import ssl
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from router.config_checks import AT_LEAST_ONE, AT_LEAST_ZERO, POSITIVE, check_fields, checked, one_of, within
+from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
+
+if TYPE_CHECKING:
+    from router.autoscaler import AutoscalerConfig
 
 MODES = ("disaggregated", "colocated")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterConfig:
-    """Frozen; entry points build it from flags.
+class GatewayTls:
+    """HTTPS at the gateway, with vLLM's flag names: `--ssl-keyfile`, `--ssl-certfile`, and `--ssl-ca-certs`,
+    which here also requires every client to present a certificate that CA signed (vLLM asks for that with a
+    separate `--ssl-cert-reqs 2`; a CA given for nothing else would be a surprise)."""
+
+    keyfile: str
+    certfile: str
+    ca_certs: str | None = None
+
+    def uvicorn_options(self) -> dict[str, object]:
+        options: dict[str, object] = {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile}
+        if self.ca_certs is not None:
+            options.update(ssl_ca_certs=self.ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return options
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """The gateway's own settings, whatever model it serves; the defaults are the commands' (README's tables)."""
+
+    host: str = "127.0.0.1"  # the router's HTTP address
+    port: int = checked(within(0, 65535), default=8000)  # 0: any free port (the ready line names it)
+    request_timeout_s: float = checked(POSITIVE, default=600.0)  # one request, end to end, the gateway's queue too
+    # deadline of the belt-and-braces Abort sent after a cancellation
+    abort_timeout_s: float = checked(POSITIVE, default=2.0)
+    # Attempts per request when the chosen worker is unreachable before it sent anything (UNAVAILABLE):
+    # the next attempt goes to another worker.
+    max_dispatch_attempts: int = checked(AT_LEAST_ONE, default=2)
+    # Migrations per request when its decode worker goes away mid-stream (router/migration.py): the request
+    # resumes on another worker from the tokens already streamed; after this many, the client gets an error event.
+    max_migrations: int = checked(AT_LEAST_ZERO, default=3)
+    # /v1/completions without max_tokens, as in OpenAI and vLLM
+    default_completion_max_tokens: int = checked(AT_LEAST_ONE, default=16)
+    # A request body over this is a 413 before it is parsed (router/body_limit.py). vLLM's server sets no limit
+    # and SGLang's gateway 512 MiB, for base64 images; this gateway takes text only. 32 MiB holds a 1M-token
+    # prompt (~4M characters) even were every character a 6-byte JSON \u escape, and bounds the memory and the
+    # parsing one request can cost.
+    max_request_body_bytes: int = checked(POSITIVE, default=32 * 1024 * 1024)
+    # Admission control (router/admission.py): off dispatches everything at once (the engines queue it, as in
+    # vLLM); requests held while the pool is full, None: as many as the pool runs at once; and how long one may
+    # wait there before a 503.
+    admission_control: bool = True
+    max_queued_requests: int | None = checked(AT_LEAST_ZERO, default=None)
+    queue_timeout_s: float = checked(POSITIVE, default=30.0)
+    # Routing (router/routing.py): the policy, and conditional disaggregation: a prompt of which the chosen
+    # decode worker lacks at most this many tokens is prefilled there, with no KV handoff (0: never;
+    # docs/benchmarks.md, "Conditional disaggregation", says how the default was chosen).
+    routing_policy: str = checked(one_of(ROUTING_POLICIES), default="prefix-aware")
+    disagg_prefill_threshold_tokens: int = checked(AT_LEAST_ZERO, default=32)
+    # The autoscaling signals' sliding window (router/pool_signals.py): TTFT and TPOT percentiles cover the
+    # requests measured in the last this many seconds.
+    signal_window_s: float = checked(POSITIVE, default=60.0)
+    autoscaler: AutoscalerConfig | None = None  # the built-in autoscaler (`serve --autoscale`); None: sizes stay
+    # Security (docs/security.md): the admin API's bearer token (None: no admin API), API keys (none: /v1/* open)
+    # and where they come from, per-key rate limits, HTTPS at the gateway. The cluster secret and gRPC TLS are the
+    # workers' (the controller's config, or `gateway --cluster-secret`).
+    admin_token: str | None = field(default=None, repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: str | None = None
+    metrics_require_key: bool = False
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    tls: GatewayTls | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedEngine:
+    """What the gateway must know of the workers' engine to serve it: from the controller's engine config, or
+    from the workers' own Health answers (deploy/static_workers.py)."""
+
+    model: str  # --model: a registered name, a path, or (load_format "dummy") a dummy shape
+    load_format: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the checkpoint's context length
+    mode: str = "disaggregated"  # or "colocated"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig(GatewayConfig):
+    """A GatewayConfig and what the router knows of the model it serves, resolved.
 
     `served_model_names`: the names a request's `model` may carry; the first is the one /v1/models lists first
     and responses echo back the name the request used. `max_model_len` bounds prompt + generated tokens.
@@ -19,65 +116,23 @@ class RouterConfig:
     """
 
     served_model_names: tuple[str, ...]
-    max_model_len: int
-    mode: str = "disaggregated"  # "disaggregated": prefill + decode pools; "colocated": one pool runs both
-    block_size: int = 16
-    request_timeout_s: float = 600.0  # deadline of one Generate call, queueing included
-    abort_timeout_s: float = 2.0  # deadline of the belt-and-braces Abort sent after a cancellation
-    # Attempts per request when the chosen worker is unreachable before it sent anything (UNAVAILABLE):
-    # the next attempt goes to another worker.
-    max_dispatch_attempts: int = 2
-    # Migrations per request when its decode worker goes away mid-stream (router/migration.py): the request
-    # resumes on another worker from the tokens already streamed; after this many, the client gets an error event.
-    max_migrations: int = 3
-    default_completion_max_tokens: int = 16  # /v1/completions without max_tokens, as in OpenAI and vLLM
-    # A request body over this is a 413 before it is parsed (router/body_limit.py). vLLM's server sets no limit
-    # and SGLang's gateway 512 MiB, for base64 images; this gateway takes text only. 32 MiB holds a 1M-token
-    # prompt (~4M characters) even were every character a 6-byte JSON \u escape, and bounds the memory and the
-    # parsing one request can cost.
-    max_request_body_bytes: int = 32 * 1024 * 1024
-    # Admission control (router/admission.py): off dispatches everything at once (the engines queue it, as in
-    # vLLM); requests held while the pool is full, None: as many as the pool runs at once; and how long one may
-    # wait there before a 503.
-    admission_control: bool = True
-    max_queued_requests: int | None = None
-    queue_timeout_s: float = 30.0
-    # Routing (router/routing.py): the policy, and conditional disaggregation: a prompt of which the chosen
-    # decode worker lacks at most this many tokens is prefilled there, with no KV handoff (0: never).
-    routing_policy: str = "prefix-aware"
-    disagg_prefill_threshold_tokens: int = 0
-    # The autoscaling signals' sliding window (router/pool_signals.py): TTFT and TPOT percentiles cover the
-    # requests measured in the last this many seconds.
-    signal_window_s: float = 60.0
+    max_model_len: int = checked(POSITIVE)
+    # "disaggregated": prefill + decode pools; "colocated": one pool runs both
+    mode: str = checked(one_of(MODES), default="disaggregated")
+    block_size: int = checked(POSITIVE, default=16)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or any(not name for name in self.served_model_names):
             raise ValueError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.routing_policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing_policy!r}")
-        if self.disagg_prefill_threshold_tokens < 0:
-            raise ValueError(f"disagg_prefill_threshold_tokens must be >= 0, got {self.disagg_prefill_threshold_tokens}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        for name in ("request_timeout_s", "abort_timeout_s", "queue_timeout_s", "signal_window_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
-        if self.max_dispatch_attempts < 1:
-            raise ValueError(f"max_dispatch_attempts must be at least 1, got {self.max_dispatch_attempts}")
-        if self.max_migrations < 0:
-            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if self.default_completion_max_tokens < 1:
-            raise ValueError(
-                f"default_completion_max_tokens must be at least 1, got {self.default_completion_max_tokens}"
-            )
+        check_fields(self)
+
+    @classmethod
+    def serving(cls, gateway: GatewayConfig, *, served_model_names: tuple[str, ...], max_model_len: int,
+                mode: str, block_size: int) -> RouterConfig:
+        """`gateway`'s settings, every one of them, for the model these name."""
+        settings = {f.name: getattr(gateway, f.name) for f in dataclasses.fields(GatewayConfig)}
+        return cls(**settings, served_model_names=served_model_names, max_model_len=max_model_len, mode=mode,
+                   block_size=block_size)
 
     @property
     def target_role(self) -> str:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.config_checks import POSITIVE, check_fields, checked
+
 
 @dataclass(kw_only=True)
 class TokenBucket:
@@ -43,14 +45,11 @@ class TokenBucket:
 class RateLimits:
     """Per key; None: no limit of that kind."""
 
-    requests_per_minute: float | None = None
-    tokens_per_minute: float | None = None
+    requests_per_minute: float | None = checked(POSITIVE, default=None)
+    tokens_per_minute: float | None = checked(POSITIVE, default=None)
 
     def __post_init__(self) -> None:
-        for name in ("requests_per_minute", "tokens_per_minute"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+        check_fields(self)
 
     @property
     def enabled(self) -> bool:

@@ -1,7 +1,7 @@
 """Serving the router with uvicorn in this process: in the foreground, or from a background thread that a
 caller (the `splitserve serve` command, tests) shuts down programmatically.
 
-    app = build_router_app(model="smollm2-135m", worker_provider=controller_workers)    # loads the tokenizer
+    app = build_router_app(GatewayConfig(), ServedEngine(model="smollm2-135m"), workers)   # loads the tokenizer
     run_router(app, host="0.0.0.0", port=8000)       # blocks until SIGINT / SIGTERM
 
     server = RouterServer(app, host="127.0.0.1", port=0).start()    # returns once it listens
@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import json
 import socket
-import ssl
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
 
 from router.app import create_app
-from router.config import RouterConfig
+from router.config import GatewayConfig, GatewayTls, RouterConfig, ServedEngine
 from router.worker_registry import WorkerProvider, WorkerRegistry
 
 if TYPE_CHECKING:
@@ -34,7 +32,7 @@ if TYPE_CHECKING:
     from protos.cluster_auth import ClusterAuth
     from router.admin import AdminApi
     from router.api_keys import AccessControl
-    from router.autoscaler import AutoscalerConfig, ScalableCluster
+    from router.autoscaler import ScalableCluster
     from router.metrics import RestartCounts
 
 
@@ -42,76 +40,33 @@ if TYPE_CHECKING:
 _LOOP = "asyncio"
 
 
-@dataclass(frozen=True, kw_only=True)
-class GatewayTls:
-    """HTTPS at the gateway, with vLLM's flag names: `--ssl-keyfile`, `--ssl-certfile`, and `--ssl-ca-certs`,
-    which here also requires every client to present a certificate that CA signed (vLLM asks for that with a
-    separate `--ssl-cert-reqs 2`; a CA given for nothing else would be a surprise)."""
-
-    keyfile: str
-    certfile: str
-    ca_certs: str | None = None
-
-    def uvicorn_options(self) -> dict[str, object]:
-        options: dict[str, object] = {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile}
-        if self.ca_certs is not None:
-            options.update(ssl_ca_certs=self.ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        return options
-
-
 def build_router_app(
-    *,
-    model: str,
+    config: GatewayConfig,
+    served: ServedEngine,
     worker_provider: WorkerProvider,
-    load_format: str = "auto",
-    served_model_names: tuple[str, ...] | None = None,
-    max_model_len: int | None = None,
-    mode: str = "disaggregated",
-    block_size: int = 16,
-    request_timeout_s: float = 600.0,
-    refresh_interval_s: float = 1.0,
+    *,
+    auth: ClusterAuth | None = None,
     redis_url: str | None = None,
-    routing_policy: str = "prefix-aware",
-    disagg_prefill_threshold_tokens: int = 0,
-    admission_control: bool = True,
-    max_queued_requests: int | None = None,
-    queue_timeout_s: float = 30.0,
-    max_migrations: int = 3,
+    access: AccessControl | None = None,
     admin: AdminApi | None = None,
     restart_counts: RestartCounts | None = None,
-    auth: ClusterAuth | None = None,
-    access: AccessControl | None = None,
-    signal_window_s: float = 60.0,
-    autoscaler: AutoscalerConfig | None = None,
     pool_controller: ScalableCluster | None = None,
 ) -> FastAPI:
-    """The router app for `model` (a registered name like "smollm2-135m", a .gguf path, or an HF directory; with
-    `load_format` "dummy", a dummy shape like "llama-3.2-1b", whose tokenizer is the workers').
+    """The router app with `config`'s settings, serving `served.model` (a registered name like "smollm2-135m", a
+    .gguf path, or an HF directory; with `load_format` "dummy", a dummy shape like "llama-3.2-1b", whose tokenizer
+    is the workers') through the workers `worker_provider` lists.
 
     A factory, so it does I/O: resolves the model (fetching a registered one on first use) and loads its
-    tokenizer. `served_model_names` defaults to `(model,)`; `max_model_len` to the checkpoint's context length
-    (pass the workers' own value when they are configured shorter). `redis_url`: the prefix index (None: route
-    by load only). `auth`: the cluster secret (and TLS) of the calls to the workers. `access`: API keys and rate
-    limits (None: /v1/* is open). `signal_window_s`: the autoscaling signals' latency window; `autoscaler`: run
-    the built-in autoscaler, resizing through `pool_controller` (router/autoscaler.py).
+    tokenizer. The served name is `served.model`; the context length `served.max_model_len`, else the
+    checkpoint's. `auth`: the cluster secret (and TLS) of the calls to the workers. `redis_url`: the prefix index
+    (None: route by load only). `access`, `admin`, `restart_counts`: create_app's (router/app.py);
+    `pool_controller`: what `config.autoscaler` resizes.
     """
-    tokenizer, context_length = load_tokenizer(model, load_format)
-    config = RouterConfig(
-        served_model_names=served_model_names or (model,),
-        max_model_len=max_model_len if max_model_len is not None else context_length,
-        mode=mode,
-        block_size=block_size,
-        request_timeout_s=request_timeout_s,
-        admission_control=admission_control,
-        max_queued_requests=max_queued_requests,
-        queue_timeout_s=queue_timeout_s,
-        max_migrations=max_migrations,
-        routing_policy=routing_policy,
-        disagg_prefill_threshold_tokens=disagg_prefill_threshold_tokens,
-        signal_window_s=signal_window_s,
-    )
-    registry = WorkerRegistry(worker_provider, refresh_interval_s=refresh_interval_s,
-                              **({"auth": auth} if auth is not None else {}))
+    tokenizer, context_length = load_tokenizer(served.model, served.load_format)
+    router_config = RouterConfig.serving(
+        config, served_model_names=(served.model,), mode=served.mode, block_size=served.block_size,
+        max_model_len=served.max_model_len if served.max_model_len is not None else context_length)
+    registry = WorkerRegistry(worker_provider, **({"auth": auth} if auth is not None else {}))
     prefix_index = None
     if redis_url is not None:
         from router.prefix_index_client import PrefixIndexClient
@@ -119,8 +74,8 @@ def build_router_app(
 
         prefix_index = PrefixIndex(PrefixIndexClient(redis_url), namespace=registry.hash_namespace,
                                    live_workers=registry.incarnations)
-    return create_app(config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts,
-                      admin=admin, access=access, autoscaler=autoscaler, pool_controller=pool_controller)
+    return create_app(router_config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts,
+                      admin=admin, access=access, pool_controller=pool_controller)
 
 
 def load_tokenizer(model: str, load_format: str = "auto") -> tuple[Tokenizer, int]:

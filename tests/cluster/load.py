@@ -22,6 +22,8 @@ class Outcome:
     num_tokens: int  # from the usage of the stream's last chunk
     ttft_s: float | None  # arrival -> first text chunk
     error: str = ""
+    retry_after: str | None = None  # the Retry-After header of a response that was not a 200
+    elapsed_s: float = 0.0  # sent -> response and stream read to their end
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Outcome:
@@ -31,8 +33,10 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                return Outcome(status=response.status_code, completed=False, num_tokens=0, ttft_s=None,
-                               error=(await response.aread()).decode(errors="replace")[:300])
+                error = (await response.aread()).decode(errors="replace")[:300]
+                return Outcome(status=response.status_code, completed=False, num_tokens=0, ttft_s=None, error=error,
+                               retry_after=response.headers.get("retry-after"),
+                               elapsed_s=time.perf_counter() - started_s)
             ttft_s, num_tokens, finished, done = None, 0, False, False
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -53,7 +57,8 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
                 if choice.get("text") and ttft_s is None:
                     ttft_s = time.perf_counter() - started_s
                 finished = finished or choice.get("finish_reason") is not None
-            return Outcome(status=200, completed=finished and done, num_tokens=num_tokens, ttft_s=ttft_s)
+            return Outcome(status=200, completed=finished and done, num_tokens=num_tokens, ttft_s=ttft_s,
+                           elapsed_s=time.perf_counter() - started_s)
     except httpx.HTTPError as exc:
         return Outcome(status=0, completed=False, num_tokens=0, ttft_s=None, error=repr(exc)[:300])
 

@@ -248,7 +248,8 @@ def test_the_gateway_reaches_the_workers_only_with_the_secret(workers, checkpoin
     tokenizer = Tokenizer.from_hf_dir(Path(checkpoint.path))
     infos = [WorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint) for w in workers]
     config = RouterConfig(served_model_names=("tiny",), max_model_len=TINY_ENGINE["max_model_len"],
-                          block_size=TINY_ENGINE["block_size"], routing_policy="least-loaded", queue_timeout_s=1.0)
+                          block_size=TINY_ENGINE["block_size"], routing_policy="least-loaded", queue_timeout_s=1.0,
+                          disagg_prefill_threshold_tokens=0)
     for auth, healthy in ((AUTH, True), (WRONG, False)):
         app = create_app(config, WorkerRegistry(lambda: infos, refresh_interval_s=0.5, auth=auth), tokenizer,
                          access=AccessControl(ring=ApiKeyRing(["sk-gateway"])))

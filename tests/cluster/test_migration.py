@@ -37,7 +37,8 @@ def cluster(smollm2_checkpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[tup
     monkeypatch.setenv(FAULT_STEP_SLEEP_ENV, "0.01")
     decode = [start_worker("decode", smollm2_checkpoint, worker_id=f"decode-{i}", **common) for i in range(2)]
     infos = [WorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint) for w in [*prefill, *decode]]
-    config = RouterConfig(served_model_names=(MODEL,), max_model_len=1024, routing_policy="least-loaded")
+    config = RouterConfig(served_model_names=(MODEL,), max_model_len=1024, routing_policy="least-loaded",
+                          disagg_prefill_threshold_tokens=0)
     registry = WorkerRegistry(lambda: infos, refresh_interval_s=0.3, load_timeout_s=5.0)
     server = RouterServer(create_app(config, registry, smollm2_checkpoint.tokenizer)).start()
     try:

@@ -45,27 +45,27 @@ def test_autoscale_flags_make_the_policy_and_start_each_pool_at_its_minimum() ->
              "--scale-up-cooldown", "5", "--scale-down-cooldown", "50", "--autoscale-interval", "2",
              "--autoscale-window", "30", "--num-threads", "1"]
     config = serve_config_from_args(build_parser().parse_args(flags))
-    assert config.autoscaler is not None and config.signal_window_s == 30.0
-    policy = config.autoscaler.policy
+    assert config.gateway.autoscaler is not None and config.gateway.signal_window_s == 30.0
+    policy = config.gateway.autoscaler.policy
     assert (policy.prefill, policy.decode) == (PoolBounds(min_workers=2, max_workers=4),
                                                PoolBounds(min_workers=1, max_workers=3))
     assert (policy.ttft_slo_s, policy.tpot_slo_s, policy.scale_up_cooldown_s, policy.scale_down_cooldown_s) == (
         0.5, 0.05, 5.0, 50.0)
-    assert config.autoscaler.interval_s == 2.0
+    assert config.gateway.autoscaler.interval_s == 2.0
     assert (config.controller.num_prefill_workers, config.controller.num_decode_workers) == (2, 1)
 
 
 def test_without_autoscale_the_pools_keep_their_flags_and_no_autoscaler_runs() -> None:
     config = serve_config_from_args(build_parser().parse_args(["serve", "--prefill-workers", "2"]))
-    assert config.autoscaler is None and config.signal_window_s == 60.0
+    assert config.gateway.autoscaler is None and config.gateway.signal_window_s == 60.0
     assert config.controller.num_prefill_workers == 2
 
 
 def test_autoscale_defaults_keep_the_starting_sizes_as_the_maximum() -> None:
     config = serve_config_from_args(build_parser().parse_args(["serve", *SLOS, "--decode-workers", "2"]))
-    assert config.autoscaler is not None
-    policy = config.autoscaler.policy
+    assert config.gateway.autoscaler is not None
+    policy = config.gateway.autoscaler.policy
     assert (policy.prefill, policy.decode) == (PoolBounds(min_workers=1, max_workers=1),
                                                PoolBounds(min_workers=1, max_workers=2))
-    assert (policy.scale_up_cooldown_s, policy.scale_down_cooldown_s, config.autoscaler.interval_s) == (
+    assert (policy.scale_up_cooldown_s, policy.scale_down_cooldown_s, config.gateway.autoscaler.interval_s) == (
         30.0, 120.0, 5.0)

@@ -32,7 +32,7 @@ def test_a_random_cluster_secret_per_cluster_unless_one_is_given(monkeypatch: py
     monkeypatch.setenv("SPLITSERVE_API_KEY", "sk-env")
     config = _config()
     assert config.controller.auth.secret == "from-the-environment"
-    assert config.api_keys == ("sk-env",)
+    assert config.gateway.api_keys == ("sk-env",)
     # the workers get the secret in their config, not from the environment serve hands them
     assert CLUSTER_SECRET_ENV not in config.controller.worker_env
     assert "SPLITSERVE_API_KEY" not in config.controller.worker_env
@@ -70,9 +70,9 @@ def test_security_flags_reach_the_config(tmp_path: Path) -> None:
     config = _config("--api-key", "a", "--api-key", "b", "--api-key-file", str(tmp_path / "keys"),
                      "--metrics-require-key", "--rate-limit-requests-per-minute", "30",
                      "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-ca-certs", "ca.pem")
-    assert config.api_keys == ("a", "b") and config.api_key_file == str(tmp_path / "keys")
-    assert config.metrics_require_key and config.rate_limits.requests_per_minute == 30
-    assert config.tls is not None and config.tls.ca_certs == "ca.pem"
+    assert config.gateway.api_keys == ("a", "b") and config.gateway.api_key_file == str(tmp_path / "keys")
+    assert config.gateway.metrics_require_key and config.gateway.rate_limits.requests_per_minute == 30
+    assert config.gateway.tls is not None and config.gateway.tls.ca_certs == "ca.pem"
     assert "'a'" not in repr(config)
 
 

@@ -53,7 +53,8 @@ def gateway(fakes: dict[str, FakeWorker], tokenizer) -> Iterator[tuple[str, Stan
     infos = [info_of(fakes["prefill-0"]), info_of(fakes["decode-0"])]
     controller = StandInController([PoolWorker(worker_id=i.worker_id, role=i.role, state="serving",
                                                endpoint=i.endpoint, pid=42, incarnation=1) for i in infos])
-    config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN)
+    config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN,
+                          disagg_prefill_threshold_tokens=0)  # every prompt through a prefill worker
     registry = WorkerRegistry(lambda: infos, refresh_interval_s=0.5, load_timeout_s=1.0)
     server = RouterServer(create_app(config, registry, tokenizer,
                                      admin=AdminApi(token=TOKEN, controller=controller))).start()

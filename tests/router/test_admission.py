@@ -1,10 +1,17 @@
-"""router.admission: the pure decisions on numbers, then the queue's order, bounds, timeout and cancellation."""
+"""router.admission: the pure decisions on numbers, then the queue's order, bounds, timeout and cancellation; last,
+through HTTP on fake workers, a full queue's refusal before the request's body is read (router/admission_guard.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from collections.abc import Callable
 
+import httpx
 import pytest
+from starlette.types import Receive, Scope, Send
 
 from router.admission import (
     Admission,
@@ -16,7 +23,16 @@ from router.admission import (
     may_queue,
     retry_after_s,
 )
+from router.app import create_app
+from router.config import GatewayConfig, RouterConfig
+from router.errors import error_body
 from router.routing import WorkerLoad
+from router.server import RouterServer
+from router.worker_registry import WorkerRegistry
+from tests.router.conftest import MAX_MODEL_LEN, MODEL, info_of
+from tests.router.fake_worker import Script
+from tests.router.test_admission_http import BODY, _Holder
+from tests.router.test_metrics_and_status import scrape, value
 
 
 def load(worker_id: str, *, role: str = "decode", healthy: bool = True, max_num_seqs: int = 4,
@@ -75,8 +91,8 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
-def admission(**kwargs: object) -> Admission:
-    a = Admission(role="decode", **kwargs)  # type: ignore[arg-type]
+def admission(on_refused: Callable[[str], None] | None = None, **settings: object) -> Admission:
+    a = Admission(GatewayConfig(**settings), role="decode", on_refused=on_refused)  # type: ignore[arg-type]
     a.update([load("d0", max_num_seqs=2, kv_blocks_total=10)])
     return a
 
@@ -200,7 +216,7 @@ def test_the_mean_hold_time_bounds_the_queue() -> None:
     now = [0.0]
 
     async def scenario() -> None:
-        a = Admission(role="decode", queue_timeout_s=5.0, clock=lambda: now[0])
+        a = Admission(GatewayConfig(queue_timeout_s=5.0), role="decode", clock=lambda: now[0])
         a.update([load("d0", max_num_seqs=2, kv_blocks_total=100)])
         first = await a.acquire(1)
         now[0] = 4.0
@@ -223,7 +239,7 @@ def test_the_mean_hold_time_bounds_the_queue() -> None:
 
 def test_disabled_admission_dispatches_everything_at_once() -> None:
     async def scenario() -> None:
-        a = Admission(role="decode", enabled=False)
+        a = Admission(GatewayConfig(admission_control=False), role="decode")
         a.update([load("d0", max_num_seqs=1, kv_blocks_total=2)])
         tickets = [await a.acquire(2) for _ in range(10)]
         assert a.num_queued == 0 and a.in_flight == Usage()  # nothing counted
@@ -231,3 +247,108 @@ def test_disabled_admission_dispatches_everything_at_once() -> None:
             ticket.release()
 
     run(scenario())
+
+
+def test_a_refusal_on_arrival_is_what_acquire_would_answer_at_any_size() -> None:
+    refused: list[str] = []
+
+    async def scenario() -> None:
+        a = admission(on_refused=refused.append)  # 2 slots, 10 blocks; the queue holds 2 requests
+        assert a.refuse_on_arrival() is None  # room: nothing to say before the body
+        held = [await a.acquire(1), await a.acquire(1)]
+        assert a.refuse_on_arrival() is None  # full pool, empty queue: a request may wait
+        waiting = [asyncio.create_task(a.acquire(4))]
+        await asyncio.sleep(0.01)
+        # Room in the queue for 6 more blocks: a small request may wait, so the body must be read to know its size
+        # (acquire refuses a big one by its blocks).
+        assert a.refuse_on_arrival() is None
+        with pytest.raises(AdmissionRefused):
+            await a.acquire(7)
+        waiting.append(asyncio.create_task(a.acquire(1)))
+        await asyncio.sleep(0.01)
+        early = a.refuse_on_arrival()  # the queue's 2 places taken: refused at any size
+        assert early is not None and early.reason == "queue_full" and early.status_code == 429
+        with pytest.raises(AdmissionRefused) as late:
+            await a.acquire(1)
+        assert (str(early), early.retry_after_s) == (str(late.value), late.value.retry_after_s)
+        assert str(early) == "the server is at capacity (2 requests running, 2 queued); retry later"
+        for ticket in held:
+            ticket.release()
+        for ticket in await asyncio.gather(*waiting):
+            ticket.release()
+        assert a.in_flight == Usage() and a.refuse_on_arrival() is None
+
+    run(scenario())
+    assert refused == ["queue_full"] * 3  # each refusal counted once, early or late
+    assert Admission(GatewayConfig(admission_control=False), role="decode").refuse_on_arrival() is None
+
+
+# -- through HTTP ---------------------------------------------------------------------------------------------
+UNREAD = "x-test-body-must-stay-unread"  # a request with this header has a receive that fails the test
+
+
+class _BodySpy:
+    """The gateway's app, whose marked requests get an ASGI receive that records its call and fails: a request
+    refused before its body is read never calls it."""
+
+    def __init__(self, app: object) -> None:
+        self.app = app
+        self.num_reads = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and any(name == UNREAD.encode() for name, _ in scope["headers"]):
+            async def unreadable() -> dict[str, object]:
+                self.num_reads += 1
+                raise AssertionError("the body of a request refused on arrival was read")
+
+            receive = unreadable  # type: ignore[assignment]
+        await self.app(scope, receive, send)  # type: ignore[operator]
+
+
+def test_a_full_queue_refuses_before_the_body_is_read(fakes, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    for worker in fakes.values():
+        worker.reset()
+    prefill, decode = fakes["prefill-0"], fakes["decode-0"]
+    decode.load.max_num_seqs = 1  # one running, one queued (max_queued_requests), then 429
+    decode.script = Script(hang_after=1)
+    config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN, max_queued_requests=1,
+                          queue_timeout_s=30.0, disagg_prefill_threshold_tokens=0)
+    registry = WorkerRegistry(lambda: [info_of(prefill), info_of(decode)], refresh_interval_s=0.5,
+                              load_timeout_s=1.0)
+    spy = _BodySpy(create_app(config, registry, tokenizer))
+    server = RouterServer(spy).start()  # type: ignore[arg-type]
+    try:
+        holder = _Holder(server.url)
+        results: dict[str, httpx.Response] = {}
+        queued = threading.Thread(target=lambda: results.setdefault(
+            "queued", httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=30.0)))
+        queued.start()
+        with httpx.Client(base_url=server.url, timeout=30.0) as client:
+            deadline = time.monotonic() + 10.0
+            while value(scrape(client), "splitserve:admission_queue_requests") != 1:
+                assert time.monotonic() < deadline, "the second request never queued"
+                time.sleep(0.05)
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "abc"}], "max_tokens": 4}
+            for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", chat)):
+                refused = client.post(path, json=body, headers={UNREAD: "1"})
+                assert spy.num_reads == 0, refused.text
+                assert refused.status_code == 429, refused.text
+                # The dispatcher's refusal, word for word: nothing ended yet, so an expected wait of 0 -> 1 s.
+                assert refused.json() == error_body(
+                    429, "the server is at capacity (1 requests running, 1 queued); retry later")
+                assert refused.headers["retry-after"] == "1"
+                assert refused.headers["content-type"] == "application/json"
+            assert len(decode.requests) == 1  # only the holder reached a worker
+            samples = scrape(client)
+            assert value(samples, "splitserve:admission_rejections_total", reason="queue_full") == 2
+            assert value(samples, "splitserve:request_failure_total", reason="queue_full") == 2
+
+            decode.script = Script()
+            holder.close()  # the slot frees: the queued request goes, and the queue has room again
+            queued.join(20.0)
+            assert results["queued"].status_code == 200, results["queued"].text
+            assert client.post("/v1/completions", json=BODY).status_code == 200  # its body read, as any
+    finally:
+        server.stop()
+        for worker in fakes.values():
+            worker.reset()

@@ -33,8 +33,9 @@ def test_a_dummy_shapes_gateway_loads_the_workers_tokenizer_without_torch() -> N
     models, imported = _run(
         "import sys\n"
         "from fastapi.testclient import TestClient\n"
+        "from router.config import GatewayConfig, ServedEngine\n"
         "from router.server import build_router_app\n"
-        "app = build_router_app(model='llama-3.2-1b', load_format='dummy', worker_provider=lambda: [])\n"
+        "app = build_router_app(GatewayConfig(), ServedEngine(model='llama-3.2-1b', load_format='dummy'), lambda: [])\n"
         "models = TestClient(app).get('/v1/models').json()\n"
         "print([m['id'] for m in models['data']], [m.get('max_model_len') for m in models['data']])\n" + HEAVY
     )[-2:]

@@ -48,7 +48,8 @@ def fuzz_settings(max_examples: int) -> hypothesis.settings:
 
 
 def router_app(workers: Callable[[], list[WorkerInfo]]) -> FastAPI:
-    config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN)
+    config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN,
+                          disagg_prefill_threshold_tokens=0)  # every prompt through a prefill worker
     registry = WorkerRegistry(workers, refresh_interval_s=0.5, load_timeout_s=1.0)
     return create_app(config, registry, byte_tokenizer())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from router.config import GatewayConfig, ServedEngine
 from router.server import RouterServer, build_router_app
 from tests.router.conftest import MODEL, info_of
 from tests.router.fake_worker import FakeWorker
@@ -28,8 +29,9 @@ def test_build_router_app_with_the_real_tokenizer(fakes: dict[str, FakeWorker], 
     for fake in fakes.values():
         fake.reset()
     decode = fakes["decode-0"]
-    app = build_router_app(model=MODEL, worker_provider=lambda: [info_of(fakes["prefill-0"]), info_of(decode)],
-                           max_model_len=2048)
+    always_disaggregate = GatewayConfig(disagg_prefill_threshold_tokens=0)
+    app = build_router_app(always_disaggregate, ServedEngine(model=MODEL, max_model_len=2048),
+                           lambda: [info_of(fakes["prefill-0"]), info_of(decode)])
     server = RouterServer(app).start()
     try:
         with httpx.Client(base_url=server.url) as client:
