@@ -25,7 +25,7 @@ import torch
 
 from kv_transfer.base import KVReceiver, KVSender, KVSink, SettleOnce, TransferFault
 from kv_transfer.grpc_wire import encode_message
-from kv_transfer.layout import KVHandoff, KVTransferError, error_from_kind, error_kind
+from kv_transfer.layout import KVHandoff, KVTransferError, KVTransferTimeout, error_from_kind, error_kind
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 
@@ -88,7 +88,7 @@ def rpc_error(exc: grpc.RpcError, *, what: str, endpoint: str, timeout_s: float)
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return KVTransferError(f"{what}: timed out after {timeout_s:.3g}s waiting for the receiver at {endpoint}")
+        return KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s waiting for the receiver at {endpoint}")
     if code == grpc.StatusCode.UNAVAILABLE:
         return KVTransferError(f"{what}: receiver at {endpoint} unavailable (dead or unreachable): {details}")
     if code == grpc.StatusCode.CANCELLED:
