@@ -49,8 +49,8 @@ from bench.serve_process import aiperf as run_aiperf  # noqa: E402
 
 FAULT_STEP_SLEEP_ENV = "SPLITSERVE_FAULT_STEP_SLEEP_S"  # worker/runtime.py's (which imports torch)
 # The goodput workload's request: 16 prompt tokens (SmolLM2's tokenizer), 16 out, streamed.
-REFUSED_BODY = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog while the farmer sleeps under the",
-                "max_tokens": 16, "stream": True, "ignore_eos": True}
+REFUSED_BODY = {"model": MODEL, "max_tokens": 16, "stream": True, "ignore_eos": True,
+                "prompt": "The quick brown fox jumps over the lazy dog while the farmer sleeps under the"}
 
 SLO_FLAGS = ["--endpoint-type", "completions", "--streaming", "--use-server-token-count",
              "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
@@ -76,9 +76,8 @@ def idle_cpu_per_s(pid: int, seconds: float) -> float:
     return (cpu_s(pid) - start_cpu) / (time.monotonic() - start)
 
 
-async def hold(url: str, num_requests: int) -> list[asyncio.Task]:
+async def hold(client: httpx.AsyncClient, num_requests: int) -> list[asyncio.Task]:
     """`num_requests` long streamed completions, left open: they hold the pool's slot and the queue's place."""
-    client = httpx.AsyncClient(base_url=url, timeout=None)
 
     async def one() -> None:
         body = {**REFUSED_BODY, "max_tokens": 200}
@@ -122,7 +121,8 @@ def refusal_cost(base_flags: list[str], num_requests: int) -> None:
     pid = server.proc.pid  # the gateway runs in serve's own process (the workers and Ray's in others)
 
     async def run() -> tuple[float, float, float, float, dict[int, int]]:
-        held = await hold(server.url, 2)
+        holder = httpx.AsyncClient(base_url=server.url, timeout=None)
+        held = await hold(holder, 2)
         idle_before = await asyncio.to_thread(idle_cpu_per_s, pid, 5.0)
         start_cpu, start = cpu_s(pid), time.monotonic()
         statuses = await refuse(server.url, num_requests)
@@ -131,6 +131,7 @@ def refusal_cost(base_flags: list[str], num_requests: int) -> None:
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
+        await holder.aclose()
         return busy_cpu, wall, idle_before, idle_after, statuses
 
     try:
