@@ -4,9 +4,11 @@
 
     flags ──▶ WorkerList (roles and endpoints, validated, no I/O)
           ──▶ StaticWorkers.discover(): `Health` on every endpoint until each answers ok (bounded:
-              --worker-wait-timeout; a GPU worker loads for a while) ──▶ check_workers() (pure): each worker's
-              own id and incarnation; refused: a worker whose role is not its flag's, workers that run different
-              engines (model, load format, block size, context length, KV cache dtype), two with one id
+              --worker-wait-timeout; a GPU worker loads for a while; refused at once: a worker that refuses the
+              cluster secret, or serves plaintext to a gateway with --grpc-tls-*)
+          ──▶ check_workers() (pure): each worker's own id and incarnation; refused: a worker whose role is not
+              its flag's, workers that run different engines (model, load format, block size, context length, KV
+              cache dtype), two with one id
           ──▶ ServedEngine: the model, load format, block size, context length and mode the gateway serves, all
               taken from the workers (no gateway flag for them), so that it always matches them
 
@@ -164,6 +166,18 @@ def check_workers(workers: WorkerList,
     return infos, served
 
 
+def serves_plaintext(endpoint: str, *, timeout_s: float) -> bool:
+    """Whether the gRPC server at `endpoint` answers a plaintext call: what a TLS gateway asks of a worker its TLS
+    handshake failed with. The probe carries no secret (a worker that has one answers UNAUTHENTICATED, which
+    still says it speaks plaintext); an unreachable or TLS-only endpoint fails it with UNAVAILABLE."""
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            serving_pb2_grpc.WorkerStub(channel).Health(serving_pb2.HealthRequest(), timeout=timeout_s)
+        except grpc.RpcError as error:
+            return error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return True
+
+
 class StaticWorkers:
     """The router's worker provider over a fixed list (see the module docstring), and the admin API's view of it.
 
@@ -171,6 +185,7 @@ class StaticWorkers:
 
     def __init__(self, workers: WorkerList, *, auth: ClusterAuth, health_timeout_s: float = 2.0) -> None:
         self._workers = workers
+        self._auth = auth
         self._health_timeout_s = health_timeout_s
         self._channels = {endpoint: sync_channel(endpoint, auth) for _, endpoint in workers.endpoints()}
         self._stubs = {e: serving_pb2_grpc.WorkerStub(c) for e, c in self._channels.items()}
@@ -182,7 +197,8 @@ class StaticWorkers:
     def discover(self, *, timeout_s: float, stop: threading.Event | None = None) -> ServedEngine | None:
         """Wait until every listed worker answers `Health` ok, check them (`check_workers`), and return the engine
         they run; None when `stop` was set meanwhile. TimeoutError naming those that did not answer in
-        `timeout_s`; RuntimeError when one refuses the cluster secret; ValueError from `check_workers`."""
+        `timeout_s`; RuntimeError when one refuses the cluster secret, or serves plaintext to a TLS gateway (at
+        once: it would never answer); ValueError from `check_workers`."""
         deadline = time.monotonic() + timeout_s
         answers: dict[str, serving_pb2.HealthResponse] = {}
         errors: dict[str, str] = {}
@@ -198,6 +214,11 @@ class StaticWorkers:
                 if outcome.code() == grpc.StatusCode.UNAUTHENTICATED:
                     raise RuntimeError(f"the worker at {endpoint} refused this gateway's cluster secret: give the "
                                        "workers' --cluster-secret (or $SPLITSERVE_CLUSTER_SECRET)")
+                if (self._auth.tls and outcome.code() == grpc.StatusCode.UNAVAILABLE
+                        and serves_plaintext(endpoint, timeout_s=min(self._health_timeout_s, timeout_s))):
+                    raise RuntimeError(f"the worker at {endpoint} serves plaintext gRPC, and this gateway's links "
+                                       "are mutual TLS (--grpc-tls-cert/--grpc-tls-key/--grpc-tls-ca): start the "
+                                       "worker with the same three flags")
                 errors[endpoint] = f"{outcome.code().name} {outcome.details() or ''}".strip()
             if len(answers) == len(self._stubs):
                 break

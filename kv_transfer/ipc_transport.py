@@ -29,9 +29,11 @@ process holding both workers) takes the buffer directly: CUDA cannot open its ow
 One handoff at a time per (sender, receiver) pair, since the pair's buffer is in use until the receiver acks
 (which it does after its copies completed); pairs run concurrently. The pair's buffer grows to the largest
 handoff up to KEEP_BYTES and is kept for the next one; a larger handoff stages through a one-off buffer that both
-ends let go of after it. (A first version sent the descriptor ahead on a stream, so that the receiver opened the
-handoff while the sender staged it: the stream's thread handoffs cost ~1.7 ms a handoff on a 2-core host, more
-than the overlap saved.)
+ends let go of after it. The receiver keeps a sender's kept buffer mapped while that sender lives: the mapping of
+a sender process that exited (killed mid-handoff, restarted) would hold its memory for good, so a reaper thread
+unmaps it within REAP_INTERVAL_S. (A first version sent the descriptor ahead on a stream, so that the receiver
+opened the handoff while the sender staged it: the stream's thread handoffs cost ~1.7 ms a handoff on a 2-core
+host, more than the overlap saved.)
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from protos.cluster_auth import OPEN, ClusterAuth
 
 KEEP_BYTES = 128 << 20  # a pair's buffer grows up to this and is kept; a larger handoff uses a one-off buffer
 MAX_MAPPED = 8  # buffers a receiver keeps mapped (least recently used dropped first)
+REAP_INTERVAL_S = 1.0  # how often a receiver unmaps the buffers of sender processes that exited
 # The receiver maps a sender's memfd read-only; torch warns that a tensor over it must not be written, and nothing
 # here writes it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
@@ -195,6 +198,28 @@ def map_buffer(msg: kv_transfer_pb2.KVIpcBuffer, device: torch.device) -> torch.
     return tensor
 
 
+def process_start(pid: int) -> str | None:
+    """Process `pid`'s start time (clock ticks after boot, /proc/<pid>/stat), None when it exited: a pid the
+    kernel hands to another process later comes with another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie closed its files already
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    """A sender's buffer mapped in this process, and whose it is: `started` is its sender's `process_start` when
+    it was mapped."""
+
+    tensor: torch.Tensor
+    pid: int
+    started: str | None
+
+
 # ── receiver ─────────────────────────────────────────────────────────────────────────────────────────────────
 
 
@@ -208,7 +233,9 @@ class Receiver(SettlingReceiver):
         super().__init__(sink)
         self.device = torch.device(sink.device)
         self._mapped_lock = threading.Lock()
-        self._mapped: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self._mapped: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
+        self._stop_reaper = threading.Event()  # set by close()
+        self._reaper: threading.Thread | None = None  # started with the first buffer of another process
 
     def attach(self, server: grpc.Server, endpoint: str) -> None:
         handlers = {
@@ -222,8 +249,24 @@ class Receiver(SettlingReceiver):
 
     def close(self) -> None:
         super().close()
+        self._stop_reaper.set()
         with self._mapped_lock:
             self._mapped.clear()
+
+    def drop_exited_senders(self) -> list[str]:
+        """Unmap every buffer whose sender process exited (once no copy out of it is running); returns their ids.
+        The reaper calls it every REAP_INTERVAL_S."""
+        with self._mapped_lock:
+            mapped = [(key, m.pid, m.started) for key, m in self._mapped.items()]
+        gone = [key for key, pid, started in mapped if started is None or process_start(pid) != started]
+        with self._mapped_lock:
+            for key in gone:
+                self._mapped.pop(key, None)
+        return gone
+
+    def _reap(self) -> None:
+        while not self._stop_reaper.wait(REAP_INTERVAL_S):
+            self.drop_exited_senders()
 
     def _serve(self, request: kv_transfer_pb2.KVIpcHandoff, context: grpc.ServicerContext
                ) -> kv_transfer_pb2.KVTransferAck:
@@ -295,20 +338,24 @@ class Receiver(SettlingReceiver):
 
     def _map(self, buffer: kv_transfer_pb2.KVIpcBuffer) -> torch.Tensor:
         """The sender's buffer, mapped on first use. A new kept buffer of a sender process replaces its older ones
-        (it outgrew them); at most MAX_MAPPED stay mapped."""
+        (it outgrew them); at most MAX_MAPPED stay mapped; those of a sender that exited go (`drop_exited_senders`)."""
         with self._mapped_lock:
-            tensor = self._mapped.get(buffer.id)
-            if tensor is not None:
+            mapping = self._mapped.get(buffer.id)
+            if mapping is not None:
                 self._mapped.move_to_end(buffer.id)
-                return tensor
+                return mapping.tensor
+        started = process_start(buffer.pid)  # before mapping: a sender that exits meanwhile is reaped
         tensor = map_buffer(buffer, self.device)
         with self._mapped_lock:
             if buffer.keep:
                 for old in [key for key in self._mapped if key.startswith(f"{buffer.pid}-")]:
                     del self._mapped[old]
-            self._mapped[buffer.id] = tensor
+            self._mapped[buffer.id] = _Mapping(tensor=tensor, pid=buffer.pid, started=started)
             while len(self._mapped) > MAX_MAPPED:
                 self._mapped.popitem(last=False)
+            if self._reaper is None and buffer.pid != os.getpid() and not self._stop_reaper.is_set():
+                self._reaper = threading.Thread(target=self._reap, name="ipc-kv-reaper", daemon=True)
+                self._reaper.start()
         return tensor
 
 

@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import uuid
 
 import grpc
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 # Fault injection for the cluster tests (like the conformance suite's TransferFault, but reachable through
 # `splitserve serve`): the first N handoffs of two or more blocks are cut half-way, the source failing mid-send.
 FAULT_KV_CUTS_ENV = "SPLITSERVE_FAULT_KV_CUTS"
+# And while the file this names exists, a handoff of two or more blocks stalls half-way (StallHalfWay), so that a
+# test can kill the worker mid-handoff.
+FAULT_KV_STALL_ENV = "SPLITSERVE_FAULT_KV_STALL_FILE"
 
 
 class HeldBlocks:
@@ -78,6 +82,31 @@ class CutHalfWay:
     def read_block(self, index: int) -> torch.Tensor:
         if index >= self.cut_at:
             raise KVTransferError(f"{FAULT_KV_CUTS_ENV}: handoff cut after {self.cut_at} blocks")
+        return self.source.read_block(index)
+
+
+class StallHalfWay:
+    """A KVBlockSource that stops before the second half of its blocks while the file `path` exists: it writes
+    "stalled <transfer id>" into the file, then waits until the file is removed (the test kills the worker
+    meanwhile, or lets the handoff go on)."""
+
+    def __init__(self, source: HeldBlocks | CutHalfWay, handoff: KVHandoff, path: str) -> None:
+        self.source = source
+        self.layout = handoff.layout
+        self.stall_at = handoff.first_block + len(handoff.block_indices) // 2
+        self.transfer_id = handoff.transfer_id
+        self.path = path
+
+    def read_block(self, index: int) -> torch.Tensor:
+        if index == self.stall_at:
+            try:  # never creates the file: a test that removed it already must not find it back
+                marker = os.open(self.path, os.O_WRONLY | os.O_TRUNC)
+                os.write(marker, f"stalled {self.transfer_id}\n".encode())
+                os.close(marker)
+            except FileNotFoundError:
+                pass
+            while os.path.exists(self.path):
+                time.sleep(0.05)
         return self.source.read_block(index)
 
 
@@ -192,6 +221,9 @@ class PrefillWorker(RuntimeWorker):
         source = HeldBlocks(blocks.kv_cache, block_ids, layout, blocks.kv_scales)
         if len(handoff.block_indices) >= 2 and self._take_cut():
             source = CutHalfWay(source, handoff)
+        stall_path = os.environ.get(FAULT_KV_STALL_ENV)
+        if stall_path and len(handoff.block_indices) >= 2 and os.path.exists(stall_path):
+            source = StallHalfWay(source, handoff, stall_path)
         result = self.sender.send(
             handoff, source, endpoint=request.decode_endpoint, timeout_s=self.config.kv_transfer_timeout_s
         )

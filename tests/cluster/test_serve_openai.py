@@ -4,6 +4,9 @@ talked to by the unmodified `openai` client, once per KV transport and once colo
 - Chat and completion answers, streamed and not, equal the offline engine's greedy output token for token.
 - A workload with client-aborted streams and a KV handoff cut half-way (SPLITSERVE_FAULT_KV_CUTS) ends with every
   worker's KV blocks free, read from the router's /metrics; the cut request was retried and still exact.
+- ipc: a prefill worker SIGKILLed mid-handoff (SPLITSERVE_FAULT_KV_STALL_FILE: half its blocks staged in the
+  buffer the decode worker maps) costs at most that request (a 503, or the greedy answer, retried); the decode
+  worker unmaps the dead worker's buffer and frees every block; the restarted worker answers exactly.
 - Structured outputs and tool calls (colocated and over grpc): generated JSON schemas, `parse` with a pydantic
   model, a named tool choice, a guided choice (n = 3 too), a bad schema's 400; blocks freed after.
 - n = 4 seeded choices, logit_bias, echo + logprobs (equal to HF transformers' prompt log-probabilities): the
@@ -14,10 +17,13 @@ talked to by the unmodified `openai` client, once per KV transport and once colo
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -28,9 +34,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.request.sampling_params import SamplingParams
+from prefill_worker.worker import FAULT_KV_STALL_ENV
 from tests.cluster.worker_harness import engine_config
 from tests.deploy.processes import ServeProcess, serve_argv, serving
 from tests.engine.structured.schemas import generated_schema
+from tests.kv_transfer.test_ipc_transport import memfd_inodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -38,6 +46,8 @@ MAX_TOKENS = 24
 COMPLETION_PROMPT = "The three primary colors are"
 CHAT = [{"role": "user", "content": "Name three famous rivers and one fact about each."}]
 LONG_PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 30  # ~370 tokens, 24 blocks
+INTERRUPTED_PROMPT = "Tell me about the sea, the lighthouse and its keeper. " * 8  # ~100 tokens, 6 full blocks
+ADMIN_TOKEN = "serve-openai-admin"
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +60,7 @@ def offline(smollm2_checkpoint) -> dict[str, list[int]]:
         "completion": tok.encode(COMPLETION_PROMPT),
         "chat": tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True), add_special_tokens=False),
         "long": tok.encode(LONG_PROMPT),
+        "interrupted": tok.encode(INTERRUPTED_PROMPT),
     }
     engine = LLMEngine(engine_config(), smollm2_checkpoint)
     out: dict[str, list[int]] = {}
@@ -66,17 +77,23 @@ def _text(checkpoint, token_ids: list[int]) -> str:
     return checkpoint.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-@pytest.fixture(scope="module", params=["grpc", "torch", "inproc", "colocated"])
+@pytest.fixture(scope="module", params=["grpc", "torch", "ipc", "inproc", "colocated"])
 def cluster(request, smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[str, ServeProcess, str]]:
     mode = request.param
     pools = ["--colocated"] if mode == "colocated" else ["--prefill-workers", "1", "--decode-workers", "1",
                                                           "--kv-transport", mode]
     argv = serve_argv(smollm2_gguf, *pools, "--kv-cache-memory", "256MiB", "--max-model-len", "1024",
-                      "--kv-transfer-timeout", "20",
+                      "--kv-transfer-timeout", "20", "--admin-token", ADMIN_TOKEN,
                       "--disagg-prefill-threshold", "0")  # short prompts through the KV transport too
-    env = {"SPLITSERVE_FAULT_KV_CUTS": "1"}  # the first handoff of 2+ blocks is cut half-way
+    env = {"SPLITSERVE_FAULT_KV_CUTS": "1",  # the first handoff of 2+ blocks is cut half-way
+           FAULT_KV_STALL_ENV: str(stall_file(tmp_path_factory, mode))}  # stalled while that file exists
     with serving(argv, stderr_path=tmp_path_factory.mktemp(mode) / "stderr.txt", env=env) as serve:
         yield mode, serve, serve.url
+
+
+def stall_file(tmp_path_factory: pytest.TempPathFactory, mode: str) -> Path:
+    """While this file exists, the prefill worker of `mode`'s cluster stalls its handoffs half-way."""
+    return tmp_path_factory.getbasetemp() / f"kv-stall-{mode}"
 
 
 def client_for(url: str, timeout_s: float = 120) -> openai.OpenAI:
@@ -263,12 +280,13 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.mark.timeout(900)  # with the cluster's start-up, which pytest-timeout counts too
+# Colocated and one transport, not skipped on the others: the grammar crosses the handoff in the Prefill request,
+# whatever the KV transport, so grpc covers torch, ipc and inproc.
+@pytest.mark.parametrize("cluster", ["grpc", "colocated"], indirect=True)
 def test_structured_outputs_and_tool_calls(cluster, smollm2_gguf) -> None:
     """JSON schemas (50 generated ones, at once; 50 others run offline in tests/engine/structured/), a pydantic model
     through `parse`, a named tool choice, a choice on completions, and a bad schema's 400; every block freed."""
-    mode, _serve, url = cluster
-    if mode in ("torch", "inproc"):
-        pytest.skip("the grammar crosses the handoff in the request, whatever the KV transport: grpc covers it")
+    _mode, _serve, url = cluster
     client = client_for(url, timeout_s=600)  # ten requests at once on two shared cores
     schemas = [generated_schema(seed) for seed in range(100, 150)]
 
@@ -327,3 +345,83 @@ def scrape(url: str) -> dict[str, dict[str, float]]:
             out.setdefault(sample.name, {})[key] = sample.value
     return out
 
+
+def _pools(url: str) -> dict[str, dict]:
+    """The admin API's worker of each role (one of each; none while it restarts)."""
+    response = httpx.get(f"{url}/admin/pools", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    assert response.status_code == 200, response.text
+    workers = response.json()["workers"]
+    assert len({w["role"] for w in workers}) == len(workers), workers
+    return {w["role"]: w for w in workers}
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("cluster", ["ipc"], indirect=True)  # the buffers the workers share are ipc's
+def test_a_prefill_worker_killed_mid_handoff_leaves_no_mapped_buffer_and_no_block(
+        cluster, offline, smollm2_checkpoint, smollm2_gguf, tmp_path_factory) -> None:
+    """See the module docstring: the decode worker maps the prefill worker's staging buffer, which that worker dies
+    writing; the mapping must go with it (it would hold the dead worker's memory), and so must the reservation."""
+    mode, _serve, url = cluster
+    client = client_for(url)
+    stall = stall_file(tmp_path_factory, mode)
+    interrupted = _text(smollm2_checkpoint, offline["interrupted"])
+
+    def complete(prompt: str) -> str:
+        return client.completions.create(model=smollm2_gguf, prompt=prompt, max_tokens=MAX_TOKENS,
+                                         temperature=0).choices[0].text
+
+    assert complete(LONG_PROMPT) == _text(smollm2_checkpoint, offline["long"])
+    before = _pools(url)
+    decode_pid, prefill = before["decode"]["pid"], before["prefill"]
+    assert memfd_inodes(decode_pid) == memfd_inodes(prefill["pid"]) != set()  # its staging buffer, mapped
+
+    outcome: list[str | BaseException] = []
+    stall.write_text("")
+    worker = threading.Thread(target=lambda: outcome.append(_catch(complete, INTERRUPTED_PROMPT)))
+    worker.start()
+    try:
+        _wait(lambda: stall.read_text().startswith("stalled "), 60, "the handoff never stalled")
+        dead_buffers = memfd_inodes(prefill["pid"])
+        assert dead_buffers and dead_buffers <= memfd_inodes(decode_pid)  # half-staged where the decode reads
+        _wait(lambda: _load(url, "decode-0")["kv_blocks_used"] > 0, 10, "no block reserved for the handoff")
+        os.kill(prefill["pid"], signal.SIGKILL)
+    finally:
+        stall.unlink()
+        worker.join(300)
+    # the request: its greedy answer (retried once the worker is back) or a 503, never another answer
+    [result] = outcome
+    if isinstance(result, openai.APIStatusError):
+        assert result.status_code == 503, result
+    else:
+        assert result == interrupted
+
+    _wait(lambda: not dead_buffers & memfd_inodes(decode_pid), 30, "the dead worker's buffer is still mapped")
+
+    def restarted() -> bool:
+        now = _pools(url).get("prefill")
+        return bool(now and now["state"] == "serving" and now["pid"] != prefill["pid"] and now["load"]
+                    and now["load"]["healthy"])
+
+    _wait(restarted, 120, "the prefill worker was not restarted")
+    # one block (its first 2-block handoff would be cut: the restarted worker has SPLITSERVE_FAULT_KV_CUTS too)
+    assert complete(COMPLETION_PROMPT) == _text(smollm2_checkpoint, offline["completion"])
+    wait_until_every_block_is_free(url)
+    assert memfd_inodes(decode_pid) <= memfd_inodes(_pools(url)["prefill"]["pid"])  # a live worker's, if any
+    assert _pools(url)["decode"]["pid"] == decode_pid  # the decode worker lived through it all
+
+
+def _catch(call, *args):  # type: ignore[no-untyped-def]
+    try:
+        return call(*args)
+    except openai.APIError as exc:
+        return exc
+
+
+def _load(url: str, worker_id: str) -> dict:
+    return next(w["load"] for w in _pools(url).values() if w["worker_id"] == worker_id)

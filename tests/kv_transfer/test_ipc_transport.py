@@ -1,14 +1,18 @@
 """The ipc transport beyond the conformance suite (tests/kv_transfer/test_transport_conformance.py, which runs it
 as ipc-shm and, on a GPU, ipc-cuda): a sender in another process whose buffer the receiver maps as it grows and
-as a one-off, and a receiver whose copy outlasts the sender's deadline."""
+as a one-off, a sender that exits and leaves nothing mapped, and a receiver whose copy outlasts the sender's
+deadline."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 import torch
 
+from kv_transfer.ipc_transport import REAP_INTERVAL_S
 from kv_transfer.layout import KVTransferError
 from kv_transfer.registry import make_sender
 from tests.kv_transfer.test_transport_conformance import (  # noqa: F401 - peers: a fixture
@@ -43,6 +47,40 @@ def test_ipc_maps_another_processs_buffer(ipc_case: Case, peers) -> None:  # noq
             assert torch.equal(dest.blocks().cpu().view(torch.uint8), expected.view(torch.uint8))
         mapped = list(receiver._mapped)  # the second handoff's buffer: the first's was replaced, the one-off dropped
         assert len(mapped) == 1 and mapped[0].startswith(f"{peer.proc.pid}-"), mapped
+    finally:
+        receiver.close()
+        server.stop(grace=None)
+    sink.assert_each_settled_once()
+
+
+def memfd_inodes(pid: int) -> set[int]:
+    """Inodes of the ipc staging buffers (memfds) process `pid` maps."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {int(line.split()[4]) for line in maps if "/memfd:splitserve-kv" in line}
+
+
+@pytest.mark.parametrize("ipc_case", IPC_TRANSPORTS)
+def test_a_sender_that_exits_leaves_nothing_mapped(ipc_case: Case, peers) -> None:  # noqa: F811 - the fixture
+    """The receiver keeps a sender's buffer mapped for its next handoff; once that sender process is killed, the
+    receiver unmaps it within REAP_INTERVAL_S (a mapping would hold the dead process's memory for good)."""
+    sink = RecordingSink(SMOLLM2, num_cache_blocks=64, device=ipc_case.sink_device)
+    server, endpoint, receiver = serve_receiver(ipc_case.transport, sink)
+    try:
+        peer = peers("sender", ipc_case, SMOLLM2, "--device", ipc_case.sender_device, "--endpoint", endpoint,
+                     "--num-tokens", str(16 * 2 + 1))
+        peer.expect("SENT", timeout_s=60)
+        assert [d.outcome for d in sink.destinations] == ["committed"]
+        [mapped] = receiver._mapped
+        assert mapped.startswith(f"{peer.proc.pid}-")
+        on_cpu = ipc_case.sender_device == "cpu"
+        buffers = memfd_inodes(peer.proc.pid) if on_cpu else set()
+        assert not on_cpu or (len(buffers) == 1 and buffers <= memfd_inodes(os.getpid()))  # shared with us
+        peer.signal(signal.SIGKILL)
+        peer.proc.wait(timeout=10)
+        deadline_s = time.monotonic() + REAP_INTERVAL_S + SLACK_S
+        while receiver._mapped or buffers & memfd_inodes(os.getpid()):
+            assert time.monotonic() < deadline_s, (list(receiver._mapped), buffers & memfd_inodes(os.getpid()))
+            time.sleep(0.05)
     finally:
         receiver.close()
         server.stop(grace=None)

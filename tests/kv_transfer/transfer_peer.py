@@ -6,7 +6,7 @@ runs either end of a transport in a separate process so that a test can kill (or
     python -m tests.kv_transfer.transfer_peer sender --transport torch --layout ... --endpoint E --num-tokens N \
         --stall-at-block K
         sends one handoff whose source prints "STALL <K>" and sleeps forever when block K is read
-        (--num-tokens N1,N2,...: one handoff of each size in turn, then "SENT")
+        (--num-tokens N1,N2,...: one handoff of each size in turn, then "SENT"; it lives on until its stdin closes)
 
 Every line is flushed at once: the test reads them to time its kill.
 """
@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ERROR {exc}", flush=True)
             return 1
     print("SENT", flush=True)
+    sys.stdin.read()  # alive, its buffers with it, until the test closes our stdin (or kills us)
     return 0
 
 
