@@ -5,8 +5,6 @@ through HTTP on fake workers, a full queue's refusal before the request's body i
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Callable
 
 import httpx
@@ -31,7 +29,7 @@ from router.server import RouterServer
 from router.worker_registry import WorkerRegistry
 from tests.router.conftest import MAX_MODEL_LEN, MODEL, info_of
 from tests.router.fake_worker import Script
-from tests.router.test_admission_http import BODY, _Holder
+from tests.router.test_admission_http import BODY, _Holder, queue_one
 from tests.router.test_metrics_and_status import scrape, value
 
 
@@ -319,15 +317,8 @@ def test_a_full_queue_refuses_before_the_body_is_read(fakes, tokenizer) -> None:
     server = RouterServer(spy).start()  # type: ignore[arg-type]
     try:
         holder = _Holder(server.url)
-        results: dict[str, httpx.Response] = {}
-        queued = threading.Thread(target=lambda: results.setdefault(
-            "queued", httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=30.0)))
-        queued.start()
         with httpx.Client(base_url=server.url, timeout=30.0) as client:
-            deadline = time.monotonic() + 10.0
-            while value(scrape(client), "splitserve:admission_queue_requests") != 1:
-                assert time.monotonic() < deadline, "the second request never queued"
-                time.sleep(0.05)
+            join_queued = queue_one(client, wait_s=10.0)
             chat = {"model": MODEL, "messages": [{"role": "user", "content": "abc"}], "max_tokens": 4}
             for path, body in (("/v1/completions", BODY), ("/v1/chat/completions", chat)):
                 refused = client.post(path, json=body, headers={UNREAD: "1"})
@@ -345,8 +336,8 @@ def test_a_full_queue_refuses_before_the_body_is_read(fakes, tokenizer) -> None:
 
             decode.script = Script()
             holder.close()  # the slot frees: the queued request goes, and the queue has room again
-            queued.join(20.0)
-            assert results["queued"].status_code == 200, results["queued"].text
+            queued = join_queued(20.0)
+            assert queued.status_code == 200, queued.text
             assert client.post("/v1/completions", json=BODY).status_code == 200  # its body read, as any
     finally:
         server.stop()

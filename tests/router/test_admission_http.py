@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import httpx
@@ -52,18 +52,31 @@ class _Holder:
         self.client.close()
 
 
+def queue_one(client: httpx.Client, *, wait_s: float) -> Callable[[float], httpx.Response]:
+    """Send a completion that must queue (the pool's slot is held), wait until the gateway counts it queued, and
+    return a join: `join(timeout_s)` waits for its response."""
+    results: dict[str, httpx.Response] = {}
+    url = str(client.base_url)
+    queued = threading.Thread(target=lambda: results.setdefault(
+        "queued", httpx.post(f"{url}/v1/completions", json=BODY, timeout=30.0)))
+    queued.start()
+    deadline = time.monotonic() + wait_s
+    while value(scrape(client), "splitserve:admission_queue_requests") != 1:
+        assert time.monotonic() < deadline, "the second request never queued"
+        time.sleep(0.05)
+
+    def join(timeout_s: float) -> httpx.Response:
+        queued.join(timeout_s)
+        return results["queued"]
+
+    return join
+
+
 def test_a_full_pool_queues_then_refuses_with_429(one_slot) -> None:  # type: ignore[no-untyped-def]
     decode, server = one_slot
     holder = _Holder(server.url)
-    results: dict[str, httpx.Response] = {}
-    queued = threading.Thread(target=lambda: results.setdefault(
-        "queued", httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=30.0)))
-    queued.start()
     with httpx.Client(base_url=server.url, timeout=30.0) as client:
-        deadline = time.monotonic() + 5.0
-        while value(scrape(client), "splitserve:admission_queue_requests") != 1:
-            assert time.monotonic() < deadline, "the second request never queued"
-            time.sleep(0.05)
+        join_queued = queue_one(client, wait_s=5.0)
         assert len(decode.requests) == 1  # the queued request reached no worker
 
         started = time.monotonic()
@@ -76,8 +89,8 @@ def test_a_full_pool_queues_then_refuses_with_429(one_slot) -> None:  # type: ig
 
         decode.script = Script()  # the next request completes
         holder.close()  # the holder goes away: its slot frees, the queued request goes
-        queued.join(10.0)
-        assert results["queued"].status_code == 200, results["queued"].text
+        queued = join_queued(10.0)
+        assert queued.status_code == 200, queued.text
         samples = scrape(client)
         assert value(samples, "splitserve:admission_rejections_total", reason="queue_full") == 1
         assert value(samples, "splitserve:admission_queue_requests") == 0
