@@ -262,6 +262,20 @@ def test_redis_in_the_release_takes_the_secrets_password(rendered: dict[str, lis
     assert redis["readinessProbe"]["exec"]["command"][:2] == ["redis-cli", "-e"]  # an error reply (NOAUTH) fails it
 
 
+def test_both_kinds_of_head_take_the_secrets_cluster_secret(rendered: dict[str, list[dict]]) -> None:
+    """The head gives the cluster secret to every worker and the gateway reads it from the controller: a head
+    without it would make up its own, and the Secret's `cluster-secret` would guard nothing but Ray."""
+    for name in ("defaults", "kuberay"):
+        objects = rendered[name]
+        if name == "kuberay":
+            (cluster,) = of_kind(objects, "RayCluster")
+            head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        else:
+            (head,) = containers(find(objects, "Deployment", "head"))
+        assert _env(head, _secret(objects))["SPLITSERVE_CLUSTER_SECRET"] == _secret(objects)["cluster-secret"], name
+        assert not [a for a in head["args"] if _secret(objects)["cluster-secret"] in a], name
+
+
 def test_the_redis_password_must_be_safe_in_a_url_and_a_config_line() -> None:
     given = render({"secrets": {"redisPassword": "Az09-._~"}})
     assert base64.b64decode(of_kind(given, "Secret")[0]["data"]["redis-password"]) == b"Az09-._~"

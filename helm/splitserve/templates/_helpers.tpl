@@ -76,6 +76,17 @@ index lookups), and purges dead workers' entries with it. */}}
 {{- end }}
 {{- end -}}
 
+{{/* The head's cluster secret, which every gRPC call between the gateway and the workers carries: the controller
+gives it to every worker in its config, and the gateway reads it from the controller over Ray's token-authenticated
+links (docs/security.md). Both kinds of head (a Deployment, KubeRay's head group) take it. */}}
+{{- define "splitserve.clusterSecretEnv" -}}
+- name: SPLITSERVE_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "splitserve.secretName" . }}
+      key: cluster-secret
+{{- end -}}
+
 {{/* Environment of every container that runs Ray: token authentication with the cluster secret. */}}
 {{- define "splitserve.rayEnv" -}}
 - name: RAY_AUTH_MODE
