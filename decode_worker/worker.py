@@ -27,6 +27,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 
 import grpc
 import grpc.aio
@@ -34,6 +35,7 @@ import grpc.aio
 from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
+from engine.outputs import RequestOutput
 from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
 from kv_transfer.handoff_failure import REASON_KEY, REASONS
 from kv_transfer.registry import make_receiver
@@ -268,26 +270,28 @@ class DecodeWorker(RuntimeWorker):
         return None, prompt_logprobs
 
     async def _let_go(self, req: Request, reservation: Reservation | None, num_choices: int) -> None:
-        """What `_abandon` does, and wait until the engine has aborted the request: once this returns, nothing of
-        the request is left on this worker (no listener, no reservation, no request in the engine), so another
-        request of the same id starts afresh."""
+        """What the stream's `finally` does for an unfinished request, and wait until the engine has aborted it:
+        once this returns, nothing of the request is left on this worker (no listener, no reservation, no request
+        in the engine), so another request of the same id starts afresh."""
         self.runtime.unlisten(req.request_id, num_choices)
         self.sink.remove(req.request_id)
-        if reservation is not None:
-            reservation.cancel("request failed before its first token")
-        try:
-            await self.runtime.call(lambda e: e.abort_request([req.request_id]))
-        except EngineLoopClosed:  # its stop() aborted everything already
-            pass
+        aborted = self._abandon(req, reservation, why="request failed before its first token")
+        if aborted is not None:
+            await asyncio.wrap_future(aborted)
 
-    def _abandon(self, req: Request, reservation: Reservation | None) -> None:
-        """Free what the request holds, without waiting (this runs on the asyncio loop, maybe cancelled)."""
+    def _abandon(
+        self, req: Request, reservation: Reservation | None, why: str = "request abandoned"
+    ) -> Future[list[RequestOutput]] | None:
+        """Free what the request holds, without waiting (this runs on the asyncio loop, maybe cancelled): the
+        reservation now, the engine's abort as a command; its future, or None when the engine loop has stopped
+        (its stop() aborted everything already)."""
         if reservation is not None:
-            reservation.cancel("request abandoned")  # after this no block write is in flight
+            reservation.cancel(why)  # after this no block write is in flight
         try:
-            self.runtime.loop.submit(lambda e: e.abort_request([req.request_id]))
-        except EngineLoopClosed:  # its stop() aborted everything already
+            return self.runtime.loop.submit(lambda e: e.abort_request([req.request_id]))
+        except EngineLoopClosed:
             logger.warning("could not abort %s: engine loop stopped", req.request_id)
+            return None
 
     def _prefill_stub(self, endpoint: str) -> serving_pb2_grpc.WorkerStub:
         """An aio stub on this worker's asyncio loop (only called there, so no lock)."""

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from deploy.gateway_app import ServedEngine
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import ClusterAuth, sync_channel
 from protos.worker_info import WorkerInfo
+from router.config import ServedEngine
 
 if TYPE_CHECKING:
     from router.admin import PoolWorker

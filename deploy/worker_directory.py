@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from deploy.gateway_app import GatewayConfig, ServedEngine, build_gateway_app
+from deploy.gateway_app import build_gateway_app
 from protos.worker_info import WorkerInfo
+from router.config import GatewayConfig, ServedEngine
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig

@@ -266,11 +266,14 @@ class LLMEngine:
         index publisher sends in place of the events it may have missed."""
         return self.block_pool.cached_block_hashes()
 
-    def stats(self) -> EngineStats:
-        """Gauges now, counters since start; finished-request stats since the previous call (each is handed out
-        once: a caller that wants only the gauges, a worker's GetLoad, drops them)."""
-        finished = list(self._finished_stats)
-        self._finished_stats.clear()
+    def stats(self, *, take_finished: bool = True) -> EngineStats:
+        """Gauges now, counters since start; with `take_finished`, the finished-request stats since the previous
+        taking call (each is handed out once). A caller that wants only the gauges and counters (a worker's GetLoad)
+        passes False: `finished` is then empty and the stats stay for whoever takes them."""
+        finished: list[RequestStats] = []
+        if take_finished:
+            finished = list(self._finished_stats)
+            self._finished_stats.clear()
         spec = self.speculator  # its counters stay zero without speculative decoding
         return EngineStats(
             num_requests_running=self.scheduler.num_running,

@@ -19,7 +19,7 @@ connection (router/body_limit.py says why that is the right end of it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -33,20 +33,17 @@ class AdmissionGuard:
     """Wraps `app`; see the module docstring. `on_refused(reason)` counts each refusal it answers (the request
     failures that `Dispatcher.open` counts for its own)."""
 
-    def __init__(self, app: ASGIApp, *, admission: Admission, paths: Collection[str] = GENERATION_PATHS,
+    def __init__(self, app: ASGIApp, *, admission: Admission,
                  on_refused: Callable[[str], None] = lambda _: None) -> None:
         self.app = app
         self.admission = admission
-        self.paths = frozenset(paths)
         self._on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
             refused = self.admission.refuse_on_arrival()
             if refused is not None:
                 self._on_refused(refused.reason)
-                error = ApiError(status_code=refused.status_code, message=str(refused),
-                                 headers={"Retry-After": str(refused.retry_after_s)})
-                await error_response(error)(scope, receive, send)
+                await error_response(ApiError.from_refusal(refused))(scope, receive, send)
                 return
         await self.app(scope, receive, send)

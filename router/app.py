@@ -149,9 +149,10 @@ def create_app(
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.add_middleware(BodyLimit, max_body_bytes=config.max_request_body_bytes)  # 413 before any parsing
-    # A full queue's 429 before the body is read (outside BodyLimit, which reads it), after the API key's check.
-    app.add_middleware(AdmissionGuard, admission=admission,
-                       on_refused=lambda reason: metrics.request_failure.labels(reason=reason).inc())
+    if config.admission_control:  # a full queue's 429 before the body is read (outside BodyLimit, which reads
+        # it), after the API key's check
+        app.add_middleware(AdmissionGuard, admission=admission,
+                           on_refused=lambda reason: metrics.request_failure.labels(reason=reason).inc())
     if access is not None:  # added last: outermost, so a request without a key is refused before its body is read
         app.add_middleware(ApiKeyGuard, access=access,
                            on_rejected=lambda reason: metrics.api_key_rejections.labels(reason=reason).inc(),

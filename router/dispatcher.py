@@ -268,8 +268,7 @@ class Dispatcher:
             ticket = await self._admission.acquire(num_blocks)
         except AdmissionRefused as refused:
             tracker.failed(refused.reason)
-            raise ApiError(status_code=refused.status_code, message=str(refused),
-                           headers={"Retry-After": str(refused.retry_after_s)}) from None
+            raise ApiError.from_refusal(refused) from None
         try:
             stream = await self._dispatch(job, tracker, num_blocks)
         except BaseException:

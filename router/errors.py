@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+if TYPE_CHECKING:
+    from router.admission import AdmissionRefused
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,13 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status_code, self.message, self.param)
+
+    @classmethod
+    def from_refusal(cls, refused: AdmissionRefused) -> ApiError:
+        """An admission refusal as the client gets it, from the dispatcher and the admission guard alike: 429
+        (queue full) or 503 (queued too long) with Retry-After."""
+        return cls(status_code=refused.status_code, message=str(refused),
+                   headers={"Retry-After": str(refused.retry_after_s)})
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -243,7 +243,7 @@ class WorkerRuntime:
 
     async def load_stats(self) -> serving_pb2.LoadStats:
         engine = self.engine  # its config, size and namespace are fixed at start; its stats are read on its thread
-        now = await self.call(lambda e: e.stats())
+        now = await self.call(lambda e: e.stats(take_finished=False))
         namespace = engine.hash_namespace
         stats = serving_pb2.LoadStats(
             num_requests_running=now.num_requests_running,

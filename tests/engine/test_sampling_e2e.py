@@ -333,11 +333,14 @@ def test_stats_gauges_counters_and_request_timings(tiny_checkpoint) -> None:
     drain(engine)
     engine.add_request("a-again", prompts["a"], greedy(max_tokens=1))
     drain(engine)
-    done = engine.stats()
+    done = engine.stats(take_finished=False)
 
     num_prompt_tokens = {r: len(o) if isinstance(o, list) else len(engine.tokenizer.encode(o)) for r, o in
                          prompts.items()}
     num_prompt_tokens["a-again"] = 22
+    gauges_only = done
+    done = engine.stats()  # a gauges-only read (a worker's GetLoad) leaves the finished stats for this one
+    assert gauges_only.finished == [] and len(done.finished) == len(num_prompt_tokens)
     assert (done.num_requests_running, done.num_requests_waiting, done.num_queued_prompt_tokens) == (0, 0, 0)
     assert (done.kv_blocks_used, done.kv_blocks_free, done.kv_cache_usage) == (0, engine.num_kv_blocks, 0.0)
     assert done.num_prompt_tokens == sum(num_prompt_tokens.values())

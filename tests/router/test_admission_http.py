@@ -20,6 +20,9 @@ from tests.router.test_metrics_and_status import scrape, value
 BODY = {"model": MODEL, "prompt": "abc", "max_tokens": 4}
 
 
+QUEUE_TIMEOUT_S = 5.0  # the one-slot router's: a request that waited in its queue is answered only after it
+
+
 @pytest.fixture
 def one_slot(fakes: dict[str, FakeWorker], tokenizer) -> Iterator[tuple[FakeWorker, RouterServer]]:  # type: ignore[no-untyped-def]
     """A router over a decode worker that runs one request at a time; the first request hangs after a token."""
@@ -29,7 +32,7 @@ def one_slot(fakes: dict[str, FakeWorker], tokenizer) -> Iterator[tuple[FakeWork
     decode.load.max_num_seqs = 1
     decode.script = Script(hang_after=1)
     server = serve_router([info_of(prefill), info_of(decode)], tokenizer, max_queued_requests=1,
-                          queue_timeout_s=5.0)
+                          queue_timeout_s=QUEUE_TIMEOUT_S)
     yield decode, server
     server.stop()
     for worker in fakes.values():
@@ -81,7 +84,8 @@ def test_a_full_pool_queues_then_refuses_with_429(one_slot) -> None:  # type: ig
 
         started = time.monotonic()
         refused = client.post("/v1/completions", json=BODY)
-        assert time.monotonic() - started < 2.0  # at once, not after a wait
+        # at once: not after waiting out the queue (a loaded machine may take a while to answer, never that long)
+        assert time.monotonic() - started < QUEUE_TIMEOUT_S
         assert refused.status_code == 429
         assert 1 <= int(refused.headers["Retry-After"]) <= 60
         error = refused.json()["error"]
