@@ -16,6 +16,7 @@ Part 2 is `bench/kv_transfer_throughput.py`: each transport against a raw TCP so
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import subprocess
@@ -32,17 +33,22 @@ sys.path.insert(0, str(REPO))
 from protos import serving_pb2, serving_pb2_grpc  # noqa: E402
 
 
-def start_worker(module: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
+def launch_worker(module: str, *flags: str) -> subprocess.Popen:
+    """Start a worker process; `endpoint_of` waits for it to serve (so that several start at once)."""
+    return subprocess.Popen(
         [sys.executable, "-m", module, *flags], cwd=REPO, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)},
     )
+
+
+def endpoint_of(proc: subprocess.Popen) -> str:
+    """The endpoint a launched worker prints once it serves; kills it if it printed anything else first."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("ENDPOINT "):
         proc.kill()
-        raise RuntimeError(f"{module} did not start (got {line!r})")
-    return proc, line.split()[1]
+        raise RuntimeError(f"{' '.join(map(str, proc.args))} did not start (got {line!r})")
+    return line.split()[1]
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -106,6 +112,24 @@ def summarize(name: str, results: list[tuple[float, float, list[int], dict[str, 
     return row
 
 
+def compare(results: dict[str, list[tuple[float, float, list[int], dict[str, float]]]]) -> dict[str, dict]:
+    """Print each configuration's row and each transport's ratios against colocated; return them."""
+    rows = {name: summarize(name if name == "colocated" else f"disaggregated ({name})", timings)
+            for name, timings in results.items()}
+    base = rows["colocated"]
+    for transport, r in rows.items():
+        if transport == "colocated":
+            continue
+        same = sum(ours[2] == theirs[2] for ours, theirs in zip(results[transport], results["colocated"]))
+        r.update(ttft_p50_ratio=r["ttft_p50"] / base["ttft_p50"], ttft_p99_ratio=r["ttft_p99"] / base["ttft_p99"],
+                 tpot_p50_ratio=r["tpot_p50"] / base["tpot_p50"], greedy_equal=same, requests=len(results[transport]))
+        print(f"disaggregated ({transport}) / colocated: TTFT p50 {r['ttft_p50_ratio']:.3f}x  "
+              f"p99 {r['ttft_p99_ratio']:.3f}x   TPOT p50 {r['tpot_p50_ratio']:.3f}x  "
+              f"p99 {r['tpot_p99'] / base['tpot_p99']:.3f}x   greedy tokens equal colocated's: "
+              f"{same}/{len(results[transport])} requests")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -118,47 +142,52 @@ def main() -> int:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--device", default="cpu", help="the workers' --device (cuda: all three on one GPU)")
     parser.add_argument("--load-format", default="auto", help="dummy: random weights of --model's shape")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the same workload this many times on the same workers, a ratio per round")
+    parser.add_argument("--json", default=None, help="write every round's rows here")
     args = parser.parse_args()
 
     rng = random.Random(0)
     # Distinct random prompts: no prefix-cache hit anywhere, so every request pays its full prefill.
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
-               for _ in range(args.warmup + args.num_requests)]
+               for _ in range(args.warmup + args.num_requests * args.rounds)]
     common = ["--model", args.model, "--num-threads", str(args.num_threads), "--max-model-len", "2048",
               "--kv-cache-memory", "512MiB", "--device", args.device, "--load-format", args.load_format]
-    print(f"workload: {args.num_requests} requests (+{args.warmup} warm-up), {args.prompt_tokens} prompt tokens, "
-          f"{args.max_tokens} output tokens, one at a time; {args.num_threads} torch threads per worker")
+    print(f"workload: {args.rounds} round(s) of {args.num_requests} requests (+{args.warmup} warm-up), "
+          f"{args.prompt_tokens} prompt tokens, {args.max_tokens} output tokens, one at a time; "
+          f"{args.num_threads} torch threads per worker")
     with ExitStack() as stack:
         # Every configuration up at once, requests interleaved (request i on each in turn): slow drift of the
         # machine hits all of them alike. Idle workers sleep; one request runs at a time.
         targets: dict[str, tuple[serving_pb2_grpc.WorkerStub, str]] = {}
-        proc, colocated = start_worker("decode_worker", "--role", "colocated", *common)
+        launched: dict[str, tuple[subprocess.Popen, subprocess.Popen | None]] = {}
+        proc = launch_worker("decode_worker", "--role", "colocated", *common)
         stack.callback(stop, proc)
-        targets["colocated"] = (serving_pb2_grpc.WorkerStub(grpc.insecure_channel(colocated)), "")
+        launched["colocated"] = (proc, None)
         for transport in [t for t in args.transports.split(",") if t]:
-            p_proc, prefill = start_worker("prefill_worker", "--kv-transport", transport, *common)
+            p_proc = launch_worker("prefill_worker", "--kv-transport", transport, *common)
             stack.callback(stop, p_proc)
-            d_proc, decode = start_worker("decode_worker", "--role", "decode", "--kv-transport", transport, *common)
+            d_proc = launch_worker("decode_worker", "--role", "decode", "--kv-transport", transport, *common)
             stack.callback(stop, d_proc)
-            targets[transport] = (serving_pb2_grpc.WorkerStub(grpc.insecure_channel(decode)), prefill)
-        results: dict[str, list[tuple[float, float, list[int], dict[str, float]]]] = {name: [] for name in targets}
+            launched[transport] = (d_proc, p_proc)
+        for name, (serving, prefill_proc) in launched.items():  # all start at once; wait for each in turn
+            prefill = endpoint_of(prefill_proc) if prefill_proc is not None else ""
+            targets[name] = (serving_pb2_grpc.WorkerStub(grpc.insecure_channel(endpoint_of(serving))), prefill)
+        # results[round][name]: request i of the round goes to each configuration in turn
+        results: list[dict[str, list[tuple[float, float, list[int], dict[str, float]]]]] = [
+            {name: [] for name in targets} for _ in range(args.rounds)]
         for i, ids in enumerate(prompts):
             for name, (stub, prefill_endpoint) in targets.items():
                 timing = run_request(stub, ids, args.max_tokens, prefill_endpoint)
                 if i >= args.warmup:
-                    results[name].append(timing)
-    rows = {name: summarize(name if name == "colocated" else f"disaggregated ({name})", timings)
-            for name, timings in results.items()}
-    base = rows["colocated"]
-    for transport in rows:
-        if transport == "colocated":
-            continue
-        r = rows[transport]
-        same = sum(ours[2] == theirs[2] for ours, theirs in zip(results[transport], results["colocated"]))
-        print(f"disaggregated ({transport}) / colocated: TTFT p50 {r['ttft_p50'] / base['ttft_p50']:.3f}x  "
-              f"p99 {r['ttft_p99'] / base['ttft_p99']:.3f}x   TPOT p50 {r['tpot_p50'] / base['tpot_p50']:.3f}x  "
-              f"p99 {r['tpot_p99'] / base['tpot_p99']:.3f}x   greedy tokens equal colocated's: "
-              f"{same}/{len(results[transport])} requests")
+                    results[(i - args.warmup) // args.num_requests][name].append(timing)
+    report = []
+    for round_no, round_results in enumerate(results, 1):
+        if args.rounds > 1:
+            print(f"-- round {round_no} of {args.rounds}")
+        report.append(compare(round_results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": report}, indent=1))
 
     if not args.skip_throughput:
         print()
