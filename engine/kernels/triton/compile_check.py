@@ -40,7 +40,7 @@ def _ints(*names: str) -> dict[str, str]:
 def variants(dtypes: list[str]) -> Iterator[Variant]:
     from engine.kernels.triton import paged_decode_attention as decode
     from engine.kernels.triton import paged_prefill_attention as prefill
-    from engine.kernels.triton import rms_norm, rotary, silu_and_mul, store_kv
+    from engine.kernels.triton import rms_norm, rotary, rotary_store_kv, silu_and_mul, store_kv
 
     for dtype in dtypes:
         p = POINTER[dtype]
@@ -111,6 +111,17 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                      "num_kv_heads", "half")},
             {"BLOCK_H": 32, "BLOCK_KV": 8, "BLOCK_HALF": 32},
         )
+        for heads, kv_heads in ((16, 4), (32, 8)):  # SmolLM2-135M's 9:3 and Llama-3.2-1B's 32:8, as launched
+            yield Variant(
+                f"rotary_store_kv {dtype} heads={heads}:{kv_heads}",
+                rotary_store_kv._rotary_store_kv_kernel,
+                {"q_ptr": p, "k_ptr": p, "v_ptr": p, "cache_ptr": p, "slot_ptr": "*i64", "positions_ptr": "*i64",
+                 "cos_ptr": p, "sin_ptr": p,
+                 **_ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                         "stride_c_kv", "stride_c_block", "stride_c_tok", "stride_c_head", "stride_cos",
+                         "stride_sin", "num_heads", "num_kv_heads", "half", "block_size")},
+                {"BLOCK_H": heads, "BLOCK_KV": kv_heads, "BLOCK_HALF": 32},
+            )
         yield Variant(
             f"silu_and_mul {dtype}",
             silu_and_mul._silu_and_mul_kernel,
