@@ -94,13 +94,14 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                      "stride_c_tok", "stride_c_head", "block_size", "num_kv_heads", "head_dim")},
             {"BLOCK_H": 8, "BLOCK_D": 64},
         )
-        for residual in (False, True):
+        for residual, gather in ((False, False), (True, False), (False, True)):
             yield Variant(
-                f"rms_norm {dtype} residual={residual}",
+                f"rms_norm {dtype} residual={residual} gather={gather}",
                 rms_norm._rms_norm_kernel,
-                {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "residual_out_ptr": p,
-                 **_ints("stride_x", "stride_r", "stride_o", "stride_ro", "hidden"), "eps": "fp32"},
-                {"BLOCK": 4096, "HAS_RESIDUAL": residual},
+                {"x_ptr": p, "ids_ptr": "*i64" if gather else p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p,
+                 "residual_out_ptr": p, **_ints("stride_x", "stride_r", "stride_o", "stride_ro", "hidden"),
+                 "eps": "fp32"},
+                {"BLOCK": 4096, "HAS_RESIDUAL": residual, "GATHER": gather},
                 num_warps=16,
             )
         yield Variant(
