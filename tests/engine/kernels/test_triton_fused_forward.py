@@ -32,6 +32,17 @@ def _greedy(model_dir: Path, device: str, *, dtype: str, fused: bool, rotary_in_
     return tokens
 
 
+def test_only_the_triton_backend_fuses_rotary() -> None:
+    """The model asks the backend (attention.backend.RotaryAttentionBackend): the torch backends of the fp8 and
+    int8 caches keep rotary as its own launch before their store."""
+    from engine.attention.backend import RotaryAttentionBackend, get_attention_backend
+
+    assert isinstance(get_attention_backend("triton", scale=1.0), RotaryAttentionBackend)
+    for name, kv_cache_dtype in (("torch", "auto"), ("torch", "fp8"), ("auto", "int8")):
+        backend = get_attention_backend(name, scale=1.0, kv_cache_dtype=kv_cache_dtype)
+        assert not isinstance(backend, RotaryAttentionBackend), backend.name
+
+
 def test_fused_forward_matches_unfused_on_cpu(tiny_model_dir: Path, torch_single_thread) -> None:
     import torch
 
