@@ -22,10 +22,10 @@ Every figure names the device it ran on (torch.cuda.get_device_name), torch's, t
 
    printed as step / floor and as achieved GB/s (bytes / step time) against the copy bandwidth.
    Kernels a step (`--kernel-count-batches`, default batch 1; bench/kernel_count.py): torch.profiler's CUDA
-   activity over one graph replay, one eager forward of the same step (and that forward with rotary as a launch of
-   its own, where the model fuses it into the KV store), and one whole engine step: the kernel launches, their
-   summed device time and the largest groups by name. Where the profiler cannot count (cpu, no Kineto), the row
-   says why and the run goes on.
+   activity over one graph replay, the graph's step run eagerly (forward and logits; and again with rotary as a
+   launch of its own, where the model fuses it into the KV store), and one whole engine step: the kernel launches,
+   their summed device time and the largest groups by name. Where the profiler cannot count (cpu, no Kineto), the
+   row says why and the run goes on.
 4. Prefill: `--prefill-prompts` prompts of `--prefill-len` random ids (default 8 x the context), one output token
    each, through the engine's steps (median of 3 after a warm-up). FLOPs = 2 x non-embedding params x tokens (the LM
    head runs on one position per prompt; ignored) + attention 4 x layers x heads x head_dim x L(L+1)/2 per prompt
