@@ -20,8 +20,10 @@ def _greedy(model_dir: Path, device: str, *, dtype: str, fused: bool, rotary_in_
             max_tokens: int, enforce_eager: bool = True) -> list[list[int]]:
     from engine.llm import LLM
 
+    graphs = {} if enforce_eager else {"cuda_graph_sizes": [1, 2, 4]}
     llm = LLM(model=str(model_dir), **{**TINY_ENGINE, "device": device, "dtype": dtype, "attention_backend": "triton",
-                                       "enforce_eager": enforce_eager})
+                                       "enforce_eager": enforce_eager, **graphs})
+    assert (llm.engine.runner.graphs is None) == enforce_eager
     model = llm.engine.runner.model
     assert model.rotary_in_attention  # the Triton backend fuses it: the engine's default
     model.fused_kernels = fused
@@ -29,6 +31,8 @@ def _greedy(model_dir: Path, device: str, *, dtype: str, fused: bool, rotary_in_
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tokens = [out.token_ids for out in llm.generate(PROMPTS, params)]
     assert llm.engine.block_pool.num_used_blocks == 0
+    if not enforce_eager:  # the decode steps were replays of the captured (fused) forward
+        assert llm.engine.runner.graphs.num_replays >= max_tokens - 1
     return tokens
 
 
