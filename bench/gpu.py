@@ -21,6 +21,11 @@ Every figure names the device it ran on (torch.cuda.get_device_name), torch's, t
        steps) x 2 (K and V) x layers x kv_heads x head_dim x dtype bytes
 
    printed as step / floor and as achieved GB/s (bytes / step time) against the copy bandwidth.
+   Kernels a step (`--kernel-count-batches`, default batch 1; bench/kernel_count.py): torch.profiler's CUDA
+   activity over one graph replay, the graph's step run eagerly (forward and logits; and again with rotary as a
+   launch of its own, where the model fuses it into the KV store), and one whole engine step: the kernel launches,
+   their summed device time and the largest groups by name. Where the profiler cannot count (cpu, no Kineto), the
+   row says why and the run goes on.
 4. Prefill: `--prefill-prompts` prompts of `--prefill-len` random ids (default 8 x the context), one output token
    each, through the engine's steps (median of 3 after a warm-up). FLOPs = 2 x non-embedding params x tokens (the LM
    head runs on one position per prompt; ignored) + attention 4 x layers x heads x head_dim x L(L+1)/2 per prompt
@@ -67,6 +72,7 @@ from bench.gpu_floors import (
     wall_s,
     weight_bytes,
 )
+from bench.kernel_count import KernelCount, KernelCountUnavailable, count_kernels, describe
 from engine.config import EngineConfig
 from engine.device import TORCH_DTYPES, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
@@ -223,6 +229,7 @@ def measure_decode(
     if graphs is not None and graphs.bucket(batch) is not None:
         bucket = graphs.bucket(batch)
         replay_ms = median_s(lambda: [graphs._replay(bucket) for _ in range(20)], device, warmup=1, repeats=5) * 1e3 / 20
+    kernels = count_step_kernels(engine, batch, step) if batch in args.kernel_count_batches else None
     engine.abort_request(ids)
     check_blocks_free(engine)
     step_s = statistics.median(times)
@@ -232,8 +239,53 @@ def measure_decode(
         "batch": batch, "context": args.context, "step_ms": step_s * 1e3, "step_ms_min": min(times) * 1e3,
         "replay_ms": replay_ms, "replay_over_floor": None if replay_ms is None else replay_ms / (floor_s * 1e3),
         "floor_ms": floor_s * 1e3, "step_over_floor": step_s / floor_s, "bytes_read_per_step": read_bytes,
-        "achieved_gb_s": read_bytes / step_s / 1e9, "tokens_per_s": batch / step_s,
+        "achieved_gb_s": read_bytes / step_s / 1e9, "tokens_per_s": batch / step_s, "kernels": kernels,
     }
+
+
+def count_step_kernels(engine: LLMEngine, batch: int, step: Callable[[], None]) -> dict[str, Any]:
+    """Kernels of one decode step at `batch` (module docstring), label -> KernelCount.as_json(), printed as they come;
+    {"unavailable": why} where the profiler cannot count, {"error": ...} for a probe that failed (the decode row
+    keeps its figures either way). The eager probes rerun the last replayed step's inputs, as the replay timing
+    does; the engine step is one more step of the batch."""
+    device = engine.device
+    graphs = getattr(engine.runner, "graphs", None)
+    bucket = graphs.bucket(batch) if graphs is not None else None
+    probes: dict[str, Callable[[], object]] = {}
+    if graphs is not None and bucket is not None:
+        probes["graph_replay"] = lambda: graphs._replay(bucket)
+        probes["eager_forward"] = lambda: graphs._step(bucket)
+        model = graphs.model
+        if getattr(model, "rotary_in_attention", False):
+
+            def unfused() -> object:
+                model.rotary_in_attention = False
+                try:
+                    return graphs._step(bucket)
+                finally:
+                    model.rotary_in_attention = True
+
+            probes["eager_forward_rotary_unfused"] = unfused
+    probes["engine_step"] = step
+    print(f"kernels a step at batch {batch}:", flush=True)
+    counts: dict[str, Any] = {}
+    for label, probe in probes.items():
+        try:
+            count: KernelCount = count_kernels(probe, device)
+        except KernelCountUnavailable as why:  # nothing to count: say why (once, where the first probe says it)
+            print(f"  {label}: not counted: {why}", flush=True)
+            if not counts:
+                return {"unavailable": str(why)}
+            counts[label] = {"unavailable": str(why)}
+            continue
+        except Exception as exc:  # noqa: BLE001 - a figure lost, not the run
+            traceback.print_exc()
+            counts[label] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"  {label}: not counted: {counts[label]['error']}", flush=True)
+            continue
+        counts[label] = count.as_json()
+        print(describe(label, count), flush=True)
+    return counts
 
 
 def measure_prefill(engine: LLMEngine, args: argparse.Namespace, flops_per_s: float, num_params: int) -> dict:
@@ -474,6 +526,11 @@ def summary(report: dict) -> str:
             lines.append(f"| {shape} | {d['batch']} x {d['context']} | {d['step_ms']:.3f} | {d['floor_ms']:.3f} | "
                          f"{d['step_over_floor']:.2f} | {d['achieved_gb_s']:,.0f} | "
                          f"{100 * d['achieved_gb_s'] / bandwidth:.0f}% | {replay} |")
+    kernel_rows = [kernel_row(shape, d) for shape, r in report["shapes"].items() for d in r.get("decode", [])
+                   if isinstance(d.get("kernels"), dict) and "engine_step" in d["kernels"]]
+    if kernel_rows:
+        lines += ["", ("| shape | batch | kernels: graph replay | eager forward | eager, rotary unfused | engine step "
+                       "(+ copies) | replay's kernel ms |"), "|---|---:|---:|---:|---:|---:|---:|", *kernel_rows]
     lines += ["", ("| shape | prefill | tok/s | FLOP-floor tok/s | % of floor | generate batch | ours tok/s | "
                    "HF tok/s | ours / HF |"), "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for shape, r in report["shapes"].items():
@@ -485,6 +542,19 @@ def summary(report: dict) -> str:
         lines.append(f"| {shape} | {p['prompts']} x {p['prompt_len']} | {p['tokens_per_s']:,.0f} | "
                      f"{p['tokens_per_s_floor']:,.0f} | {p['pct_of_floor']:.1f}% | {gen} |")
     return "\n".join(lines)
+
+
+def kernel_row(shape: str, decode: dict) -> str:
+    k = decode["kernels"]
+
+    def launches(label: str) -> str:
+        return str(k[label]["launches"]) if "launches" in k.get(label, {}) else "-"
+
+    step = k["engine_step"]
+    step_cell = f"{step['launches']} (+{step['copies']})" if "launches" in step else "-"
+    replay_ms = f"{k['graph_replay']['kernel_us'] / 1e3:.3f}" if "launches" in k.get("graph_replay", {}) else "-"
+    return (f"| {shape} | {decode['batch']} | {launches('graph_replay')} | {launches('eager_forward')} | "
+            f"{launches('eager_forward_rotary_unfused')} | {step_cell} | {replay_ms} |")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -507,8 +577,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag), to compare")
     p.add_argument("--copy-mib", type=int, default=None, help="default: 1024 on cuda, 64 on cpu")
     p.add_argument("--gemm-n", type=int, default=None, help="default: 8192 on cuda, 1024 on cpu")
+    p.add_argument("--kernel-count-batches", default="1",
+                   help="decode batches whose kernels a step are counted with torch.profiler ('' for none)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
+    args.kernel_count_batches = [int(b) for b in args.kernel_count_batches.split(",") if b]
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.batches = [int(b) for b in args.batches.split(",") if b]
     if args.prefill_len is None:

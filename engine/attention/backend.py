@@ -8,7 +8,7 @@ A backend owns no KV memory; the runner allocates one cache tensor per layer,
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,6 +27,26 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store k/v at `meta.slot_mapping`, then attend causally over each request's context."""
+        ...
+
+
+@runtime_checkable
+class RotaryAttentionBackend(Protocol):
+    """A backend that can also apply rotary itself, fused into its KV store (the Triton one): the model calls
+    `forward_rotary` instead of rotating q and k and calling `forward`, one launch fewer per layer."""
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotary NOT applied; rotated in place
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotary NOT applied; not written
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        positions: torch.Tensor,  # [num_tokens]
+        cos_cache: torch.Tensor,  # [max_positions, head_dim] (`RotaryEmbedding.cos`, neox layout)
+        sin_cache: torch.Tensor,  # [max_positions, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """`forward` of q and k rotated at `positions`: the rotated k is what the cache keeps."""
         ...
 
 

@@ -1,6 +1,8 @@
 """The GPU backend: the Triton kernels of engine/kernels/triton/ behind the attention-backend call.
 
-    store_kv                   the step's new K/V into the paged cache by slot
+    store_kv                   the step's new K/V into the paged cache by slot (`forward`)
+    rotary_store_kv            rotary on q and k, and that store, in one launch (`forward_rotary`, the model's path
+                               on cuda)
     paged_decode_attention     the decode rows (one query each), GQA-grouped, split-K over long contexts
     paged_prefill_attention    every prefill chunk in one launch: causal over a cached prefix and itself
 
@@ -15,6 +17,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.triton.paged_decode_attention import paged_decode_attention
 from engine.kernels.triton.paged_prefill_attention import paged_prefill_attention
+from engine.kernels.triton.rotary_store_kv import rotary_store_kv
 from engine.kernels.triton.store_kv import store_kv
 
 
@@ -36,6 +39,25 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         store_kv(k, v, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta)
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], unrotated; rotated in place
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], unrotated; not written
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        positions: torch.Tensor,  # [num_tokens]
+        cos_cache: torch.Tensor,  # [max_positions, head_dim]
+        sin_cache: torch.Tensor,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """`forward` with the rotary before it fused into the store (attention.backend.RotaryAttentionBackend)."""
+        rotary_store_kv(q, k, v, kv_cache, meta.slot_mapping, positions, cos_cache, sin_cache)
+        return self._attend(q, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the cache, the step's K/V already in it (the kernels read K/V from the cache only)."""
         num_decode = meta.num_decode_tokens
         # The grid is sized by the block tables' width, never by the lengths' values: no host sync, so a CUDA graph
         # captures it (its tables are max_model_len wide; partitions past a row's length exit at once).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, RotaryAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
@@ -100,9 +100,11 @@ class LlamaModel:
                 )
             )
         # On a GPU the elementwise steps run as the fused Triton kernels of engine/kernels/triton/ (the residual add
-        # with the RMSNorm after it, rotary in place, SiLU-and-mul): four launches a layer instead of ~20 small ones,
-        # which is most of a small model's decode step there.
+        # with the RMSNorm after it, rotary with the KV store where the backend fuses them, SiLU-and-mul): four
+        # launches a layer instead of ~20 small ones, which is most of a small model's decode step there.
         self.fused_kernels = self.embed.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        # The backend rotates q and k itself, in its KV store's launch (the Triton backend; not int8/fp8 caches).
+        self.rotary_in_attention = isinstance(attention, RotaryAttentionBackend)
         self.rope = RotaryEmbedding(
             head_dim=c.head_dim,
             max_positions=max_positions,
@@ -164,24 +166,29 @@ class LlamaModel:
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """`forward` on the GPU: the same arithmetic (HF's rounding order, which the kernels keep), each layer's
-        residual add fused into the RMSNorm that follows it. No host sync: CUDA graphs capture it whole."""
+        residual add fused into the RMSNorm that follows it, the embedding lookup into the first. No host sync: CUDA
+        graphs capture it whole."""
+        from engine.kernels.triton.rms_norm import embed_rms_norm
         from engine.kernels.triton.rms_norm import rms_norm as add_rms_norm
         from engine.kernels.triton.rotary import rotary
         from engine.kernels.triton.silu_and_mul import silu_and_mul as fused_silu_and_mul
 
         c = self.config
         num_tokens = input_ids.shape[0]
-        residual = F.embedding(input_ids, self.embed)  # [T, hidden]
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # what follows each layer
-        x, _ = add_rms_norm(residual, self.layers[0].input_norm, c.rms_norm_eps)
+        x, residual = embed_rms_norm(input_ids, self.embed, self.layers[0].input_norm, c.rms_norm_eps)  # [T, hidden]
         for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
             qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, c.num_heads, c.head_dim)
             k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-            rotary(q, k, positions, self.rope.cos, self.rope.sin)  # in place, inside qkv (ours alone)
-            attn = self.attention.forward(q, k, v, kv_cache, meta)
+            if self.rotary_in_attention:
+                attn = self.attention.forward_rotary(  # type: ignore[attr-defined]
+                    q, k, v, kv_cache, meta, positions, self.rope.cos, self.rope.sin)
+            else:
+                rotary(q, k, positions, self.rope.cos, self.rope.sin)  # in place, inside qkv (ours alone)
+                attn = self.attention.forward(q, k, v, kv_cache, meta)
             x, residual = add_rms_norm(layer.o(attn.reshape(num_tokens, self.q_size)), layer.post_norm,
                                        c.rms_norm_eps, residual)
             x, residual = add_rms_norm(layer.down(fused_silu_and_mul(layer.gate_up(x))), next_norm, c.rms_norm_eps,

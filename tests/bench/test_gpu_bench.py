@@ -81,6 +81,9 @@ def test_smoke_run_reports_every_figure(tmp_path: Path, monkeypatch: pytest.Monk
         config = TINY_SHAPES[name]
         assert shape["kv_bytes_per_token"] == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
         assert [row["batch"] for row in shape["decode"]] == [1, 3]
+        # Kernels a step are counted at batch 1 (the default) where the profiler can: on cpu the row says why not.
+        assert [row["kernels"] for row in shape["decode"]] == [
+            {"unavailable": "kernel counts need CUDA activity; the device is cpu"}, None]
         for row in shape["decode"]:
             assert all(key in row for key in DECODE_KEYS)
             # The floor counts the weights and each request's KV: 40 prompt tokens and the ones generated so far.

@@ -40,7 +40,7 @@ def _ints(*names: str) -> dict[str, str]:
 def variants(dtypes: list[str]) -> Iterator[Variant]:
     from engine.kernels.triton import paged_decode_attention as decode
     from engine.kernels.triton import paged_prefill_attention as prefill
-    from engine.kernels.triton import rms_norm, rotary, silu_and_mul, store_kv
+    from engine.kernels.triton import rms_norm, rotary, rotary_store_kv, silu_and_mul, store_kv
 
     for dtype in dtypes:
         p = POINTER[dtype]
@@ -94,13 +94,14 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                      "stride_c_tok", "stride_c_head", "block_size", "num_kv_heads", "head_dim")},
             {"BLOCK_H": 8, "BLOCK_D": 64},
         )
-        for residual in (False, True):
+        for residual, gather in ((False, False), (True, False), (False, True)):
             yield Variant(
-                f"rms_norm {dtype} residual={residual}",
+                f"rms_norm {dtype} residual={residual} gather={gather}",
                 rms_norm._rms_norm_kernel,
-                {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "residual_out_ptr": p,
-                 **_ints("stride_x", "stride_r", "stride_o", "stride_ro", "hidden"), "eps": "fp32"},
-                {"BLOCK": 4096, "HAS_RESIDUAL": residual},
+                {"x_ptr": p, "ids_ptr": "*i64" if gather else p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p,
+                 "residual_out_ptr": p, **_ints("stride_x", "stride_r", "stride_o", "stride_ro", "hidden"),
+                 "eps": "fp32"},
+                {"BLOCK": 4096, "HAS_RESIDUAL": residual, "GATHER": gather},
                 num_warps=16,
             )
         yield Variant(
@@ -111,6 +112,17 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                      "num_kv_heads", "half")},
             {"BLOCK_H": 32, "BLOCK_KV": 8, "BLOCK_HALF": 32},
         )
+        for heads, kv_heads in ((16, 4), (32, 8)):  # SmolLM2-135M's 9:3 and Llama-3.2-1B's 32:8, as launched
+            yield Variant(
+                f"rotary_store_kv {dtype} heads={heads}:{kv_heads}",
+                rotary_store_kv._rotary_store_kv_kernel,
+                {"q_ptr": p, "k_ptr": p, "v_ptr": p, "cache_ptr": p, "slot_ptr": "*i64", "positions_ptr": "*i64",
+                 "cos_ptr": p, "sin_ptr": p,
+                 **_ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                         "stride_c_kv", "stride_c_block", "stride_c_tok", "stride_c_head", "stride_cos",
+                         "stride_sin", "num_heads", "num_kv_heads", "half", "block_size")},
+                {"BLOCK_H": heads, "BLOCK_KV": kv_heads, "BLOCK_HALF": 32},
+            )
         yield Variant(
             f"silu_and_mul {dtype}",
             silu_and_mul._silu_and_mul_kernel,

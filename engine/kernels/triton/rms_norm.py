@@ -7,6 +7,9 @@
 
 `rms_norm_reference` is the same contract in plain torch; the tests hold the kernel to it, and it to the
 engine's `rms_norm`.
+
+`embed_rms_norm` is the model's first step in the same launch: x = embed[input_ids] gathered by the kernel (no
+residual), so the embedding lookup is no launch of its own; the residual it returns is that gathered copy.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,  # [T, N]
+    x_ptr,  # [T, N], or the embedding table [V, N] when GATHER
+    ids_ptr,  # [T] row ids into x when GATHER, else x_ptr (unused)
     residual_ptr,  # [T, N] or x_ptr (unused)
     weight_ptr,  # [N]
     out_ptr,  # [T, N]
@@ -31,14 +35,21 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if GATHER:
+        source = tl.load(ids_ptr + row).to(tl.int64)
+    else:
+        source = row
+    x = tl.load(x_ptr + source * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    if GATHER:
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     mean_square = tl.sum(xf * xf, 0) / hidden
@@ -70,6 +81,7 @@ def rms_norm(
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_tokens,)](
         x,
+        x,
         residual if residual is not None else x,
         weight,
         out,
@@ -82,6 +94,48 @@ def rms_norm(
         eps,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        GATHER=False,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out, residual_out
+
+
+def embed_rms_norm(
+    input_ids: torch.Tensor,  # [T] int32/int64, each in [0, V)
+    embed: torch.Tensor,  # [V, N]
+    weight: torch.Tensor,  # [N], embed's dtype
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(embed[input_ids]) [T, N], embed[input_ids] [T, N], the first residual): one launch, the same
+    bits as `rms_norm(F.embedding(input_ids, embed), weight, eps)`."""
+    assert input_ids.dim() == 1 and input_ids.dtype in (torch.int32, torch.int64), "input_ids: [T] int32/int64"
+    assert embed.dim() == 2 and embed.stride(1) == 1, f"embed: [V, N] with contiguous rows, got {tuple(embed.shape)}"
+    vocab, hidden = embed.shape
+    assert weight.shape == (hidden,) and weight.is_contiguous(), f"weight: [{hidden}], got {tuple(weight.shape)}"
+    assert embed.dtype in (torch.float32, torch.bfloat16, torch.float16), f"unsupported dtype {embed.dtype}"
+    assert weight.dtype == embed.dtype, f"weight is {weight.dtype}, embed {embed.dtype}"
+    num_tokens = input_ids.shape[0]
+    out = torch.empty(num_tokens, hidden, dtype=embed.dtype, device=embed.device)
+    residual_out = torch.empty_like(out)
+    if num_tokens == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_tokens,)](
+        embed,
+        input_ids,
+        embed,
+        weight,
+        out,
+        residual_out,
+        embed.stride(0),
+        0,
+        out.stride(0),
+        residual_out.stride(0),
+        hidden,
+        eps,
+        BLOCK=block,
+        HAS_RESIDUAL=False,
+        GATHER=True,
         num_warps=min(16, max(1, block // 256)),
     )
     return out, residual_out

@@ -17,6 +17,27 @@ import triton.language as tl
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, stride_cos, stride_sin, pos, half, BLOCK_HALF: tl.constexpr):
+    """Position `pos`'s table rows, both halves of each, in float32: (c1, c2, s1, s2), [BLOCK_HALF] each."""
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < half
+    c1 = tl.load(cos_ptr + pos * stride_cos + cols, mask=col_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * stride_cos + half + cols, mask=col_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * stride_sin + cols, mask=col_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * stride_sin + half + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rotate_halves(x1, x2, c1, c2, s1, s2):
+    """The rotation itself, float32 [BLOCK_H, BLOCK_HALF] halves in and out: one expression for every kernel that
+    rotates (this one and rotary_store_kv.py), so that they round alike."""
+    out1 = x1 * c1[None, :] - x2 * s1[None, :]
+    out2 = x2 * c2[None, :] + x1 * s2[None, :]
+    return out1, out2
+
+
+@triton.jit
 def _rotate(
     x_ptr, stride_t, stride_h, t, num_heads, half, c1, c2, s1, s2, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr
 ):
@@ -26,8 +47,7 @@ def _rotate(
     ptr1 = x_ptr + t * stride_t + heads[:, None] * stride_h + cols[None, :]  # [BLOCK_H, BLOCK_HALF]
     x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr1 + half, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * c1[None, :] - x2 * s1[None, :]
-    out2 = x2 * c2[None, :] + x1 * s2[None, :]
+    out1, out2 = _rotate_halves(x1, x2, c1, c2, s1, s2)
     tl.store(ptr1, out1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(ptr1 + half, out2.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -54,12 +74,7 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)
-    col_mask = cols < half
-    c1 = tl.load(cos_ptr + pos * stride_cos + cols, mask=col_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + pos * stride_cos + half + cols, mask=col_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + pos * stride_sin + cols, mask=col_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + pos * stride_sin + half + cols, mask=col_mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, stride_cos, stride_sin, pos, half, BLOCK_HALF)
     _rotate(q_ptr, stride_qt, stride_qh, t, num_heads, half, c1, c2, s1, s2, BLOCK_H, BLOCK_HALF)
     _rotate(k_ptr, stride_kt, stride_kh, t, num_kv_heads, half, c1, c2, s1, s2, BLOCK_KV, BLOCK_HALF)
 

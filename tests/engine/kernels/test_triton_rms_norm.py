@@ -1,4 +1,5 @@
-"""The Triton RMSNorm (with and without the residual add) matches its torch reference, which is the engine's."""
+"""The Triton RMSNorm (with and without the residual add, and gathering its rows from the embedding) matches its
+torch reference, which is the engine's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.kernels.triton.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
+from engine.kernels.triton.rms_norm import embed_rms_norm, rms_norm, rms_norm_reference  # noqa: E402
 from engine.model import llama  # noqa: E402
 
 EPS = 1e-5
@@ -57,6 +58,20 @@ def test_reference_is_the_engines_rms_norm(dtype):
     assert torch.equal(got, llama.rms_norm(hidden, weight, EPS))
 
 
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_embed_gather_is_the_lookup_then_the_norm(device, ids_dtype):
+    """embed_rms_norm(ids) is rms_norm(F.embedding(ids)) in one launch: the residual is the gathered rows exactly,
+    the normed rows the same bits as the kernel's plain norm of them (repeated and unordered ids)."""
+    embed, _, weight = make_case(50, 576, torch.float16, device, seed=3)
+    ids = torch.tensor([7, 0, 49, 7, 13], dtype=ids_dtype, device=device)
+    got, got_residual = embed_rms_norm(ids, embed, weight, EPS)
+    rows = torch.nn.functional.embedding(ids.long(), embed)
+    assert torch.equal(got_residual, rows)
+    assert torch.equal(got, rms_norm(rows, weight, EPS)[0])
+    torch.testing.assert_close(got, rms_norm_reference(rows, weight, EPS)[0], rtol=2e-3, atol=2e-3)
+    assert embed_rms_norm(ids[:0], embed, weight, EPS)[0].shape == (0, 576)
+
+
 def test_refuses_mismatched_weight():
     with pytest.raises(AssertionError, match="weight"):
         rms_norm(torch.zeros(2, 8), torch.zeros(7), EPS)
@@ -77,3 +92,7 @@ def test_full_size_gpu(dtype, hidden):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         else:  # the normalised row rounds to 16 bits before the weight: a unit apart there, now and then
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    ids = torch.randint(0, x.shape[0], (8192,), generator=torch.Generator().manual_seed(hidden)).cuda()
+    gathered, first_residual = embed_rms_norm(ids, x, weight, EPS)
+    assert torch.equal(first_residual, x[ids])
+    assert torch.equal(gathered, rms_norm(x[ids], weight, EPS)[0])

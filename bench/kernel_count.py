@@ -1,0 +1,101 @@
+"""Kernel launches per step, from torch.profiler's CUDA activity: how many, which, and their summed device time.
+
+    count = count_kernels(fn, device)    # fn runs one step (a graph replay, an eager forward, an engine step)
+
+A kernel of a replayed CUDA graph counts as one launch like any other (the graph launches it). Memcpy and memset
+activity is counted apart (`copies`), not as kernels. Kernels are grouped by name, their template arguments and
+parameter lists cut off (`void at::native::elementwise_kernel<128, 4, ...>(...)` is `at::native::elementwise_kernel`;
+Triton's and cuBLAS's names are kept whole). `KernelCountUnavailable` says why, where nothing can be counted (no
+CUDA device, a torch without Kineto, a profiler that recorded no CUDA activity); the caller prints it and goes on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+TOP_GROUPS = 12
+_cupti_started = False
+
+
+class KernelCountUnavailable(RuntimeError):
+    """The profiler cannot count kernels here; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelCount:
+    launches: int  # kernels run by the step (a graph's kernels included)
+    kernel_us: float  # their device time, summed (kernels that overlap count twice)
+    copies: int  # memcpy / memset activities
+    groups: list[dict[str, object]] = field(default_factory=list)  # the top groups: name, count, us; most first
+
+    def as_json(self) -> dict[str, object]:
+        return {"launches": self.launches, "kernel_us": self.kernel_us, "copies": self.copies, "groups": self.groups}
+
+
+def kernel_group(name: str) -> str:
+    """A kernel's group: its name without `void `, template arguments and parameter list."""
+    name = name.removeprefix("void ")
+    for stop in ("<", "("):
+        if stop in name:
+            name = name[: name.index(stop)]
+    return name.strip() or "?"
+
+
+def _is_copy(name: str) -> bool:
+    return name.startswith(("Memcpy", "Memset", "memcpy", "memset"))
+
+
+def count_kernels(fn: Callable[[], object], device: torch.device, *, top: int = TOP_GROUPS) -> KernelCount:
+    """Run `fn` once under torch.profiler and count the CUDA kernels it ran on `device`'s GPU."""
+    if device.type != "cuda":
+        raise KernelCountUnavailable(f"kernel counts need CUDA activity; the device is {device}")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.profiler.kineto_available():
+        raise KernelCountUnavailable("this torch has no Kineto: torch.profiler records no CUDA activity")
+    global _cupti_started
+    torch.cuda.synchronize(device)
+    if not _cupti_started:  # the first session starts CUPTI: an empty one, so that no counted session is the first
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            torch.cuda.synchronize(device)
+        _cupti_started = True
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    activity = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not activity:
+        raise KernelCountUnavailable("the profiler recorded no CUDA activity (CUPTI unavailable, or in use elsewhere?)")
+    return tally(activity, top=top)
+
+
+def tally(activity: Iterable[tuple[str, float]], *, top: int = TOP_GROUPS) -> KernelCount:
+    """(name, device us) of each CUDA activity the profiler recorded -> the count: kernels grouped, copies apart."""
+    counts: Counter[str] = Counter()
+    times_us: defaultdict[str, float] = defaultdict(float)
+    copies = 0
+    for name, us in activity:
+        if _is_copy(name):
+            copies += 1
+            continue
+        group = kernel_group(name)
+        counts[group] += 1
+        times_us[group] += us
+    ranked = sorted(counts, key=lambda g: (-counts[g], -times_us[g], g))
+    return KernelCount(
+        launches=sum(counts.values()),
+        kernel_us=sum(times_us.values()),
+        copies=copies,
+        groups=[{"name": g, "count": counts[g], "us": round(times_us[g], 2)} for g in ranked[:top]],
+    )
+
+
+def describe(label: str, count: KernelCount, *, top: int = 6) -> str:
+    """One printed line: launches, device time, the largest groups."""
+    groups = ", ".join(f"{g['count']} x {str(g['name'])[:48]}" for g in count.groups[:top])
+    return (f"  {label}: {count.launches} kernels, {count.kernel_us / 1e3:.3f} ms of kernels, {count.copies} copies"
+            f" | {groups}")
