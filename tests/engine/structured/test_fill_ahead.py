@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -180,6 +181,37 @@ def test_a_failed_fill_is_the_requests_error(tiny_checkpoint, torch_single_threa
     [after] = finals(drain(engine)).values()
     assert after.error is None and after.finish_reason == "stop"
     assert_no_blocks_held(engine)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_forward_waits_out_its_fill(tiny_checkpoint, torch_single_thread, closing,  # noqa: ANN001
+                                             monkeypatch) -> None:
+    """The forward fails while the fill still runs: the step's requests are released (their matchers dropped)
+    only once the fill has finished with them."""
+    engine = make_engine(tiny_checkpoint)
+    closing.append(engine)
+    engine.inputs.grammar_compilers()
+    grammars = engine.runner.grammars
+    grammars.fill_ahead = True
+    fill_rows = grammars._fill_rows
+    fill_finished = threading.Event()
+
+    def slow(*args):  # noqa: ANN002, ANN202
+        time.sleep(0.5)
+        fill_rows(*args)
+        fill_finished.set()
+
+    def failing_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("the forward broke")
+
+    monkeypatch.setattr(grammars, "_fill_rows", slow)
+    monkeypatch.setattr(engine.runner.model, "forward", failing_forward)
+    engine.add_request("r", PROMPTS[0], batch_params()[0])
+    [out] = engine.step()
+    assert fill_finished.is_set(), "the step released its requests while their fill still ran"
+    assert out.error == "engine step failed: the forward broke"
+    assert_no_blocks_held(engine)
+    assert grammars.num_requests == 0
 
 
 # --- FillAhead on its own ---------------------------------------------------------------------------------------
