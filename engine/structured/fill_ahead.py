@@ -39,6 +39,11 @@ class FillAhead:
         self._future: Future[TokenBitmask] | None = None  # the fill in flight or not yet waited out
         self._key: Hashable | None = None  # what it fills for, until `take` hands it over
 
+    @property
+    def tracking(self) -> bool:
+        """Whether a fill is in flight or not yet waited out."""
+        return self._future is not None
+
     def start(self, key: Hashable, fill: Callable[[], TokenBitmask]) -> None:
         """Run `fill` on the fill thread, for the step `key` names. A fill still tracked is drained first."""
         self.drain()

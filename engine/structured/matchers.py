@@ -109,9 +109,10 @@ class GrammarMatchers:
     def fill(self, requests: Sequence[Request], row_indices: Sequence[int]) -> TokenBitmask | PendingBitmask:
         """The bitmask for the next token of each (structured) request, constraining logits row `row_indices[i]`:
         the one `start_fill` began for exactly these, or one filled now."""
-        pending = self._ahead.take(_fill_key(requests, row_indices))
-        if pending is not None:
-            return pending
+        if self._ahead.tracking:
+            pending = self._ahead.take(_fill_key(requests, row_indices))
+            if pending is not None:
+                return pending
         bitmask = self.allocate(len(requests))
         self._fill_rows([self._synced(request) for request in requests], bitmask, range(len(requests)))
         return TokenBitmask(bitmask=bitmask, row_indices=list(row_indices))
