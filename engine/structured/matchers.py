@@ -70,7 +70,8 @@ class GrammarMatchers:
         self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
         on_cuda = device is not None and device.type == "cuda"
         self.fill_ahead = on_cuda  # a switch: tests turn it on for a CPU engine
-        self._pin = on_cuda  # a bitmask filled ahead comes in pinned memory (an async copy to the device)
+        # A bitmask filled ahead comes in pinned memory (an async copy to the device), pinned for this device.
+        self._pin_device = device if on_cuda else None
         self._ahead = FillAhead()
 
     @property
@@ -122,9 +123,20 @@ class GrammarMatchers:
         allowing everything."""
         bitmask = self.allocate(num_rows)
         self._fill_rows([self._synced(request) for request in requests], bitmask, row_indices)
-        if self._pin:
-            bitmask = bitmask.pin_memory()
+        if self._pin_device is not None:
+            bitmask = self._pinned(bitmask, self._pin_device)
         return TokenBitmask(bitmask=bitmask, row_indices=list(range(num_rows)))
+
+    def _pinned(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A pinned copy of `bitmask`, made on the fill thread with `device` current (a thread starts on device 0).
+        Should pinning fail, the unpinned one (its copy then syncs the host): the step still gets its mask."""
+        try:
+            with torch.cuda.device(device):
+                return bitmask.pin_memory()
+        except RuntimeError as error:
+            logger.warning("grammar bitmasks stay unpinned (host-synchronous copies): %s", error)
+            self._pin_device = None
+            return bitmask
 
     def _fill_rows(self, grammars: Sequence[_RequestGrammar], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """Fill bitmask row `rows[i]` for `grammars[i]`: the live matchers in one batched call."""

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from engine.request.grammar_spec import GrammarSpec
 from engine.request.sampling_params import SamplingParams
@@ -218,8 +219,6 @@ def test_a_failed_forward_waits_out_its_fill(tiny_checkpoint, torch_single_threa
 
 
 def test_a_fill_is_taken_only_for_its_key() -> None:
-    import torch
-
     ahead = FillAhead()
     mask = TokenBitmask(bitmask=torch.zeros(1, 1, dtype=torch.int32), row_indices=[0])
     ahead.start("k", lambda: mask)
@@ -234,8 +233,6 @@ def test_a_fill_is_taken_only_for_its_key() -> None:
 
 def test_drain_waits_for_a_handed_over_fill() -> None:
     """A step that fails before its sampler waits still has its fill waited out before the matchers are used."""
-    import torch
-
     release = threading.Event()
     done = threading.Event()
 
@@ -251,3 +248,36 @@ def test_drain_waits_for_a_handed_over_fill() -> None:
     ahead.drain()
     assert done.is_set()
     ahead.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA does")
+def test_a_bitmask_that_cannot_be_pinned_is_used_unpinned(caplog) -> None:  # noqa: ANN001
+    """Matchers told their engine is on cuda fill ahead and pin; without CUDA the pin fails and the fill still gives
+    the step its mask, rows at their logits rows, an unconstrained row allowing everything."""
+    from engine.core.request import Request
+    from engine.core.scheduler import ScheduledRequest
+    from engine.structured.bitmask import unpack_bitmask
+    from engine.structured.compiler import GrammarCompilerCache
+    from engine.structured.matchers import GrammarMatchers
+    from tests.engine.structured.tiny_vocab import EOS_ID, VOCAB_SIZE, TinyTokenizer
+
+    def request(request_id: str, spec: GrammarSpec | None) -> Request:
+        r = Request(request_id, [1, 2, 3], SamplingParams(structured_outputs=spec), eos_token_ids=(EOS_ID,),
+                    max_tokens=8, hash_namespace=None)
+        r.append_output_token(ord("a"))
+        return r
+
+    matchers = GrammarMatchers(GrammarCompilerCache(TinyTokenizer(), vocab_size=VOCAB_SIZE),  # type: ignore[arg-type]
+                               device=torch.device("cuda", 0))
+    assert matchers.fill_ahead
+    plain, constrained = request("p", None), request("c", GrammarSpec.choice(["abc", "abd"]))
+    matchers.start_fill([ScheduledRequest(request=r, start=3, num_new_tokens=1, block_ids=[0], samples=True)
+                         for r in (plain, constrained)])
+    pending = matchers.fill([constrained], [1])
+    assert isinstance(pending, PendingBitmask)
+    mask = pending.wait()
+    allowed = unpack_bitmask(mask.bitmask, VOCAB_SIZE)
+    assert mask.row_indices == [0, 1] and allowed[0].all()
+    assert torch.nonzero(allowed[1]).flatten().tolist() == [ord("b")]
+    assert not mask.bitmask.is_pinned() and "stay unpinned" in caplog.text
+    matchers.close()
