@@ -6,6 +6,8 @@ engines only, so these tests force it on a CPU engine over the tiny model (`gram
                                            seeded) and a speculating engine give the tokens of the in-step fill
     the thread never outlives its engine   it ends when the engine is collected (or the matchers closed)
     a failed fill                          is the step's requests' error, not a hang; blocks and matchers go back
+    a failed forward                       releases its requests only once their fill has finished with them
+    a pin that fails (matchers told cuda)  leaves the bitmask unpinned, and the step still gets its mask
 """
 
 from __future__ import annotations
