@@ -23,7 +23,7 @@ from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logpr
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import MIN_TEMPERATURE, SamplingRow
-from engine.structured.bitmask import TokenBitmask
+from engine.structured.bitmask import PendingBitmask, TokenBitmask
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphs
@@ -53,7 +53,7 @@ class ModelRunner:
         """Structured outputs from now on: the requests' grammar matchers, over grammars `compilers` compiled."""
         from engine.structured.matchers import GrammarMatchers
 
-        self.grammars = GrammarMatchers(compilers)
+        self.grammars = GrammarMatchers(compilers, device=self.device)
 
     def skip_remote_draw(self, request: Request) -> None:
         """The request's first token was sampled on another worker (a prefill worker) from the same seed: start
@@ -87,6 +87,8 @@ class ModelRunner:
         request that asked for prompt logprobs and computed prompt positions this step, (the first position,
         the logprobs of the tokens after each of them) — see engine/sampling/prompt_logprobs.py."""
         items = step_order(out.scheduled)
+        if self.grammars is not None:  # on cuda the step's grammar bitmask fill starts now, beside the forward
+            self.grammars.start_fill(items)
         if self.graphs is not None and self._replayable(items):
             return (*self._replay(items), {})
         input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
@@ -199,7 +201,7 @@ class ModelRunner:
                 logprobs[item.request.request_id] = verified.logprobs
         return sampled, logprobs
 
-    def _grammar_bitmask(self, sampling: list[ScheduledRequest]) -> TokenBitmask | None:
+    def _grammar_bitmask(self, sampling: list[ScheduledRequest]) -> TokenBitmask | PendingBitmask | None:
         """The grammar masks of the structured requests among `sampling` (one logits row each), or None."""
         structured = [i for i, item in enumerate(sampling) if item.request.sampling_params.structured_outputs]
         if not structured:

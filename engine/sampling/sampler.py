@@ -7,7 +7,8 @@ Per row, each stage running only on the rows that need it (see `sampling_batch.p
     min_tokens: EOS and stop ids masked ─▶ logit_bias ─▶ repetition penalty ─▶ frequency & presence penalties
                 ▼
     grammar bitmask (structured outputs: tokens the row's grammar rejects -> -inf, whole batch in one call; last,
-    so no bias or penalty can bring back a token the grammar rejects)
+    so no bias or penalty can bring back a token the grammar rejects; one still being filled on the grammar
+    matchers' thread is waited for here, so everything before overlaps with its fill)
                 │
                 ├─ temperature 0 ─▶ argmax (ties -> lowest id)
                 └─ otherwise ─────▶ / temperature ─▶ min_p ─▶ top_k ─▶ top_p ─▶ Gumbel-max draw
@@ -30,7 +31,7 @@ from engine.request.logprobs import TokenLogprobs
 from engine.sampling.logit_filters import min_p_threshold, top_k_threshold, top_p_threshold
 from engine.sampling.penalties import apply_frequency_presence_penalties, apply_repetition_penalty, mask_tokens
 from engine.sampling.sampling_batch import LogprobStage, RandomStage, SamplingBatch, SamplingRow
-from engine.structured.bitmask import TokenBitmask, apply_token_bitmask
+from engine.structured.bitmask import PendingBitmask, TokenBitmask, apply_token_bitmask, ready
 
 
 @dataclass
@@ -49,10 +50,11 @@ class Sampler:
         self._default_generators: dict[torch.device, torch.Generator] = {}
 
     def sample(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: TokenBitmask | None = None
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+        token_bitmask: TokenBitmask | PendingBitmask | None = None,
     ) -> SamplerOutput:
         """Pick a token for each row; `token_bitmask` (structured outputs) limits the rows it names to the tokens
-        their grammars allow.
+        their grammars allow (a pending one is waited for just before masking; its fill's error is raised here).
 
         logits: [num_rows, vocab_size], float32 (other float dtypes are processed in float32); not modified.
         Rows whose params agree share every tensor operation; the per-row Python work is reading params and
@@ -73,7 +75,7 @@ class Sampler:
         if token_bitmask is not None:  # after logit_bias and the penalties: the grammar has the last word
             if not batch.adjusts_logits:
                 logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
-            apply_token_bitmask(logits, token_bitmask)
+            apply_token_bitmask(logits, ready(token_bitmask))
 
         if batch.random is None:
             token_ids = logits.argmax(dim=-1)  # [num_rows]: the all-greedy step is this one op

@@ -4,12 +4,16 @@
     (t // 32) is set (xgrammar's layout). Masked-out tokens' logits become -inf.
 
 `row_indices[i]` is the logits row that bitmask row i constrains; rows not listed are left alone. One call masks
-the whole batch: xgrammar's kernel (CPU: vectorised C++; CUDA: its CUDA/Triton kernel), with
+the whole batch: xgrammar's kernel (CPU: vectorised C++; CUDA: its Triton kernel), with
 `apply_token_bitmask_reference` as the torch definition the tests hold it to.
+
+A `PendingBitmask` is a TokenBitmask still being filled on the grammar matchers' thread (engine/structured/
+matchers.py, "Filling ahead"): the sampler calls `ready` on what it is given just before it masks, which waits.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +25,26 @@ class TokenBitmask:
     row_indices: list[int]  # the logits row each bitmask row constrains, len num_masked
 
 
+class PendingBitmask:
+    """A TokenBitmask being filled on another thread. `wait` blocks until it is filled and returns it, or raises
+    what the fill raised (so a failed fill fails the step that needed it, through the step's own error path)."""
+
+    def __init__(self, future: Future[TokenBitmask]) -> None:
+        self._future = future
+
+    def wait(self) -> TokenBitmask:
+        return self._future.result()
+
+
+def ready(mask: TokenBitmask | PendingBitmask) -> TokenBitmask:
+    """The filled bitmask: `mask` itself, or a pending one once its fill has finished."""
+    return mask.wait() if isinstance(mask, PendingBitmask) else mask
+
+
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     """Set to -inf, in place, the logits [num_rows, vocab_size] (float32) of every token its row's mask leaves
-    out. The bitmask is copied to the logits' device first."""
+    out. The bitmask is copied to the logits' device first: without a host sync when it is in pinned memory, as the
+    one filled ahead for a cuda step is."""
     import xgrammar as xgr
 
     vocab_size = logits.shape[1]

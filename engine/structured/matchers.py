@@ -15,6 +15,17 @@ to the request's real tokens. So a grammar-rejected token is never emitted, draf
 End: the matcher's stop tokens are the request's EOS and stop token ids. Once the grammar is complete only those
 are allowed; the sampled one ends the request (the engine's stop rule) and terminates the matcher. Should the
 request go on past it (`ignore_eos`), every later row allows only the stop tokens again.
+
+Filling ahead (`fill_ahead`, on for a cuda engine): a step's bitmask depends only on tokens already output, so
+`start_fill` begins it on the matchers' own thread (engine/structured/fill_ahead.py) when the step's inputs are
+known, and it runs while the forward pass does; `fill` then hands the sampler a `PendingBitmask`, which it waits for
+just before masking. Its rows are all the step's sampling rows (the unconstrained ones allow everything), so the
+device masks the whole batch in one kernel with no row gather, and on cuda it comes in pinned memory, copied to
+the device without a host sync. On CPU it stays off: the forward keeps every core busy, so the fill has nowhere to
+hide, and measured slower there (docs/benchmarks.md, "Structured outputs"). Steps with drafts fill in the step.
+
+    step k:   start_fill ─▶ forward ─────────────▶ sampler: wait, mask, sample
+              └─ fill thread: sync, fill ──┘
 """
 
 from __future__ import annotations
@@ -22,13 +33,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 
 from engine.core.request import Request
-from engine.structured.bitmask import TokenBitmask
+from engine.structured.bitmask import PendingBitmask, TokenBitmask
 from engine.structured.compiler import GrammarCompilerCache
+from engine.structured.fill_ahead import FillAhead
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +58,21 @@ class _RequestGrammar:
 
 
 class GrammarMatchers:
-    """One per engine (its runner's); used on the engine thread only."""
+    """One per engine (its runner's); used on the engine thread, and on its own fill thread while a fill started
+    by `start_fill` runs (every other method waits that fill out first)."""
 
-    def __init__(self, compilers: GrammarCompilerCache) -> None:
+    def __init__(self, compilers: GrammarCompilerCache, *, device: torch.device | None = None) -> None:
+        """`device`: where the engine's logits are; a cuda engine fills ahead (module docstring)."""
         self.compilers = compilers
         self.vocab_size = compilers.vocab_size
         self._grammars: dict[str, _RequestGrammar] = {}
         # Rows are filled on as many threads as torch computes on (idle between the forward passes).
         self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
+        on_cuda = device is not None and device.type == "cuda"
+        self.fill_ahead = on_cuda  # a switch: tests turn it on for a CPU engine
+        # A bitmask filled ahead comes in pinned memory (an async copy to the device), pinned for this device.
+        self._pin_device = device if on_cuda else None
+        self._ahead = FillAhead()
 
     @property
     def num_requests(self) -> int:
@@ -57,28 +80,80 @@ class GrammarMatchers:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's matcher."""
+        self._ahead.drain()
         self._grammars.pop(request_id, None)
+
+    def close(self) -> None:
+        """End the fill thread, if one was started (it also ends when this object is garbage collected)."""
+        self._ahead.close()
 
     def allocate(self, num_rows: int) -> torch.Tensor:
         """A bitmask of `num_rows` rows, everything allowed: [num_rows, ceil(vocab_size / 32)] int32."""
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
-    def fill(self, requests: Sequence[Request], row_indices: Sequence[int]) -> TokenBitmask:
-        """The bitmask for the next token of each (structured) request, constraining logits row `row_indices[i]`."""
+    def start_fill(self, items: Sequence[ScheduledRequest]) -> None:
+        """A step's inputs are known (`items` in step order): with `fill_ahead`, start filling on the fill thread
+        the bitmask its sampler will ask `fill` for. Nothing to do for a step without structured rows to sample,
+        or with drafts (`fill_with_drafts` fills those in the step)."""
+        if not self.fill_ahead:
+            return
+        sampling = [item for item in items if item.samples]
+        if any(item.spec_token_ids for item in sampling):
+            return
+        rows = [i for i, item in enumerate(sampling) if item.request.sampling_params.structured_outputs]
+        if not rows:
+            return
+        requests = [sampling[i].request for i in rows]
+        num_rows = len(sampling)
+        self._ahead.start(_fill_key(requests, rows), lambda: self._fill_all_rows(requests, rows, num_rows))
+
+    def fill(self, requests: Sequence[Request], row_indices: Sequence[int]) -> TokenBitmask | PendingBitmask:
+        """The bitmask for the next token of each (structured) request, constraining logits row `row_indices[i]`:
+        the one `start_fill` began for exactly these, or one filled now."""
+        if self._ahead.tracking:
+            pending = self._ahead.take(_fill_key(requests, row_indices))
+            if pending is not None:
+                return pending
         bitmask = self.allocate(len(requests))
-        grammars = [self._synced(request) for request in requests]
+        self._fill_rows([self._synced(request) for request in requests], bitmask, range(len(requests)))
+        return TokenBitmask(bitmask=bitmask, row_indices=list(row_indices))
+
+    def _fill_all_rows(self, requests: Sequence[Request], row_indices: Sequence[int], num_rows: int) -> TokenBitmask:
+        """On the fill thread: a bitmask of all `num_rows` logits rows, request i's at `row_indices[i]`, the rest
+        allowing everything."""
+        bitmask = self.allocate(num_rows)
+        self._fill_rows([self._synced(request) for request in requests], bitmask, row_indices)
+        if self._pin_device is not None:
+            bitmask = self._pinned(bitmask, self._pin_device)
+        return TokenBitmask(bitmask=bitmask, row_indices=list(range(num_rows)))
+
+    def _pinned(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A pinned copy of `bitmask`, made on the fill thread with `device` current (a thread starts on device 0).
+        Should pinning fail, the unpinned one (its copy then syncs the host): the step still gets its mask."""
+        try:
+            with torch.cuda.device(device):
+                return bitmask.pin_memory()
+        except RuntimeError as error:
+            logger.warning("grammar bitmasks stay unpinned (host-synchronous copies): %s", error)
+            self._pin_device = None
+            return bitmask
+
+    def _fill_rows(self, grammars: Sequence[_RequestGrammar], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Fill bitmask row `rows[i]` for `grammars[i]`: the live matchers in one batched call."""
         live = [i for i, g in enumerate(grammars) if not g.broken and not g.matcher.is_terminated()]
         if len(live) > 1:
-            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], bitmask, indices=live)
+            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in live], bitmask,
+                                                      indices=[rows[i] for i in live])
+        batched = set(live) if len(live) > 1 else set()
         for i, grammar in enumerate(grammars):
-            if len(live) <= 1 or i not in live:
-                self._fill_row(grammar, bitmask, i)
-        return TokenBitmask(bitmask=bitmask, row_indices=list(row_indices))
+            if i not in batched:
+                self._fill_row(grammar, bitmask, rows[i])
 
     def fill_with_drafts(self, request: Request, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int
                          ) -> int:
         """Fill rows `first_row`, ... of `bitmask` for the positions of `request`'s drafts, up to and including
         the first draft the grammar rejects; returns how many drafts it accepts (rows filled: that + 1)."""
+        self._ahead.drain()
         grammar = self._synced(request)
         num_kept = 0
         for j in range(len(drafts) + 1):
@@ -132,3 +207,8 @@ class GrammarMatchers:
                     bitmask[row, token_id // 32] = value - (1 << 32) if value >= 1 << 31 else value
         else:
             grammar.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _fill_key(requests: Sequence[Request], row_indices: Sequence[int]) -> tuple[object, ...]:
+    """What a fill is for: each request at the output length it is filled after, and its logits row."""
+    return tuple((r.request_id, len(r.output_token_ids), row) for r, row in zip(requests, row_indices, strict=True))

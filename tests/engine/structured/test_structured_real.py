@@ -82,3 +82,27 @@ def test_greedy_under_a_grammar_is_identical_with_prompt_lookup(smollm2_checkpoi
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert all(re.fullmatch(pattern, o.text) and o.finish_reason == "stop" for o in got), [o.text for o in got]
     assert speculating.stats().spec_decode_num_draft_tokens > 0
+
+
+def test_filling_ahead_gives_the_tokens_of_the_in_step_fill(smollm2_checkpoint, engine) -> None:  # noqa: ANN001
+    """The bitmask filled on the matchers' thread beside the forward (on for cuda engines; forced on here) gives
+    every request the tokens of the fill in the step, in a batch mixing schemas, a regex and an unconstrained row."""
+    tok = smollm2_checkpoint.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Describe an item as JSON."}]),
+                        add_special_tokens=False)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=MAX_TOKENS,
+                             structured_outputs=GrammarSpec.json_schema(generated_schema(seed=i, depth=1)))
+              for i in range(3)]
+    params += [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=GrammarSpec(
+        kind="regex", source=r"a( b| d){2,8}\.")), SamplingParams(temperature=0.0, max_tokens=8)]
+    prompts = [prompt] * len(params)
+    expected = _run(engine, prompts, params)
+    grammars = engine.runner.grammars
+    grammars.fill_ahead = True
+    try:
+        got = _run(engine, prompts, params)
+    finally:
+        grammars.fill_ahead = False
+        grammars.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all(o.finish_reason == "stop" for o in got[:4]), [o.text for o in got]
