@@ -43,6 +43,7 @@ from kv_transfer.grpc_link import (
 )
 from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message
 from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError, KVTransferTimeout
+from kv_transfer.stage_clock import StageClock
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 # A block larger than this is split (into runs of whole layers where it can be); every message stays below gRPC's
@@ -116,6 +117,7 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
         self, request_iterator: Iterator[kv_transfer_pb2.KVTransferMessage | Chunk | Malformed],
         context: grpc.ServicerContext,
     ) -> kv_transfer_pb2.KVTransferAck:
+        clock = StageClock()
         try:
             first = next(request_iterator)
         except StopIteration:
@@ -130,18 +132,22 @@ class _Servicer(kv_transfer_pb2_grpc.KVReceiverServicer):
             dest = self._receiver.open(handoff)
         except Exception as exc:  # refused before any byte was accepted; the sink opened nothing (or refused)
             return self._refuse(exc)
+        clock.lap("open")
         messages = _read_ahead(request_iterator, READ_AHEAD)
         try:
-            self._receiver.receive(handoff, dest, messages)
+            self._receiver.receive(handoff, dest, messages, clock)
             dest.commit()
+            clock.lap("commit")
         except Exception as exc:  # a broken stream (grpc.RpcError on cancel or deadline) included
             reason = str(refusal(exc)) if not isinstance(exc, grpc.RpcError) else "sender cancelled or timed out"
             dest.fail(f"gRPC KV transfer {handoff.transfer_id} failed: {reason}")
             self._receiver.note_failure(exc)
+            self._receiver.stage_log.add(handoff.transfer_id, clock, ok=False)
             return error_ack(exc if not isinstance(exc, grpc.RpcError) else KVTransferError(reason))
         finally:
             messages.close()  # stops the read-ahead thread now, not when the generator is collected
             self._receiver.forget(dest)
+        self._receiver.stage_log.add(handoff.transfer_id, clock, ok=True)
         return kv_transfer_pb2.KVTransferAck(ok=True, num_bytes=handoff.num_bytes)
 
     def _refuse(self, exc: Exception) -> kv_transfer_pb2.KVTransferAck:
@@ -165,7 +171,8 @@ class Receiver(SettlingReceiver):
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
     def receive(
-        self, handoff: KVHandoff, dest: SettleOnce, messages: Iterator[kv_transfer_pb2.KVTransferMessage | Chunk]
+        self, handoff: KVHandoff, dest: SettleOnce, messages: Iterator[kv_transfer_pb2.KVTransferMessage | Chunk],
+        clock: StageClock,
     ) -> None:
         """Verify and write each block as its last chunk arrives; raise on any gap. A block that came whole in one
         chunk is checked and written straight from the message; a split one is assembled in one reused buffer."""
@@ -179,6 +186,7 @@ class Receiver(SettlingReceiver):
         assembled = torch.frombuffer(buffer, dtype=dtype).view(layout.wire_shape)
         index, filled = handoff.first_block, 0
         for msg in messages:
+            clock.lap("receive")
             if isinstance(msg, Malformed):
                 raise KVRefused(f"handoff {handoff.transfer_id}: {msg.reason}", reason="malformed")
             if not isinstance(msg, Chunk):
@@ -210,6 +218,7 @@ class Receiver(SettlingReceiver):
                 view[filled:end] = msg.data
                 block = assembled
             write_verified(dest, handoff, index, block, msg.crc32c)  # verified as it is copied into the cache
+            clock.lap("crc+copy")
             index, filled = index + 1, 0
         if index != handoff.num_blocks or filled:
             raise KVTransferError(
@@ -228,25 +237,30 @@ class Sender(ChannelSender):
 
     def send(self, handoff: KVHandoff, source: KVBlockSource, *, endpoint: str, timeout_s: float) -> TransferResult:
         start_s = time.monotonic()
+        clock = StageClock()
         handoff = with_source(handoff, worker_id=self.worker_id, transport=self.name)
         what = f"KV handoff {handoff.transfer_id} ({handoff.num_bytes} bytes)"
         gave_up: list[KVTransferError] = []
 
         def messages() -> Iterator[kv_transfer_pb2.KVTransferMessage | bytes]:
             yield kv_transfer_pb2.KVTransferMessage(descriptor=handoff.to_proto())
+            clock.lap("open")
             try:
                 for num_sent, index in enumerate(handoff.block_indices):
                     if num_sent == self.fault.stop_after_blocks:
                         raise KVTransferError(f"{what}: sender stopped after {num_sent} blocks (fault)")
                     # Framed here, on gRPC's thread, as gRPC asks for the next message. Framing a few blocks ahead
                     # on a helper thread was measured slower: a thread wakeup costs more than it overlaps.
-                    yield from self._frame_block(index, source)
+                    for chunk in self._frame_block(index, source, clock):
+                        yield chunk
+                        clock.lap("send")
             except Exception as exc:
                 # On a gRPC thread: end the stream short. A half-close, not a cancel, so that the receiver surely
                 # sees the handoff open, then the stream end early, and fails it (a cancel could beat the
                 # descriptor to the wire). A sender that truly dies drops the connection; the receiver fails then too.
                 gave_up.append(exc if isinstance(exc, KVTransferError) else KVTransferError(f"{what}: {exc}"))
 
+        clock.mark("call")
         call = self._channels.transfer(endpoint).future(messages(), timeout=timeout_s)
         try:
             ack = call.result(timeout=timeout_s + STOP_SLACK_S)  # gRPC ends the call at timeout_s; this is a net
@@ -259,17 +273,20 @@ class Sender(ChannelSender):
             if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._channels.forget(endpoint)
             raise rpc_error(exc, what=what, endpoint=endpoint, timeout_s=timeout_s) from None
+        clock.lap("ack")
         if gave_up:
             raise gave_up[0]  # the receiver failed the handoff it saw cut short; our reason is the better one
         if not ack.ok:
             raise ack_error(ack, endpoint=endpoint)
-        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s)
+        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s,
+                              stages_s=clock.done().stages_s, marks_s=clock.marks_s)
 
-    def _frame_block(self, index: int, source: KVBlockSource) -> list[bytes]:
+    def _frame_block(self, index: int, source: KVBlockSource, clock: StageClock) -> list[bytes]:
         """Block `index` as encoded KVTransferMessage chunks (kv_transfer.grpc_wire), each made in one pass that
         gathers the block out of the source's cache, checksums it and frames it (kv_transfer.block_copy)."""
         block = source.read_block(index)
         host = block if block.device.type == "cpu" else block.cpu()  # one device-to-host copy
+        clock.lap("read" if host is block else "d2h")
         num_bytes = host.numel() * host.element_size()
         true_crc32c = None
         if index == self.fault.corrupt_block:  # flipped bytes go out under the true bytes' checksum
@@ -285,6 +302,7 @@ class Sender(ChannelSender):
             offset = end
         if true_crc32c is not None:
             chunks[-1] = chunks[-1][:-4] + true_crc32c.to_bytes(4, "little")  # the checksum is the last 4 bytes
+        clock.lap("gather+crc+frame")
         return chunks
 
 

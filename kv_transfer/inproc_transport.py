@@ -34,6 +34,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.block_copy import gather
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError, KVTransferTimeout
+from kv_transfer.stage_clock import StageClock
 
 SCHEME = "inproc://"
 
@@ -150,12 +151,14 @@ class Sender(KVSender):
 
     def send(self, handoff: KVHandoff, source: KVBlockSource, *, endpoint: str, timeout_s: float) -> TransferResult:
         start_s = time.monotonic()
+        clock = StageClock()
         deadline_s = start_s + timeout_s
         with _registry_lock:
             receiver = _registry.get(_key(endpoint))
         if receiver is None:
             raise KVTransferError(f"no in-process KV receiver attached at {endpoint!r}")
         incoming = receiver.open(handoff)  # refusals propagate as they are: nothing was opened
+        clock.lap("open")
         try:
             for num_sent, index in enumerate(handoff.block_indices):
                 if num_sent == self.fault.stop_after_blocks:
@@ -170,11 +173,15 @@ class Sender(KVSender):
                 else:  # stays on the device: a digest there instead of a host CRC
                     block = view.contiguous()
                     check = device_digest(block)
+                clock.lap("gather+crc")
                 incoming.write(index, self.fault.apply(index, block), check)
+                clock.lap("crc+copy")
             incoming.commit()
+            clock.lap("commit")
         except BaseException as exc:
             incoming.dest.fail(f"in-process KV transfer failed: {exc}")
             if isinstance(exc, KVTransferError) or not isinstance(exc, Exception):
                 raise
             raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} failed: {exc}") from exc
-        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s)
+        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s,
+                              stages_s=clock.done().stages_s, marks_s=clock.marks_s)
