@@ -87,6 +87,12 @@ class SettleOnce:
             raise KVTransferError(f"write to a destination already {self.outcome}")
         write_blocks(self._dest, first_index, data)
 
+    @property
+    def scatters(self) -> bool:
+        """Whether the destination stores many blocks at once (`write_blocks`), in one scatter: a transport may then
+        write them before it has verified them, as long as it verifies before it commits."""
+        return getattr(self._dest, "write_blocks", None) is not None
+
     def commit(self) -> None:
         """Commit, or raise KVTransferError when the handoff was failed first (by `close`, a timeout)."""
         with self._lock:

@@ -19,8 +19,11 @@ The staging buffer is memory of the sender's process that the receiver maps:
 - on CPU, an anonymous shared-memory file (memfd), which the receiver opens as /proc/<pid>/fd/<fd>;
 - on a GPU, a CUDA allocation, which the receiver opens with CUDA IPC (torch's `_share_cuda_` handle). Between
   two processes on one GPU a block then moves device to device, twice (cache → staging on the sender's side,
-  staging → cache on the receiver's), and no byte of it crosses to the host. Checksums are `device_digest`s
-  there, as in the in-process transport, instead of host CRC-32Cs.
+  staging → cache on the receiver's), and no byte of it crosses to the host. Checksums are device digests
+  there (kv_transfer/device_digest.py: one kernel over the handoff's blocks on each side) instead of host
+  CRC-32Cs, and each side syncs with the device once: the sender when it reads its digests (its gather is then
+  done), the receiver when it reads its own after queueing the scatter into its cache (see `_copy_out`). The block
+  ids go to the device from pinned memory without a sync (kv_transfer.wire_block.block_index).
 
 Both ends must be on the same host (in the same PID namespace: one pod, or one machine under Ray) and on the same
 kind of device; across hosts use the grpc or torch transport. A receiver on the sender's own process (tests, one
@@ -34,6 +37,10 @@ a sender process that exited (killed mid-handoff, restarted) would hold its memo
 unmaps it within REAP_INTERVAL_S. (A first version sent the descriptor ahead on a stream, so that the receiver
 opened the handoff while the sender staged it: the stream's thread handoffs cost ~1.7 ms a handoff on a 2-core
 host, more than the overlap saved.)
+
+Stages timed (kv_transfer/stage_clock.py). Sender: buffer (finding the pair's buffer), gather+crc (CPU: per block,
+one pass), gather and digest (GPU: queued) and sync (GPU: its digests read back), rpc (the call, until the ack).
+Receiver: open, map, crc+copy (CPU), digest, scatter and sync+check (GPU), commit.
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ from kv_transfer.grpc_link import (
     rpc_error,
     with_source,
 )
-from kv_transfer.inproc_transport import device_digests
+from kv_transfer.device_digest import device_digests, warm_up
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVRefused, KVTransferError, KVTransferTimeout
 from kv_transfer.stage_clock import StageClock
 from protos import kv_transfer_pb2
@@ -233,6 +240,7 @@ class Receiver(SettlingReceiver):
     def __init__(self, sink: KVSink) -> None:
         super().__init__(sink)
         self.device = torch.device(sink.device)
+        warm_up(self.device)  # the digest kernels compile now, not in the first handoff
         self._mapped_lock = threading.Lock()
         self._mapped: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
         self._stop_reaper = threading.Event()  # set by close()
@@ -310,9 +318,11 @@ class Receiver(SettlingReceiver):
     def _copy_out(self, handoff: KVHandoff, dest: SettleOnce, commit: kv_transfer_pb2.KVCommit,
                   clock: StageClock) -> None:
         """Copy every travelling block from the sender's buffer into `dest`, verifying each: as it is copied on
-        the CPU; on a GPU, the digests of all of them first (one sync), then one scatter into the cache, complete
-        before this returns (a second sync), since the sender reuses its buffer once we ack. A corrupt block is
-        never written: the handoff fails, its reserved blocks freed unwritten."""
+        the CPU; on a GPU, one digest kernel over all of them and one scatter into the cache, then one host sync
+        (reading the digests back, queued after the scatter, so the copy is complete too: the sender reuses its
+        buffer once we ack). A destination that scatters (the decode worker's reservation) is written before the
+        digests are compared; a mismatch fails the handoff, whose reserved blocks are then freed unread, as after
+        the CPU's fused copy-and-check. Any other destination is verified first, then written block by block."""
         indices = handoff.block_indices
         on_gpu = self.device.type != "cpu"
         checks = list(commit.device_digests if on_gpu else commit.crc32c)
@@ -333,16 +343,19 @@ class Receiver(SettlingReceiver):
                     write_verified(dest, handoff, index, blocks[slot], checks[slot])
                 clock.lap("crc+copy")
                 return
-            found = device_digests(blocks).tolist()
-            clock.lap("digest+sync")
-            for slot, (got, expected) in enumerate(zip(found, checks)):
-                if got != expected:
-                    raise KVChecksumError(f"handoff {handoff.transfer_id}: block {indices[slot]} failed its checksum "
-                                          "(a device digest, in place of the CRC-32C: the block stayed on the GPU)")
-            write_blocks(dest, indices.start, blocks)  # one scatter into the cache
-            clock.lap("scatter")
+            digests = device_digests(blocks)
+            clock.lap("digest")
+            if dest.scatters:
+                write_blocks(dest, indices.start, blocks)  # one scatter into the cache, before the one sync
+                clock.lap("scatter")
+                _check_digests(handoff, digests.tolist(), checks)
+                clock.lap("sync+check")
+                return
+            _check_digests(handoff, digests.tolist(), checks)
+            clock.lap("sync+check")
+            write_blocks(dest, indices.start, blocks)  # block by block
             torch.cuda.current_stream(blocks.device).synchronize()
-            clock.lap("sync")
+            clock.lap("write+sync")
         finally:
             if not buffer.keep:
                 with self._mapped_lock:
@@ -371,6 +384,13 @@ class Receiver(SettlingReceiver):
         return tensor
 
 
+def _check_digests(handoff: KVHandoff, found: list[int], expected: list[int]) -> None:
+    for slot, (got, want) in enumerate(zip(found, expected)):
+        if got != want:
+            raise KVChecksumError(f"handoff {handoff.transfer_id}: block {handoff.block_indices[slot]} failed its "
+                                  "checksum (a device digest, in place of the CRC-32C: the block stayed on the GPU)")
+
+
 # ── sender ───────────────────────────────────────────────────────────────────────────────────────────────────
 
 
@@ -392,6 +412,7 @@ class Sender(ChannelSender):
         super().__init__(worker_id=worker_id, device=device, fault=fault, auth=auth)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        warm_up(self.device)  # the digest kernels compile now, not in the first handoff
         self._lock = threading.Lock()
         self._pairs: dict[str, _Pair] = {}  # by receiver endpoint
 
