@@ -258,6 +258,9 @@ class Run:
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict:
+        if not self.totals_s:
+            return {"transport": self.transport, "num_handoffs": 0, "problems": self.problems or ["no handoff"]}
+
         def stage_table(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
             names = list(dict.fromkeys(name for row in rows for name in row))
             return {name: {"p50_ms": percentile([row.get(name, 0.0) for row in rows], 0.5) * 1e3,
@@ -290,7 +293,7 @@ class Run:
 
 
 def measure(transports: list[str], layout: KVLayout, device: torch.device, *, num_tokens: int, repeats: int,
-            warmup: int) -> list[dict]:
+            warmup: int, receiver_layout: KVLayout | None = None) -> list[dict]:
     num_blocks = -(-num_tokens // layout.block_size)
     num_cache_blocks = SPARE_BLOCKS * num_blocks
     block_ids = scattered_ids(num_blocks, num_cache_blocks, seed=0)
@@ -309,7 +312,7 @@ def measure(transports: list[str], layout: KVLayout, device: torch.device, *, nu
             receiver_device = device
             if transport == "torch" and device.type == "cuda":
                 receiver_device = torch.device("cuda", 1)  # NCCL moves blocks between two devices
-            peers[transport] = Peer(transport, layout, receiver_device, num_blocks)
+            peers[transport] = Peer(transport, receiver_layout or layout, receiver_device, num_blocks)
             senders[transport] = make_sender(transport, worker_id="bench-prefill", device=device)
         for i in range(warmup + repeats):
             for transport in transports:
@@ -350,10 +353,14 @@ def measure(transports: list[str], layout: KVLayout, device: torch.device, *, nu
             sender.close()
         for peer in peers.values():
             peer.close()
-    return [runs[t].summary() for t in transports if runs[t].totals_s]
+    return [runs[t].summary() for t in transports]
 
 
 def format_summary(summary: dict) -> str:
+    if not summary["num_handoffs"]:
+        return "\n".join([f"{summary['transport']:7s} no handoff completed"]
+                         + [f"        FAILED: {problem}" for problem in summary["problems"][:3]])
+
     def stages(table: dict[str, dict[str, float]]) -> str:
         return "  ".join(f"{name} {row['p50_ms']:.3f}" for name, row in table.items()) or "(no stage timers)"
 
@@ -393,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m", choices=sorted(DUMMY_SHAPES))
     p.add_argument("--dtype", help="the KV dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--json", help="write every figure here")
+    p.add_argument("--receiver-dtype", help="a check of the checks: receivers of this KV dtype refuse every handoff "
+                   "of another, and the run fails")
     args = p.parse_args(argv)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     layout = make_layout(args.model, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -410,12 +419,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{layout.block_bytes} bytes = {handoff.num_bytes / 1e6:.1f} MB per handoff, on {where}; "
           f"{args.warmup} warm-up + {args.repeats} handoffs per transport, interleaved"
           + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    receiver_layout = dataclasses.replace(layout, dtype=args.receiver_dtype) if args.receiver_dtype else None
     summaries = measure(transports, layout, device, num_tokens=args.num_tokens, repeats=args.repeats,
-                        warmup=args.warmup)
+                        warmup=args.warmup, receiver_layout=receiver_layout)
     for summary in summaries:
         print(format_summary(summary))
-    failed = [s["transport"] for s in summaries if s["problems"]] + [t for t in transports if
-                                                                    t not in {s["transport"] for s in summaries}]
+    failed = [s["transport"] for s in summaries if s["problems"]]
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"device": where, "layout": dataclasses.asdict(layout), "num_tokens": args.num_tokens,

@@ -66,7 +66,8 @@ def device_digests(blocks: torch.Tensor) -> torch.Tensor:
         try:
             from kv_transfer.digest_kernel import digests_triton
 
-            return digests_triton(words)
+            with torch.cuda.device(words.device):  # Triton launches on the current device's stream
+                return digests_triton(words)
         except Exception:  # noqa: BLE001 - the torch path computes the same digests
             _kernel_failed = True
             logger.warning("the Triton device digest failed; using the torch one (same digests, slower)",
@@ -82,7 +83,8 @@ def warm_up(device: torch.device) -> None:
     try:
         from kv_transfer.digest_kernel import warm_up as compile_kernels
 
-        compile_kernels(device)
+        with torch.cuda.device(device):
+            compile_kernels(device)
     except Exception:  # noqa: BLE001 - the torch path computes the same digests
         _kernel_failed = True
         logger.warning("the Triton device digest failed to compile; using the torch one (same digests, slower)",

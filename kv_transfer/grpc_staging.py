@@ -62,11 +62,13 @@ class SendStaging:
     def __init__(self, pools: StagingPools, layout: KVLayout, count: int) -> None:
         self.layout = layout
         self.count = count
+        self.device = pools.device
         self.on_gpu = pools.device.type == "cuda"
-        self._stack = contextlib.ExitStack()
         num_bytes = count * layout.block_bytes
-        self._device = self._stack.enter_context(pools.on_device.lease(num_bytes))
-        self._pinned = self._stack.enter_context(pools.pinned.lease(num_bytes))
+        with contextlib.ExitStack() as stack:  # both leases, or neither
+            self._device = stack.enter_context(pools.on_device.lease(num_bytes))
+            self._pinned = stack.enter_context(pools.pinned.lease(num_bytes))
+            self._stack = stack.pop_all()
         self._events: list[torch.cuda.Event] = []  # one per run copied out (none on the CPU: copies are done)
 
     def gather(self, source: KVBlockSource, indices: range) -> None:
@@ -81,7 +83,7 @@ class SendStaging:
             self._pinned[piece].copy_(self._device[piece], non_blocking=True)
             if self.on_gpu:
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(self.device))  # the stream the copy went on
                 self._events.append(event)
 
     def host_blocks(self, run_number: int, run: range) -> list[torch.Tensor]:
@@ -108,10 +110,11 @@ class ReceiveStaging:
         self.layout = handoff.layout
         self.count = len(handoff.block_indices)
         self.device = pools.device
-        self._stack = contextlib.ExitStack()
         num_bytes = self.count * self.layout.block_bytes
-        self._pinned = self._stack.enter_context(pools.pinned.lease(num_bytes))
-        self._device = self._stack.enter_context(pools.on_device.lease(num_bytes))
+        with contextlib.ExitStack() as stack:  # both leases, or neither
+            self._pinned = stack.enter_context(pools.pinned.lease(num_bytes))
+            self._device = stack.enter_context(pools.on_device.lease(num_bytes))
+            self._stack = stack.pop_all()
         self._queued = False  # host-to-device copies queued and not yet waited for
 
     def verify(self, index: int, data: memoryview, crc32c: int) -> None:
