@@ -18,7 +18,9 @@ where native code is built): every block keeps its CRC-32C on the wire, whatever
 
 Both sides lease their buffers from `StagingPool`s the transport owns (kv_transfer/staging_pool.py), so a second
 handoff of the same size allocates nothing. `close()` waits for the copies still queued before the buffers go
-back, whether the handoff ended or failed half-way.
+back, whether the handoff ended or failed half-way. A whole handoff is staged, so each end holds twice its bytes
+more (device and pinned) while it is in flight; a handoff over grpc_transport.STAGE_MAX_BYTES (256 MiB: a 2,000-token
+Llama-3-8B prompt) goes block by block instead, as every handoff did before.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ from kv_transfer.grpc_staging import ReceiveStaging, SendStaging, StagingPools
 from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, run_frame
 from kv_transfer.layout import KVHandoff, KVRefused, KVTransferError, KVTransferTimeout
 from kv_transfer.stage_clock import StageClock
+from kv_transfer.staging_pool import KEEP_BYTES
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth
 
@@ -69,6 +70,10 @@ from protos.cluster_auth import OPEN, ClusterAuth
 # assembled before it is written). SmolLM2's 1.4 MiB blocks of 32 tokens, 1 MiB chunks against 3 MiB: 0.38-0.43x
 # against 0.46-0.49x of the raw socket (docs/benchmarks.md).
 CHUNK_BYTES = 3 << 20
+# A GPU handoff up to this size is staged whole (device and pinned memory on each end, kept for the next one); a
+# larger one goes block by block through pageable host memory, as all did before staging, rather than hold that much
+# more memory (kv_transfer/grpc_staging.py).
+STAGE_MAX_BYTES = KEEP_BYTES
 READ_AHEAD = 2  # messages the receiver pulls ahead of the one it is writing into the cache
 READ_AHEAD_THREAD = "kv-grpc-read-ahead"  # the name of the thread that pulls them
 STOP_SLACK_S = 5.0  # how long past its deadline the sender waits for gRPC to report the deadline itself
@@ -207,7 +212,7 @@ class Receiver(SettlingReceiver):
         copied into the cache, straight from the message (a split one assembled first); for a GPU it is checked as
         it is copied into pinned staging, the message's blocks are uploaded at once, and after the last message
         one scatter writes them all into the cache (kv_transfer/grpc_staging.py)."""
-        if self.staging is None or not handoff.block_indices:
+        if self.staging is None or not 0 < handoff.num_bytes <= STAGE_MAX_BYTES:
             self._receive(handoff, messages, clock, _DirectWrites(handoff, dest))
             return
         staging = ReceiveStaging(self.staging, handoff)
@@ -380,7 +385,7 @@ class Sender(ChannelSender):
         runs = _runs(len(indices), handoff.layout.block_bytes, self.fault.stop_after_blocks)
         staging = None
         try:
-            if self.staging is not None and indices:
+            if self.staging is not None and 0 < handoff.num_bytes <= STAGE_MAX_BYTES:
                 staging = SendStaging(self.staging, handoff.layout, len(indices))
                 staging.gather(source, indices)
                 staging.copy_out(runs)
@@ -392,8 +397,8 @@ class Sender(ChannelSender):
                 if staging is not None:
                     blocks = staging.host_blocks(number, run)
                     clock.lap("d2h wait")
-                else:
-                    blocks = [source.read_block(indices[slot]) for slot in run]
+                else:  # on the CPU (a GPU's handoff over STAGE_MAX_BYTES: block by block through the host)
+                    blocks = [_on_host(source.read_block(indices[slot])) for slot in run]
                 yield from self._frame_run(indices.start + run.start, blocks, clock)
                 num_sent += len(run)
         finally:
@@ -439,6 +444,10 @@ class Sender(ChannelSender):
         if true_crc32c is not None:
             chunks[-1] = chunks[-1][:-4] + true_crc32c.to_bytes(4, "little")  # the checksum is the last 4 bytes
         return chunks
+
+
+def _on_host(block: torch.Tensor) -> torch.Tensor:
+    return block if block.device.type == "cpu" else block.cpu()
 
 
 def _runs(num_blocks: int, block_bytes: int, stop_after: int | None) -> list[range]:

@@ -173,3 +173,15 @@ def test_on_a_gpu_a_handoff_stages_in_pinned_memory_and_reuses_it(staged) -> Non
     assert ends.allocated() == [1, 1, 1, 1]
     with ends.sender.staging.pinned.lease(1) as buffer:
         assert buffer.is_pinned()
+
+
+def test_a_handoff_over_the_staging_limit_goes_block_by_block_and_stages_nothing(staged, monkeypatch) -> None:
+    from kv_transfer import grpc_transport
+
+    monkeypatch.setattr(grpc_transport, "STAGE_MAX_BYTES", 5 * SMOLLM2.block_bytes)
+    ends = staged(SMOLLM2)
+    big = ends.send(16 * 6)  # 6 blocks: over the limit, not staged
+    assert ends.allocated() == [0, 0, 0, 0]
+    small = ends.send(16 * 5, seed=1)  # 5: staged
+    assert ends.allocated() == [1, 1, 1, 1]
+    assert [torch.equal(d.blocks(), s.blocks) for d, s in zip(ends.sink.destinations, (big, small))] == [True, True]
