@@ -19,13 +19,14 @@ from __future__ import annotations
 import abc
 import collections
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 import torch
 
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVTransferError, block_checksum, rejection_reason
+from kv_transfer.stage_clock import StageLog
 
 
 class KVBlockSource(Protocol):
@@ -86,6 +87,12 @@ class SettleOnce:
             raise KVTransferError(f"write to a destination already {self.outcome}")
         write_blocks(self._dest, first_index, data)
 
+    @property
+    def scatters(self) -> bool:
+        """Whether the destination stores many blocks at once (`write_blocks`), in one scatter: a transport may then
+        write them before it has verified them, as long as it verifies before it commits."""
+        return getattr(self._dest, "write_blocks", None) is not None
+
     def commit(self) -> None:
         """Commit, or raise KVTransferError when the handoff was failed first (by `close`, a timeout)."""
         with self._lock:
@@ -118,6 +125,8 @@ class KVSink(Protocol):
 class TransferResult:
     num_bytes: int
     seconds: float
+    stages_s: dict[str, float] = field(default_factory=dict)  # the sender's stages (kv_transfer.stage_clock)
+    marks_s: dict[str, float] = field(default_factory=dict)  # and its marks: "call", when its call left
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +218,7 @@ class KVReceiver(abc.ABC):
         self.sink = sink
         self._rejections: collections.Counter[str] = collections.Counter()
         self._rejections_lock = threading.Lock()
+        self.stage_log = StageLog()  # each handoff's stages on this side (kv_transfer.stage_clock)
 
     def note_failure(self, exc: BaseException) -> None:
         """Count a handoff refused or failed on this side, when the error is a refusal (`rejection_reason`)."""

@@ -7,6 +7,8 @@ loads the copy makes.
 
     frame(head, block, tail)       sender:   head ‖ the block's bytes ‖ tail ‖ CRC-32C (4 bytes, little-endian),
                                              as one `bytes`; `block` may be a strided view of the paged cache
+    frame_blocks(head, blocks, tail) sender: head ‖ each block's bytes ‖ tail ‖ each block's CRC-32C, as one
+                                             `bytes` written in place (a run of blocks in one gRPC message)
     copy_checked(dst, src, crc)    receiver: dst ← src, then KVChecksumError unless CRC-32C(src) == crc
     copy_checked_parts(pairs, crc) receiver: the same over several (dst, src) pairs, one CRC over the srcs in order
     gather(block)                  sender, tensor transports: a contiguous copy of `block` and its CRC-32C
@@ -26,6 +28,9 @@ bad block is never decoded.
 
 from __future__ import annotations
 
+import ctypes
+import struct
+import warnings
 from collections.abc import Sequence
 from functools import cache
 from types import ModuleType
@@ -274,6 +279,13 @@ py::tuple frame_crc32c(py::bytes head, at::Tensor src, py::bytes tail, int64_t c
 
 NATIVE = NativeModule(name="block_copy", source=_SOURCE, functions=("copy_crc32c", "frame_crc32c"))
 
+# `frame_blocks` writes a message into a `bytes` object it has just made (as the C++ `frame_crc32c` does): torch
+# warns that a tensor over an immutable buffer must not be written; nobody else holds the object yet.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): n bytes, uninitialised
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+
 
 @cache
 def native_ops() -> ModuleType | None:
@@ -298,6 +310,44 @@ def frame(head: bytes, block: torch.Tensor, tail: bytes, *, crc32c: int = 0, app
     crc = block_checksum(data, crc32c)
     parts = [head, data, tail, crc.to_bytes(4, "little")] if append_crc else [head, data, tail]
     return b"".join(parts), crc
+
+
+def as_bytes(block: torch.Tensor) -> torch.Tensor:
+    """`block`'s bytes as a uint8 tensor, in its logical order, without a copy when its last dimension is contiguous
+    (a block of the paged cache is): [..., last * element size]."""
+    if block.dim() == 0 or block.stride(-1) != 1:
+        block = block.contiguous()
+    return block.view(torch.uint8)
+
+
+def frame_blocks(head: bytes, blocks: Sequence[torch.Tensor], tail: bytes, *, native: bool = True
+                 ) -> tuple[bytes, list[int]]:
+    """`head ‖ each block's bytes ‖ tail ‖ each block's CRC-32C` (4 bytes little-endian each, in order) as one
+    `bytes`, and the CRCs: a run of blocks in one gRPC message (kv_transfer.grpc_wire.run_frame). Each block (a CPU
+    tensor: a strided view of the paged cache, or pinned staging) is copied straight into the new message, gathered
+    and checksummed in one pass with native code, else copied and then checksummed there. `native=False` forces
+    the fallback (for tests)."""
+    ops = native_ops() if native else None
+    sources = [as_bytes(block) for block in blocks]
+    data_len = sum(src.numel() for src in sources)
+    out = _new_bytes(None, len(head) + data_len + len(tail) + 4 * len(sources))
+    message = torch.frombuffer(out, dtype=torch.uint8)  # writable in fact: `out` is ours alone until returned
+    base = message.data_ptr()
+    ctypes.memmove(base, head, len(head))
+    pos, crcs = len(head), []
+    for src in sources:
+        if src.device.type != "cpu":
+            raise ValueError("frame_blocks frames host blocks (stage device blocks in host memory first)")
+        dst = message[pos:pos + src.numel()].view(src.shape)
+        if ops is not None:
+            crcs.append(ops.copy_crc32c(dst, src, 0))
+        else:
+            dst.copy_(src)
+            crcs.append(block_checksum(memoryview(dst.view(-1).numpy())))
+        pos += src.numel()
+    ctypes.memmove(base + pos, tail, len(tail))
+    ctypes.memmove(base + pos + len(tail), struct.pack(f"<{len(crcs)}I", *crcs), 4 * len(crcs))
+    return out, crcs
 
 
 def gather(block: torch.Tensor, *, native: bool = True) -> tuple[torch.Tensor, int]:

@@ -7,6 +7,11 @@ pass that also computes the block's CRC-32C (kv_transfer.block_copy.frame; the c
 data, so the header can be written before it is known), and the receiver gets a `Chunk` whose `data` is a view
 into the received message, checked and copied once into the cache.
 
+A chunk carries a piece of one block, or a run of several whole blocks (`run_frame`): blocks smaller than a chunk
+travel several to a message, each with its own CRC-32C in `block_crc32c` after the data, since every gRPC message
+costs a fixed overhead (~0.35 ms on the 2-core CPU host, where 360 KiB messages moved at 0.75 GB/s and 1 MiB and
+larger ones at 1.8-1.9 GB/s).
+
 The bytes on the wire are exactly what `KVTransferMessage.SerializeToString()` would produce (a test checks), so
 the .proto stays the contract and any protobuf implementation can talk to us. Messages the fast decoder does not
 recognise (the descriptor, fields in another order or form) go through the generated parser.
@@ -14,14 +19,18 @@ recognise (the descriptor, fields in another order or form) go through the gener
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from protos import kv_transfer_pb2
 
-# KVTransferMessage.chunk is field 2; KVBlockChunk: block_index 1, offset 2, data 3, last 4, crc32c 5 (fixed32).
+# KVTransferMessage.chunk is field 2; KVBlockChunk: block_index 1, offset 2, data 3, last 4, crc32c 5 (fixed32),
+# block_crc32c 6 (repeated fixed32, packed: one length-delimited field).
 _CHUNK_TAG = (2 << 3) | 2
 _VARINT, _I32, _LEN = 0, 5, 2
 _CRC_KEY = bytes([(5 << 3) | _I32])
+_RUN_CRC_KEY = bytes([(6 << 3) | _LEN])
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,6 +42,7 @@ class Chunk:
     data: memoryview
     last: bool
     crc32c: int | None  # None when the chunk carries none (only a block's last chunk does)
+    block_crc32c: tuple[int, ...] = ()  # a run of whole blocks: each one's CRC-32C; () for a piece of one block
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,6 +75,20 @@ def chunk_frame(*, block_index: int, offset: int, data_len: int, last: bool, crc
         head += _varint((3 << 3) | _LEN) + _varint(data_len)
     tail = _field(4, int(last)) + (_CRC_KEY if crc32c else b"")
     inner_len = len(head) + data_len + len(tail) + (4 if crc32c else 0)
+    return _varint(_CHUNK_TAG) + _varint(inner_len) + head, tail
+
+
+def run_frame(*, block_index: int, block_bytes: int, num_blocks: int) -> tuple[bytes, bytes]:
+    """The bytes around a run of `num_blocks` whole blocks of `block_bytes` each: `head ‖ data ‖ tail`, followed by
+    each block's CRC-32C (4 bytes, little-endian, in order), is the serialized `KVTransferMessage{chunk}` with
+    block_crc32c set. One block is the single-block chunk of `chunk_frame` (its crc32c field), which every receiver
+    reads; a receiver from before runs refuses a run as malformed."""
+    data_len = block_bytes * num_blocks
+    if num_blocks == 1:
+        return chunk_frame(block_index=block_index, offset=0, data_len=data_len, last=True, crc32c=True)
+    head = _field(1, block_index) + _varint((3 << 3) | _LEN) + _varint(data_len)
+    tail = _field(4, 1) + _RUN_CRC_KEY + _varint(4 * num_blocks)
+    inner_len = len(head) + data_len + len(tail) + 4 * num_blocks
     return _varint(_CHUNK_TAG) + _varint(inner_len) + head, tail
 
 
@@ -107,6 +131,7 @@ def _fast_chunk(raw: bytes) -> Chunk | None:
         return None
     fields = {1: 0, 2: 0, 4: 0}
     crc32c: int | None = None
+    block_crc32c: tuple[int, ...] = ()
     data = buf[0:0]
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
@@ -122,9 +147,17 @@ def _fast_chunk(raw: bytes) -> Chunk | None:
             if pos + 4 > end:
                 raise ValueError("truncated fixed32")
             crc32c, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
+        elif wire_type == _LEN and number == 6 and not block_crc32c:
+            size, pos = _read_varint(buf, pos, end)
+            if pos + size > end or size % 4:
+                raise ValueError("malformed packed fixed32")
+            block_crc32c = tuple(buf[pos : pos + size].cast("I")) if _LITTLE_ENDIAN else tuple(
+                int.from_bytes(buf[i : i + 4], "little") for i in range(pos, pos + size, 4))
+            pos += size
         else:
-            return None  # an unknown field: let the generated parser decide
-    return Chunk(block_index=fields[1], offset=fields[2], data=data, last=bool(fields[4]), crc32c=crc32c)
+            return None  # an unknown field, or one in an unusual form: let the generated parser decide
+    return Chunk(block_index=fields[1], offset=fields[2], data=data, last=bool(fields[4]), crc32c=crc32c,
+                 block_crc32c=block_crc32c)
 
 
 def decode_message(raw: bytes) -> kv_transfer_pb2.KVTransferMessage | Chunk | Malformed:
@@ -139,5 +172,5 @@ def decode_message(raw: bytes) -> kv_transfer_pb2.KVTransferMessage | Chunk | Ma
     if message.WhichOneof("kind") == "chunk":
         c = message.chunk
         return Chunk(block_index=c.block_index, offset=c.offset, data=memoryview(c.data), last=c.last,
-                     crc32c=c.crc32c if c.HasField("crc32c") else None)
+                     crc32c=c.crc32c if c.HasField("crc32c") else None, block_crc32c=tuple(c.block_crc32c))
     return message

@@ -9,7 +9,7 @@ means the same thing here: a corrupt block fails the handoff and never commits. 
 can die; `TransferFault.stop_after_blocks` stands in for a sender dying mid-transfer.
 
 Blocks on a GPU never touch the host: the copy is device to device, and instead of a CRC-32C (a host computation)
-each side takes a position-weighted digest of the block's bytes on the device (`device_digest`). Comparing them is
+each side takes a digest of the block's bytes on the device (kv_transfer/device_digest.py). Comparing them is
 the block's one synchronisation, and no byte of the block crosses to the host (a CRC there would copy it out on
 both sides); a mismatch fails the handoff before the block is written, as a CRC mismatch does.
 """
@@ -33,32 +33,11 @@ from kv_transfer.base import (
     write_verified,
 )
 from kv_transfer.block_copy import gather
+from kv_transfer.device_digest import device_digest, device_digests  # noqa: F401 - device_digests: re-exported
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVTransferError, KVTransferTimeout
+from kv_transfer.stage_clock import StageClock
 
 SCHEME = "inproc://"
-
-_DIGEST_WEIGHTS: dict[tuple[torch.device, int], torch.Tensor] = {}
-DIGEST_GROUP_BYTES = 32 << 20  # device_digests takes blocks in groups of about this many bytes (8x that in int64)
-
-
-def device_digest(block: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 tensor, on `block`'s device: sum over its bytes b_i of b_i * (2i + 1), wrapping. Any one changed
-    byte changes it (its weight is odd), and so does a swap of two different bytes; no host sync."""
-    return device_digests(block.reshape(1, -1))[0]
-
-
-def device_digests(blocks: torch.Tensor) -> torch.Tensor:
-    """[k] int64: `device_digest` of each of `blocks`' k entries along its first dimension, a few kernels for all
-    of them (a group of blocks at a time, so that the int64 products stay bounded); no host sync."""
-    data = blocks.reshape(blocks.shape[0], -1).view(torch.uint8)
-    num_blocks, num_bytes = data.shape
-    key = (data.device, num_bytes)
-    weights = _DIGEST_WEIGHTS.get(key)
-    if weights is None:
-        weights = _DIGEST_WEIGHTS[key] = torch.arange(num_bytes, device=data.device, dtype=torch.int64) * 2 + 1
-    group = max(1, DIGEST_GROUP_BYTES // max(num_bytes, 1))
-    return torch.cat([(data[i:i + group].to(torch.int64) * weights).sum(dim=1) for i in range(0, num_blocks, group)])
-
 
 _registry_lock = threading.Lock()
 _registry: dict[str, Receiver] = {}
@@ -150,12 +129,14 @@ class Sender(KVSender):
 
     def send(self, handoff: KVHandoff, source: KVBlockSource, *, endpoint: str, timeout_s: float) -> TransferResult:
         start_s = time.monotonic()
+        clock = StageClock()
         deadline_s = start_s + timeout_s
         with _registry_lock:
             receiver = _registry.get(_key(endpoint))
         if receiver is None:
             raise KVTransferError(f"no in-process KV receiver attached at {endpoint!r}")
         incoming = receiver.open(handoff)  # refusals propagate as they are: nothing was opened
+        clock.lap("open")
         try:
             for num_sent, index in enumerate(handoff.block_indices):
                 if num_sent == self.fault.stop_after_blocks:
@@ -170,11 +151,15 @@ class Sender(KVSender):
                 else:  # stays on the device: a digest there instead of a host CRC
                     block = view.contiguous()
                     check = device_digest(block)
+                clock.lap("gather+crc")
                 incoming.write(index, self.fault.apply(index, block), check)
+                clock.lap("crc+copy")
             incoming.commit()
+            clock.lap("commit")
         except BaseException as exc:
             incoming.dest.fail(f"in-process KV transfer failed: {exc}")
             if isinstance(exc, KVTransferError) or not isinstance(exc, Exception):
                 raise
             raise KVTransferError(f"handoff {handoff.transfer_id} to {endpoint} failed: {exc}") from exc
-        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s)
+        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s,
+                              stages_s=clock.done().stages_s, marks_s=clock.marks_s)

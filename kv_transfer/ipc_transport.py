@@ -19,8 +19,11 @@ The staging buffer is memory of the sender's process that the receiver maps:
 - on CPU, an anonymous shared-memory file (memfd), which the receiver opens as /proc/<pid>/fd/<fd>;
 - on a GPU, a CUDA allocation, which the receiver opens with CUDA IPC (torch's `_share_cuda_` handle). Between
   two processes on one GPU a block then moves device to device, twice (cache → staging on the sender's side,
-  staging → cache on the receiver's), and no byte of it crosses to the host. Checksums are `device_digest`s
-  there, as in the in-process transport, instead of host CRC-32Cs.
+  staging → cache on the receiver's), and no byte of it crosses to the host. Checksums are device digests
+  there (kv_transfer/device_digest.py: one kernel over the handoff's blocks on each side) instead of host
+  CRC-32Cs, and each side syncs with the device once: the sender when it reads its digests (its gather is then
+  done), the receiver when it reads its own after queueing the scatter into its cache (see `_copy_out`). The block
+  ids go to the device from pinned memory without a sync (kv_transfer.wire_block.block_index).
 
 Both ends must be on the same host (in the same PID namespace: one pod, or one machine under Ray) and on the same
 kind of device; across hosts use the grpc or torch transport. A receiver on the sender's own process (tests, one
@@ -34,6 +37,10 @@ a sender process that exited (killed mid-handoff, restarted) would hold its memo
 unmaps it within REAP_INTERVAL_S. (A first version sent the descriptor ahead on a stream, so that the receiver
 opened the handoff while the sender staged it: the stream's thread handoffs cost ~1.7 ms a handoff on a 2-core
 host, more than the overlap saved.)
+
+Stages timed (kv_transfer/stage_clock.py). Sender: buffer (finding the pair's buffer), gather+crc (CPU: per block,
+one pass), gather and digest (GPU: queued) and sync (GPU: its digests read back), rpc (the call, until the ack).
+Receiver: open, map, crc+copy (CPU), digest, scatter and sync+check (GPU), commit.
 """
 
 from __future__ import annotations
@@ -71,8 +78,9 @@ from kv_transfer.grpc_link import (
     rpc_error,
     with_source,
 )
-from kv_transfer.inproc_transport import device_digests
+from kv_transfer.device_digest import device_digests, warm_up
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVRefused, KVTransferError, KVTransferTimeout
+from kv_transfer.stage_clock import StageClock
 from protos import kv_transfer_pb2
 from protos.cluster_auth import OPEN, ClusterAuth
 
@@ -232,6 +240,7 @@ class Receiver(SettlingReceiver):
     def __init__(self, sink: KVSink) -> None:
         super().__init__(sink)
         self.device = torch.device(sink.device)
+        warm_up(self.device)  # the digest kernels compile now, not in the first handoff
         self._mapped_lock = threading.Lock()
         self._mapped: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
         self._stop_reaper = threading.Event()  # set by close()
@@ -270,6 +279,7 @@ class Receiver(SettlingReceiver):
 
     def _serve(self, request: kv_transfer_pb2.KVIpcHandoff, context: grpc.ServicerContext
                ) -> kv_transfer_pb2.KVTransferAck:
+        clock = StageClock()
         try:
             if request.descriptor.ipc_device != self.device.type:
                 raise KVTransferError(f"ipc transport device mismatch: the sender stages blocks on "
@@ -282,30 +292,37 @@ class Receiver(SettlingReceiver):
             dest = self.open(handoff)
         except Exception as exc:  # refused before any byte was read; the sink opened nothing (or refused)
             return self._refuse(exc)
+        clock.lap("open")
         try:
-            self._copy_out(handoff, dest, request.commit)
+            self._copy_out(handoff, dest, request.commit, clock)
             time_left_s = context.time_remaining()  # (a worker's aio server gives sync handlers no is_active)
             if time_left_s is not None and time_left_s <= 0:
                 raise KVTransferError(f"handoff {handoff.transfer_id}: the sender's deadline passed before the copy "
                                       "ended")
             dest.commit()
+            clock.lap("commit")
         except Exception as exc:
             dest.fail(f"ipc KV transfer {handoff.transfer_id} failed: {refusal(exc)}")
             self.note_failure(exc)
+            self.stage_log.add(handoff.transfer_id, clock, ok=False)
             return error_ack(exc)
         finally:
             self.forget(dest)
+        self.stage_log.add(handoff.transfer_id, clock, ok=True)
         return kv_transfer_pb2.KVTransferAck(ok=True, num_bytes=handoff.num_bytes)
 
     def _refuse(self, exc: Exception) -> kv_transfer_pb2.KVTransferAck:
         self.note_failure(exc)
         return error_ack(exc)
 
-    def _copy_out(self, handoff: KVHandoff, dest: SettleOnce, commit: kv_transfer_pb2.KVCommit) -> None:
+    def _copy_out(self, handoff: KVHandoff, dest: SettleOnce, commit: kv_transfer_pb2.KVCommit,
+                  clock: StageClock) -> None:
         """Copy every travelling block from the sender's buffer into `dest`, verifying each: as it is copied on
-        the CPU; on a GPU, the digests of all of them first (one sync), then one scatter into the cache, complete
-        before this returns (a second sync), since the sender reuses its buffer once we ack. A corrupt block is
-        never written: the handoff fails, its reserved blocks freed unwritten."""
+        the CPU; on a GPU, one digest kernel over all of them and one scatter into the cache, then one host sync
+        (reading the digests back, queued after the scatter, so the copy is complete too: the sender reuses its
+        buffer once we ack). A destination that scatters (the decode worker's reservation) is written before the
+        digests are compared; a mismatch fails the handoff, whose reserved blocks are then freed unread, as after
+        the CPU's fused copy-and-check. Any other destination is verified first, then written block by block."""
         indices = handoff.block_indices
         on_gpu = self.device.type != "cpu"
         checks = list(commit.device_digests if on_gpu else commit.crc32c)
@@ -320,17 +337,25 @@ class Receiver(SettlingReceiver):
                             f"{buffer.num_bytes}", reason="malformed")
         try:
             blocks = wire_blocks(self._map(buffer), handoff.layout, len(indices))
+            clock.lap("map")
             if not on_gpu:
                 for slot, index in enumerate(indices):
                     write_verified(dest, handoff, index, blocks[slot], checks[slot])
+                clock.lap("crc+copy")
                 return
-            found = device_digests(blocks).tolist()
-            for slot, (got, expected) in enumerate(zip(found, checks)):
-                if got != expected:
-                    raise KVChecksumError(f"handoff {handoff.transfer_id}: block {indices[slot]} failed its checksum "
-                                          "(a device digest, in place of the CRC-32C: the block stayed on the GPU)")
-            write_blocks(dest, indices.start, blocks)  # one scatter into the cache
+            digests = device_digests(blocks)
+            clock.lap("digest")
+            if dest.scatters:
+                write_blocks(dest, indices.start, blocks)  # one scatter into the cache, before the one sync
+                clock.lap("scatter")
+                _check_digests(handoff, digests.tolist(), checks)
+                clock.lap("sync+check")
+                return
+            _check_digests(handoff, digests.tolist(), checks)
+            clock.lap("sync+check")
+            write_blocks(dest, indices.start, blocks)  # block by block
             torch.cuda.current_stream(blocks.device).synchronize()
+            clock.lap("write+sync")
         finally:
             if not buffer.keep:
                 with self._mapped_lock:
@@ -359,6 +384,13 @@ class Receiver(SettlingReceiver):
         return tensor
 
 
+def _check_digests(handoff: KVHandoff, found: list[int], expected: list[int]) -> None:
+    for slot, (got, want) in enumerate(zip(found, expected)):
+        if got != want:
+            raise KVChecksumError(f"handoff {handoff.transfer_id}: block {handoff.block_indices[slot]} failed its "
+                                  "checksum (a device digest, in place of the CRC-32C: the block stayed on the GPU)")
+
+
 # ── sender ───────────────────────────────────────────────────────────────────────────────────────────────────
 
 
@@ -380,6 +412,7 @@ class Sender(ChannelSender):
         super().__init__(worker_id=worker_id, device=device, fault=fault, auth=auth)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        warm_up(self.device)  # the digest kernels compile now, not in the first handoff
         self._lock = threading.Lock()
         self._pairs: dict[str, _Pair] = {}  # by receiver endpoint
 
@@ -404,14 +437,16 @@ class Sender(ChannelSender):
         pair = self._pair(endpoint)
         if not pair.lock.acquire(timeout=timeout_s):
             raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s waiting for the previous transfer")
+        clock = StageClock()
         try:
-            self._transfer(handoff, source, endpoint, pair, start_s + timeout_s, timeout_s, what)
+            self._transfer(handoff, source, endpoint, pair, start_s + timeout_s, timeout_s, what, clock)
         finally:
             pair.lock.release()
-        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s)
+        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s,
+                              stages_s=clock.done().stages_s, marks_s=clock.marks_s)
 
     def _transfer(self, handoff: KVHandoff, source: KVBlockSource, endpoint: str, pair: _Pair, deadline_s: float,
-                  timeout_s: float, what: str) -> None:
+                  timeout_s: float, what: str, clock: StageClock) -> None:
         """Stage the blocks, then make the one call; the caller holds the pair's lock, and nothing touches its
         buffer once this returns or raises."""
         descriptor = handoff.to_proto()
@@ -419,13 +454,16 @@ class Sender(ChannelSender):
         buffer = None
         try:
             buffer = self._buffer(pair, handoff.num_bytes)
-            commit = self._stage(handoff, source, buffer, deadline_s, timeout_s, what)
+            clock.lap("buffer")
+            commit = self._stage(handoff, source, buffer, deadline_s, timeout_s, what, clock)
             time_left_s = deadline_s - time.monotonic()
             if time_left_s <= 0:
                 raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s")
             request = kv_transfer_pb2.KVIpcHandoff(descriptor=descriptor, commit=commit)
             try:
+                clock.mark("call")
                 ack = self._channels.stub(endpoint).IpcTransfer(request, timeout=time_left_s)
+                clock.lap("rpc")
             except grpc.RpcError as exc:
                 if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._channels.forget(endpoint)
@@ -456,7 +494,7 @@ class Sender(ChannelSender):
         return pair.buffer
 
     def _stage(self, handoff: KVHandoff, source: KVBlockSource, buffer: StagingBuffer | None, deadline_s: float,
-               timeout_s: float, what: str) -> kv_transfer_pb2.KVCommit:
+               timeout_s: float, what: str, clock: StageClock) -> kv_transfer_pb2.KVCommit:
         """Gather every travelling block into `buffer` and checksum it (CRC-32C on the CPU, a device digest on a
         GPU); returns the commit once the copies are complete."""
         commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.transfer_id)
@@ -474,9 +512,12 @@ class Sender(ChannelSender):
             if time.monotonic() > deadline_s:
                 raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s")
             read_blocks(source, indices, blocks)
+            clock.lap("gather")
             digests = device_digests(blocks)
             self._corrupt(indices, blocks)
+            clock.lap("digest")
             commit.device_digests.extend(digests.tolist())  # the one sync: the copies are done too
+            clock.lap("sync")
             return commit
         for slot, index in enumerate(indices):  # on the CPU, each block's CRC-32C in the pass that copies it
             if slot == self.fault.stop_after_blocks:
@@ -485,6 +526,7 @@ class Sender(ChannelSender):
                 raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s")
             commit.crc32c.append(gather_into(blocks[slot], source.read_block(index)))
             self._corrupt(range(index, index + 1), blocks[slot:slot + 1])
+        clock.lap("gather+crc")
         return commit
 
     def _corrupt(self, indices: range, blocks: torch.Tensor) -> None:

@@ -62,6 +62,7 @@ from kv_transfer.pair_group import (
     remaining_s,
     split_host_port,
 )
+from kv_transfer.stage_clock import StageClock
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth
 
@@ -206,12 +207,15 @@ class Receiver(KVReceiver):
         deadline. Holds the pair's lock throughout: the pair's staging buffer is in use until the handoff settles
         (the sender holds its end's lock until our ack, so this costs the pair nothing)."""
         handoff, dest, pair = item.handoff, item.dest, item.pair
+        clock = StageClock()
+        ok = False
         try:
             if not pair.lock.acquire(timeout=max(remaining_s(item.deadline_s), 0)):
                 raise KVTransferError(f"handoff {handoff.transfer_id}: the pair's previous transfer did not end "
                                       "before the deadline")
             try:
                 staging = self._receive(item, peer_host)
+                clock.lap("receive")
                 if not item.commit_arrived.wait(max(remaining_s(item.deadline_s), 0)):
                     raise KVTransferError(
                         f"handoff {handoff.transfer_id}: no Commit from the sender before the deadline"
@@ -222,18 +226,23 @@ class Receiver(KVReceiver):
                     raise KVTransferError(
                         f"handoff {handoff.transfer_id}: {len(checksums)} checksums for {len(indices)} blocks"
                     )
+                clock.lap("commit wait")
                 for slot, (index, expected) in enumerate(zip(indices, checksums)):  # each verified as it is copied
                     write_verified(dest, handoff, index, staging[slot], expected)
+                clock.lap("crc+copy")
                 dest.commit()
+                clock.lap("commit")
             finally:
                 pair.lock.release()
             item.ack = kv_transfer_pb2.KVTransferAck(ok=True, num_bytes=handoff.num_bytes)
+            ok = True
         except Exception as exc:
             self.note_failure(exc)
             err = refusal(exc)
             dest.fail(f"torch KV transfer {handoff.transfer_id} failed: {err}")
             item.ack = kv_transfer_pb2.KVTransferAck(ok=False, error=str(err), error_kind=error_kind(err))
         finally:
+            self.stage_log.add(handoff.transfer_id, clock, ok=ok)
             item.done.set()
 
     def _receive(self, item: _Incoming, peer_host: str) -> torch.Tensor:
@@ -321,10 +330,12 @@ class Sender(ChannelSender):
         if not pair.lock.acquire(timeout=timeout_s):
             raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s waiting for the previous transfer")
         try:
-            used, checksums = self._transfer(handoff, source, endpoint, pair, deadline_s, timeout_s, what)
+            clock = StageClock()
+            used, checksums = self._transfer(handoff, source, endpoint, pair, deadline_s, timeout_s, what, clock)
             commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.transfer_id, crc32c=checksums)
             try:
                 ack = self._call(lambda stub, t: stub.Commit(commit, timeout=t), endpoint, deadline_s, timeout_s, what)
+                clock.lap("commit rpc")
             except KVTransferError:
                 used.drop()  # the receiver may still be settling on this pair: start the next handoff on a new one
                 raise
@@ -332,16 +343,19 @@ class Sender(ChannelSender):
             pair.lock.release()
         if not ack.ok:
             raise ack_error(ack, endpoint=endpoint)
-        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s)
+        return TransferResult(num_bytes=handoff.num_bytes, seconds=time.monotonic() - start_s,
+                              stages_s=clock.done().stages_s, marks_s=clock.marks_s)
 
     def _transfer(self, handoff: KVHandoff, source: KVBlockSource, endpoint: str, pair: PairGroup,
-                  deadline_s: float, timeout_s: float, what: str) -> tuple[PairGroup, list[int]]:
+                  deadline_s: float, timeout_s: float, what: str, clock: StageClock) -> tuple[PairGroup, list[int]]:
         """Open, (re)build the group if the receiver handed out a new key, send every block. Returns the pair
         group used and the blocks' checksums."""
         descriptor = handoff.to_proto()
         descriptor.pair_key = pair.key
         descriptor.torch_backend = self.backend
+        clock.mark("call")
         opened = self._call(lambda stub, t: stub.Open(descriptor, timeout=t), endpoint, deadline_s, timeout_s, what)
+        clock.lap("open rpc")
         if not opened.ok:
             raise ack_error(opened, endpoint=endpoint)
         try:
@@ -358,9 +372,12 @@ class Sender(ChannelSender):
                 block, crc32c = gather(source.read_block(index))  # a strided view of the sender's cache
                 checksums.append(crc32c)
                 wire = self.fault.apply(index, block)
+                clock.lap("gather+crc")
                 in_flight.append((pair.group.send([wire], 1, slot), wire))
+                clock.lap("send")
             for slot, (work, _) in enumerate(in_flight):
                 pair.wait(work, deadline_s, f"{what}: sending block {handoff.first_block + slot}")
+            clock.lap("send wait")
             return pair, checksums
         except Exception as exc:
             pair.drop()  # the receiver sees the connection close and fails the handoff now, not at its deadline

@@ -14,7 +14,8 @@ scales arrive bit-exact, and no view needs a float32-aligned offset into a recei
 
 `read_wire_blocks` / `write_wire_blocks` move many blocks at once, one gather or scatter kernel for the lot (block
 by block for int8, whose values and scales live apart): what a GPU transport needs, where each kernel launch from
-Python costs more than copying a block.
+Python costs more than copying a block. Their block ids go to the GPU from pinned memory, queued ahead of the
+kernel that reads them: no host sync (`torch.tensor(ids, device=cuda)` waits for the device's queue to drain).
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ def _paged_wire_blocks(layout: KVLayout, kv_cache: torch.Tensor) -> torch.Tensor
     return blocks.view(torch.uint8) if layout.kv_cache_dtype == "fp8" else blocks
 
 
+def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`block_ids` as an int64 tensor on `device`; on a GPU, an asynchronous copy from pinned memory (the caching
+    host allocator keeps that memory until the copy is done)."""
+    ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    if device.type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
 def read_wire_blocks(layout: KVLayout, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
                      block_ids: Sequence[int], out: torch.Tensor) -> None:
     """Copy the wire blocks of cache blocks `block_ids` into `out` ([len(block_ids), *wire_shape], contiguous).
@@ -88,7 +98,7 @@ def read_wire_blocks(layout: KVLayout, kv_cache: torch.Tensor, kv_scales: torch.
             scales = None if kv_scales is None else kv_scales[:, :, block_id]
             out[slot].copy_(read_wire_block(layout, kv_cache[:, :, block_id], scales))
         return
-    torch.index_select(paged, 0, torch.tensor(list(block_ids), device=kv_cache.device), out=out)
+    torch.index_select(paged, 0, block_index(block_ids, kv_cache.device), out=out)
 
 
 def write_wire_blocks(layout: KVLayout, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
@@ -101,4 +111,4 @@ def write_wire_blocks(layout: KVLayout, kv_cache: torch.Tensor, kv_scales: torch
             scales = None if kv_scales is None else kv_scales[:, :, block_id]
             write_wire_block(layout, kv_cache[:, :, block_id], scales, data[slot], None)
         return
-    paged.index_copy_(0, torch.tensor(list(block_ids), device=kv_cache.device), data)
+    paged.index_copy_(0, block_index(block_ids, kv_cache.device), data)

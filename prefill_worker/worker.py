@@ -228,6 +228,10 @@ class PrefillWorker(RuntimeWorker):
             handoff, source, endpoint=request.decode_endpoint, timeout_s=self.config.kv_transfer_timeout_s
         )
         runtime.transfers.record(result.num_bytes, result.seconds)
+        if logger.isEnabledFor(logging.DEBUG):  # where the handoff's time went (kv_transfer/stage_clock.py)
+            logger.debug("KV handoff of %s to %s: %d bytes in %.3f ms (%s)", req.request_id, request.decode_endpoint,
+                         result.num_bytes, result.seconds * 1e3,
+                         ", ".join(f"{stage} {seconds * 1e3:.3f} ms" for stage, seconds in result.stages_s.items()))
         return result
 
     def _take_cut(self) -> bool:

@@ -63,18 +63,20 @@ class KVHandoffDescriptor(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., source_endpoint: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., pair_key: _Optional[str] = ..., torch_backend: _Optional[str] = ..., first_block: _Optional[int] = ..., ipc_device: _Optional[str] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
-    __slots__ = ("block_index", "offset", "data", "last", "crc32c")
+    __slots__ = ("block_index", "offset", "data", "last", "crc32c", "block_crc32c")
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CRC32C_FIELD_NUMBER: _ClassVar[int]
     block_index: int
     offset: int
     data: bytes
     last: bool
     crc32c: int
-    def __init__(self, block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    block_crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., crc32c: _Optional[int] = ..., block_crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferMessage(_message.Message):
     __slots__ = ("descriptor", "chunk")

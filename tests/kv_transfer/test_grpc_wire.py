@@ -14,8 +14,16 @@ import torch
 
 from kv_transfer.grpc_link import TRANSFER_METHOD
 from kv_transfer.grpc_transport import _chunk_pieces  # noqa: PLC2701 - the sender's chunking, checked directly
-from kv_transfer.block_copy import frame
-from kv_transfer.grpc_wire import Chunk, Malformed, chunk_frame, decode_message, encode_chunk, encode_message
+from kv_transfer.block_copy import frame, frame_blocks
+from kv_transfer.grpc_wire import (
+    Chunk,
+    Malformed,
+    chunk_frame,
+    decode_message,
+    encode_chunk,
+    encode_message,
+    run_frame,
+)
 from kv_transfer.grpc_wire import _varint  # noqa: PLC2701 - the same varint builds the odd encodings here
 from kv_transfer.layout import KVHandoff, KVLayout, block_checksum
 from kv_transfer.registry import make_receiver
@@ -50,6 +58,36 @@ def test_encoding_is_byte_identical_to_protobuf(fields: dict, native: bool) -> N
     assert isinstance(decoded, Chunk)
     assert (decoded.block_index, decoded.offset, bytes(decoded.data), decoded.last, decoded.crc32c) == (
         fields["block_index"], fields["offset"], fields["data"], fields["last"], fields["crc32c"])
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 5])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+def test_a_run_of_blocks_is_protobufs_encoding_each_block_with_its_crc(num_blocks: int, native: bool) -> None:
+    """Several whole blocks in one message, gathered out of a paged cache, each checksummed on the way: the bytes
+    protobuf writes for KVBlockChunk{block_index, data, last, block_crc32c} (one block: its crc32c field, as before
+    runs), decoded back to the same blocks and CRCs by the fast decoder and by the generated parser alike."""
+    cache = torch.randn(2, 2, 8, 4, 3, 8)  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    blocks = [cache[:, :, i] for i in (5, 0, 7, 2, 3)[:num_blocks]]
+    data = [block.contiguous().numpy().tobytes() for block in blocks]
+    head, tail = run_frame(block_index=9, block_bytes=len(data[0]), num_blocks=num_blocks)
+    framed, crcs = frame_blocks(head, blocks, tail, native=native)
+    assert crcs == [block_checksum(d) for d in data]
+    checksums = {"crc32c": crcs[0]} if num_blocks == 1 else {"block_crc32c": crcs}
+    chunk = kv_transfer_pb2.KVBlockChunk(block_index=9, data=b"".join(data), last=True, **checksums)
+    assert framed == kv_transfer_pb2.KVTransferMessage(chunk=chunk).SerializeToString()
+    decoded = decode_message(framed)
+    assert isinstance(decoded, Chunk)
+    assert (decoded.block_index, bytes(decoded.data), decoded.last) == (9, b"".join(data), True)
+    assert (decoded.crc32c, decoded.block_crc32c) == ((crcs[0], ()) if num_blocks == 1 else (None, tuple(crcs)))
+    unpacked = kv_transfer_pb2.KVTransferMessage(chunk=chunk)  # the CRCs unpacked: valid, not our shape
+    raw = bytearray(unpacked.SerializeToString())
+    if num_blocks > 1:
+        inner = (b"\x08\x09" + _varint((3 << 3) | 2) + _varint(len(chunk.data)) + chunk.data + b"\x20\x01"
+                 + b"".join(bytes([(6 << 3) | 5]) + crc.to_bytes(4, "little") for crc in crcs))
+        raw = bytearray(_varint((2 << 3) | 2) + _varint(len(inner)) + inner)
+        assert kv_transfer_pb2.KVTransferMessage.FromString(bytes(raw)) == unpacked
+    via_parser = decode_message(bytes(raw))
+    assert isinstance(via_parser, Chunk) and via_parser.block_crc32c == decoded.block_crc32c
 
 
 def test_valid_but_unusual_encodings_decode_as_protobuf_does() -> None:
@@ -107,6 +145,17 @@ def test_a_malformed_chunk_fails_the_handoff_with_a_clear_error() -> None:
     ack, sink = _send_raw([b"\x12\x80"])
     assert not ack.ok and "undecodable KV transfer message" in ack.error
     assert sink.only().outcome == "failed"
+
+
+@pytest.mark.parametrize("data_blocks", [1, 3], ids=["short", "long"])
+def test_a_run_whose_bytes_do_not_match_its_block_count_is_refused(data_blocks: int) -> None:
+    """A run declaring 2 blocks' CRCs with another number of blocks' bytes: refused as malformed, nothing written."""
+    block_bytes = 2 * 2 * 4 * 2 * 8 * 4  # one block of _send_raw's layout
+    chunk = kv_transfer_pb2.KVBlockChunk(block_index=0, data=bytes(block_bytes * data_blocks), last=True,
+                                         block_crc32c=[0, 0])
+    ack, sink = _send_raw([kv_transfer_pb2.KVTransferMessage(chunk=chunk).SerializeToString()])
+    assert not ack.ok and "a run of 2 blocks from block 0" in ack.error
+    assert sink.only().outcome == "failed" and not sink.only().written
 
 
 def test_a_block_without_its_checksum_fails_the_handoff() -> None:

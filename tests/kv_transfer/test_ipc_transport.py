@@ -5,6 +5,7 @@ deadline."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -107,4 +108,65 @@ def test_ipc_receiver_past_the_senders_deadline_fails_instead_of_committing(ipc_
         sender.close()
         receiver.close()
         server.stop(grace=None)
+    sink.assert_each_settled_once()
+
+
+@pytest.mark.parametrize("ipc_case", IPC_TRANSPORTS)
+def test_a_second_handoff_stages_in_the_same_buffer(ipc_case: Case) -> None:
+    """The pair's staging buffer is made once, for the first handoff, and serves the next ones of that size or less;
+    the receiver maps it once."""
+    sink = RecordingSink(SMOLLM2, num_cache_blocks=64, device=ipc_case.sink_device)
+    server, endpoint, receiver = serve_receiver(ipc_case.transport, sink)
+    sender = make_sender(ipc_case.transport, worker_id="prefill-0", device=torch.device(ipc_case.sender_device))
+    try:
+        buffers = []
+        for seed, num_tokens in enumerate((16 * 6, 16 * 6, 16 * 2 + 1)):
+            handoff = make_handoff(SMOLLM2, num_tokens)
+            source = PatternSource(SMOLLM2, handoff.num_blocks, seed=seed, device=ipc_case.sender_device)
+            sender.send(handoff, source, endpoint=endpoint, timeout_s=30)
+            assert torch.equal(sink.destinations[-1].blocks().cpu(), source.blocks.cpu())
+            buffers.append(sender._pairs[endpoint].buffer)
+        assert buffers[0] is buffers[1] is buffers[2]
+        assert list(receiver._mapped) == [buffers[0].id]
+    finally:
+        sender.close()
+        receiver.close()
+        server.stop(grace=None)
+    sink.assert_each_settled_once()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupted"])
+def test_on_a_gpu_a_scattering_destination_is_written_before_the_one_check(corrupt: bool) -> None:
+    """A destination that scatters (the decode worker's reservation) gets all blocks in one write before the
+    receiver's one sync reads the digests back; a corrupted block then fails the handoff, which frees every block
+    unread (RecordingDestination's no-scatter path, verified before writing, is the conformance suite's)."""
+    from kv_transfer.base import TransferFault
+    from kv_transfer.layout import KVChecksumError
+
+    layout = dataclasses.replace(SMOLLM2, dtype="bfloat16")
+    sink = RecordingSink(layout, num_cache_blocks=64, device="cuda:0", scatters=True)
+    server, endpoint, receiver = serve_receiver("ipc", sink)
+    sender = make_sender("ipc", worker_id="prefill-0", device=torch.device("cuda:0"))
+    sender.fault = TransferFault(corrupt_block=3) if corrupt else TransferFault()
+    handoff = make_handoff(layout, 1000)
+    source = PatternSource(layout, handoff.num_blocks, device="cuda:0")
+    try:
+        if corrupt:
+            with pytest.raises(KVChecksumError, match="block 3 failed its checksum"):
+                sender.send(handoff, source, endpoint=endpoint, timeout_s=30)
+        else:
+            sender.send(handoff, source, endpoint=endpoint, timeout_s=30)
+    finally:
+        sender.close()
+        receiver.close()
+        server.stop(grace=None)
+    dest = sink.only()
+    assert dest.scatters == 1
+    if corrupt:
+        assert dest.outcome == "failed" and sink.num_used == 0
+    else:
+        assert dest.outcome == "committed"
+        assert torch.equal(dest.blocks().view(torch.uint8), source.blocks.view(torch.uint8))
     sink.assert_each_settled_once()

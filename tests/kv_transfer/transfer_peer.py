@@ -42,6 +42,9 @@ class RecordingDestination:
         self.fail_reasons: list[str] = []
         self.settled = threading.Event()
         self.settled_at_s: float | None = None
+        self.scatters = 0  # write_blocks calls (a scattering destination's)
+        if sink.scatters:
+            self.write_blocks = self.scatter
 
     def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
         assert tuple(data.shape) == self.handoff.layout.wire_shape, data.shape
@@ -56,6 +59,17 @@ class RecordingDestination:
     def commit(self) -> None:
         self.commits += 1
         self._settle()
+
+    def scatter(self, first_index: int, data: torch.Tensor) -> None:
+        """`write_blocks` of a destination that scatters (RecordingSink(scatters=True)), as the decode worker's
+        reservation does: all of `data` at once, unchecked."""
+        assert not self.settled.is_set(), "write after commit or fail"
+        for slot in range(data.shape[0]):
+            write_wire_block(self.sink.layout, self.sink.cache[self.slots[first_index + slot]],
+                             None if self.sink.scales is None else self.sink.scales[self.slots[first_index + slot]],
+                             data[slot], None)
+        self.written.extend(range(first_index, first_index + data.shape[0]))
+        self.scatters += 1
 
     def fail(self, reason: str) -> None:
         self.fail_reasons.append(reason)
@@ -90,8 +104,11 @@ class RecordingSink:
     """A KVSink over a fake paged cache of `num_cache_blocks` blocks. `refuse` makes `open` raise it."""
 
     def __init__(self, layout: KVLayout, *, num_cache_blocks: int = 256, device: torch.device | str = "cpu",
-                 refuse: KVTransferError | None = None, write_delay_s: float = 0.0, announce: bool = False) -> None:
+                 refuse: KVTransferError | None = None, write_delay_s: float = 0.0, announce: bool = False,
+                 scatters: bool = False) -> None:
+        """`scatters`: its destinations have `write_blocks` (many blocks at once, as the decode worker's)."""
         self.layout = layout
+        self.scatters = scatters
         self.device = torch.device(device)
         self.num_cache_blocks = num_cache_blocks
         # [num_cache_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] of the values' dtype
