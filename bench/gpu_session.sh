@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One lent GPU session's measurements and tests, run once from the repository root:
+#
+#     bash bench/gpu_session.sh [PHASE ...]        # no PHASE: every phase, in the order below
+#
+# Each phase is time-boxed (a phase that runs over is killed and the next one starts) and writes its figures
+# under $OUT (default ./gpu-out): session.log (everything printed), and one JSON per benchmark. Wheels the engine
+# needs and the machine lacks travel in .whl/ (docs/benchmarks.md, "GPU"); they are installed to /tmp/site.
+# The order puts the issue's figures first and the broad test sweep last, so a session cut short keeps the
+# figures. `SPLITSERVE_GPU_SESSION_SMOKE=1` runs every phase at toy sizes (on CPU too), to check the script.
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/session.log") 2>&1
+export PYTHONUNBUFFERED=1 SPLITSERVE_DISABLE_CPU_KERNELS=1 PIP_NO_INDEX=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ] && [ -z "${SPLITSERVE_GPU_SESSION_SMOKE:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || echo "!!! wheel install failed"
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+PY=${PYTHON:-python3}
+SMOKE=${SPLITSERVE_GPU_SESSION_SMOKE:-}
+DEVICE=cuda
+[ -n "$SMOKE" ] && DEVICE=${SPLITSERVE_GPU_SESSION_DEVICE:-cpu}
+
+phase() {  # phase NAME LIMIT_S command...
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "=== $name: start $(date +%T), limit ${limit}s: $*"
+    start=$(date +%s)
+    timeout -k 5 "$limit" "$@"
+    rc=$?
+    echo "=== $name: rc=$rc after $(( $(date +%s) - start ))s"
+    FAILED+=$([ $rc -ne 0 ] && echo " $name" || true)
+}
+FAILED=""
+
+ENV_INFO='nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null; "$0" -c "import sys, torch, \
+triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.get_device_name(0) \
+if torch.cuda.is_available() else \"no cuda\")"'
+
+if [ -n "$SMOKE" ]; then
+    GPU_ARGS=(--device "$DEVICE" --shapes smollm2-135m --batches 1,2 --context 64 --steps 3 --warmup-steps 1
+              --prefill-prompts 1 --hf-batch 2 --hf-prompt-len 8 --hf-new-tokens 4)
+    DISAGG_ARGS=(--num-requests 2 --rounds 2 --warmup 1 --prompt-tokens 64 --max-tokens 4 --num-threads 1)
+    DISAGG_TRANSPORTS=grpc
+    STRUCTURED_ARGS=(--batch-sizes 1,2 --max-tokens 8 --repeats 1)
+    HANDOFF_TRANSPORTS=grpc,inproc HANDOFF_REPEATS=2
+else
+    GPU_ARGS=(--device cuda --steps 30)
+    DISAGG_ARGS=(--num-requests 15 --rounds 4 --warmup 3)
+    DISAGG_TRANSPORTS=grpc,ipc
+    STRUCTURED_ARGS=()
+    HANDOFF_TRANSPORTS=grpc,ipc,inproc HANDOFF_REPEATS=30
+fi
+# This session's new GPU tests, first: a failure here is what the run is for
+NEW_TESTS=(tests/engine/structured/test_fill_ahead_gpu.py tests/engine/kernels/test_triton_rotary_store_kv.py
+           tests/engine/kernels/test_triton_fused_forward.py tests/engine/kernels/test_triton_rms_norm.py
+           tests/bench/test_kernel_count.py tests/kv_transfer/test_device_digest.py tests/kv_transfer/test_staging_pool.py
+           tests/kv_transfer/test_grpc_staging.py tests/kv_transfer/test_inproc_digest.py)
+
+run_phase() {
+    case $1 in
+    env) phase env 30 bash -c "$ENV_INFO" "$PY" ;;
+    gpu) phase gpu 200 $PY bench/gpu.py "${GPU_ARGS[@]}" --json "$OUT/gpu.json" ;;
+    disagg) phase disagg 150 $PY bench/disagg_overhead.py --device "$DEVICE" --load-format dummy \
+        --transports "$DISAGG_TRANSPORTS" --skip-throughput "${DISAGG_ARGS[@]}" --json "$OUT/disagg.json" ;;
+    structured) phase structured 120 $PY bench/structured.py --device "$DEVICE" --load-format dummy \
+        --tokenizer gpu-carry/smollm2-tokenizer "${STRUCTURED_ARGS[@]}" --json "$OUT/structured.json" ;;
+    handoff) phase handoff 60 $PY bench/handoff_cost.py --device "$DEVICE" --transports "$HANDOFF_TRANSPORTS" \
+        --repeats "$HANDOFF_REPEATS" --json "$OUT/handoff.json" ;;
+    handoff_before)  # the same bench over the code before this session's handoff work (gpu-carry/old: git archive)
+        cp bench/handoff_cost.py gpu-carry/old/bench/handoff_cost.py
+        (cd gpu-carry/old && PYTHONPATH="${PYTHONPATH/$PWD/$PWD/gpu-carry/old}" phase handoff_before 60 \
+            $PY bench/handoff_cost.py --device "$DEVICE" --transports "$HANDOFF_TRANSPORTS" \
+            --repeats "$HANDOFF_REPEATS") ;;
+    newtests) phase newtests 150 $PY -m pytest -q -p no:cacheprovider "${NEW_TESTS[@]}" ;;
+    tests) phase tests 170 $PY -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/kv_transfer tests/bench \
+        "${NEW_TESTS[@]/#/--ignore=}" ;;
+    *) echo "!!! unknown phase $1"; FAILED+=" $1" ;;
+    esac
+}
+
+PHASES=("$@")
+[ ${#PHASES[@]} -eq 0 ] && PHASES=(env newtests handoff handoff_before gpu disagg structured tests)
+for p in "${PHASES[@]}"; do run_phase "$p"; done
+echo "=== done $(date +%T); failed:${FAILED:- none}"
+[ -z "$FAILED" ]
