@@ -211,10 +211,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step of the recipe; the outputs of the requests that produced tokens or ended in it. With async
         scheduling: launch a step, then read the one launched before it, whose outputs these are."""
-        previous, self._in_flight = self._in_flight, None
+        previous = self._in_flight  # cleared once read: a schedule that raises leaves it for the next step
         outs: list[RequestOutput] = []
         num_read = 0
         if previous is not None and not self.scheduler.can_schedule_ahead(previous.scheduled):
+            self._in_flight = None
             outs, num_read, previous = self._read(previous), len(previous.scheduled.scheduled), None
         # Drafts wait on the requests for the scheduler to take as extra tokens (none without speculation).
         self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
@@ -227,6 +228,7 @@ class LLMEngine:
                 logger.exception("engine step failed")
                 outs += self._fail(scheduled, exc)
         if previous is not None:
+            self._in_flight = None
             outs += self._read(previous)
             num_read += len(previous.scheduled.scheduled)
         if launched is not None:
