@@ -60,15 +60,18 @@ def test_graph_sizes_and_eager_flag_parse_and_validate() -> None:
     assert EngineConfig(cuda_graph_sizes=[4, 1]).cuda_graph_sizes == (4, 1)  # a list (JSON, Ray) comes back a tuple
 
 
-def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_dir: Path, device,
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_dir: Path, device, async_scheduling,
                                                                    torch_single_thread) -> None:
+    """Async scheduling: a replay's input ids are the step in flight's tokens, written into the static buffer on
+    the device (`DecodeGraphs.run`'s feed)."""
     if device.type == "cuda":
         pytest.skip("on a GPU the real capture is tested (test_cuda_graph_replay_equals_eager)")
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    eager = _llm(tiny_model_dir, "cpu")
+    eager = _llm(tiny_model_dir, "cpu", async_scheduling=False)
     expected = [o.token_ids for o in eager.generate(PROMPTS, params)]
 
-    llm = _llm(tiny_model_dir, "cpu")
+    llm = _llm(tiny_model_dir, "cpu", async_scheduling=async_scheduling)
     runner = llm.engine.runner
     # Buckets 1, 4, 8: six sequences decode in a bucket of 8 (two padding rows), and fewer as they finish.
     runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=runner.block_size,
