@@ -13,7 +13,8 @@ and one asynchronous copy moves the part bucket B reads; rows n..B-1 are padding
 and length 0 (attention reads nothing), so they touch no block. The block tables are max_seq_len wide (the model's
 context, capped by --max-seq-len-to-capture, vLLM's flag: 8192), which fixes the attention kernel's grid; its
 partitions past a row's length exit at once; a step with a longer context runs eagerly. The step's one host
-synchronisation is the sampler reading its tokens back.
+synchronisation is the sampler reading its tokens back; with async scheduling (engine/core/overlap.py) that read
+comes after the next step is launched, whose placeholder input ids `run`'s `feed` writes on the device.
 
 Graphs run only where every kernel of the step is capturable and free of host syncs: the Triton attention backend
 with a cache in the model's dtype. `--enforce-eager` (vLLM's flag) turns them off; `--cuda-graph-sizes` (vLLM's)

@@ -149,12 +149,13 @@ class LLMEngine:
         return self.abort_request([*self.scheduler.requests, *self.scheduler.held])
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or a step in flight whose output is not read yet (the next `step()` reads it)."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Requests not finished. A step in flight (async scheduling) holds only running ones, or finished ones
+        whose tokens in it are discarded whenever the next step reads it (their blocks went back at their end)."""
+        return self.scheduler.has_unfinished_requests()
 
     def has_schedulable_requests(self) -> bool:
-        """Anything a step could run or read (requests waiting for remote KV are not)."""
-        return self.scheduler.has_schedulable_requests() or self._in_flight is not None
+        """Anything a step could run (requests waiting for remote KV are not)."""
+        return self.scheduler.has_schedulable_requests()
 
     # -- disaggregation: the prefill side holds, the decode side reserves and commits -------------------------
     def held_block_ids(self, request_id: str) -> list[int]:
