@@ -87,6 +87,15 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    _tokens_by_request: dict[str, tuple[int, bool]] | None = field(default=None, repr=False, compare=False)
+
+    def tokens_by_request(self) -> dict[str, tuple[int, bool]]:
+        """Per request: (its tokens in this step, whether the step samples for it); computed once, when the step
+        is complete (async scheduling reads it while the step is in flight)."""
+        if self._tokens_by_request is None:
+            self._tokens_by_request = {item.request.request_id: (item.num_new_tokens, item.samples)
+                                       for item in self.scheduled}
+        return self._tokens_by_request
 
     @property
     def num_batched_tokens(self) -> int:
@@ -208,7 +217,7 @@ class Scheduler:
         this one out. Nothing is preempted then."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        ahead = _in_flight_tokens(in_flight)
+        ahead = {} if in_flight is None else in_flight.tokens_by_request()
 
         for request in list(self.running):
             if budget == 0:
@@ -249,7 +258,7 @@ class Scheduler:
         no request it samples for and that goes on needs that token on the host, and every running request's next
         tokens fit in the free blocks (so `schedule(in_flight=...)` preempts nothing; counted without the token
         budget's cap, so never too few)."""
-        ahead = _in_flight_tokens(in_flight)
+        ahead = in_flight.tokens_by_request()
         num_blocks = 0
         for request in self.running:
             num_in_flight, placeholder = ahead.get(request.request_id, (0, False))
@@ -449,9 +458,3 @@ class Scheduler:
         for request_id in request_ids:
             self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
-
-def _in_flight_tokens(in_flight: SchedulerOutput | None) -> dict[str, tuple[int, bool]]:
-    """Per request of the step in flight: (its tokens in that step, whether that step samples a token for it)."""
-    if in_flight is None:
-        return {}
-    return {item.request.request_id: (item.num_new_tokens, item.samples) for item in in_flight.scheduled}
