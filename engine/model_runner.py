@@ -171,13 +171,16 @@ class ModelRunner:
         assert self.graphs is not None
         positions = [item.start for item in items]
         logits = self.graphs.run(
-            input_ids=[0 if item.takes_last_sample else item.request.all_token_ids[item.start] for item in items],
+            input_ids=[PLACEHOLDER_TOKEN_ID if item.takes_last_sample else item.request.all_token_ids[item.start]
+                       for item in items],
             positions=positions,
             slots=[cache_slot(item.block_ids, item.start, self.block_size) for item in items],
             block_tables=[item.block_ids for item in items],
             feed=feed,
         )
         rows = [i for i, item in enumerate(items) if item.samples]
+        if not rows:
+            return LaunchedStep.done(({}, {}, {}))
         if len(rows) < len(items):
             logits = logits[to_device(torch.tensor(rows, dtype=torch.int64), logits.device)]
         return self._sample_logits([items[i] for i in rows], logits, {})

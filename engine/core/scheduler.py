@@ -457,4 +457,3 @@ class Scheduler:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-

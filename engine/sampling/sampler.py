@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import HostCopy
 from engine.request.logprobs import TokenLogprobs
 from engine.sampling.logit_filters import min_p_threshold, top_k_threshold, top_p_threshold
 from engine.sampling.penalties import apply_frequency_presence_penalties, apply_repetition_penalty, mask_tokens
 from engine.sampling.sampling_batch import LogprobStage, RandomStage, SamplingBatch, SamplingRow
-from engine.host_copy import HostCopy
 from engine.structured.bitmask import TokenBitmask, apply_token_bitmask
 
 
