@@ -537,7 +537,8 @@ def summary(report: dict) -> str:
                          f"{100 * d['achieved_gb_s'] / bandwidth:.0f}% | {replay} |")
     ratios = [(shape, row) for shape, r in report["shapes"].items() for row in r.get("async_vs_sync", [])]
     if ratios:
-        lines += ["", "| shape | batch | steady step ms, async on | async off | off / on |", "|---|---:|---:|---:|---:|"]
+        lines += ["", "| shape | batch | steady step ms, async on | async off | off / on |",
+                  "|---|---:|---:|---:|---:|"]
         lines += [f"| {shape} | {row['batch']} | {row['on_steady_step_ms']:.3f} | {row['off_steady_step_ms']:.3f} | "
                   f"{row['off_over_on']:.3f} |" for shape, row in ratios]
     lines += ["", ("| shape | prefill | tok/s | FLOP-floor tok/s | % of floor | generate batch | ours tok/s | "

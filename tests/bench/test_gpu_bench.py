@@ -32,7 +32,8 @@ TINY_SHAPES = {
         eos_token_ids=(511,),
     ),
 }
-DECODE_KEYS = ("step_ms", "step_ms_min", "steady_step_ms", "steady_over_floor", "floor_ms", "step_over_floor", "bytes_read_per_step", "achieved_gb_s",
+DECODE_KEYS = ("step_ms", "step_ms_min", "steady_step_ms", "steady_over_floor", "floor_ms", "step_over_floor",
+               "bytes_read_per_step", "achieved_gb_s",
                "pct_of_copy_bandwidth", "tokens_per_s")
 PREFILL_KEYS = ("tokens", "seconds", "tokens_per_s", "flops", "floor_s", "tokens_per_s_floor", "pct_of_floor")
 HF_KEYS = ("hf_tokens_per_s", "ours_tokens_per_s", "ours_over_hf")

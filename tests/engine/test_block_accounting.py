@@ -3,8 +3,9 @@
 Exits covered: success, a stop string, abort (running, mid-prefill and still waiting), a failing model step,
 an exception or KeyboardInterrupt escaping `LLM.generate`'s loop (a caller's timeout), preemption under a tiny
 pool, and prefix-cache hits that share blocks between requests. Success, stop strings, abort and preemption run
-with async scheduling too (a step launched before the last one is read: engine/core/overlap.py). `BlockRefCounter` counts references taken
-(allocate, touch) and returned (free); `assert_no_blocks_held` checks the pool is all free afterwards.
+with async scheduling too (a step launched before the last one is read: engine/core/overlap.py). `BlockRefCounter`
+counts references taken (allocate, touch) and returned (free); `assert_no_blocks_held` checks the pool is all free
+afterwards.
 """
 
 from __future__ import annotations

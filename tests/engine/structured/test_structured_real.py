@@ -1,6 +1,7 @@
 """Structured outputs on the real SmolLM2-135M, offline: 50 generated JSON schemas in one batch all give JSON that
 validates; greedy output under a grammar is the same with prompt-lookup speculation on and off (drafts the grammar
-rejects are cut before verification), and with async scheduling; every KV block and every matcher is released afterwards.
+rejects are cut before verification), and with async scheduling; every KV block and every matcher is released
+afterwards.
 
 Kept cheap (the whole suite has a time budget): the session's one loaded checkpoint, one engine without speculation
 shared by both tests, flat schemas (depth 1) whose JSON fits in `MAX_TOKENS`, all 50 submitted at once, a KV cache
