@@ -11,7 +11,8 @@ the runner takes from N's output on the device (`ScheduledRequest.takes_last_sam
 back afterwards. The scheduler sees the step in flight as if it had run (`Scheduler.schedule(in_flight=...)`):
 each request's computed count plus its tokens in flight, its token count plus its placeholder.
 
-A request in step N is left out of step N+1 when N's token surely ends it (`finishes_with_in_flight_token`): its
+A request that arrives (added, or committed after its KV handoff) has no token in flight: the next step admits it
+whether or not it is scheduled ahead. A request in step N is left out of step N+1 when N's token surely ends it (`finishes_with_in_flight_token`): its
 length cap, or a prefill worker's request, whose KV is handed off after its first token. When N's token ends it
 otherwise (EOS, a stop token id or string, an abort), step N+1 has already run it: that step's token is discarded
 (the request is finished when N+1's output comes in: `update_from_output` skips it, nothing is streamed), and its
