@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 bench/gpu.py --json gpu.json                     # the GPU run (defaults), ~2 min on an H100
     PYTHONPATH=. python3 bench/gpu.py --enforce-eager                     # the same without CUDA graphs
+    PYTHONPATH=. python3 bench/gpu.py --shapes llama-3.2-1b --batches 1,256 --skip-prefill --skip-hf \
+        --async-scheduling both                                           # engine step with and without async
     PYTHONPATH=. python3 bench/gpu.py --device cpu --shapes smollm2-135m --batches 1,2 --context 64 --steps 3 \
         --hf-batch 2 --hf-prompt-len 16 --hf-new-tokens 4                 # CPU smoke: 1-2 min on 2 shared vCPUs
 
@@ -26,6 +28,12 @@ Every figure names the device it ran on (torch.cuda.get_device_name), torch's, t
    launch of its own, where the model fuses it into the KV store), and one whole engine step: the kernel launches,
    their summed device time and the largest groups by name. Where the profiler cannot count (cpu, no Kineto), the
    row says why and the run goes on.
+   Then `--steps` more steps back to back, with one device synchronisation before and one after: the steady-state
+   step (wall time / steps). With async scheduling (`--async-scheduling`, engine/core/overlap.py) that is the
+   meaningful figure: a step launches the next one before it reads the last, so a step timed alone (synchronised
+   on both sides) adds the host's and the device's time that the steady state overlaps. `--async-scheduling both`
+   (the default) measures decode on an engine with it and on one without, and prints steady on / off per batch;
+   the target is the steady step against the graph replay alone (issue 38: <= 1.15x at Llama-1B, batch 256).
 4. Prefill: `--prefill-prompts` prompts of `--prefill-len` random ids (default 8 x the context), one output token
    each, through the engine's steps (median of 3 after a warm-up). FLOPs = 2 x non-embedding params x tokens (the LM
    head runs on one position per prompt; ignored) + attention 4 x layers x heads x head_dim x L(L+1)/2 per prompt
@@ -35,7 +43,8 @@ Every figure names the device it ran on (torch.cuda.get_device_name), torch's, t
    weights, in the same dtype on the same device, eager (no torch.compile, default attention); ours: the same
    prompts and token counts through the engine (all added at once, stepped until done). Tokens/s = B x N / wall.
 
-One engine per shape serves every phase (KV blocks sized for the largest), freed before the next shape. The
+One engine per shape serves every phase (KV blocks sized for the largest), freed before the next shape (with
+`--async-scheduling both`, a second engine, without it, measures decode again after the first is freed). The
 engine gets `enforce_eager` only if EngineConfig has the field (CUDA graphs for pure-decode steps); `--enforce-eager`
 turns the graphs off to compare. Prefix caching is off: every prompt is random. The dummy shapes get the byte-level
 stand-in tokenizer here, even SmolLM2's, so that nothing is read from disk or the network (a GPU machine has
@@ -105,7 +114,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
-def build_engine(shape: str, device: torch.device, dtype_name: str, args: argparse.Namespace) -> LLMEngine:
+def build_engine(shape: str, device: torch.device, dtype_name: str, args: argparse.Namespace,
+                 async_scheduling: bool | None = None) -> LLMEngine:
     """One engine for every phase of `shape`: sequences, tokens and KV blocks sized for the largest."""
     config = dummy_model_config(shape)
     decode_tokens = decode_max_tokens(max(args.batches), args)
@@ -118,6 +128,7 @@ def build_engine(shape: str, device: torch.device, dtype_name: str, args: argpar
     max_model_len = -(-max(tokens for _, tokens in per_seq) // BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE
     engine_config = EngineConfig(
         model=shape, device=str(device), dtype=dtype_name, load_format="dummy", block_size=BLOCK_SIZE,
+        async_scheduling=async_scheduling,
         max_num_seqs=max(n for n, _ in per_seq), max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=False, num_kv_blocks=num_kv_blocks, seed=SEED,
         attention_backend=args.attention_backend, **engine_kwargs(args),
@@ -136,7 +147,7 @@ def decode_max_tokens(batch: int, args: argparse.Namespace) -> int:
     """Tokens a decode request may make: while the batch's later prompts prefill, the first ones already decode."""
     # Each step's budget also carries the decode tokens of the prompts already done; doubled and padded for slack.
     prefill_steps = -(-batch * args.context // max(args.max_num_batched_tokens - batch, 1)) + 2
-    return 2 * prefill_steps + args.warmup_steps + args.steps + 16
+    return 2 * prefill_steps + args.warmup_steps + 2 * args.steps + 16
 
 
 MAX_IDLE_STEPS = 100  # steps in a row that run nothing: the engine is stuck (e.g. out of KV blocks), not slow
@@ -222,6 +233,11 @@ def measure_decode(
         times.append(wall_s(step, device))
         if sum(generated.values()) != before + batch:
             raise RuntimeError(f"a timed step at batch {batch} did not decode every request once")
+    # Steady state: the steps back to back, bounded by one synchronisation on each side (module docstring, 3).
+    before = sum(generated.values())
+    steady_s = wall_s(lambda: [step() for _ in range(args.steps)], device) / args.steps
+    if sum(generated.values()) != before + batch * args.steps:
+        raise RuntimeError(f"the steady steps at batch {batch} did not decode every request once each")
     # The step's device time alone: its CUDA graph replayed 20 times back to back on the last step's inputs (which
     # rewrites the same K/V into the same slots), without the engine's host work around it or a launch between.
     replay_ms = None
@@ -236,7 +252,10 @@ def measure_decode(
     mean_kv_tokens = statistics.fmean(kv_tokens)
     floor_s, read_bytes = floor(mean_kv_tokens)
     return {
-        "batch": batch, "context": args.context, "step_ms": step_s * 1e3, "step_ms_min": min(times) * 1e3,
+        "batch": batch, "context": args.context, "async_scheduling": engine.async_scheduling,
+        "step_ms": step_s * 1e3, "step_ms_min": min(times) * 1e3, "steady_step_ms": steady_s * 1e3,
+        "steady_over_floor": steady_s / floor_s,
+        "steady_over_replay": None if replay_ms is None else steady_s * 1e3 / replay_ms,
         "replay_ms": replay_ms, "replay_over_floor": None if replay_ms is None else replay_ms / (floor_s * 1e3),
         "floor_ms": floor_s * 1e3, "step_over_floor": step_s / floor_s, "bytes_read_per_step": read_bytes,
         "achieved_gb_s": read_bytes / step_s / 1e9, "tokens_per_s": batch / step_s, "kernels": kernels,
@@ -423,6 +442,11 @@ def phase(result: dict, key: str, fn: Callable[[], Any], engine: LLMEngine | Non
     return value
 
 
+def async_modes(args: argparse.Namespace) -> list[bool]:
+    """The async-scheduling settings decode is measured with, the first one's engine serving every other phase."""
+    return {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
+
+
 def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: float, flops_per_s: float,
                 args: argparse.Namespace, result: dict[str, Any], save: Callable[[], None]) -> None:
     """Fills `result` phase by phase, calling `save()` after each: a run cut short keeps what it measured."""
@@ -434,50 +458,41 @@ def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: fl
     result |= {"weight_bytes": w_bytes, "non_embedding_params": num_params, "kv_bytes_per_token": kv_token_bytes,
                "decode": []}
     t0 = time.perf_counter()
-    engine = phase(result, "engine", lambda: build_engine(shape, device, dtype_name, args))
-    if engine is None:
-        return
-    # None: no CUDA graphs (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold).
-    capture_s = getattr(engine, "cuda_graph_capture_seconds", None)
-    result |= {"engine_start_s": time.perf_counter() - t0, "attention_backend": engine.attention_backend_name,
-               "num_kv_blocks": engine.num_kv_blocks, "cuda_graphs": capture_s is not None,
-               "cuda_graph_capture_s": capture_s}
-    graphs = f"CUDA graphs captured in {capture_s:.1f} s" if capture_s is not None else "no CUDA graphs"
-    print(f"\n== {shape}: {w_bytes / 1e6:.0f} MB of weights, {kv_token_bytes} KV bytes/token, "
-          f"attention {engine.attention_backend_name}, {graphs}, engine up in {result['engine_start_s']:.1f} s",
-          flush=True)
-
-    def floor(kv_tokens: float) -> tuple[float, float]:
-        read = w_bytes + kv_tokens * kv_token_bytes
-        return read / bandwidth, read
-
-    for batch in args.batches:
-        row = phase(result, f"decode_{batch}", lambda b=batch: measure_decode(engine, b, args, floor), engine)
-        if row is None:
-            continue
-        row["pct_of_copy_bandwidth"] = 100 * row["achieved_gb_s"] * 1e9 / bandwidth
-        result["decode"].append(row)
-        save()
-        print(f"decode  batch {batch:>4} x {args.context} ctx: {row['step_ms']:8.3f} ms/step (min "
-              f"{row['step_ms_min']:.3f})  floor {row['floor_ms']:7.3f} ms  x{row['step_over_floor']:6.2f}  "
-              f"{row['achieved_gb_s']:7.1f} GB/s = {row['pct_of_copy_bandwidth']:5.1f}% of copy"
-              + ("" if row["replay_ms"] is None else
-                 f"; graph replay alone {row['replay_ms']:.3f} ms (x{row['replay_over_floor']:.2f} floor)"),
-              flush=True)
-
-    p = phase(result, "prefill", lambda: measure_prefill(engine, args, flops_per_s, num_params), engine)
-    if p is not None:
-        result["prefill"] = p
-        save()
-        print(f"prefill {p['prompts']} x {p['prompt_len']}: {p['tokens_per_s']:,.0f} tok/s in {p['seconds']:.3f} s "
-              f" (FLOP floor {p['tokens_per_s_floor']:,.0f} tok/s; {p['pct_of_floor']:.1f}% of it)", flush=True)
-
-    if not args.skip_hf:
-        prompts = random_prompts(args.hf_batch, args.hf_prompt_len, config.vocab_size, seed=7)
-        ours = phase(result, "ours_generate",
-                     lambda: measure_ours_generate(engine, prompts, args.hf_new_tokens), engine)
+    modes = async_modes(args)
+    ours = None
+    prompts = random_prompts(args.hf_batch, args.hf_prompt_len, config.vocab_size, seed=7)
+    for index, async_scheduling in enumerate(modes):
+        suffix = "" if index == 0 else f"_async_{'on' if async_scheduling else 'off'}"
+        engine = phase(result, "engine" + suffix,
+                       lambda a=async_scheduling: build_engine(shape, device, dtype_name, args, a))
+        if engine is None:
+            return
+        if index == 0:
+            # None: no CUDA graphs (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold).
+            capture_s = getattr(engine, "cuda_graph_capture_seconds", None)
+            result |= {"engine_start_s": time.perf_counter() - t0, "attention_backend": engine.attention_backend_name,
+                       "num_kv_blocks": engine.num_kv_blocks, "cuda_graphs": capture_s is not None,
+                       "cuda_graph_capture_s": capture_s}
+            graphs = f"CUDA graphs captured in {capture_s:.1f} s" if capture_s is not None else "no CUDA graphs"
+            print(f"\n== {shape}: {w_bytes / 1e6:.0f} MB of weights, {kv_token_bytes} KV bytes/token, "
+                  f"attention {engine.attention_backend_name}, {graphs}, engine up in {result['engine_start_s']:.1f} s",
+                  flush=True)
+        # Kernels a step are counted on the first engine only: the second differs in its host work, not its kernels.
+        decode_args = args if index == 0 else argparse.Namespace(**{**vars(args), "kernel_count_batches": []})
+        _bench_decode(engine, shape, w_bytes, kv_token_bytes, bandwidth, decode_args, result, save)
+        if index == 0:
+            _bench_prefill(engine, args, flops_per_s, num_params, result, save)
+            if not args.skip_hf:
+                ours = phase(result, "ours_generate",
+                             lambda e=engine: measure_ours_generate(e, prompts, args.hf_new_tokens), engine)
         del engine
         free(device)
+    result["async_vs_sync"] = async_vs_sync(result["decode"])
+    for row in result["async_vs_sync"]:
+        print(f"async scheduling, batch {row['batch']:>4}: steady step {row['on_steady_step_ms']:.3f} ms on, "
+              f"{row['off_steady_step_ms']:.3f} ms off: off / on = {row['off_over_on']:.3f}", flush=True)
+
+    if not args.skip_hf:
 
         def hf_run() -> float:
             model = hf_model(config, dummy_weights(config, dtype=dtype, device=device, seed=SEED), device, dtype)
@@ -495,11 +510,58 @@ def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: fl
         print(f"generate batch {args.hf_batch} ({args.hf_prompt_len} in, {args.hf_new_tokens} out): "
               f"ours {_rate(ours)} tok/s, HF {_rate(hf)} tok/s"
               + (f", x{ours / hf:.1f}" if ours is not None and hf is not None else ""), flush=True)
-    else:
-        del engine
     free(device)
     result["shape_s"] = time.perf_counter() - t0
     save()
+
+
+def async_vs_sync(decode: list[dict]) -> list[dict]:
+    """Per batch measured both ways: the steady-state step with async scheduling and without, and their ratio."""
+    rows = []
+    for on in (d for d in decode if d.get("async_scheduling")):
+        off = next((d for d in decode if d["batch"] == on["batch"] and d.get("async_scheduling") is False), None)
+        if off is not None:
+            rows.append({"batch": on["batch"], "on_steady_step_ms": on["steady_step_ms"],
+                         "off_steady_step_ms": off["steady_step_ms"],
+                         "off_over_on": off["steady_step_ms"] / on["steady_step_ms"]})
+    return rows
+
+
+def _bench_decode(engine: LLMEngine, shape: str, w_bytes: int, kv_token_bytes: int, bandwidth: float,
+                  args: argparse.Namespace, result: dict[str, Any], save: Callable[[], None]) -> None:
+    def floor(kv_tokens: float) -> tuple[float, float]:
+        read = w_bytes + kv_tokens * kv_token_bytes
+        return read / bandwidth, read
+
+    mode = "on" if engine.async_scheduling else "off"
+    for batch in args.batches:
+        row = phase(result, f"decode_{batch}_async_{mode}", lambda b=batch: measure_decode(engine, b, args, floor),
+                    engine)
+        if row is None:
+            continue
+        row["pct_of_copy_bandwidth"] = 100 * row["achieved_gb_s"] * 1e9 / bandwidth
+        result["decode"].append(row)
+        save()
+        print(f"decode  batch {batch:>4} x {args.context} ctx, async {mode:>3}: {row['step_ms']:8.3f} ms/step (min "
+              f"{row['step_ms_min']:.3f}), steady {row['steady_step_ms']:.3f} ms  floor {row['floor_ms']:7.3f} ms  "
+              f"x{row['step_over_floor']:6.2f}  {row['achieved_gb_s']:7.1f} GB/s = "
+              f"{row['pct_of_copy_bandwidth']:5.1f}% of copy"
+              + ("" if row["replay_ms"] is None else
+                 f"; graph replay alone {row['replay_ms']:.3f} ms (x{row['replay_over_floor']:.2f} floor; steady "
+                 f"step x{row['steady_over_replay']:.2f} replay)"),
+              flush=True)
+
+
+def _bench_prefill(engine: LLMEngine, args: argparse.Namespace, flops_per_s: float, num_params: int,
+                   result: dict[str, Any], save: Callable[[], None]) -> None:
+    if args.skip_prefill:
+        return
+    p = phase(result, "prefill", lambda: measure_prefill(engine, args, flops_per_s, num_params), engine)
+    if p is not None:
+        result["prefill"] = p
+        save()
+        print(f"prefill {p['prompts']} x {p['prompt_len']}: {p['tokens_per_s']:,.0f} tok/s in {p['seconds']:.3f} s "
+              f" (FLOP floor {p['tokens_per_s_floor']:,.0f} tok/s; {p['pct_of_floor']:.1f}% of it)", flush=True)
 
 
 def _rate(value: float | None) -> str:
@@ -515,15 +577,16 @@ def summary(report: dict) -> str:
          f"Measured copy bandwidth {bandwidth:,.0f} GB/s, {report['gemm_dtype']} GEMM "
          f"{report['gemm_tflops']:,.1f} TFLOP/s."),
         "",
-        ("| shape | batch x context | step ms | floor ms | step / floor | GB/s read | % of copy bw | graph replay ms | "
-         "replay / floor |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ("| shape | batch x context | async | step ms | steady step ms | floor ms | step / floor | GB/s read | "
+         "% of copy bw | graph replay ms | replay / floor | steady / replay |"),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for shape, r in report["shapes"].items():
         for d in r.get("decode", []):
-            replay = ("- | -" if d.get("replay_ms") is None else
-                      f"{d['replay_ms']:.3f} | {d['replay_over_floor']:.2f}")
-            lines.append(f"| {shape} | {d['batch']} x {d['context']} | {d['step_ms']:.3f} | {d['floor_ms']:.3f} | "
+            replay = ("- | - | -" if d.get("replay_ms") is None else
+                      f"{d['replay_ms']:.3f} | {d['replay_over_floor']:.2f} | {d['steady_over_replay']:.2f}")
+            lines.append(f"| {shape} | {d['batch']} x {d['context']} | {'on' if d['async_scheduling'] else 'off'} | "
+                         f"{d['step_ms']:.3f} | {d['steady_step_ms']:.3f} | {d['floor_ms']:.3f} | "
                          f"{d['step_over_floor']:.2f} | {d['achieved_gb_s']:,.0f} | "
                          f"{100 * d['achieved_gb_s'] / bandwidth:.0f}% | {replay} |")
     kernel_rows = [kernel_row(shape, d) for shape, r in report["shapes"].items() for d in r.get("decode", [])
@@ -531,6 +594,12 @@ def summary(report: dict) -> str:
     if kernel_rows:
         lines += ["", ("| shape | batch | kernels: graph replay | eager forward | eager, rotary unfused | engine step "
                        "(+ copies) | replay's kernel ms |"), "|---|---:|---:|---:|---:|---:|---:|", *kernel_rows]
+    ratios = [(shape, row) for shape, r in report["shapes"].items() for row in r.get("async_vs_sync", [])]
+    if ratios:
+        lines += ["", "| shape | batch | steady step ms, async on | async off | off / on |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {shape} | {row['batch']} | {row['on_steady_step_ms']:.3f} | {row['off_steady_step_ms']:.3f} | "
+                  f"{row['off_over_on']:.3f} |" for shape, row in ratios]
     lines += ["", ("| shape | prefill | tok/s | FLOP-floor tok/s | % of floor | generate batch | ours tok/s | "
                    "HF tok/s | ours / HF |"), "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for shape, r in report["shapes"].items():
@@ -573,6 +642,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-prompt-len", type=int, default=128)
     p.add_argument("--hf-new-tokens", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--async-scheduling", choices=("on", "off", "both"), default="both",
+                   help="decode measured with async scheduling, without, or both (two engines; steady on/off printed)")
     p.add_argument("--attention-backend", default="auto", help="auto | triton | torch | cpu (EngineConfig's)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag), to compare")
     p.add_argument("--copy-mib", type=int, default=None, help="default: 1024 on cuda, 64 on cpu")

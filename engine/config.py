@@ -51,6 +51,10 @@ class EngineConfig:
     # The longest context a graph covers (vLLM's --max-seq-len-to-capture): its block tables are this wide, and a step
     # with a longer context runs eagerly.
     max_seq_len_to_capture: int = 8192
+    # vLLM's --async-scheduling: the host schedules and prepares step N+1, and processes step N's outputs, while the
+    # device runs step N; the sampled tokens stay on the device for the next step's inputs (engine/core/overlap.py
+    # says which steps overlap). None: on when the device is cuda, off on cpu (made concrete by engine/device.py).
+    async_scheduling: bool | None = None
     # Speculative decoding; a dict of vLLM's keys is taken too (`LLM(speculative_config={...})`). None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 

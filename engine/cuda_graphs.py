@@ -13,7 +13,8 @@ and one asynchronous copy moves the part bucket B reads; rows n..B-1 are padding
 and length 0 (attention reads nothing), so they touch no block. The block tables are max_seq_len wide (the model's
 context, capped by --max-seq-len-to-capture, vLLM's flag: 8192), which fixes the attention kernel's grid; its
 partitions past a row's length exit at once; a step with a longer context runs eagerly. The step's one host
-synchronisation is the sampler reading its tokens back.
+synchronisation is the sampler reading its tokens back; with async scheduling (engine/core/overlap.py) that read
+comes after the next step is launched, whose placeholder input ids `run`'s `feed` writes on the device.
 
 Graphs run only where every kernel of the step is capturable and free of host syncs: the Triton attention backend
 with a cache in the model's dtype. `--enforce-eager` (vLLM's flag) turns them off; `--cuda-graph-sizes` (vLLM's)
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -123,9 +124,11 @@ class DecodeGraphs:
         h[2 * mb + first : 2 * mb + last] = -1  # slots: nothing stored
 
     def run(self, input_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+            block_tables: Sequence[Sequence[int]], feed: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """One decode step of len(input_ids) sequences (each's one new token, its position < max_seq_len and cache
-        slot, its block table); returns their logits [n, vocab] float32, a view that the next replay overwrites."""
+        slot, its block table); returns their logits [n, vocab] float32, a view that the next replay overwrites.
+        `feed(input_ids)`, if given, writes input ids on the device (async scheduling's placeholders: the previous
+        step's sampled tokens) into the graph's [n] input ids, after the host's are copied there."""
         n = len(input_ids)
         batch = self.bucket(n)
         if batch is None:
@@ -148,6 +151,8 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
             self._copy_pending = True
+        if feed is not None:
+            feed(self.input_ids[:n])
         self.num_replays += 1
         return self._replay(batch)[:n]
 

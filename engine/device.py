@@ -2,6 +2,7 @@
 
     device "auto" ──▶ "cuda" when torch sees a CUDA GPU, else "cpu"
     dtype  "auto" ──▶ "bfloat16" on cuda, "float32" on cpu (vLLM's default on GPU; our CPU kernels are float32)
+    async_scheduling None ──▶ on with cuda (the host works while the device runs a step), off on cpu (no overlap)
 
 `resolve_engine_config` returns the config with both made concrete, so everything downstream (the checkpoint's
 dtype, the KV layout, the block-hash namespace) sees one device and one dtype name. It fails at once, before any
@@ -54,7 +55,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     """`config` with `device` and `dtype` concrete (idempotent). Raises DeviceUnavailableError, and ValueError for
     a KV cache dtype the device cannot hold (fp8 is GPU-only)."""
     device = resolve_device(config.device)
-    resolved = dataclasses.replace(config, device=str(device), dtype=resolve_dtype(config.dtype, device))
+    async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+    resolved = dataclasses.replace(config, device=str(device), dtype=resolve_dtype(config.dtype, device),
+                                   async_scheduling=async_scheduling)
     if resolved.kv_cache_dtype == "fp8" and device.type != "cuda":
         raise ValueError(f"--kv-cache-dtype fp8 needs a CUDA device; the engine runs on {device} (int8 works there)")
     return resolved

@@ -54,6 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "--max-num-seqs, at most 512)")
     g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
                    help="the longest context a CUDA graph covers; a decode step with a longer one runs eagerly")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and prepare the next step, and process the last one's outputs, while the device "
+                        "runs a step (default: on with cuda, off on cpu)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--model-id", default=None,
@@ -102,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
         max_seq_len_to_capture=args.max_seq_len_to_capture,
+        async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         model_id=args.model_id,

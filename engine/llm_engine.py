@@ -2,6 +2,12 @@
 
     propose drafts → schedule → execute (drafts verified) → update the requests → postprocess → publish KV events
 
+With async scheduling (`--async-scheduling`, engine/core/overlap.py) execute splits in two, launch and read, and
+a step reads the one launched before it once its own is launched: the host updates, detokenizes and streams step N
+while the device runs step N+1, whose placeholders are N's tokens, still on the device. `step()` then returns step
+N's outputs (the first call after a pause returns none: its step is in flight), in step order as without; a step
+that cannot overlap reads the one before it first.
+
 Its parts are assembled once (engine/engine_builder.py); the step only runs them. Requests enter through
 `add_request` (`make_request` + `enqueue`; on a decode worker `reserve_remote` + `commit_remote`), validated by
 the input processor before any block is allocated, and leave finished, aborted or errored; on every one of
@@ -15,27 +21,39 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.request.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.stats import EngineStats, RequestStats
 from engine.engine_builder import build_engine_parts, kv_layout
 from engine.input_processor import InputProcessor
 from engine.kv_blocks import KVBlocks
+from engine.launched_step import LaunchedStep
 from engine.loader.checkpoint import Checkpoint
 from engine.output_processor import OutputProcessor
 from engine.outputs import RemoteReservation, RequestOutput
 from engine.request.logprobs import TokenLogprobs
+from engine.spec_decode.speculator import NullSpeculator
 from kv_transfer.block_hash import BlockHash
 from kv_transfer.kv_events import KVEvent
 
 KVEventSink = Callable[[Sequence[KVEvent]], None]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose output is not read yet."""
+
+    scheduled: SchedulerOutput
+    launched: LaunchedStep
+    started_s: float  # time.perf_counter() at its launch
 
 
 class LLMEngine:
@@ -78,7 +96,11 @@ class LLMEngine:
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
         # Where the block pool's KV events go after each step (a worker's prefix index publisher); None: dropped.
         self.kv_event_sink: KVEventSink | None = None
-        self.num_scheduled_last_step = 0  # requests the last step() ran; 0: it could run nothing
+        # Requests the last step() launched or read; 0: it could do nothing.
+        self.num_scheduled_last_step = 0
+        # Async scheduling, where it can hold: speculative decoding runs every step synchronously (overlap.py).
+        self.async_scheduling = bool(config.async_scheduling) and isinstance(self.speculator, NullSpeculator)
+        self._in_flight: _InFlight | None = None  # the step launched and not read yet (async scheduling)
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
@@ -127,9 +149,12 @@ class LLMEngine:
         return self.abort_request([*self.scheduler.requests, *self.scheduler.held])
 
     def has_unfinished_requests(self) -> bool:
+        """Requests not finished. A step in flight (async scheduling) holds only running ones, or finished ones
+        whose tokens in it are discarded whenever the next step reads it (their blocks went back at their end)."""
         return self.scheduler.has_unfinished_requests()
 
     def has_schedulable_requests(self) -> bool:
+        """Anything a step could run (requests waiting for remote KV are not)."""
         return self.scheduler.has_schedulable_requests()
 
     # -- disaggregation: the prefill side holds, the decode side reserves and commits -------------------------
@@ -185,33 +210,69 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step of the recipe; the outputs of the requests that produced tokens or ended in it."""
+        """Run one step of the recipe; the outputs of the requests that produced tokens or ended in it. With async
+        scheduling: launch a step, then read the one launched before it, whose outputs these are."""
+        previous = self._in_flight  # cleared once read: a schedule that raises leaves it for the next step
+        outs: list[RequestOutput] = []
+        num_read = 0
+        if previous is not None and not self.scheduler.can_schedule_ahead(previous.scheduled):
+            self._in_flight = None
+            outs, num_read, previous = self._read(previous), len(previous.scheduled.scheduled), None
         # Drafts wait on the requests for the scheduler to take as extra tokens (none without speculation).
         self.speculator.propose(self.scheduler.running, self.scheduler.waiting)
-        scheduled = self.scheduler.schedule()
-        self.num_scheduled_last_step = len(scheduled.scheduled)
-        if scheduled.is_empty:  # e.g. every waiting request needs blocks that only a finish or an abort frees
-            return []
+        scheduled = self.scheduler.schedule(in_flight=None if previous is None else previous.scheduled)
+        launched = None
+        if not scheduled.is_empty:
+            try:
+                launched = self._launch(scheduled)
+            except Exception as exc:  # a failed step must not strand its requests' blocks
+                logger.exception("engine step failed")
+                outs += self._fail(scheduled, exc)
+        if previous is not None:
+            self._in_flight = None
+            outs += self._read(previous)
+            num_read += len(previous.scheduled.scheduled)
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                outs += self._read(launched)
+        self.num_scheduled_last_step = len(scheduled.scheduled) + num_read
+        self.publish_kv_events()
+        return outs
+
+    def _launch(self, scheduled: SchedulerOutput) -> _InFlight:
+        """Queue the step on the device."""
+        self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
+        started_s = time.perf_counter()
+        return _InFlight(scheduled, self.runner.launch(scheduled), started_s)
+
+    def _read(self, step: _InFlight) -> list[RequestOutput]:
+        """Read a launched step's tokens and update, postprocess and output its requests (those finished since it
+        was launched, its tokens for them are discarded)."""
         try:
-            self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
-            start_s = time.perf_counter()
-            sampled, logprobs, prompt_logprobs = self.runner.execute(scheduled)
-            self.speculator.observe_step(scheduled, sampled, time.perf_counter() - start_s)
-        except Exception as exc:  # a failed step must not strand its requests' blocks
+            sampled, logprobs, prompt_logprobs = step.launched.result()
+            self.speculator.observe_step(step.scheduled, sampled, time.perf_counter() - step.started_s)
+        except Exception as exc:
             logger.exception("engine step failed")
-            outs = []
-            for item in scheduled.scheduled:
-                request = self.scheduler.finish_request(item.request.request_id, RequestStatus.FINISHED_ERROR)
-                if request is not None:
-                    outs.extend(self._finish_with_choices(request, error=f"engine step failed: {exc}"))
-            return outs
+            return self._fail(step.scheduled, exc)
         # The tokens exist from here: stamped before update_from_output, which stamps finish times, so that a
         # request finishing on its first token never reports a ttft longer than its e2e latency.
         sampled_s = time.monotonic()
         self.outputs.record_prompt_logprobs(prompt_logprobs, self.scheduler.requests)
-        produced = self.scheduler.update_from_output(scheduled, sampled)
-        outs = self._postprocess(produced, logprobs, sampled_s)
-        self.publish_kv_events()
+        produced = self.scheduler.update_from_output(step.scheduled, sampled)
+        return self._postprocess(produced, logprobs, sampled_s)
+
+    def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """End a failed step's requests (those still running) with an error: their blocks go back."""
+        outs = []
+        for item in scheduled.scheduled:
+            request_id = item.request.request_id
+            if self.scheduler.requests.get(request_id) is not item.request:
+                continue  # finished since the step was launched
+            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            if request is not None:
+                outs.extend(self._finish_with_choices(request, error=f"engine step failed: {exc}"))
         return outs
 
     def _postprocess(

@@ -3,11 +3,17 @@ verifying their draft tokens (if any) in the same pass.
 
 The runner owns the KV tensors (one per layer) and the per-request seeded generators; the control plane owns
 the block ids that index them. It runs where the model's weights are: the KV cache is allocated there, and each
-step's inputs are built on the host and copied there once.
+step's inputs are built on the host and copied there once, asynchronously (engine/host_copy.py).
+
+`launch` queues a step on the device and returns it unread (engine/launched_step.py); `execute` is `launch` then
+its `result()`. With async scheduling (engine/core/overlap.py) the engine launches step N+1 before reading step N:
+N+1's placeholders (`ScheduledRequest.takes_last_sample`) are N's sampled tokens, copied into N+1's input ids on the
+device, in stream order after N's sampling.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +22,9 @@ from engine.attention.int8_kv import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.host_copy import to_device
 from engine.huge_pages import zeros_with_huge_pages
+from engine.launched_step import LaunchedStep, StepResult
 from engine.model.llama import LlamaModel
 from engine.request.logprobs import TokenLogprobs
 from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logprobs
@@ -31,6 +39,7 @@ if TYPE_CHECKING:
     from engine.structured.matchers import GrammarMatchers
 
 _PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits are computed at once
+PLACEHOLDER_TOKEN_ID = 0  # a placeholder's input id on the host, overwritten on the device before the forward
 
 
 class ModelRunner:
@@ -48,6 +57,7 @@ class ModelRunner:
         # Structured outputs: the requests' grammar matchers (use_grammars; None: no request may have one).
         self.grammars: GrammarMatchers | None = None
         self.graphs: DecodeGraphs | None = None  # the captured decode steps (cuda only; capture_cuda_graphs)
+        self._last: LaunchedStep | None = None  # the step launched last: where placeholders come from
 
     def use_grammars(self, compilers: GrammarCompilerCache) -> None:
         """Structured outputs from now on: the requests' grammar matchers, over grammars `compilers` compiled."""
@@ -79,23 +89,61 @@ class ModelRunner:
         if self.grammars is not None:
             self.grammars.release(request_id)
 
-    def execute(
-        self, out: SchedulerOutput
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, tuple[int, list[TokenLogprobs]]]]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step. Returns, for each request that samples, its accepted draft tokens followed by the token
         sampled after them (one token when it has no drafts), and their logprobs where asked; and for each
         request that asked for prompt logprobs and computed prompt positions this step, (the first position,
         the logprobs of the tokens after each of them) — see engine/sampling/prompt_logprobs.py."""
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queue one step on the device; its `result()` is `execute`'s. A request that `takes_last_sample` gets,
+        as its input token, the token the step launched before this one sampled for it."""
         items = step_order(out.scheduled)
         if self.grammars is not None:  # on cuda the step's grammar bitmask fill starts now, beside the forward
             self.grammars.start_fill(items)
+        feed = self._placeholder_feed(items)
         if self.graphs is not None and self._replayable(items):
-            return (*self._replay(items), {})
-        input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        prompt_logprobs = self._prompt_logprobs(items, hidden)
-        sampled, logprobs = self._sample(items, hidden)
-        return sampled, logprobs, prompt_logprobs
+            launched = self._replay(items, feed)
+        else:
+            input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
+            if feed is not None:
+                feed(input_ids)
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            prompt_logprobs = self._prompt_logprobs(items, hidden)
+            launched = self._sample(items, hidden, prompt_logprobs)
+        self._last = launched
+        return launched
+
+    def _placeholder_feed(self, items: list[ScheduledRequest]) -> Callable[[torch.Tensor], None] | None:
+        """What writes the placeholders of `items` (in step order) into the step's flat input ids, from the last
+        launched step's tokens on the device; None when the step has none."""
+        dst: list[int] = []
+        src: list[int] = []
+        offset = 0
+        for item in items:
+            offset += item.num_new_tokens
+            if item.takes_last_sample:
+                last = self._last
+                row = None if last is None else last.row_of.get(item.request.request_id)
+                if row is None or last is None or last.token_ids is None:
+                    raise RuntimeError(f"request {item.request.request_id!r} takes a token the last step did not "
+                                       "sample on the device")
+                dst.append(offset - len(item.spec_token_ids) - 1)
+                src.append(row)
+        if not dst:
+            return None
+        assert self._last is not None and self._last.token_ids is not None
+        tokens = self._last.token_ids  # [rows of the last step] int64, on the device
+
+        def feed(input_ids: torch.Tensor) -> None:
+            if dst == src == list(range(len(dst))):  # steady decode: the same requests in the same order
+                input_ids[: len(dst)].copy_(tokens[: len(dst)])
+                return
+            index = to_device(torch.tensor([dst, src], dtype=torch.int64), input_ids.device)  # [2, num_placeholders]
+            input_ids[index[0]] = tokens[index[1]]
+
+        return feed
 
     def capture_cuda_graphs(self, *, max_seq_len: int, sizes: list[int]) -> float:
         """Capture the decode step for each batch size in `sizes`, over contexts of up to `max_seq_len` tokens (see
@@ -120,20 +168,24 @@ class ModelRunner:
         )
 
     def _replay(
-        self, items: list[ScheduledRequest]
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        self, items: list[ScheduledRequest], feed: Callable[[torch.Tensor], None] | None
+    ) -> LaunchedStep:
         assert self.graphs is not None
         positions = [item.start for item in items]
         logits = self.graphs.run(
-            input_ids=[item.request.all_token_ids[item.start] for item in items],
+            input_ids=[PLACEHOLDER_TOKEN_ID if item.takes_last_sample else item.request.all_token_ids[item.start]
+                       for item in items],
             positions=positions,
             slots=[cache_slot(item.block_ids, item.start, self.block_size) for item in items],
             block_tables=[item.block_ids for item in items],
+            feed=feed,
         )
         rows = [i for i, item in enumerate(items) if item.samples]
         if not rows:
-            return {}, {}
-        return self._sample_logits([items[i] for i in rows], logits if len(rows) == len(items) else logits[rows])
+            return LaunchedStep.done(({}, {}, {}))
+        if len(rows) < len(items):
+            logits = logits[to_device(torch.tensor(rows, dtype=torch.int64), logits.device)]
+        return self._sample_logits([items[i] for i in rows], logits, {})
 
     def _prompt_logprobs(
         self, items: list[ScheduledRequest], hidden: torch.Tensor
@@ -157,8 +209,9 @@ class ModelRunner:
         return out
 
     def _sample(
-        self, items: list[ScheduledRequest], hidden: torch.Tensor
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        self, items: list[ScheduledRequest], hidden: torch.Tensor,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+    ) -> LaunchedStep:
         logit_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         offset = 0
@@ -168,24 +221,27 @@ class ModelRunner:
                 logit_rows.extend(range(offset - item.num_sample_positions, offset))
                 sampling.append(item)
         if not sampling:
-            return {}, {}
-        logits = self.model.compute_logits(hidden[logit_rows])  # [num_sample_positions summed, vocab]
-        return self._sample_logits(sampling, logits)
+            return LaunchedStep.done(({}, {}, prompt_logprobs))
+        if len(logit_rows) < hidden.shape[0]:
+            hidden = hidden[to_device(torch.tensor(logit_rows, dtype=torch.int64), hidden.device)]
+        logits = self.model.compute_logits(hidden)  # [num_sample_positions summed, vocab]
+        return self._sample_logits(sampling, logits, prompt_logprobs)
 
     def _sample_logits(
-        self, sampling: list[ScheduledRequest], logits: torch.Tensor
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
-        """Tokens for `sampling` (the step's requests that sample, in step order) from their logits rows."""
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
+        self, sampling: list[ScheduledRequest], logits: torch.Tensor,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+    ) -> LaunchedStep:
+        """Tokens for `sampling` (the step's requests that sample, in step order) from their logits rows: on the
+        device, unread, without drafts; verified on the host with them."""
+        if not sampling:
+            return LaunchedStep.done(({}, {}, prompt_logprobs))
         if not any(item.spec_token_ids for item in sampling):
             rows = [self._sampling_row(item) for item in sampling]
-            result = self.sampler.sample(logits, rows, self._grammar_bitmask(sampling))
-            for item, token_id, token_logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
-                sampled[item.request.request_id] = [token_id]
-                if token_logprobs is not None:
-                    logprobs[item.request.request_id] = [token_logprobs]
-            return sampled, logprobs
+            sample = self.sampler.launch(logits, rows, self._grammar_bitmask(sampling))
+            return LaunchedStep(request_ids=[item.request.request_id for item in sampling], sample=sample,
+                                prompt_logprobs=prompt_logprobs)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         logits, num_drafts, token_bitmask = self._check_drafts(logits, sampling)
         requests = [
             VerifyRequest(
@@ -199,7 +255,7 @@ class ModelRunner:
             sampled[item.request.request_id] = verified.token_ids
             if verified.logprobs is not None:
                 logprobs[item.request.request_id] = verified.logprobs
-        return sampled, logprobs
+        return LaunchedStep.done((sampled, logprobs, prompt_logprobs))
 
     def _grammar_bitmask(self, sampling: list[ScheduledRequest]) -> TokenBitmask | PendingBitmask | None:
         """The grammar masks of the structured requests among `sampling` (one logits row each), or None."""
@@ -309,6 +365,8 @@ def prepare_step(
     for item in items:
         start, n, table = item.start, item.num_new_tokens, item.block_ids
         ids.extend(item.request.all_token_ids[start : start + n - len(item.spec_token_ids)])
+        if item.takes_last_sample:
+            ids.append(PLACEHOLDER_TOKEN_ID)  # the last step's token for it, written on the device (launch)
         ids.extend(item.spec_token_ids)
         positions = range(start, start + n)
         pos.extend(positions)
@@ -345,6 +403,4 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
 
 
 def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    if device is None or device.type == "cpu":
-        return tensor
-    return tensor.to(device)  # pinned, reused host buffers come with CUDA graphs (issue 22, item 3)
+    return to_device(tensor, device)  # through pinned memory: the host never waits for a step in flight

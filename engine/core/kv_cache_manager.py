@@ -72,6 +72,10 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_needed))
         return True
 
+    def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """How many more blocks the request's table needs to hold `num_tokens` tokens."""
+        return max(cdiv(num_tokens, self.block_size) - len(self._tables.get(request_id, ())), 0)
+
     def fork(self, parent: Request, child: Request, num_blocks: int) -> None:
         """Give `child` (which holds no blocks) a reference on `parent`'s first `num_blocks` blocks, which must be
         full and computed: they are shared, never written again (engine/core/fork.py)."""

@@ -24,6 +24,10 @@ Progress, always: a full pool can never leave requests holding blocks while no s
 - While the head of the waiting queue is blocked on blocks, `reserve_remote` refuses: new remote prompts cannot take
   the blocks that would free up for it.
 The blocks then still held are a reservation's, whose handoff commits (and so joins the queue) or is aborted.
+
+Async scheduling (engine/core/overlap.py): `schedule(in_flight=...)` builds the step after one whose output is not
+in yet, as if that step had run; `can_schedule_ahead` says when that is safe. Outputs then come in step order, each
+step's `update_from_output` after the one before it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 
 from engine.core.fork import num_shared_blocks
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.overlap import finishes_with_in_flight_token, needs_host_tokens
 from engine.core.request import Request, RequestStatus
 
 
@@ -68,6 +73,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the whole block table after allocation
     samples: bool  # the step reaches the end of the request's tokens: its last logits yield a new token
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify; only with samples
+    # Async scheduling: its one new token is the one the step in flight samples for it (not in all_token_ids yet):
+    # the runner takes it from that step's output on the device.
+    takes_last_sample: bool = False
 
     @property
     def num_sample_positions(self) -> int:
@@ -79,6 +87,15 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    _tokens_by_request: dict[str, tuple[int, bool]] | None = field(default=None, repr=False, compare=False)
+
+    def tokens_by_request(self) -> dict[str, tuple[int, bool]]:
+        """Per request: (its tokens in this step, whether the step samples for it); computed once, when the step
+        is complete (async scheduling reads it while the step is in flight)."""
+        if self._tokens_by_request is None:
+            self._tokens_by_request = {item.request.request_id: (item.num_new_tokens, item.samples)
+                                       for item in self.scheduled}
+        return self._tokens_by_request
 
     @property
     def num_batched_tokens(self) -> int:
@@ -193,16 +210,33 @@ class Scheduler:
         return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in (*self.waiting, *self.running))
 
     # -- one step --------------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: SchedulerOutput | None = None) -> SchedulerOutput:
+        """The next step. `in_flight`: the step launched before it whose output is not in yet (async scheduling;
+        only when `can_schedule_ahead(in_flight)`): its tokens count as computed and each request it samples for
+        has one more token, a placeholder this step takes from the device; a request that step surely ends sits
+        this one out. Nothing is preempted then."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        ahead = {} if in_flight is None else in_flight.tokens_by_request()
 
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_in_flight, placeholder = ahead.get(request.request_id, (0, False))
+            if placeholder and finishes_with_in_flight_token(request, self.config.max_model_len):
+                continue
+            start = request.num_computed_tokens + num_in_flight
+            num_new = min(request.num_tokens + placeholder - start, budget)
+            if num_new <= 0:
+                continue
+            if in_flight is not None:
+                if not self.kv_cache.allocate_slots(request, num_in_flight + num_new):
+                    break  # never with can_schedule_ahead: it counted these blocks
+                out.scheduled.append(self._scheduled(request, num_new, start=start, placeholder=placeholder))
+                budget -= num_new
+                continue
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -218,6 +252,24 @@ class Scheduler:
             budget = self._admit_waiting(out, budget)
         self._schedule_drafts(out, budget)
         return out
+
+    def can_schedule_ahead(self, in_flight: SchedulerOutput) -> bool:
+        """Whether the step after `in_flight` can be scheduled before its output is in (engine/core/overlap.py):
+        no request it samples for and that goes on needs that token on the host, and every running request's next
+        tokens fit in the free blocks (so `schedule(in_flight=...)` preempts nothing; counted without the token
+        budget's cap, so never too few)."""
+        ahead = in_flight.tokens_by_request()
+        num_blocks = 0
+        for request in self.running:
+            num_in_flight, placeholder = ahead.get(request.request_id, (0, False))
+            if placeholder:
+                if finishes_with_in_flight_token(request, self.config.max_model_len):
+                    continue
+                if needs_host_tokens(request):
+                    return False
+            num_tokens = max(request.num_tokens + placeholder, request.num_computed_tokens + num_in_flight)
+            num_blocks += self.kv_cache.num_blocks_needed(request.request_id, num_tokens)
+        return num_blocks <= self.kv_cache.pool.num_free_blocks
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Draft tokens ride on decoding requests as extra tokens, with the budget left after every real token:
@@ -279,13 +331,17 @@ class Scheduler:
             self._preempt_waiting(holders[-1])
         return True
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, *, start: int | None = None, placeholder: bool = False
+    ) -> ScheduledRequest:
+        start = request.num_computed_tokens if start is None else start
         return ScheduledRequest(
             request=request,
-            start=request.num_computed_tokens,
+            start=start,
             num_new_tokens=num_new,
             block_ids=self.kv_cache.block_ids(request.request_id),
-            samples=request.num_computed_tokens + num_new == request.num_tokens,
+            samples=start + num_new == request.num_tokens + placeholder,
+            takes_last_sample=placeholder,
         )
 
     def _preempt(self, request: Request) -> None:

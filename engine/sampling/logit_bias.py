@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import to_device
+
 
 @dataclass(frozen=True)
 class LogitBiasStage:
@@ -39,9 +41,9 @@ class LogitBiasStage:
         if not row_ids:
             return None
         return cls(
-            row_ids=torch.tensor(row_ids, dtype=torch.int64, device=device),
-            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            biases=torch.tensor(values, dtype=torch.float32, device=device),
+            row_ids=to_device(torch.tensor(row_ids, dtype=torch.int64), device),
+            token_ids=to_device(torch.tensor(token_ids, dtype=torch.int64), device),
+            biases=to_device(torch.tensor(values, dtype=torch.float32), device),
         )
 
     def apply(self, logits: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copy import HostCopy
 from engine.request.logprobs import TokenLogprobs
 from engine.sampling.logit_filters import min_p_threshold, top_k_threshold, top_p_threshold
 from engine.sampling.penalties import apply_frequency_presence_penalties, apply_repetition_penalty, mask_tokens
@@ -38,6 +39,28 @@ from engine.structured.bitmask import PendingBitmask, TokenBitmask, apply_token_
 class SamplerOutput:
     token_ids: list[int]  # one per row, in row order
     logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
+
+
+class LaunchedSample:
+    """A step's tokens, sampled on the logits' device and on their way to the host (engine/host_copy.py):
+    `token_ids` can feed the next step there before `result()` reads them back."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: _LogprobTensors | None, num_rows: int) -> None:
+        self.token_ids = token_ids  # [num_rows] int64, where the logits were
+        self._logprobs = logprobs
+        self._num_rows = num_rows
+        self._copy = HostCopy([token_ids, *(logprobs.tensors() if logprobs is not None else ())])
+        self._result: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        """The tokens (and logprobs) on the host: waits for the device as far as the sampling, once."""
+        if self._result is None:
+            host = self._copy.wait()
+            logprobs: list[TokenLogprobs | None] = [None] * self._num_rows
+            if self._logprobs is not None:
+                self._logprobs.fill(host[1:], logprobs)
+            self._result = SamplerOutput(token_ids=host[0].tolist(), logprobs=logprobs)
+        return self._result
 
 
 class Sampler:
@@ -60,10 +83,19 @@ class Sampler:
         Rows whose params agree share every tensor operation; the per-row Python work is reading params and
         building tensors, plus one noise draw per seeded random row.
         """
+        return self.launch(logits, rows, token_bitmask).result()
+
+    def launch(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+        token_bitmask: TokenBitmask | PendingBitmask | None = None,
+    ) -> LaunchedSample:
+        """`sample`, leaving the tokens on the logits' device: on a GPU nothing here waits for the device (the
+        tensors the stages need are copied there asynchronously), and the host reads the tokens back when it asks
+        for `result()`."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {list(logits.shape)}")
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return LaunchedSample(torch.empty(0, dtype=torch.int64, device=logits.device), None, 0)
         batch = SamplingBatch.from_rows(rows, vocab_size=logits.shape[1], device=logits.device)
 
         raw_logprobs = None
@@ -87,11 +119,10 @@ class Sampler:
             token_ids[batch.greedy.index] = batch.greedy.gather(logits).argmax(dim=-1)
             token_ids[batch.random.rows.index] = self._sample_random(logits, batch.random)
 
-        token_id_list: list[int] = token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        logprobs = None
         if batch.logprobs is not None and raw_logprobs is not None:
-            _gather_logprobs(raw_logprobs, token_ids, batch.logprobs, logprobs)
-        return SamplerOutput(token_ids=token_id_list, logprobs=logprobs)
+            logprobs = _LogprobTensors.gather(raw_logprobs, token_ids, batch.logprobs)
+        return LaunchedSample(token_ids, logprobs, len(rows))
 
     @staticmethod
     def _adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -180,25 +211,49 @@ def _truncation_threshold(scaled: torch.Tensor, stage: RandomStage) -> torch.Ten
     return threshold
 
 
-def _gather_logprobs(
-    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, stage: LogprobStage, out: list[TokenLogprobs | None]
-) -> None:
-    """Fill `out` at the stage's rows. raw_logprobs: [num_lp, vocab_size]; token_ids: [num_rows] sampled."""
-    lp_token_ids = stage.rows.gather(token_ids)  # [num_lp]
-    token_logprobs = raw_logprobs.gather(-1, lp_token_ids.unsqueeze(1))  # [num_lp, 1]
-    ranks = (raw_logprobs >= token_logprobs).sum(dim=-1)  # [num_lp]; counts the token itself, so 1-based
-    top_ids: list[list[int]] = [[] for _ in stage.num_logprobs]
-    top_values: list[list[float]] = [[] for _ in stage.num_logprobs]
-    if stage.max_num_logprobs > 0:
-        values, ids = raw_logprobs.topk(stage.max_num_logprobs, dim=-1)  # [num_lp, max_num_logprobs], descending
-        top_values, top_ids = values.tolist(), ids.tolist()
-    row_ids = range(len(out)) if stage.rows.index is None else stage.rows.index.tolist()
-    token_id_list, logprob_list, rank_list = lp_token_ids.tolist(), token_logprobs.squeeze(1).tolist(), ranks.tolist()
-    for i, row_id in enumerate(row_ids):
-        num = stage.num_logprobs[i]
-        out[row_id] = TokenLogprobs(
-            token_id=token_id_list[i],
-            logprob=logprob_list[i],
-            rank=rank_list[i],
-            top=list(zip(top_ids[i][:num], top_values[i][:num], strict=True)),
-        )
+@dataclass
+class _LogprobTensors:
+    """The logprobs of a step's logprob rows, on the device until `fill` reads them on the host."""
+
+    stage: LogprobStage
+    row_ids: torch.Tensor | None  # [num_lp] the step rows; None: every row
+    token_ids: torch.Tensor  # [num_lp] sampled
+    token_logprobs: torch.Tensor  # [num_lp]
+    ranks: torch.Tensor  # [num_lp], 1-based
+    top_values: torch.Tensor | None  # [num_lp, max_num_logprobs], descending; None: no row wants any
+    top_ids: torch.Tensor | None
+
+    @classmethod
+    def gather(cls, raw_logprobs: torch.Tensor, token_ids: torch.Tensor, stage: LogprobStage) -> _LogprobTensors:
+        """raw_logprobs: [num_lp, vocab_size]; token_ids: [num_rows] sampled."""
+        lp_token_ids = stage.rows.gather(token_ids)  # [num_lp]
+        token_logprobs = raw_logprobs.gather(-1, lp_token_ids.unsqueeze(1))  # [num_lp, 1]
+        ranks = (raw_logprobs >= token_logprobs).sum(dim=-1)  # [num_lp]; counts the token itself, so 1-based
+        top_values = top_ids = None
+        if stage.max_num_logprobs > 0:
+            top_values, top_ids = raw_logprobs.topk(stage.max_num_logprobs, dim=-1)  # descending
+        return cls(stage, stage.rows.index, lp_token_ids, token_logprobs.squeeze(1), ranks, top_values, top_ids)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What travels to the host, in the order `fill` takes it."""
+        optional = [t for t in (self.row_ids, self.top_values, self.top_ids) if t is not None]
+        return [self.token_ids, self.token_logprobs, self.ranks, *optional]
+
+    def fill(self, host: Sequence[torch.Tensor], out: list[TokenLogprobs | None]) -> None:
+        """Fill `out` at the stage's rows from the host copies of `tensors()`."""
+        token_id_list, logprob_list, rank_list = (t.tolist() for t in host[:3])
+        rest = list(host[3:])
+        row_ids = range(len(out)) if self.row_ids is None else rest.pop(0).tolist()
+        num_rows = len(self.stage.num_logprobs)
+        top_values: list[list[float]] = [[] for _ in range(num_rows)]
+        top_ids: list[list[int]] = [[] for _ in range(num_rows)]
+        if self.top_values is not None:
+            top_values, top_ids = rest[0].tolist(), rest[1].tolist()
+        for i, row_id in enumerate(row_ids):
+            num = self.stage.num_logprobs[i]
+            out[row_id] = TokenLogprobs(
+                token_id=token_id_list[i],
+                logprob=logprob_list[i],
+                rank=rank_list[i],
+                top=list(zip(top_ids[i][:num], top_values[i][:num], strict=True)),
+            )

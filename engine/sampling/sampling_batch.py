@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.host_copy import to_device
+
 from engine.request.sampling_params import SamplingParams
 from engine.sampling.logit_bias import LogitBiasStage
 
@@ -224,7 +226,7 @@ class SamplingBatch:
             num_random = len(random_rows)
             random = RandomStage(
                 rows=_group(random_rows, num_rows, device),
-                temperature=torch.tensor(temperature, dtype=torch.float32, device=device).unsqueeze(1),
+                temperature=to_device(torch.tensor(temperature, dtype=torch.float32), device).unsqueeze(1),
                 min_p=_per_row(num_random, 0.0, min_p_rows, min_p, device).unsqueeze(1) if min_p_rows else None,
                 top_k=_filter_stage(top_k_rows, top_k, num_random, torch.int64, device),
                 top_p=_filter_stage(top_p_rows, top_p, num_random, torch.float32, device),
@@ -265,8 +267,8 @@ class _PositionsBuilder:
         # a parallel region, which costs more than the work on a busy machine; on GPU it is one copy either way.
         row_ids = np.repeat(np.asarray(self.row_ids, dtype=np.int64), np.asarray(self.lengths, dtype=np.int64))
         return TokenPositions(
-            row_ids=torch.from_numpy(row_ids).to(device),  # [num_positions]
-            token_ids=torch.tensor(self.token_ids, dtype=torch.int64, device=device),  # [num_positions]
+            row_ids=to_device(torch.from_numpy(row_ids), device),  # [num_positions]
+            token_ids=to_device(torch.tensor(self.token_ids, dtype=torch.int64), device),  # [num_positions]
         )
 
 
@@ -275,13 +277,13 @@ def _per_row(num_rows: int, neutral: float, rows: list[int], values: list[float]
     full = [neutral] * num_rows
     for row, value in zip(rows, values, strict=True):
         full[row] = value
-    return torch.tensor(full, dtype=torch.float32, device=device)
+    return to_device(torch.tensor(full, dtype=torch.float32), device)
 
 
 def _group(positions: list[int], num_parent_rows: int, device: torch.device) -> RowGroup:
     if len(positions) == num_parent_rows:
         return RowGroup(None)
-    return RowGroup(torch.tensor(positions, dtype=torch.int64, device=device))
+    return RowGroup(to_device(torch.tensor(positions, dtype=torch.int64), device))
 
 
 def _filter_stage(
@@ -289,5 +291,5 @@ def _filter_stage(
 ) -> FilterStage | None:
     if not rows:
         return None
-    column = torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)  # [len(rows), 1]
+    column = to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(1)  # [len(rows), 1]
     return FilterStage(_group(rows, num_parent_rows, device), column, max(values))

@@ -32,7 +32,8 @@ TINY_SHAPES = {
         eos_token_ids=(511,),
     ),
 }
-DECODE_KEYS = ("step_ms", "step_ms_min", "floor_ms", "step_over_floor", "bytes_read_per_step", "achieved_gb_s",
+DECODE_KEYS = ("step_ms", "step_ms_min", "steady_step_ms", "steady_over_floor", "floor_ms", "step_over_floor",
+               "bytes_read_per_step", "achieved_gb_s",
                "pct_of_copy_bandwidth", "tokens_per_s")
 PREFILL_KEYS = ("tokens", "seconds", "tokens_per_s", "flops", "floor_s", "tokens_per_s_floor", "pct_of_floor")
 HF_KEYS = ("hf_tokens_per_s", "ours_tokens_per_s", "ours_over_hf")
@@ -80,10 +81,15 @@ def test_smoke_run_reports_every_figure(tmp_path: Path, monkeypatch: pytest.Monk
         assert "errors" not in shape, shape["errors"]
         config = TINY_SHAPES[name]
         assert shape["kv_bytes_per_token"] == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
-        assert [row["batch"] for row in shape["decode"]] == [1, 3]
-        # Kernels a step are counted at batch 1 (the default) where the profiler can: on cpu the row says why not.
+        # --async-scheduling both (the default): decode on an engine with it, then on one without.
+        assert [(row["batch"], row["async_scheduling"]) for row in shape["decode"]] == [
+            (1, True), (3, True), (1, False), (3, False)]
+        assert [row["batch"] for row in shape["async_vs_sync"]] == [1, 3]
+        assert all(row["off_over_on"] > 0 for row in shape["async_vs_sync"])
+        # Kernels a step are counted at batch 1 (the default), on the first engine, where the profiler can: on cpu
+        # the row says why not.
         assert [row["kernels"] for row in shape["decode"]] == [
-            {"unavailable": "kernel counts need CUDA activity; the device is cpu"}, None]
+            {"unavailable": "kernel counts need CUDA activity; the device is cpu"}, None, None, None]
         for row in shape["decode"]:
             assert all(key in row for key in DECODE_KEYS)
             # The floor counts the weights and each request's KV: 40 prompt tokens and the ones generated so far.
@@ -155,9 +161,11 @@ def test_a_failed_phase_keeps_the_others(tmp_path: Path, monkeypatch: pytest.Mon
     out = tmp_path / "gpu.json"
     status = gpu.main(["--device", "cpu", "--shapes", "tiny-llama", "--batches", "2", "--context", "24", "--steps", "2",
                        "--warmup-steps", "1", "--prefill-prompts", "1", "--hf-batch", "2", "--hf-prompt-len", "8",
-                       "--hf-new-tokens", "2", "--copy-mib", "1", "--gemm-n", "64", "--json", str(out)])
+                       "--hf-new-tokens", "2", "--copy-mib", "1", "--gemm-n", "64", "--async-scheduling", "off",
+                       "--json", str(out)])
     assert status == 1
     shape = json.loads(out.read_text())["shapes"]["tiny-llama"]
     assert shape["errors"] == {"hf_generate": "RuntimeError: no HF here"}
-    assert [row["batch"] for row in shape["decode"]] == [2] and shape["prefill"]["tokens_per_s"] > 0
+    assert [(row["batch"], row["async_scheduling"]) for row in shape["decode"]] == [(2, False)]
+    assert shape["prefill"]["tokens_per_s"] > 0
     assert "hf" not in shape

@@ -2,8 +2,10 @@
 
 Exits covered: success, a stop string, abort (running, mid-prefill and still waiting), a failing model step,
 an exception or KeyboardInterrupt escaping `LLM.generate`'s loop (a caller's timeout), preemption under a tiny
-pool, and prefix-cache hits that share blocks between requests. `BlockRefCounter` counts references taken
-(allocate, touch) and returned (free); `assert_no_blocks_held` checks the pool is all free afterwards.
+pool, and prefix-cache hits that share blocks between requests. Success, stop strings, abort and preemption run
+with async scheduling too (a step launched before the last one is read: engine/core/overlap.py). `BlockRefCounter`
+counts references taken (allocate, touch) and returned (free); `assert_no_blocks_held` checks the pool is all free
+afterwards.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ def _add_all(engine, prompts, params: SamplingParams, prefix: str = "r") -> list
     return ids
 
 
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_success_returns_every_block(tiny_checkpoint, enable_prefix_caching: bool) -> None:
-    engine = make_engine(tiny_checkpoint, enable_prefix_caching=enable_prefix_caching)
+@pytest.mark.parametrize(("enable_prefix_caching", "async_scheduling"), [(True, False), (False, False),
+                                                                         (True, True)])
+def test_success_returns_every_block(tiny_checkpoint, enable_prefix_caching: bool, async_scheduling: bool) -> None:
+    engine = make_engine(tiny_checkpoint, enable_prefix_caching=enable_prefix_caching,
+                         async_scheduling=async_scheduling)
     counter = BlockRefCounter(engine)
     prompts = [*PROMPTS, list(range(3, 40)), PROMPTS[0]]  # a 37-token prompt, and a repeat that may hit the cache
     for i, prompt in enumerate(prompts):
@@ -53,12 +57,13 @@ def test_success_returns_every_block(tiny_checkpoint, enable_prefix_caching: boo
     counter.assert_balanced()
 
 
-def test_stop_string_finish_returns_every_block(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_string_finish_returns_every_block(tiny_checkpoint, async_scheduling: bool) -> None:
     reference = make_engine(tiny_checkpoint)
     reference.add_request("ref", PROMPTS[1], greedy(max_tokens=24))
     ref = finals(drain(reference))["ref"]
     stop = pick_stop_string(ref.text, start=8)
-    engine = make_engine(tiny_checkpoint)
+    engine = make_engine(tiny_checkpoint, async_scheduling=async_scheduling)
     counter = BlockRefCounter(engine)
     engine.add_request("stop", PROMPTS[1], greedy(max_tokens=24, stop=[stop]))
     engine.add_request("other", PROMPTS[2], greedy(max_tokens=24))
@@ -72,7 +77,9 @@ def test_stop_string_finish_returns_every_block(tiny_checkpoint) -> None:
     counter.assert_balanced()
 
 
-def test_abort_mid_generation_returns_the_request_blocks_at_once(tiny_engine) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_mid_generation_returns_the_request_blocks_at_once(tiny_checkpoint, async_scheduling: bool) -> None:
+    tiny_engine = make_engine(tiny_checkpoint, async_scheduling=async_scheduling)
     counter = BlockRefCounter(tiny_engine)
     _add_all(tiny_engine, PROMPTS[:3], greedy(max_tokens=30))
     for _ in range(3):
@@ -84,11 +91,14 @@ def test_abort_mid_generation_returns_the_request_blocks_at_once(tiny_engine) ->
     (aborted,) = tiny_engine.abort_request(["r1"])
 
     assert (aborted.request_id, aborted.finished, aborted.finish_reason) == ("r1", True, "abort")
-    assert len(aborted.token_ids) == 3 and aborted.error is None
+    # Async: the third step is in flight, its token for r1 never read (and never streamed: drained below).
+    assert len(aborted.token_ids) == 3 - async_scheduling and aborted.error is None
     assert tiny_engine.block_pool.num_used_blocks == num_used - len(table)
     assert tiny_engine.kv_cache.block_ids("r1") == []
     assert tiny_engine.abort_request(["r1", "never-added"]) == []  # aborting twice, or an unknown id: a no-op
-    rest = finals(drain(tiny_engine))
+    rest_outputs = drain(tiny_engine)
+    rest = finals(rest_outputs)
+    assert "r1" not in rest_outputs
     assert sorted(rest) == ["r0", "r2"] and all(o.finish_reason == "length" for o in rest.values())
     assert_no_blocks_held(tiny_engine)
     counter.assert_balanced()
@@ -126,7 +136,7 @@ def test_failing_step_errors_its_requests_frees_their_blocks_and_serving_goes_on
 
     engine = make_engine(tiny_checkpoint, max_num_seqs=2)
     counter = BlockRefCounter(engine)
-    execute = engine.runner.execute
+    launch = engine.runner.launch
     num_calls = 0
 
     def execute_failing_once(scheduled):  # noqa: ANN001, ANN202
@@ -134,9 +144,9 @@ def test_failing_step_errors_its_requests_frees_their_blocks_and_serving_goes_on
         num_calls += 1
         if num_calls == failing_call:
             raise RuntimeError("injected device fault")
-        return execute(scheduled)
+        return launch(scheduled)
 
-    monkeypatch.setattr(engine.runner, "execute", execute_failing_once)
+    monkeypatch.setattr(engine.runner, "launch", execute_failing_once)
     _add_all(engine, PROMPTS[:3], greedy())  # r2 waits for a running slot, outside the failing step
     for _ in range(failing_call - 1):
         engine.step()
@@ -197,7 +207,7 @@ def test_keyboard_interrupt_inside_the_model_step_aborts_everything(
     # A BaseException is not an engine error: it passes through step() with blocks allocated for that step.
     engine = tiny_llm.engine
     counter = BlockRefCounter(engine)
-    execute = engine.runner.execute
+    launch = engine.runner.launch
     num_calls = 0
 
     def execute_interrupted(scheduled):  # noqa: ANN001, ANN202
@@ -205,9 +215,9 @@ def test_keyboard_interrupt_inside_the_model_step_aborts_everything(
         num_calls += 1
         if num_calls == 2:
             raise KeyboardInterrupt
-        return execute(scheduled)
+        return launch(scheduled)
 
-    monkeypatch.setattr(engine.runner, "execute", execute_interrupted)
+    monkeypatch.setattr(engine.runner, "launch", execute_interrupted)
     with pytest.raises(KeyboardInterrupt):
         tiny_llm.generate(PROMPTS, greedy(max_tokens=10))
 
@@ -228,8 +238,10 @@ def _mixed_params() -> list[SamplingParams]:
     ]
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [256, 6])
-def test_preemption_heavy_workload_returns_every_block(tiny_checkpoint, max_num_batched_tokens: int) -> None:
+@pytest.mark.parametrize(("max_num_batched_tokens", "async_scheduling"), [(256, False), (6, False), (256, True),
+                                                                          (6, True)])
+def test_preemption_heavy_workload_returns_every_block(tiny_checkpoint, max_num_batched_tokens: int,
+                                                       async_scheduling: bool) -> None:
     settings = dict(max_model_len=48, max_num_batched_tokens=max_num_batched_tokens)
     reference = make_engine(tiny_checkpoint, **settings)
     for i, (prompt, params) in enumerate(zip(PREEMPTION_PROMPTS, _mixed_params(), strict=True)):
@@ -238,7 +250,7 @@ def test_preemption_heavy_workload_returns_every_block(tiny_checkpoint, max_num_
     assert reference.scheduler.num_preemptions == 0
 
     # 12 blocks of 4 tokens hold one 48-token request; six requests growing to ~30 tokens each do not fit.
-    engine = make_engine(tiny_checkpoint, num_kv_blocks=12, **settings)
+    engine = make_engine(tiny_checkpoint, num_kv_blocks=12, async_scheduling=async_scheduling, **settings)
     counter = BlockRefCounter(engine)
     for i, (prompt, params) in enumerate(zip(PREEMPTION_PROMPTS, _mixed_params(), strict=True)):
         engine.add_request(f"r{i}", prompt, params)

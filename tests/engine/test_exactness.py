@@ -2,7 +2,8 @@
 
 The HF side runs each prompt alone (no padding) with a plain greedy loop. The engine runs all prompts batched
 together, mixing lengths, and must agree with prefix caching on, with chunked prefill forced small, and under
-preemption. After each workload every KV block is back in the pool.
+preemption, and with async scheduling (engine/core/overlap.py). After each workload every KV block is back in
+the pool.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def assert_same(got: list[list[int]], want: list[list[int]]) -> None:
                            f"want {[want[i] for i in mismatches]}"
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_batched_greedy_matches_hf(checkpoint, prompt_ids, expected, backend):
-    engine = make_engine(checkpoint, enable_prefix_caching=False, attention_backend=backend)
+@pytest.mark.parametrize(("backend", "async_scheduling"), [("cpu", False), ("torch", False), ("cpu", True)])
+def test_batched_greedy_matches_hf(checkpoint, prompt_ids, expected, backend, async_scheduling):
+    engine = make_engine(checkpoint, enable_prefix_caching=False, attention_backend=backend,
+                         async_scheduling=async_scheduling)
     assert_same(run_greedy(engine, prompt_ids), expected)
 
 

@@ -118,3 +118,64 @@ def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_che
         assert not graphs or decode.runner.graphs.num_replays > 0
     for engine in (colocated, prefill, decode):
         assert engine.block_pool.num_used_blocks == 0
+
+
+def test_async_scheduling_gives_the_synchronous_tokens_with_cuda_graphs(tiny_checkpoint) -> None:
+    """bfloat16 with CUDA graphs, async scheduling on and off (engine/core/overlap.py): greedy, seeded random and
+    logprob rows give the same streams (a replay's input ids are the step in flight's tokens, fed on the device);
+    the steps really overlapped; every block comes back. Records how many host syncs the launches of the steps
+    scheduled ahead made (torch's sync debug mode; the target is 0: the one sync a step has is its read)."""
+    import warnings
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    workload = [(f"r{i}", prompt, params) for i, prompt in enumerate(PROMPTS) for params in (
+        SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=NUM_TOKENS, ignore_eos=True,
+                       logprobs=2))]
+    streams, syncs = {}, 0
+    for async_scheduling in (False, True):
+        config = EngineConfig(**{**TINY_ENGINE, "device": "cuda", "dtype": "bfloat16",  # type: ignore[arg-type]
+                                 "async_scheduling": async_scheduling})
+        engine = LLMEngine(config, tiny_checkpoint)
+        assert engine.async_scheduling is async_scheduling and engine.runner.graphs is not None
+        launch, placeholders, syncs_per_launch = engine.runner.launch, [], []
+
+        def watched(scheduled, launch=launch, placeholders=placeholders,  # noqa: ANN001, ANN202
+                    syncs_per_launch=syncs_per_launch):
+            ahead = sum(item.takes_last_sample for item in scheduled.scheduled)
+            placeholders.append(ahead)
+            if not ahead:
+                return launch(scheduled)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return launch(scheduled)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    syncs_per_launch.append(sum("synchroniz" in str(w.message) for w in caught))
+
+        engine.runner.launch = watched
+        for j, (request_id, prompt, params) in enumerate(workload):
+            engine.add_request(f"{request_id}-{j}", prompt, params)
+        outs: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).append(
+                    (out.new_token_ids, out.finished, out.finish_reason, out.logprobs))
+        streams[async_scheduling] = outs
+        assert engine.block_pool.num_used_blocks == 0
+        assert engine.runner.graphs.num_replays > 0
+        assert (sum(placeholders) > 0) is async_scheduling
+        syncs = sum(syncs_per_launch)
+    _record("async scheduling with CUDA graphs", host_syncs_in_launches_ahead=syncs)
+    assert streams[True].keys() == streams[False].keys()
+    for request_id in streams[False]:
+        got, want = streams[True][request_id], streams[False][request_id]
+        assert [o[:3] for o in got] == [o[:3] for o in want], request_id
+        for (*_, got_lp), (*_, want_lp) in zip(got, want, strict=True):  # the same device math, read back later
+            assert (got_lp is None) == (want_lp is None)
+            if got_lp is not None:
+                assert [(lp.token_id, lp.rank) for lp in got_lp] == [(lp.token_id, lp.rank) for lp in want_lp]

@@ -19,11 +19,13 @@ ENGINE = REPO_ROOT / "engine"
 # Lowest first. A module's floor is that of its top-level name under engine/ (engine.core.scheduler: engine.core).
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contract", ("engine.request", "engine.config")),  # what a request asks for; how an engine is configured
-    ("base", ("engine.kernels", "engine.tokenizer", "engine.huge_pages", "engine.device")),
+    ("base", ("engine.kernels", "engine.tokenizer", "engine.huge_pages", "engine.device",
+              "engine.host_copy")),
     ("control plane", ("engine.core", "engine.outputs", "engine.output_processor", "engine.kv_blocks")),
     ("model", ("engine.attention", "engine.model", "engine.kv_cache_dtype", "engine.cuda_graphs", "engine.loader")),
     ("sampling", ("engine.structured", "engine.sampling")),
-    ("runner", ("engine.model_runner", "engine.memory_profile", "engine.spec_decode", "engine.input_processor")),
+    ("runner", ("engine.model_runner", "engine.launched_step", "engine.memory_profile", "engine.spec_decode",
+                "engine.input_processor")),
     ("engine", ("engine.llm_engine", "engine.engine_builder", "engine.llm", "engine.engine_args")),
     ("entry points", ("engine.generate_command", "engine")),
 )

@@ -58,8 +58,8 @@ def _assert_speculated(engine, *, greedy: bool = True) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"max_num_batched_tokens": 12}, {"enable_prefix_caching": False}],
-    ids=["default", "chunked-prefill", "no-prefix-cache"],
+    [{}, {"max_num_batched_tokens": 12}, {"enable_prefix_caching": False}, {"async_scheduling": True}],
+    ids=["default", "chunked-prefill", "no-prefix-cache", "async-scheduling"],  # async: runs synchronously
 )
 def test_greedy_is_identical_with_speculation(tiny_checkpoint, overrides: dict, method: dict) -> None:
     expected = _run(make_engine(tiny_checkpoint, **overrides), MIXED, greedy(max_tokens=24))

@@ -86,3 +86,37 @@ def test_stopping_the_loop_aborts_every_request_the_held_ones_included(tiny_chec
     loop.stop()
     assert_no_blocks_held(engine)
     assert not engine.scheduler.held
+
+
+def test_with_async_scheduling_listeners_get_the_same_outputs_in_order(tiny_checkpoint) -> None:
+    """The loop runs commands (here: adds) between steps while a step is in flight; each listener gets what it
+    gets without async scheduling, in order, and the engine ends with every block back."""
+    from tests.engine.tiny_model import PROMPTS
+
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.8, seed=4, ignore_eos=True, stop=["e"])]
+    streams = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_checkpoint, async_scheduling=async_scheduling)
+        loop = EngineLoop(engine, name="test-loop")
+        got: dict[str, list] = {}
+        done = threading.Semaphore(0)
+
+        def listener(out, got=got, done=done):  # type: ignore[no-untyped-def]
+            got.setdefault(out.request_id, []).append((out.new_token_ids, out.delta_text, out.finish_reason))
+            if out.finished:
+                done.release()
+
+        loop.start()
+        try:
+            for i, prompt in enumerate(PROMPTS):
+                loop.listen(f"r{i}", listener)
+                loop.call(lambda e, i=i, prompt=prompt: e.add_request(f"r{i}", prompt, params[i % 2]))
+            for _ in PROMPTS:
+                assert done.acquire(timeout=30)
+            assert loop.call(lambda e: e.block_pool.num_used_blocks) == 0
+        finally:
+            loop.stop()
+        streams[async_scheduling] = got
+        assert_no_blocks_held(engine)
+    assert streams[True] == streams[False]

@@ -60,15 +60,28 @@ def test_graph_sizes_and_eager_flag_parse_and_validate() -> None:
     assert EngineConfig(cuda_graph_sizes=[4, 1]).cuda_graph_sizes == (4, 1)  # a list (JSON, Ray) comes back a tuple
 
 
-def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_dir: Path, device,
-                                                                   torch_single_thread) -> None:
+STATIC_BUFFER_PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(tiny_model_dir: Path, device) -> list[list[int]]:
+    """PROMPTS' greedy tokens, every step eager (on CPU: the Triton kernels interpreted, so computed once)."""
     if device.type == "cuda":
         pytest.skip("on a GPU the real capture is tested (test_cuda_graph_replay_equals_eager)")
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    eager = _llm(tiny_model_dir, "cpu")
-    expected = [o.token_ids for o in eager.generate(PROMPTS, params)]
+    eager = _llm(tiny_model_dir, "cpu", async_scheduling=False)
+    return [o.token_ids for o in eager.generate(PROMPTS, STATIC_BUFFER_PARAMS)]
 
-    llm = _llm(tiny_model_dir, "cpu")
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_dir: Path, device, async_scheduling,
+                                                                   eager_tokens, torch_single_thread) -> None:
+    """Async scheduling: a replay's input ids are the step in flight's tokens, written into the static buffer on
+    the device (`DecodeGraphs.run`'s feed)."""
+    if device.type == "cuda":
+        pytest.skip("on a GPU the real capture is tested (test_cuda_graph_replay_equals_eager)")
+    params, expected = STATIC_BUFFER_PARAMS, eager_tokens
+
+    llm = _llm(tiny_model_dir, "cpu", async_scheduling=async_scheduling)
     runner = llm.engine.runner
     # Buckets 1, 4, 8: six sequences decode in a bucket of 8 (two padding rows), and fewer as they finish.
     runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=runner.block_size,

@@ -56,14 +56,14 @@ def run_batch(engine, fill_ahead: bool) -> tuple[dict[str, list[int]], list[type
     if fill_ahead:
         engine.runner.grammars.fill_ahead = True
     seen: list[type] = []
-    sample = engine.runner.sampler.sample
+    launch = engine.runner.sampler.launch  # what the runner calls (sample is launch(...).result())
 
     def spy(logits, rows, token_bitmask=None):  # noqa: ANN001, ANN202
         if token_bitmask is not None:
             seen.append(type(token_bitmask))
-        return sample(logits, rows, token_bitmask)
+        return launch(logits, rows, token_bitmask)
 
-    engine.runner.sampler.sample = spy
+    engine.runner.sampler.launch = spy
     for i, (prompt, params) in enumerate(zip(PROMPTS, batch_params(), strict=True)):
         engine.add_request(f"r{i}", prompt, params)
     outs = finals(drain(engine))
@@ -114,8 +114,8 @@ def test_filling_ahead_with_speculation(tiny_checkpoint, torch_single_thread, cl
         engine.runner.grammars.fill_ahead = True
         closing.append(engine)
         seen: list[type] = []
-        sample, verify = engine.runner.sampler.sample, engine.runner.rejection_sampler.verify
-        engine.runner.sampler.sample = lambda lg, rows, m=None: (seen.append(type(m)), sample(lg, rows, m))[1]
+        launch, verify = engine.runner.sampler.launch, engine.runner.rejection_sampler.verify
+        engine.runner.sampler.launch = lambda lg, rows, m=None: (seen.append(type(m)), launch(lg, rows, m))[1]
         engine.runner.rejection_sampler.verify = lambda lg, reqs, m=None: (seen.append(type(m)), verify(lg, reqs, m))[1]
         for i, prompt in enumerate(prompts):
             engine.add_request(f"s{i}", prompt, params)

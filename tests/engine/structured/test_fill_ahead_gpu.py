@@ -95,14 +95,14 @@ def _params() -> list[SamplingParams]:
 def _run(engine, tag: str) -> tuple[list, list]:  # noqa: ANN001
     """Every request's final output, and the bitmasks the sampler was given."""
     seen: list = []
-    sample = engine.runner.sampler.sample
+    launch = engine.runner.sampler.launch  # what the runner calls (sample is launch(...).result())
 
     def spy(logits, rows, token_bitmask=None):  # noqa: ANN001, ANN202
         if token_bitmask is not None:
             seen.append(token_bitmask)
-        return sample(logits, rows, token_bitmask)
+        return launch(logits, rows, token_bitmask)
 
-    engine.runner.sampler.sample = spy
+    engine.runner.sampler.launch = spy
     try:
         params = _params()
         for i, p in enumerate(params):
@@ -115,7 +115,7 @@ def _run(engine, tag: str) -> tuple[list, list]:  # noqa: ANN001
                 if out.finished:
                     done[out.request_id] = out
     finally:
-        engine.runner.sampler.sample = sample
+        engine.runner.sampler.launch = launch
     assert engine.block_pool.num_used_blocks == 0, "KV blocks leaked"
     assert engine.runner.grammars.num_requests == 0, "grammar matchers leaked"
     return [done[f"{tag}{i}"] for i in range(len(params))], seen

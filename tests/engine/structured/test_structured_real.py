@@ -1,6 +1,7 @@
 """Structured outputs on the real SmolLM2-135M, offline: 50 generated JSON schemas in one batch all give JSON that
 validates; greedy output under a grammar is the same with prompt-lookup speculation on and off (drafts the grammar
-rejects are cut before verification); every KV block and every matcher is released afterwards.
+rejects are cut before verification), and with async scheduling; every KV block and every matcher is released
+afterwards.
 
 Kept cheap (the whole suite has a time budget): the session's one loaded checkpoint, one engine without speculation
 shared by both tests, flat schemas (depth 1) whose JSON fits in `MAX_TOKENS`, all 50 submitted at once, a KV cache
@@ -80,6 +81,9 @@ def test_greedy_under_a_grammar_is_identical_with_prompt_lookup(smollm2_checkpoi
         "method": "ngram", "num_speculative_tokens": 4, "policy": "fixed", "prompt_lookup_min": 1})
     got = _run(speculating, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    # Async scheduling: a grammar's steps read the last token on the host first (engine/core/overlap.py).
+    overlapped = _run(_engine(smollm2_checkpoint, async_scheduling=True), prompts, params)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in expected]
     assert all(re.fullmatch(pattern, o.text) and o.finish_reason == "stop" for o in got), [o.text for o in got]
     assert speculating.stats().spec_decode_num_draft_tokens > 0
 
