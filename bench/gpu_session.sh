@@ -25,9 +25,20 @@ SMOKE=${SPLITSERVE_GPU_SESSION_SMOKE:-}
 DEVICE=cuda
 [ -n "$SMOKE" ] && DEVICE=${SPLITSERVE_GPU_SESSION_DEVICE:-cpu}
 
+# Every phase ends by SPLITSERVE_GPU_SESSION_DEADLINE_S seconds after the script began (default 560: a call's
+# 600 s less the wheels and the return); a phase that would get under 15 s is skipped, to run in a later call.
+SESSION_START=$(date +%s)
+DEADLINE_S=${SPLITSERVE_GPU_SESSION_DEADLINE_S:-560}
 phase() {  # phase NAME LIMIT_S command...
-    local name=$1 limit=$2 start rc
+    local name=$1 limit=$2 start rc left
     shift 2
+    left=$(( DEADLINE_S - ($(date +%s) - SESSION_START) ))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 15 ]; then
+        echo "=== $name: SKIPPED (${left}s left of the session's ${DEADLINE_S}s)"
+        FAILED+=" $name(skipped)"
+        return
+    fi
     echo "=== $name: start $(date +%T), limit ${limit}s: $*"
     start=$(date +%s)
     timeout -k 5 "$limit" "$@"
@@ -49,42 +60,49 @@ if [ -n "$SMOKE" ]; then
     STRUCTURED_ARGS=(--batch-sizes 1,2 --max-tokens 8 --repeats 1)
     HANDOFF_TRANSPORTS=grpc,inproc HANDOFF_REPEATS=2
 else
-    GPU_ARGS=(--device cuda --steps 30)
-    DISAGG_ARGS=(--num-requests 15 --rounds 4 --warmup 3)
+    GPU_ARGS=(--device cuda --steps 20 --warmup-steps 3)
+    DISAGG_ARGS=(--num-requests 12 --rounds 4 --warmup 3)
     DISAGG_TRANSPORTS=grpc,ipc
-    STRUCTURED_ARGS=()
-    HANDOFF_TRANSPORTS=grpc,ipc,inproc HANDOFF_REPEATS=30
+    STRUCTURED_ARGS=(--max-tokens 96 --repeats 2)
+    HANDOFF_TRANSPORTS=grpc,ipc,inproc HANDOFF_REPEATS=20
 fi
 # This session's new GPU tests, first: a failure here is what the run is for
+# (the engine's GPU tests and the decode graphs' too: the forward, the sampler and the step loop changed under them)
 NEW_TESTS=(tests/engine/structured/test_fill_ahead_gpu.py tests/engine/kernels/test_triton_rotary_store_kv.py
            tests/engine/kernels/test_triton_fused_forward.py tests/engine/kernels/test_triton_rms_norm.py
            tests/bench/test_kernel_count.py tests/kv_transfer/test_device_digest.py tests/kv_transfer/test_staging_pool.py
-           tests/kv_transfer/test_grpc_staging.py tests/kv_transfer/test_inproc_digest.py)
+           tests/kv_transfer/test_grpc_staging.py tests/kv_transfer/test_inproc_digest.py tests/engine/test_gpu_engine.py
+           tests/engine/kernels/test_decode_graphs.py)
+NEW_TRANSPORT_TESTS=(tests/kv_transfer/test_ipc_transport.py tests/kv_transfer/test_transport_conformance.py)
+export SPLITSERVE_GPU_FIGURES=$OUT/gpu_figures.jsonl
 
 run_phase() {
     case $1 in
     env) phase env 30 bash -c "$ENV_INFO" "$PY" ;;
-    gpu) phase gpu 200 $PY bench/gpu.py "${GPU_ARGS[@]}" --json "$OUT/gpu.json" ;;
-    disagg) phase disagg 150 $PY bench/disagg_overhead.py --device "$DEVICE" --load-format dummy \
+    gpu) phase gpu 210 $PY bench/gpu.py "${GPU_ARGS[@]}" --json "$OUT/gpu.json" ;;
+    disagg) phase disagg 110 $PY bench/disagg_overhead.py --device "$DEVICE" --load-format dummy \
         --transports "$DISAGG_TRANSPORTS" --skip-throughput "${DISAGG_ARGS[@]}" --json "$OUT/disagg.json" ;;
-    structured) phase structured 120 $PY bench/structured.py --device "$DEVICE" --load-format dummy \
+    structured) phase structured 90 $PY bench/structured.py --device "$DEVICE" --load-format dummy \
         --tokenizer gpu-carry/smollm2-tokenizer "${STRUCTURED_ARGS[@]}" --json "$OUT/structured.json" ;;
-    handoff) phase handoff 60 $PY bench/handoff_cost.py --device "$DEVICE" --transports "$HANDOFF_TRANSPORTS" \
+    handoff) phase handoff 45 $PY bench/handoff_cost.py --device "$DEVICE" --transports "$HANDOFF_TRANSPORTS" \
         --repeats "$HANDOFF_REPEATS" --json "$OUT/handoff.json" ;;
     handoff_before)  # the same bench over the code before this session's handoff work (gpu-carry/old: git archive)
         cp bench/handoff_cost.py gpu-carry/old/bench/handoff_cost.py
-        (cd gpu-carry/old && PYTHONPATH="${PYTHONPATH/$PWD/$PWD/gpu-carry/old}" phase handoff_before 60 \
+        (cd gpu-carry/old && PYTHONPATH="${PYTHONPATH/$PWD/$PWD/gpu-carry/old}" phase handoff_before 35 \
             $PY bench/handoff_cost.py --device "$DEVICE" --transports "$HANDOFF_TRANSPORTS" \
             --repeats "$HANDOFF_REPEATS") ;;
-    newtests) phase newtests 150 $PY -m pytest -q -p no:cacheprovider "${NEW_TESTS[@]}" ;;
-    tests) phase tests 170 $PY -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/kv_transfer tests/bench \
-        "${NEW_TESTS[@]/#/--ignore=}" ;;
+    newtests)
+        phase newtests 100 $PY -m pytest -q -m gpu -p no:cacheprovider "${NEW_TESTS[@]}"
+        phase newtests_transports 60 $PY -m pytest -q -m gpu -p no:cacheprovider "${NEW_TRANSPORT_TESTS[@]}" \
+            -k "(cuda or on_a_gpu) and not dying" ;;
+    tests) phase tests 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/kv_transfer tests/bench \
+        "${NEW_TESTS[@]/#/--ignore=}" "${NEW_TRANSPORT_TESTS[@]/#/--ignore=}" ;;
     *) echo "!!! unknown phase $1"; FAILED+=" $1" ;;
     esac
 }
 
 PHASES=("$@")
-[ ${#PHASES[@]} -eq 0 ] && PHASES=(env newtests handoff handoff_before gpu disagg structured tests)
+[ ${#PHASES[@]} -eq 0 ] && PHASES=(env newtests gpu handoff handoff_before disagg structured tests)
 for p in "${PHASES[@]}"; do run_phase "$p"; done
 echo "=== done $(date +%T); failed:${FAILED:- none}"
 [ -z "$FAILED" ]
