@@ -61,10 +61,10 @@ if [ -n "$SMOKE" ]; then
     HANDOFF_TRANSPORTS=grpc,inproc HANDOFF_REPEATS=2
 else
     GPU_ARGS=(--device cuda --steps 20 --warmup-steps 3)
-    DISAGG_ARGS=(--num-requests 12 --rounds 4 --warmup 3)
+    DISAGG_ARGS=(--num-requests ${DISAGG_REQUESTS:-12} --rounds 4 --warmup 3)
     DISAGG_TRANSPORTS=grpc,ipc
     STRUCTURED_ARGS=(--max-tokens 96 --repeats 2)
-    HANDOFF_TRANSPORTS=grpc,ipc,inproc HANDOFF_REPEATS=20
+    HANDOFF_TRANSPORTS=grpc,ipc,inproc HANDOFF_REPEATS=${HANDOFF_REPEATS:-20}
 fi
 # This session's new GPU tests, first: a failure here is what the run is for
 # (the engine's GPU tests and the decode graphs' too: the forward, the sampler and the step loop changed under them)
@@ -91,6 +91,10 @@ run_phase() {
         (cd gpu-carry/old && PYTHONPATH="${PYTHONPATH/$PWD/$PWD/gpu-carry/old}" phase handoff_before 35 \
             $PY bench/handoff_cost.py --device "$DEVICE" --transports "$HANDOFF_TRANSPORTS" \
             --repeats "$HANDOFF_REPEATS") ;;
+    quicktests)  # the new forward (fused rotary + store) and async scheduling against eager / synchronous
+        phase quicktests 70 $PY -m pytest -q -m gpu -p no:cacheprovider tests/engine/kernels/test_triton_fused_forward.py \
+            tests/engine/kernels/test_triton_rotary_store_kv.py \
+            tests/engine/test_gpu_engine.py::test_async_scheduling_gives_the_synchronous_tokens_with_cuda_graphs ;;
     newtests)
         phase newtests 100 $PY -m pytest -q -m gpu -p no:cacheprovider "${NEW_TESTS[@]}"
         phase newtests_transports 60 $PY -m pytest -q -m gpu -p no:cacheprovider "${NEW_TRANSPORT_TESTS[@]}" \
