@@ -145,6 +145,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure the same workload this many times on the same workers, a ratio per round")
     parser.add_argument("--json", default=None, help="write every round's rows here")
+    parser.add_argument("--worker-arg", action="append", default=[],
+                        help="one more flag for every worker (repeat: --worker-arg=--no-async-scheduling)")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -152,7 +154,7 @@ def main() -> int:
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
                for _ in range(args.warmup + args.num_requests * args.rounds)]
     common = ["--model", args.model, "--num-threads", str(args.num_threads), "--max-model-len", "2048",
-              "--kv-cache-memory", "512MiB", "--device", args.device, "--load-format", args.load_format]
+              "--kv-cache-memory", "512MiB", "--device", args.device, "--load-format", args.load_format, *args.worker_arg]
     print(f"workload: {args.rounds} round(s) of {args.num_requests} requests (+{args.warmup} warm-up), "
           f"{args.prompt_tokens} prompt tokens, {args.max_tokens} output tokens, one at a time; "
           f"{args.num_threads} torch threads per worker")

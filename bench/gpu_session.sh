@@ -91,6 +91,12 @@ run_phase() {
         (cd gpu-carry/old && PYTHONPATH="${PYTHONPATH/$PWD/$PWD/gpu-carry/old}" phase handoff_before 35 \
             $PY bench/handoff_cost.py --device "$DEVICE" --transports "$HANDOFF_TRANSPORTS" \
             --repeats "$HANDOFF_REPEATS") ;;
+    grpcdiag)  # where a gRPC handoff's time goes inside the workers (their DEBUG stage lines), async on and off
+        for mode in --async-scheduling --no-async-scheduling; do
+            SPLITSERVE_LOGGING_LEVEL=DEBUG phase "grpcdiag$mode" 45 $PY bench/disagg_overhead.py --device "$DEVICE" \
+                --load-format dummy --transports grpc --skip-throughput --num-requests 5 --warmup 2 \
+                --worker-arg="$mode" 2> >(grep "KV handoff" | tail -n 14 >&2)
+        done ;;
     quicktests)  # the new forward (fused rotary + store) and async scheduling against eager / synchronous
         phase quicktests 70 $PY -m pytest -q -m gpu -p no:cacheprovider tests/engine/kernels/test_triton_fused_forward.py \
             tests/engine/kernels/test_triton_rotary_store_kv.py \

@@ -7,6 +7,7 @@ import crc32c
 import pytest
 import torch
 
+from kv_transfer import block_copy
 from kv_transfer.base import block_bytes
 from kv_transfer.block_copy import native_ops, copy_checked, copy_checked_parts, frame, gather
 from kv_transfer.layout import KVChecksumError
@@ -138,3 +139,32 @@ def test_gather_copies_a_strided_block_out_and_checksums_it(native: bool, dtype:
     assert crc == crc32c.crc32c(_raw(block))
     cache[:, :, 2].zero_()  # a copy, not a view: the cache's slot can be reused once gathered
     assert crc == crc32c.crc32c(bytes(block_bytes(gathered)))
+
+
+def test_host_copy_is_a_plain_copy_and_falls_back_where_memcpy_cannot_do_it() -> None:
+    src = torch.arange(4 * 6, dtype=torch.float32).view(4, 6)
+    dst = torch.empty(24, dtype=torch.float32)  # another shape, same bytes: a view's copy
+    block_copy.host_copy_(dst, src.view(-1))
+    assert torch.equal(dst, src.view(-1))
+    strided = torch.empty(6, 4, dtype=torch.float32).t()  # not contiguous: torch's copy
+    block_copy.host_copy_(strided, src)
+    assert torch.equal(strided, src)
+    widened = torch.empty(4, 6, dtype=torch.float64)  # another dtype: torch's copy converts
+    block_copy.host_copy_(widened, src)
+    assert torch.equal(widened, src.double())
+
+
+def test_the_fallback_copies_of_contiguous_host_blocks_never_use_torchs_thread_pool(monkeypatch) -> None:  # noqa: ANN001
+    """A block's host copies in the fallback (no native code: the GPU hosts) are memcpys, not `Tensor.copy_`, whose
+    intra-op threads oversubscribe the cores when a handoff's two ends copy at once (`host_copy_`)."""
+    copies: list[tuple] = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (copies.append(self.shape), real(self, src,
+                                                                                                           *a, **k))[1])
+    blocks = [torch.randint(0, 255, (2, 16, 64), dtype=torch.uint8) for _ in range(3)]
+    message, crcs = block_copy.frame_blocks(b"head", blocks, b"tail", native=False)
+    staged = torch.empty(3, 2, 16, 64, dtype=torch.uint8)
+    for slot, (block, crc) in enumerate(zip(blocks, crcs, strict=True)):
+        block_copy.copy_checked(staged[slot], block, crc, native=False)
+        assert torch.equal(staged[slot], block)
+    assert copies == []
