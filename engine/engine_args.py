@@ -54,6 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "--max-num-seqs, at most 512)")
     g.add_argument("--max-seq-len-to-capture", type=int, default=d.max_seq_len_to_capture,
                    help="the longest context a CUDA graph covers; a decode step with a longer one runs eagerly")
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="rank processes the engine runs as, each holding 1/N of the weights and of the KV cache "
+                        "(N must divide the model's query heads; its KV heads split or replicate)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--model-id", default=None,
@@ -99,6 +102,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=(EngineConfig.gpu_memory_utilization if args.gpu_memory_utilization is None
                                 else args.gpu_memory_utilization),
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
         max_seq_len_to_capture=args.max_seq_len_to_capture,
