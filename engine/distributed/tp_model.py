@@ -100,7 +100,7 @@ def launch_tensor_parallel(
         RankSpec(rank=rank, world_size=world_size, store_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
                  device=str(device), dtype=dtype_name, num_threads=num_threads, model_config=local_config,
                  max_positions=max_model_len, num_kv_blocks=num_kv_blocks, block_size=block_size,
-                 kv_cache_dtype=kv_cache_dtype, attention_backend=attention.name)
+                 kv_cache_dtype=kv_cache_dtype, attention_backend=_backend_flag(attention, kv_cache_dtype))
         for rank in range(1, world_size)
     ]
     ranks = RankGroup(specs, device=device, dtype=dtype, timeout_s=COLLECTIVE_TIMEOUT_S,
@@ -114,6 +114,12 @@ def launch_tensor_parallel(
         ranks.close()
         raise
     return TensorParallelModel(local, ranks, shape)
+
+
+def _backend_flag(attention: AttentionBackend, kv_cache_dtype: str) -> str:
+    """The `--attention-backend` value that makes a child choose the backend rank 0 has (an int8 cache's backend is
+    named apart, but "torch" is how one asks for it)."""
+    return "torch" if kv_cache_dtype == "int8" else attention.name
 
 
 __all__ = ["RankDiedError", "TensorParallelModel", "launch_tensor_parallel"]
