@@ -78,6 +78,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     memory_baseline = None
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         memory_baseline = MemoryBaseline(device, utilization=config.gpu_memory_utilization)
+    owned = checkpoint is None  # loaded here: nobody else holds its weights
     checkpoint = checkpoint or load_engine_checkpoint(config, device)
     mc = checkpoint.config
     # The sizes the model takes: one clear error naming its heads before any rank starts (TensorParallelSizeError).
@@ -105,7 +106,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
                 config.kv_cache_dtype, attention.name)
     if shape.tp_size > 1:
         model = _tensor_parallel_model(checkpoint, shape, attention, config, device=device, dtype=dtype,
-                                       max_model_len=max_model_len, num_kv_blocks=num_kv_blocks)
+                                       max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, owned=owned)
         shutdown: Callable[[], None] = model.close
     else:
         model = _model_on_device(checkpoint, attention, device=device, dtype=dtype, max_model_len=max_model_len)
@@ -153,9 +154,10 @@ def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
 
 def _tensor_parallel_model(checkpoint: Checkpoint, shape: TPShape, attention: AttentionBackend,
                            config: EngineConfig, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                           num_kv_blocks: int) -> LlamaModel:
+                           num_kv_blocks: int, owned: bool) -> LlamaModel:
     """Rank 0's model of a TP-N engine, its N - 1 child ranks started (engine/distributed/). Each rank's torch
-    threads: --num-threads, else torch's default divided among the ranks."""
+    threads: --num-threads, else torch's default divided among the ranks. The checkpoint's weights are cut as they
+    go when `owned` (the whole model held once at most), else left to their owner."""
     from engine.distributed.tp_model import launch_tensor_parallel
 
     num_threads = config.num_threads or max(1, torch.get_num_threads() // shape.tp_size)
@@ -164,7 +166,8 @@ def _tensor_parallel_model(checkpoint: Checkpoint, shape: TPShape, attention: At
     model = launch_tensor_parallel(
         config=checkpoint.config, weights=checkpoint.weights, shape=shape, attention=attention, device=device,
         dtype=dtype, dtype_name=config.dtype, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
-        block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype, num_threads=num_threads)
+        block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype, num_threads=num_threads,
+        consume_weights=owned)
     return model  # type: ignore[return-value]  # the LlamaModel interface the runner uses
 
 

@@ -81,7 +81,7 @@ class RankGroup:
             for rank, conn in enumerate(self.conns, start=1):
                 shared = share(shards(rank), self.dtype)
                 conn.send(shared)
-                self.ready.append(self._expect(conn, rank, Ready))  # the child has copied its shard out
+                self.ready.append(self._expect(conn, rank, Ready))  # the child's model holds its shard now
                 del shared
             return group
         except BaseException:

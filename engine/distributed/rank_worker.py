@@ -83,9 +83,7 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
     conn.send(Hello(pid=os.getpid()))
     store = make_store(rank=spec.rank, world_size=spec.world_size, port=spec.store_port, timeout_s=spec.timeout_s)
     group = make_group(store, rank=spec.rank, world_size=spec.world_size, device=device, timeout_s=spec.timeout_s)
-    shared = conn.recv()
-    weights = unshare(shared, device)
-    del shared
+    weights = unshare(conn.recv(), device)
     if device.type == "cpu":
         from engine.kernels.registry import load_all
 

@@ -62,6 +62,18 @@ def shard_weights(weights: MutableMapping[str, torch.Tensor], config: ModelConfi
     return out
 
 
+def shard_all(weights: MutableMapping[str, torch.Tensor], config: ModelConfig, shape: TPShape
+              ) -> list[dict[str, torch.Tensor]]:
+    """Every rank's slice, cut in one pass that pops each whole tensor from `weights` once its slices are cut: the
+    whole model is never held twice (`weights` ends empty)."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(shape.tp_size)]
+    for name in list(weights):
+        tensor = {name: weights.pop(name)}
+        for rank, shard in enumerate(shards):
+            shard.update(shard_weights(tensor, config, shape, rank))
+    return shards
+
+
 def _slice(name: str, tensor: torch.Tensor, shape: TPShape, rank: int, *, q_rows: slice, kv_rows: slice,
            inter_rows: slice) -> torch.Tensor:
     leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name

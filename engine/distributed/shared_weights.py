@@ -1,43 +1,29 @@
-"""A rank's weight shard, handed from rank 0 to a child through one shared-memory buffer.
+"""A rank's weight shard, handed from rank 0 to a child through shared memory.
 
-Rank 0 copies the shard's tensors into one flat buffer in shared memory (one file descriptor crosses the pipe, not
-one per tensor); the child cuts its own tensors back out of it (fresh copies) and drops the buffer, so afterwards
-each process holds only its own shard.
+Each tensor of the shard is copied into its own shared-memory segment and crosses the pipe
+as a file descriptor; the child uses it as it is (a oneDNN-packed layer copies it and drops it). Once the child has
+built its model, rank 0 drops its references: from then on each segment belongs to the child alone, so each process
+holds only its own shard.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory pickling of tensors for the pipes
 
 
-@dataclass(frozen=True)
-class SharedShard:
-    buffer: torch.Tensor  # [sum of numels] in shared memory, of the engine's dtype
-    manifest: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, offset, shape) in buffer order
+def share(shard: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A copy of `shard` (CPU tensors) in shared memory, in `dtype`; `shard` is emptied as it goes (a tensor only it
+    held is freed once copied)."""
+    shared = {}
+    for name in list(shard):
+        tensor = shard.pop(name)
+        shared[name] = torch.empty(tensor.shape, dtype=dtype).share_memory_().copy_(tensor)
+    return shared
 
 
-def share(shard: dict[str, torch.Tensor], dtype: torch.dtype) -> SharedShard:
-    """`shard` (CPU tensors) in one shared buffer of `dtype`."""
-    total = sum(t.numel() for t in shard.values())
-    buffer = torch.empty(total, dtype=dtype).share_memory_()
-    manifest = []
-    offset = 0
-    for name, tensor in shard.items():
-        buffer[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor)
-        manifest.append((name, offset, tuple(tensor.shape)))
-        offset += tensor.numel()
-    return SharedShard(buffer=buffer, manifest=tuple(manifest))
-
-
-def unshare(shared: SharedShard, device: torch.device) -> dict[str, torch.Tensor]:
-    """The shard's tensors, copied out of the shared buffer onto `device` (the buffer is the caller's to drop)."""
-    out = {}
-    for name, offset, shape in shared.manifest:
-        numel = 1
-        for size in shape:
-            numel *= size
-        view = shared.buffer[offset : offset + numel].view(shape)
-        out[name] = view.clone() if device.type == "cpu" else view.to(device)
-    return out
+def unshare(shared: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The shard's tensors on `device` (on cpu the shared tensors themselves)."""
+    if device.type == "cpu":
+        return shared
+    return {name: tensor.to(device) for name, tensor in shared.items()}

@@ -25,7 +25,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.distributed import step_message
 from engine.distributed.rank_group import RankDiedError, RankGroup, start_store
 from engine.distributed.rank_worker import RankSpec, model_weight_bytes
-from engine.distributed.sharding import local_model_config, shard_weights
+from engine.distributed.sharding import local_model_config, shard_all, shard_weights
 from engine.distributed.tp_sizes import TPShape
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
@@ -89,10 +89,12 @@ class TensorParallelModel:
 def launch_tensor_parallel(
     *, config: ModelConfig, weights: dict[str, torch.Tensor], shape: TPShape, attention: AttentionBackend,
     device: torch.device, dtype: torch.dtype, dtype_name: str, max_model_len: int, num_kv_blocks: int,
-    block_size: int, kv_cache_dtype: str, num_threads: int,
+    block_size: int, kv_cache_dtype: str, num_threads: int, consume_weights: bool = False,
 ) -> TensorParallelModel:
     """Start a TP-`shape.tp_size` model over the whole `weights` (HF names, any dtype, CPU): children for ranks
-    1..N-1, each handed its shard, and rank 0's shard here. Raises RankDiedError if a child fails to start."""
+    1..N-1, each handed its shard, and rank 0's shard here. With `consume_weights` (a checkpoint nobody else holds)
+    `weights` is emptied as it is cut, so that the whole model is held once at most; without, each rank's shard is
+    cut from it in turn. Raises RankDiedError if a child fails to start."""
     world_size = shape.tp_size
     local_config = local_model_config(config, shape)
     store, port = start_store(world_size, STARTUP_TIMEOUT_S)
@@ -105,10 +107,19 @@ def launch_tensor_parallel(
     ]
     ranks = RankGroup(specs, device=device, dtype=dtype, timeout_s=COLLECTIVE_TIMEOUT_S,
                       startup_timeout_s=STARTUP_TIMEOUT_S)
-    group = ranks.start(store, lambda rank: shard_weights(weights, config, shape, rank))
+    if consume_weights:
+        shards = shard_all(weights, config, shape)
+
+        def shard(rank: int) -> dict[str, torch.Tensor]:
+            mine, shards[rank] = shards[rank], {}
+            return mine
+    else:
+        def shard(rank: int) -> dict[str, torch.Tensor]:
+            return shard_weights(weights, config, shape, rank)
+
+    group = ranks.start(store, shard)
     try:
-        mine = {name: t.to(device=device, dtype=dtype)
-                for name, t in shard_weights(weights, config, shape, 0).items()}
+        mine = {name: t.to(device=device, dtype=dtype) for name, t in shard(0).items()}
         local = LlamaModel(local_config, mine, attention, max_positions=max_model_len, group=group)
     except BaseException:
         ranks.close()

@@ -5,7 +5,7 @@ Over the tiny model (4 query / 2 KV heads: TP 2 splits both): chunked prefill, p
 row within 1e-3 and every block back in the pool; each rank holds its share of the weights; a size the heads do
 not take is refused before any rank starts; a killed rank fails the engine's requests with an error naming it (no
 hang, blocks back), and the ranks die with the engine's process. The llama-3.2-1b shape (32 / 8 heads) runs at
-TP 2 and 4, cut to two layers and an 8k vocabulary to stay cheap. Real SmolLM2 at TP 3: tests/engine/test_exactness.py.
+TP 2 and 4, cut to one layer and an 8k vocabulary to stay cheap. Real SmolLM2 at TP 3: tests/engine/test_exactness.py.
 """
 
 from __future__ import annotations
@@ -125,6 +125,17 @@ def test_int8_kv_cache_matches_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
         pair.close()
 
 
+def test_replicated_kv_heads_and_a_padded_vocabulary_match_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
+    """TP 4 over 2 KV heads: each KV head on two ranks; a 702-token vocabulary in slices of 176, the last padded."""
+    pair = Pair(tiny_checkpoint, 4, **ENGINE)
+    try:
+        assert pair.tpn.runner.kv_cache.shape[4] == 1
+        assert pair.tpn.runner.model.local.lm_head.dense_weight().shape[0] * 4 > pair.tpn.model_config.vocab_size
+        pair.check({f"r{i}": (p, greedy(6)) for i, p in enumerate(PROMPTS)})
+    finally:
+        pair.close()
+
+
 def test_a_size_the_heads_do_not_take_is_refused_before_any_rank_starts(tiny_checkpoint) -> None:  # noqa: ANN001
     running = set(multiprocessing.active_children())
     with pytest.raises(TensorParallelSizeError, match="4 query heads and 2 KV heads"):
@@ -200,13 +211,13 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def llama_1b_cut():  # noqa: ANN201
-    """The llama-3.2-1b shape (hidden 2048, 32 query / 8 KV heads, intermediate 8192) cut to two layers and an 8k
+    """The llama-3.2-1b shape (hidden 2048, 32 query / 8 KV heads, intermediate 8192) cut to one layer and an 8k
     vocabulary: the head split of the 1B model at a fraction of its weights. Dummy weights, float32."""
     from engine.loader.checkpoint import Checkpoint
     from engine.loader.dummy_shapes import DUMMY_SHAPES, byte_level_tokenizer
     from engine.loader.dummy_weights import dummy_weights
 
-    config = dataclasses.replace(DUMMY_SHAPES["llama-3.2-1b"], num_layers=2, vocab_size=8192, bos_token_id=None,
+    config = dataclasses.replace(DUMMY_SHAPES["llama-3.2-1b"], num_layers=1, vocab_size=8192, bos_token_id=None,
                                  eos_token_ids=(8191,), max_position_embeddings=256)
     return Checkpoint(config=config, weights=dummy_weights(config, dtype=torch.float32),
                       tokenizer=byte_level_tokenizer(config), path=Path("<dummy>/llama-3.2-1b-cut"),
