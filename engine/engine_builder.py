@@ -260,4 +260,5 @@ def kv_layout(model_config: ModelConfig, config: EngineConfig) -> KVLayout:
         block_size=config.block_size,
         dtype=config.dtype,
         kv_cache_dtype=config.kv_cache_dtype,
+        tensor_parallel_size=config.tensor_parallel_size,
     )

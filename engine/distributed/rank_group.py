@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from engine.distributed import step_message
-from engine.distributed.group import TPGroup, make_group, make_store
+from engine.distributed.group import make_group, make_store
+from engine.model.tp_group import TPGroup
 from engine.distributed.rank_worker import Hello, RankSpec, Ready, run_rank
 from engine.distributed.shared_weights import share
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kv_transfer.layout import tp_kv_head_range
+
 
 class TensorParallelSizeError(ValueError):
     """A model that cannot be split N ways: raised at start-up, before any rank starts."""
@@ -63,13 +65,10 @@ class TPShape:
         return range(rank * n, (rank + 1) * n)
 
     def kv_head_range(self, rank: int) -> range:
-        """The KV heads of `rank` (one head, shared with N/Hkv - 1 other ranks, when replicated)."""
+        """The KV heads of `rank` (one head, shared with N/Hkv - 1 other ranks, when replicated): the KV layout's
+        rule (kv_transfer/layout.py), which a handoff between TP sizes reads too."""
         self._check_rank(rank)
-        if self.kv_replicated:
-            head = rank // (self.tp_size // self.num_kv_heads)
-            return range(head, head + 1)
-        n = self.num_local_kv_heads
-        return range(rank * n, (rank + 1) * n)
+        return tp_kv_head_range(self.num_kv_heads, self.tp_size, rank)
 
     def intermediate_range(self, rank: int) -> range:
         self._check_rank(rank)

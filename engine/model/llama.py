@@ -18,7 +18,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
-from engine.distributed.group import SINGLE, TPGroup
+from engine.model.tp_group import SINGLE, TPGroup
 from engine.model.linear import Linear
 from engine.model.parallel_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                           VocabParallelHead)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.distributed.group import SINGLE, TPGroup
+from engine.model.tp_group import SINGLE, TPGroup
 from engine.model.linear import Linear
 
 # A column-parallel layer is a plain linear layer over its output rows: no collective.

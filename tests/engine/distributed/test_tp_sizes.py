@@ -61,3 +61,27 @@ def test_engine_config_refuses_a_nonpositive_size() -> None:
 
     with pytest.raises(ValueError, match="tensor_parallel_size must be positive"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_the_kv_layout_names_each_ranks_heads_and_travels() -> None:
+    from kv_transfer.layout import KVLayout
+
+    layout = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="float32",
+                      tensor_parallel_size=4)
+    shape = check_tp_size(tp_size=4, **LLAMA_1B)
+    assert [layout.kv_head_range(r) for r in range(4)] == [shape.kv_head_range(r) for r in range(4)]
+    assert KVLayout.from_proto(layout.to_proto()) == layout
+    tp1 = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="float32")
+    with pytest.raises(Exception, match="tensor_parallel_size: ours 4, peer's 1"):
+        layout.check_compatible(tp1)
+
+
+def test_only_colocated_workers_run_tensor_parallel_for_now() -> None:
+    from engine.config import EngineConfig
+    from worker.config import WorkerConfig
+
+    engine = EngineConfig(tensor_parallel_size=2)
+    assert WorkerConfig(worker_id="c", role="colocated", engine=engine).engine.tensor_parallel_size == 2
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="KV handoffs between tensor-parallel workers are not built yet"):
+            WorkerConfig(worker_id="w", role=role, engine=engine)
