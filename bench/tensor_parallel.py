@@ -109,9 +109,12 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="decode runs at each batch size (the median is reported)")
     p.add_argument("--ttft-reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=2, help="cores: TP 1 gets them all, TP 2 one a rank")
+    p.add_argument("--tp1-one-thread", action="store_true",
+                   help="also TP 1 on one thread: what OpenMP's second thread is worth on this machine now")
     args = p.parse_args()
     tp1 = measure(args, 1, args.threads)
     tp2 = measure(args, 2, max(1, args.threads // 2))
+    one = measure(args, 1, 1) if args.tp1_one_thread else None
     print(f"\n{args.model}, dummy float32 weights, {args.threads} cores; decode: medians of {args.reps} runs of "
           f"{args.decode_tokens} tokens; TTFT: best of {args.ttft_reps}")
     print(f"{'':26s} {'TP 1':>10s} {'TP 2':>10s} {'TP2/TP1':>8s}")
@@ -125,6 +128,9 @@ def main() -> None:
         print(f"TP 2 all-reduce per layer, batch {batch:2d}: {reduce_ms:.3f} ms of {layer_ms:.3f} ms a layer-step "
               f"({reduce_ms / layer_ms:.0%})")
     print(f"target TP 2 decode at batch 32 >= 0.85x TP 1: {tp2['decode_b32'] / tp1['decode_b32']:.2f}x")
+    if one is not None:
+        print(f"TP 1 on one thread: decode {one['decode_b1']:.2f} / {one['decode_b32']:.2f} tok/s at batch 1 / 32, "
+              f"TTFT {one['ttft']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -36,11 +36,13 @@ def test_slices_put_together_give_the_whole() -> None:
     shape = tp_shape(config, 4)  # KV heads replicated, each on two ranks; the vocabulary padded to 4 x 26
     shards = [shard_weights(weights, config, shape, r) for r in range(4)]
     p = "model.layers.0."
-    assert torch.equal(torch.cat([s[p + "self_attn.q_proj.weight"] for s in shards]), weights[p + "self_attn.q_proj.weight"])
-    assert torch.equal(torch.cat([s[p + "self_attn.q_proj.bias"] for s in shards]), weights[p + "self_attn.q_proj.bias"])
-    assert torch.equal(torch.cat([s[p + "self_attn.o_proj.weight"] for s in shards], 1),
-                       weights[p + "self_attn.o_proj.weight"])
-    assert torch.equal(torch.cat([s[p + "mlp.down_proj.weight"] for s in shards], 1), weights[p + "mlp.down_proj.weight"])
+
+    def whole(name: str, dim: int = 0) -> bool:
+        return torch.equal(torch.cat([s[p + name] for s in shards], dim), weights[p + name])
+
+    assert whole("self_attn.q_proj.weight") and whole("self_attn.q_proj.bias")
+    assert whole("self_attn.o_proj.weight", 1) and whole("mlp.down_proj.weight", 1)
+    assert whole("mlp.gate_proj.weight") and whole("mlp.up_proj.weight")
     k = weights[p + "self_attn.k_proj.weight"]
     assert [torch.equal(s[p + "self_attn.k_proj.weight"], k[(r // 2) * 12 : (r // 2 + 1) * 12])
             for r, s in enumerate(shards)] == [True] * 4

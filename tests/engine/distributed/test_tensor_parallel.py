@@ -35,13 +35,16 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 ENGINE = dict(block_size=4, num_kv_blocks=20, max_model_len=64, max_num_batched_tokens=6, num_threads=1)
 
 
-def run(engine, requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict[str, list[int]]:  # noqa: ANN001
+Requests = dict[str, tuple[str | list[int], SamplingParams]]
+
+
+def run(engine, requests: Requests) -> dict[str, list[int]]:  # noqa: ANN001
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
     return {rid: out.token_ids for rid, out in finals(drain(engine)).items()}
 
 
-def prompt_ids(engine, requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict[str, list[int]]:  # noqa: ANN001
+def prompt_ids(engine, requests: Requests) -> dict[str, list[int]]:  # noqa: ANN001
     """Each request's (and each of its choices') prompt token ids."""
     ids = {}
     for request_id, (prompt, params) in requests.items():
@@ -60,7 +63,7 @@ class Pair:
         self.tpn = make_engine(checkpoint, tensor_parallel_size=tp, **config)
         self.logits1, self.logitsn = SampledLogits.install(self.tp1), SampledLogits.install(self.tpn)
 
-    def check(self, requests: dict[str, tuple[str | list[int], SamplingParams]]) -> dict[str, list[int]]:
+    def check(self, requests: Requests) -> dict[str, list[int]]:
         counters = BlockRefCounter(self.tp1), BlockRefCounter(self.tpn)
         want, got = run(self.tp1, requests), run(self.tpn, requests)
         assert_tp_matches(prompt_ids(self.tp1, requests), want, got, self.logits1, self.logitsn)
@@ -136,6 +139,27 @@ def test_replicated_kv_heads_and_a_padded_vocabulary_match_tp1(tiny_checkpoint) 
         pair.close()
 
 
+def test_llm_and_the_generate_flag_take_the_size(tiny_model_dir: Path) -> None:
+    import argparse
+
+    from engine.engine_args import add_engine_args, engine_config_from_args
+    from engine.llm import LLM
+    from tests.engine.tiny_model import TINY_ENGINE
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--tensor-parallel-size", "2"])).tensor_parallel_size == 2
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=tp, num_threads=1,
+                  **TINY_ENGINE)  # type: ignore[arg-type]
+        try:
+            outputs[tp] = [out.token_ids for out in llm.generate(PROMPTS, greedy(6))]
+        finally:
+            llm.engine.close()
+    assert outputs[2] == outputs[1]
+
+
 def test_a_size_the_heads_do_not_take_is_refused_before_any_rank_starts(tiny_checkpoint) -> None:  # noqa: ANN001
     running = set(multiprocessing.active_children())
     with pytest.raises(TensorParallelSizeError, match="4 query heads and 2 KV heads"):
@@ -185,7 +209,8 @@ _RANK_0 = textwrap.dedent("""
 def test_ranks_die_with_the_engine_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     script = tmp_path / "rank0.py"
     script.write_text(_RANK_0)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[3]), os.environ.get("PYTHONPATH", "")])}
+    repo = str(Path(__file__).parents[3])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     rank0 = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE, text=True,
                              env=env)
     try:

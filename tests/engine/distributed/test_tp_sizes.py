@@ -1,4 +1,5 @@
-"""Which tensor-parallel sizes a model takes and what each rank holds: pure arithmetic (engine/distributed/tp_sizes.py)."""
+"""Which tensor-parallel sizes a model takes and what each rank holds: pure arithmetic
+(engine/distributed/tp_sizes.py), and the KV layout that carries it."""
 
 from __future__ import annotations
 
