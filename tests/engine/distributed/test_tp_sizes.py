@@ -86,3 +86,16 @@ def test_only_colocated_workers_run_tensor_parallel_for_now() -> None:
     for role in ("prefill", "decode"):
         with pytest.raises(ValueError, match="KV handoffs between tensor-parallel workers are not built yet"):
             WorkerConfig(worker_id="w", role=role, engine=engine)
+
+
+def test_serve_takes_a_tensor_parallel_size_for_colocated_workers_only(tmp_path) -> None:  # noqa: ANN001
+    from deploy.cli import build_parser
+    from deploy.serve_args import controller_config_from_args
+
+    def serve(*flags: str):  # noqa: ANN202
+        return controller_config_from_args(build_parser().parse_args(
+            ["serve", "--model", str(tmp_path), "--no-prefix-index", "--tensor-parallel-size", "2", *flags]))
+
+    assert serve("--colocated").engine.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: KV handoffs between tensor-parallel workers"):
+        serve()
