@@ -197,25 +197,43 @@ def test_a_killed_rank_fails_the_engine_cleanly(tiny_checkpoint) -> None:  # noq
 
 _RANK_0 = textwrap.dedent("""
     import sys, time
+    import engine.distributed.rank_group as rank_group
+    import engine.distributed.tp_model as tp_model
     from engine.loader.checkpoint import load_checkpoint
     from tests.engine.tiny_model import make_engine
+
+    class Reporting(rank_group.RankGroup):
+        # Starting: prints the child's pid once it said hello, and never joins the group it now waits in.
+        def _expect(self, conn, rank, kind):
+            message = super()._expect(conn, rank, kind)
+            if kind is rank_group.Hello and sys.argv[2] == "starting":
+                print(*self.pids, flush=True)
+                time.sleep(300)
+            return message
+
     if __name__ == "__main__":
+        tp_model.RankGroup = Reporting
         engine = make_engine(load_checkpoint(sys.argv[1]), tensor_parallel_size=2, num_threads=1)
         print(*engine.runner.model.ranks.pids, flush=True)
         time.sleep(300)
 """)
 
 
-def test_ranks_die_with_the_engine_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["serving", "starting"])
+def test_ranks_die_with_the_engine_process(tiny_model_dir: Path, tmp_path: Path, when: str) -> None:
+    """Rank 0's process SIGKILLed: its child rank ends, whether idle between steps or still starting, waiting in
+    the group's rendezvous for a rank 0 that will never come (not for the 300 s start-up timeout). Rank 0's death
+    reaches a child several ways: its watch on rank 0's sentinel, its pipe's EOF, the store's and gloo's sockets."""
     script = tmp_path / "rank0.py"
     script.write_text(_RANK_0)
     repo = str(Path(__file__).parents[3])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    rank0 = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE, text=True,
-                             env=env)
+    rank0 = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir), when], stdout=subprocess.PIPE,
+                             text=True, env=env)
     try:
         (pid,) = map(int, rank0.stdout.readline().split())  # type: ignore[union-attr]
         assert _alive(pid)
+        time.sleep(0.5)  # past its hello: in the rendezvous when starting
     finally:
         rank0.kill()
         rank0.wait()
