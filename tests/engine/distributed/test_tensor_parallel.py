@@ -139,6 +139,29 @@ def test_replicated_kv_heads_and_a_padded_vocabulary_match_tp1(tiny_checkpoint) 
         pair.close()
 
 
+def test_ngram_speculation_and_prompt_logprobs_match_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
+    """Drafts verified over the gathered logits, and prompt logprobs (several logits calls a step, each one the
+    children follow)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    pair = Pair(tiny_checkpoint, 2, **{**ENGINE, "max_num_batched_tokens": 64}, speculative_config=spec)
+    try:
+        repeated = " ".join(["one two three four"] * 4)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=2)
+        pair.tp1.add_request("p", repeated, params)
+        pair.tpn.add_request("p", repeated, params)
+        outs1, outsn = drain(pair.tp1)["p"], drain(pair.tpn)["p"]
+        assert outsn[-1].token_ids == outs1[-1].token_ids
+        want, got = (next(o.prompt_logprobs for o in outs if o.prompt_logprobs) for outs in (outs1, outsn))
+        assert len(got) == len(want) > 10
+        assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top] for e in want]
+        assert max(abs(a[1] - b[1]) for g, w in zip(got, want, strict=True)
+                   for a, b in zip(g.top, w.top, strict=True)) < 1e-4
+        assert pair.tpn.stats().spec_decode_num_accepted_tokens > 0, "no draft was accepted"
+        assert_no_blocks_held(pair.tpn)
+    finally:
+        pair.close()
+
+
 def test_llm_and_the_generate_flag_take_the_size(tiny_model_dir: Path) -> None:
     import argparse
 
@@ -160,10 +183,13 @@ def test_llm_and_the_generate_flag_take_the_size(tiny_model_dir: Path) -> None:
     assert outputs[2] == outputs[1]
 
 
-def test_a_size_the_heads_do_not_take_is_refused_before_any_rank_starts(tiny_checkpoint) -> None:  # noqa: ANN001
+def test_what_does_not_run_is_refused_before_any_rank_starts(tiny_checkpoint) -> None:  # noqa: ANN001
     running = set(multiprocessing.active_children())
     with pytest.raises(TensorParallelSizeError, match="4 query heads and 2 KV heads"):
         make_engine(tiny_checkpoint, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="'layer_skip' does not run at tensor_parallel_size > 1 yet"):
+        make_engine(tiny_checkpoint, tensor_parallel_size=2,
+                    speculative_config={"method": "layer_skip", "num_layers": 1})
     assert set(multiprocessing.active_children()) == running
 
 
