@@ -1,10 +1,11 @@
 """A tensor-parallel engine (engine/distributed/) against the same engine at TP 1, with real rank processes.
 
-Over the tiny model (4 query / 2 KV heads: TP 2 splits both): chunked prefill, prefix-cache hits, preemption, n > 1
-(seeded sampling: the same draws need the same logits) and an int8 KV cache give TP 1's tokens, with every logits
-row within 1e-3 and every block back in the pool; each rank holds its share of the weights; a size the heads do
-not take is refused before any rank starts; a killed rank fails the engine's requests with an error naming it (no
-hang, blocks back), and the ranks die with the engine's process. The llama-3.2-1b shape (32 / 8 heads) runs at
+Over the tiny model (4 query / 2 KV heads: TP 2 splits both, TP 4 replicates the KV heads and pads the
+vocabulary): chunked prefill, prefix-cache hits, preemption, n > 1 (seeded sampling: the same draws need the same
+logits), an int8 KV cache, ngram speculation and prompt logprobs give TP 1's tokens, with every logits row within
+1e-3 and every block back in the pool; `LLM` and the flag take the size; each rank holds its share of the weights;
+what does not run is refused before any rank starts; a killed rank fails the engine's requests with an error naming
+it (no hang, blocks back), and the ranks die with the engine's process. The llama-3.2-1b shape (32 / 8 heads) runs at
 TP 2 and 4, cut to one layer and an 8k vocabulary to stay cheap. Real SmolLM2 at TP 3: tests/engine/test_exactness.py.
 """
 
