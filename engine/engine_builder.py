@@ -6,8 +6,9 @@
     → the decode step's CUDA graphs → the block-hash namespace → the speculator (a NullSpeculator when off)
 
 `build_engine_parts` returns what an engine's step runs on, `EngineParts`; `LLMEngine` builds its control plane
-(block pool, scheduler, input and output processors) around them, sized by `num_kv_blocks`. The runner is the
-part a rank of a tensor-parallel worker would build for itself; the control plane stays one per engine.
+(block pool, scheduler, input and output processors) around them, sized by `num_kv_blocks`. At
+tensor_parallel_size N the model is rank 0's shard, its N - 1 child ranks started beside it (engine/distributed/);
+the control plane stays one per engine.
 """
 
 from __future__ import annotations
