@@ -36,5 +36,10 @@ def make_group(store: object, *, rank: int, world_size: int, device: torch.devic
         options._timeout = timeout
         group: object = dist.ProcessGroupNCCL(store, rank, world_size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        # Over loopback, named: the ranks share one machine, and gloo's default (the address the hostname resolves
+        # to) may be an interface a container cannot reach itself on.
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        options._timeout = timeout
+        group = dist.ProcessGroupGloo(store, rank, world_size, options)
     return TPGroup(rank=rank, size=world_size, process_group=group)
