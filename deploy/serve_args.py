@@ -201,6 +201,9 @@ def pools_from_args(args: argparse.Namespace, *,
         raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs carry "
                          f"{' or '.join(HANDOFF_KV_CACHE_DTYPES)} blocks only; serve it with colocated workers "
                          "(--colocated)")
+    if engine.tensor_parallel_size > 1 and num_prefill + num_decode > 0:
+        raise ValueError(f"--tensor-parallel-size {engine.tensor_parallel_size}: KV handoffs between tensor-parallel "
+                         "workers are not built yet; serve it with colocated workers (--colocated)")
     # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
     # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
     num_processes = num_prefill + num_decode + num_colocated

@@ -55,6 +55,9 @@ class EngineConfig:
     # device runs step N; the sampled tokens stay on the device for the next step's inputs (engine/core/overlap.py
     # says which steps overlap). None: on when the device is cuda, off on cpu (made concrete by engine/device.py).
     async_scheduling: bool | None = None
+    # Tensor parallelism (vLLM's --tensor-parallel-size): the engine runs as this many rank processes, each holding
+    # its shard of the weights and of the KV cache (engine/distributed/). 1: one process.
+    tensor_parallel_size: int = 1
     # Speculative decoding; a dict of vLLM's keys is taken too (`LLM(speculative_config={...})`). None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
@@ -88,6 +91,8 @@ class EngineConfig:
             object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
             if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) <= 0:
                 raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {list(self.cuda_graph_sizes)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
 

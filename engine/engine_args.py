@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and prepare the next step, and process the last one's outputs, while the device "
                         "runs a step (default: on with cuda, off on cpu)")
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="rank processes the engine runs as, each holding 1/N of the weights and of the KV cache "
+                        "(N must divide the model's query heads; its KV heads split or replicate)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--model-id", default=None,
@@ -102,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=(EngineConfig.gpu_memory_utilization if args.gpu_memory_utilization is None
                                 else args.gpu_memory_utilization),
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
         max_seq_len_to_capture=args.max_seq_len_to_capture,

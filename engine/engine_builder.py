@@ -6,15 +6,17 @@
     → the decode step's CUDA graphs → the block-hash namespace → the speculator (a NullSpeculator when off)
 
 `build_engine_parts` returns what an engine's step runs on, `EngineParts`; `LLMEngine` builds its control plane
-(block pool, scheduler, input and output processors) around them, sized by `num_kv_blocks`. The runner is the
-part a rank of a tensor-parallel worker would build for itself; the control plane stays one per engine.
+(block pool, scheduler, input and output processors) around them, sized by `num_kv_blocks`. At
+tensor_parallel_size N the model is rank 0's shard, its N - 1 child ranks started beside it (engine/distributed/);
+the control plane stays one per engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +24,8 @@ from engine.attention.backend import AttentionBackend, get_attention_backend
 from engine.config import CPU_KV_CACHE_MEMORY_BYTES, EngineConfig, SpeculativeConfig
 from engine.cuda_graphs import default_capture_sizes
 from engine.device import TORCH_DTYPES, resolve_engine_config
+from engine.distributed.sharding import local_model_config, tp_shape
+from engine.distributed.tp_sizes import TPShape
 from engine.kernels.registry import load_all
 from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
 from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
@@ -57,6 +61,8 @@ class EngineParts:
     cpu_kernels: list[KernelStatus]
     attention_backend_name: str
     cuda_graph_capture_seconds: float | None
+    # Stops what the engine started beside itself: its tensor-parallel ranks (nothing at TP 1). Idempotent.
+    shutdown: Callable[[], None] = field(default=lambda: None)
 
 
 def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = None) -> EngineParts:
@@ -73,15 +79,20 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     memory_baseline = None
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         memory_baseline = MemoryBaseline(device, utilization=config.gpu_memory_utilization)
+    owned = checkpoint is None  # loaded here: nobody else holds its weights
     checkpoint = checkpoint or load_engine_checkpoint(config, device)
     mc = checkpoint.config
+    # The sizes the model takes: one clear error naming its heads before any rank starts (TensorParallelSizeError).
+    shape = tp_shape(mc, config.tensor_parallel_size)
+    _check_tensor_parallel(config, device)
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {mc.max_position_embeddings}")
     spec = config.speculative_config
     assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig turns a dict into one
     draft_checkpoint = _draft_checkpoint(spec, device, dtype)
-    block_bytes = kv_block_bytes(mc, config.block_size, dtype, config.kv_cache_dtype)
+    # One rank's blocks: at TP N each holds its KV heads of every block, and the KV size flags are per rank.
+    block_bytes = kv_block_bytes(local_model_config(mc, shape), config.block_size, dtype, config.kv_cache_dtype)
     if draft_checkpoint is not None:  # the draft model's KV blocks come out of the same memory
         block_bytes += draft_kv_block_bytes(draft_checkpoint, config.block_size, dtype.itemsize)
     # Checked before any kernel or weight loads; 0 on cuda without a size given: set once the model is profiled.
@@ -94,7 +105,13 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
                                       kv_cache_dtype=config.kv_cache_dtype)
     logger.info("engine on %s, %s, KV cache %s, attention backend %s", device, config.dtype,
                 config.kv_cache_dtype, attention.name)
-    model = _model_on_device(checkpoint, attention, device=device, dtype=dtype, max_model_len=max_model_len)
+    if shape.tp_size > 1:
+        model = _tensor_parallel_model(checkpoint, shape, attention, config, device=device, dtype=dtype,
+                                       max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, owned=owned)
+        shutdown: Callable[[], None] = model.close
+    else:
+        model = _model_on_device(checkpoint, attention, device=device, dtype=dtype, max_model_len=max_model_len)
+        shutdown = _nothing_to_stop
     memory_profile = None
     if memory_baseline is not None:
         checkpoint = dataclasses.replace(checkpoint, weights={})  # only what the model holds stays on the device
@@ -115,8 +132,44 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
         config=config, device=device, model_config=mc, tokenizer=checkpoint.tokenizer, max_model_len=max_model_len,
         num_kv_blocks=num_kv_blocks, runner=runner, speculator=speculator, hash_namespace=hash_namespace,
         memory_profile=memory_profile, cpu_kernels=cpu_kernels, attention_backend_name=attention.name,
-        cuda_graph_capture_seconds=cuda_graph_capture_seconds,
+        cuda_graph_capture_seconds=cuda_graph_capture_seconds, shutdown=shutdown,
     )
+
+
+def _nothing_to_stop() -> None:
+    pass
+
+
+def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
+    """ValueError for what does not run at tensor_parallel_size > 1 yet."""
+    if config.tensor_parallel_size == 1:
+        return
+    spec = config.speculative_config
+    if isinstance(spec, SpeculativeConfig) and spec.method != "ngram":
+        raise ValueError(f"speculative method {spec.method!r} does not run at tensor_parallel_size > 1 yet "
+                         "(its drafter runs the model outside the ranks' lockstep); ngram does")
+    if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+        raise ValueError("tensor_parallel_size > 1 on cuda needs --num-kv-blocks or --kv-cache-memory for now "
+                         "(the memory profile runs on one rank)")
+
+
+def _tensor_parallel_model(checkpoint: Checkpoint, shape: TPShape, attention: AttentionBackend,
+                           config: EngineConfig, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                           num_kv_blocks: int, owned: bool) -> LlamaModel:
+    """Rank 0's model of a TP-N engine, its N - 1 child ranks started (engine/distributed/). Each rank's torch
+    threads: --num-threads, else torch's default divided among the ranks. The checkpoint's weights are cut as they
+    go when `owned` (the whole model held once at most), else left to their owner."""
+    from engine.distributed.tp_model import launch_tensor_parallel
+
+    num_threads = config.num_threads or max(1, torch.get_num_threads() // shape.tp_size)
+    torch.set_num_threads(num_threads)
+    logger.info("tensor parallel: %d ranks, %d threads each", shape.tp_size, num_threads)
+    model = launch_tensor_parallel(
+        config=checkpoint.config, weights=checkpoint.weights, shape=shape, attention=attention, device=device,
+        dtype=dtype, dtype_name=config.dtype, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+        block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype, num_threads=num_threads,
+        consume_weights=owned)
+    return model  # type: ignore[return-value]  # the LlamaModel interface the runner uses
 
 
 def _draft_checkpoint(spec: SpeculativeConfig | None, device: torch.device, dtype: torch.dtype) -> Checkpoint | None:
@@ -176,6 +229,9 @@ def _capture_cuda_graphs(runner: ModelRunner, config: EngineConfig, attention: A
     (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold)."""
     if device.type != "cuda" or config.enforce_eager:
         return None
+    if config.tensor_parallel_size > 1:
+        logger.info("CUDA graphs off: not captured at tensor_parallel_size > 1 yet")
+        return None
     if attention.name != "triton" or config.kv_cache_dtype != "auto":
         logger.info("CUDA graphs off: the %s attention backend with a %s KV cache runs eagerly",
                     attention.name, config.kv_cache_dtype)
@@ -205,4 +261,5 @@ def kv_layout(model_config: ModelConfig, config: EngineConfig) -> KVLayout:
         block_size=config.block_size,
         dtype=config.dtype,
         kv_cache_dtype=config.kv_cache_dtype,
+        tensor_parallel_size=config.tensor_parallel_size,
     )

@@ -74,6 +74,7 @@ class LLMEngine:
         self.memory_profile, self.cpu_kernels = parts.memory_profile, parts.cpu_kernels
         self.attention_backend_name = parts.attention_backend_name
         self.cuda_graph_capture_seconds = parts.cuda_graph_capture_seconds
+        self._shutdown = parts.shutdown  # its tensor-parallel ranks' (engine/distributed/), if any
 
         self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache = KVCacheManager(
@@ -101,6 +102,12 @@ class LLMEngine:
         # Async scheduling, where it can hold: speculative decoding runs every step synchronously (overlap.py).
         self.async_scheduling = bool(config.async_scheduling) and isinstance(self.speculator, NullSpeculator)
         self._in_flight: _InFlight | None = None  # the step launched and not read yet (async scheduling)
+
+    def close(self) -> None:
+        """Stop the processes the engine runs beside its own (its tensor-parallel ranks; none at TP 1): it cannot
+        step afterwards. Idempotent; at TP > 1 the ranks also stop when the engine is collected or its process
+        ends."""
+        self._shutdown()
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:

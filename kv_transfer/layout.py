@@ -95,6 +95,21 @@ def error_from_kind(kind: kv_transfer_pb2.KVErrorKind.ValueType, message: str) -
     return KVTransferError(message)
 
 
+def tp_kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The KV heads of rank `rank` of `tp_size`: Hkv / N of them when N divides Hkv; when Hkv divides N, the one
+    head its query heads read, shared by N / Hkv ranks (vLLM's rule; engine/distributed/tp_sizes.py refuses any
+    other size). E.g. Hkv 8, N 4: rank 1 holds [2, 4); Hkv 2, N 4: rank 1 holds [0, 1), rank 2 [1, 2)."""
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} outside a tensor-parallel group of {tp_size}")
+    if num_kv_heads % tp_size == 0:
+        per_rank = num_kv_heads // tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    if tp_size % num_kv_heads == 0:
+        head = rank // (tp_size // num_kv_heads)
+        return range(head, head + 1)
+    raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
+
+
 @dataclass(frozen=True, kw_only=True)
 class KVLayout:
     num_layers: int
@@ -103,6 +118,9 @@ class KVLayout:
     block_size: int
     dtype: str  # the model's: what an unquantized cache holds, and what an int8 one's values were computed in
     kv_cache_dtype: str = "auto"  # peers of different `--kv-cache-dtype` never exchange blocks
+    # The ranks of a tensor-parallel engine the model's `num_kv_heads` are spread over (`kv_head_range`); every rank
+    # holds the same block ids. `block_shape` and the byte counts are the whole model's (all ranks' heads).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -110,9 +128,13 @@ class KVLayout:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"a KV handoff carries kv_cache_dtype {' or '.join(KV_CACHE_DTYPES)}, "
                              f"not {self.kv_cache_dtype!r}")
-        for f in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+        for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tensor_parallel_size"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"KVLayout.{f} must be positive, got {getattr(self, f)}")
+
+    def kv_head_range(self, rank: int) -> range:
+        """The KV heads rank `rank` of the tensor-parallel engine holds (`tp_kv_head_range`)."""
+        return tp_kv_head_range(self.num_kv_heads, self.tensor_parallel_size, rank)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -174,6 +196,7 @@ class KVLayout:
     def from_proto(cls, msg: kv_transfer_pb2.KVLayout) -> KVLayout:
         values = {f.name: getattr(msg, f.name) for f in fields(cls)}
         values["kv_cache_dtype"] = msg.kv_cache_dtype or "auto"  # unset: a peer from before quantized handoffs
+        values["tensor_parallel_size"] = msg.tensor_parallel_size or 1  # unset: a peer from before tensor parallelism
         try:
             return cls(**values)
         except ValueError as exc:

@@ -17,20 +17,22 @@ KV_ERROR_LAYOUT_MISMATCH: KVErrorKind
 KV_ERROR_CHECKSUM: KVErrorKind
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "kv_cache_dtype")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "kv_cache_dtype", "tensor_parallel_size")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str
     kv_cache_dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVHandoffDescriptor(_message.Message):
     __slots__ = ("request_id", "transfer_id", "block_hashes", "num_tokens", "num_blocks", "layout", "source_endpoint", "source_worker_id", "transport", "pair_key", "torch_backend", "first_block", "ipc_device")

@@ -18,7 +18,10 @@ from engine.attention.backend import AttentionBackend, RotaryAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
+from engine.model.tp_group import SINGLE, TPGroup
 from engine.model.linear import Linear
+from engine.model.parallel_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                          VocabParallelHead)
 from engine.model.rope import RotaryEmbedding
 
 
@@ -49,11 +52,12 @@ def _fusable(*tensors: torch.Tensor) -> bool:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # [(H + 2*Hkv) * D, hidden], with the q/k/v bias where the model has one
-    o: Linear  # [hidden, H * D]
+    # Shapes at TP 1; at TP N, H, Hkv and intermediate are this rank's (engine/distributed/tp_sizes.py).
+    qkv: Linear  # [(H + 2*Hkv) * D, hidden], with the q/k/v bias where the model has one; column-parallel
+    o: Linear  # [hidden, H * D]; row-parallel
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]; column-parallel
+    down: Linear  # [hidden, intermediate]; row-parallel
 
 
 class MissingWeightError(KeyError):
@@ -68,8 +72,12 @@ class LlamaModel:
         attention: AttentionBackend,
         *,
         max_positions: int,
+        group: TPGroup = SINGLE,
     ) -> None:
+        """`weights` are this rank's shard (engine/distributed/sharding.py) and `config` its local shape (its query
+        and KV heads, its intermediate size; the whole vocabulary); at TP 1 the whole model."""
         self.config = config
+        self.group = group
         self.attention = attention
         c = config
         self.q_size = c.num_heads * c.head_dim
@@ -80,9 +88,11 @@ class LlamaModel:
                 raise MissingWeightError(f"checkpoint has no tensor {name!r}")
             return weights[name]
 
-        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.embed = take("model.embed_tokens.weight")  # [vocab (/ N, padded), hidden]
+        self.embedding = VocabParallelEmbedding(self.embed, group, vocab_size=c.vocab_size)
         self.final_norm = take("model.norm.weight")
-        self.lm_head = Linear(self.embed if c.tie_word_embeddings else take("lm_head.weight"))
+        self.lm_head = VocabParallelHead(self.embed if c.tie_word_embeddings else take("lm_head.weight"), group,
+                                         vocab_size=c.vocab_size)
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -92,11 +102,13 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias),
-                    o=Linear(take(p + "self_attn.o_proj.weight")),
+                    qkv=ColumnParallelLinear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                                             qkv_bias),
+                    o=RowParallelLinear(take(p + "self_attn.o_proj.weight"), group),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                    down=Linear(take(p + "mlp.down_proj.weight")),
+                    gate_up=ColumnParallelLinear(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                            take(p + "mlp.up_proj.weight")])),
+                    down=RowParallelLinear(take(p + "mlp.down_proj.weight"), group),
                 )
             )
         # On a GPU the elementwise steps run as the fused Triton kernels of engine/kernels/triton/ (the residual add
@@ -144,7 +156,7 @@ class LlamaModel:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         c = self.config
         num_tokens = input_ids.shape[0]
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embedding(input_ids)
         cos_sin = self.rope.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
@@ -176,7 +188,10 @@ class LlamaModel:
         c = self.config
         num_tokens = input_ids.shape[0]
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # what follows each layer
-        x, residual = embed_rms_norm(input_ids, self.embed, self.layers[0].input_norm, c.rms_norm_eps)  # [T, hidden]
+        if self.group.size == 1:  # the whole table here: the lookup gathered by the first norm
+            x, residual = embed_rms_norm(input_ids, self.embed, self.layers[0].input_norm, c.rms_norm_eps)  # [T, hidden]
+        else:  # a vocabulary shard: the masked lookup and its all-reduce first
+            x, residual = add_rms_norm(self.embedding(input_ids), self.layers[0].input_norm, c.rms_norm_eps)
         for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
             qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -197,5 +212,5 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32."""
+        """[n, hidden] -> [n, vocab] float32 (at TP N on rank 0; the other ranks get [n, 0])."""
         return self.lm_head(hidden).float()

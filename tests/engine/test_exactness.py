@@ -3,7 +3,8 @@
 The HF side runs each prompt alone (no padding) with a plain greedy loop. The engine runs all prompts batched
 together, mixing lengths, and must agree with prefix caching on, with chunked prefill forced small, and under
 preemption, and with async scheduling (engine/core/overlap.py). After each workload every KV block is back in
-the pool.
+the pool. At tensor_parallel_size 3 (SmolLM2's 9 query / 3 KV heads split three ways, real rank processes) the
+tokens are TP 1's, every logits row within 1e-3.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from tests.engine.distributed.tp_compare import SampledLogits, assert_tp_matches
 from tests.engine.prompts import CHAT_CONVERSATIONS, SHORT_PROMPTS, long_prompt
 
 pytestmark = pytest.mark.slow
@@ -84,11 +86,38 @@ def assert_same(got: list[list[int]], want: list[list[int]]) -> None:
                            f"want {[want[i] for i in mismatches]}"
 
 
+@pytest.fixture(scope="module")
+def tp1_greedy(checkpoint, prompt_ids) -> tuple[list[list[int]], SampledLogits]:
+    """The batched greedy run at TP 1 (cpu attention backend), with every logits row its sampler saw."""
+    engine = make_engine(checkpoint, enable_prefix_caching=False, attention_backend="cpu")
+    logits = SampledLogits.install(engine)
+    return run_greedy(engine, prompt_ids), logits
+
+
 @pytest.mark.parametrize(("backend", "async_scheduling"), [("cpu", False), ("torch", False), ("cpu", True)])
-def test_batched_greedy_matches_hf(checkpoint, prompt_ids, expected, backend, async_scheduling):
-    engine = make_engine(checkpoint, enable_prefix_caching=False, attention_backend=backend,
-                         async_scheduling=async_scheduling)
-    assert_same(run_greedy(engine, prompt_ids), expected)
+def test_batched_greedy_matches_hf(checkpoint, prompt_ids, expected, backend, async_scheduling, request):
+    if (backend, async_scheduling) == ("cpu", False):
+        got = request.getfixturevalue("tp1_greedy")[0]
+    else:
+        got = run_greedy(make_engine(checkpoint, enable_prefix_caching=False, attention_backend=backend,
+                                     async_scheduling=async_scheduling), prompt_ids)
+    assert_same(got, expected)
+
+
+def test_tensor_parallel_3_matches_tp1(checkpoint, prompt_ids, tp1_greedy):
+    tokens1, logits1 = tp1_greedy
+    num_threads = torch.get_num_threads()
+    engine = make_engine(checkpoint, enable_prefix_caching=False, attention_backend="cpu", tensor_parallel_size=3)
+    try:
+        logits3 = SampledLogits.install(engine)
+        tokens3 = run_greedy(engine, prompt_ids)
+    finally:
+        engine.close()
+        torch.set_num_threads(num_threads)  # a TP engine sets its rank 0's threads process-wide
+    ids = {f"r{i}": p for i, p in enumerate(prompt_ids)}
+    by_id = lambda tokens: {f"r{i}": t for i, t in enumerate(tokens)}  # noqa: E731
+    diff = assert_tp_matches(ids, by_id(tokens1), by_id(tokens3), logits1, logits3)
+    print(f"TP 3 vs TP 1: max |logit diff| {diff:.3g} over {len(logits3.rows)} rows")
 
 
 def test_prefix_cache_hits_keep_outputs_identical(checkpoint, prompt_ids, expected):

@@ -1,0 +1,169 @@
+"""A child rank's life (ranks 1..N-1 of a tensor-parallel engine), in its own spawned process:
+
+    watch rank 0 (its death ends this process at once) → join the group → take the weight shard → build the model
+    and the KV cache shard → report ready → loop: Forward / Logits from rank 0 → Shutdown: exit 0
+
+Any failure (a collective that fails because a rank died, a broken pipe, an error in the forward) ends the process
+with a non-zero exit code; rank 0 sees it and fails its engine. Nothing here schedules or samples: a child only
+computes what rank 0 tells it to, in the same order, so that every collective meets its peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from engine.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSpec:
+    """What a child needs to build its part of the engine (picklable; no I/O)."""
+
+    rank: int
+    world_size: int
+    store_port: int
+    timeout_s: float
+    device: str
+    dtype: str  # concrete: float32, bfloat16, float16
+    num_threads: int
+    model_config: ModelConfig  # the rank's local shape (engine/distributed/sharding.py)
+    max_positions: int
+    num_kv_blocks: int
+    block_size: int
+    kv_cache_dtype: str
+    attention_backend: str  # the backend rank 0 chose (concrete, never "auto")
+
+
+@dataclass(frozen=True)
+class Hello:
+    pid: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    weight_bytes: int  # what this rank's model holds
+    kv_cache_bytes: int
+
+
+def run_rank(spec: RankSpec, conn: Connection) -> None:
+    """The child's entry point (multiprocessing spawn target)."""
+    _exit_with_parent()
+    logging.basicConfig(level=logging.WARNING, format=f"[tp rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        _serve(spec, conn)
+    except (EOFError, BrokenPipeError):  # rank 0 went away: nothing to report to
+        os._exit(1)
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        os._exit(1)
+    os._exit(0)  # no atexit handlers, no group teardown waiting on dead peers
+
+
+def _serve(spec: RankSpec, conn: Connection) -> None:
+    import torch
+
+    from engine.attention.backend import get_attention_backend
+    from engine.device import TORCH_DTYPES
+    from engine.distributed import step_message
+    from engine.distributed.group import make_group, make_store
+    from engine.distributed.shared_weights import unshare
+    from engine.model.llama import LlamaModel
+    from engine.model_runner import allocate_kv_cache
+
+    torch.set_num_threads(spec.num_threads)
+    device = torch.device(spec.device)
+    conn.send(Hello(pid=os.getpid()))
+    store = make_store(rank=spec.rank, world_size=spec.world_size, port=spec.store_port, timeout_s=spec.timeout_s)
+    group = make_group(store, rank=spec.rank, world_size=spec.world_size, device=device, timeout_s=spec.timeout_s)
+    weights = unshare(conn.recv(), device)
+    if device.type == "cpu":
+        from engine.kernels.registry import load_all
+
+        load_all()
+    c = spec.model_config
+    attention = get_attention_backend(spec.attention_backend, scale=c.head_dim**-0.5, device=device,
+                                      kv_cache_dtype=spec.kv_cache_dtype)
+    assert all(t.dtype == TORCH_DTYPES[spec.dtype] for t in weights.values())
+    model = LlamaModel(c, weights, attention, max_positions=spec.max_positions, group=group)
+    del weights
+    kv_cache, kv_scales, kv_caches = allocate_kv_cache(model, spec.num_kv_blocks, spec.block_size,
+                                                       spec.kv_cache_dtype)
+    kv_bytes = kv_cache.numel() * kv_cache.element_size() + (
+        0 if kv_scales is None else kv_scales.numel() * kv_scales.element_size())
+    conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes))
+    with torch.inference_mode():
+        while True:
+            message = step_message.decode(conn.recv_bytes(), device)
+            if isinstance(message, step_message.Forward):
+                model.forward(message.input_ids, message.positions, kv_caches, message.meta)
+            elif isinstance(message, step_message.Logits):
+                model.compute_logits(message.hidden)
+            else:
+                return
+
+
+def model_weight_bytes(model: object) -> int:
+    """Bytes of the weight tensors `model` (a LlamaModel) holds, each storage counted once (a tied head shares the
+    embedding's)."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: torch.Tensor | None) -> None:
+        nonlocal total
+        if tensor is None:
+            return
+        if tensor.is_mkldnn or tensor.layout != torch.strided or _opaque(tensor):  # a oneDNN-packed weight
+            key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+        else:
+            key, nbytes = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        if key in seen:
+            return
+        seen.add(key)
+        total += nbytes
+
+    def add_linear(linear: object) -> None:
+        add(getattr(linear, "packed", None))
+        add(getattr(linear, "weight", None))
+        add(getattr(linear, "bias", None))
+
+    add(model.embed)  # type: ignore[attr-defined]
+    add(model.final_norm)  # type: ignore[attr-defined]
+    add_linear(model.lm_head)  # type: ignore[attr-defined]
+    for layer in model.layers:  # type: ignore[attr-defined]
+        add(layer.input_norm)
+        add(layer.post_norm)
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            add_linear(linear)
+    return total
+
+
+def _opaque(tensor: object) -> bool:
+    try:
+        tensor.untyped_storage()  # type: ignore[attr-defined]
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
+
+
+def _exit_with_parent() -> None:
+    """End this process the moment rank 0's process ends, however it ends (SIGKILL included): a daemon thread
+    waits on the parent's sentinel, which multiprocessing's spawn hands every child. No orphan rank, ever."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()

@@ -1,0 +1,99 @@
+"""What rank 0 sends its children, one message a call, over each child's pipe: bytes, so no tensor goes through
+shared memory on the step's path.
+
+    Forward(input_ids, positions, meta)   run the model's forward over your shard (its KV writes included)
+    Logits(hidden)                         compute your slice of the logits of these rows (rank 0 gathers them)
+    Shutdown()                             leave the loop and exit 0
+
+Tensors travel as (dtype, shape, bytes) and come out on the receiver's device; `AttentionMetadata` (its prefill
+chunks included) is rebuilt field by field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata, PrefillChunk
+
+
+@dataclass(frozen=True)
+class Forward:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+
+
+@dataclass(frozen=True)
+class Logits:
+    hidden: torch.Tensor  # [n, hidden]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+StepMessage = Forward | Logits | Shutdown
+
+
+def encode(message: StepMessage) -> bytes:
+    return pickle.dumps(_to_wire(message), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes, device: torch.device) -> StepMessage:
+    return _from_wire(pickle.loads(data), device)
+
+
+class _Wire:
+    """A tensor on the wire."""
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().to("cpu").contiguous()
+        self.dtype = str(tensor.dtype).removeprefix("torch.")
+        self.shape = tuple(tensor.shape)
+        self.data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+
+    def __getstate__(self) -> tuple[str, tuple[int, ...], bytes]:
+        return self.dtype, self.shape, self.data
+
+    def __setstate__(self, state: tuple[str, tuple[int, ...], bytes]) -> None:
+        self.dtype, self.shape, self.data = state
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        dtype = getattr(torch, self.dtype)
+        if not self.data:
+            return torch.empty(self.shape, dtype=dtype, device=device)
+        flat = torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(dtype)
+        out = flat.view(self.shape)
+        return out if device.type == "cpu" else out.to(device)
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Wire(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__, {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    if isinstance(value, tuple):
+        return tuple(_to_wire(v) for v in value)
+    return value
+
+
+_TYPES: dict[str, type] = {t.__name__: t for t in (Forward, Logits, Shutdown, AttentionMetadata, PrefillChunk)}
+
+
+def _from_wire(value: Any, device: torch.device) -> Any:
+    if isinstance(value, _Wire):
+        return value.tensor(device)
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], dict):
+        cls = _TYPES[value[0]]
+        return cls(**{name: _from_wire(v, device) for name, v in value[1].items()})
+    if isinstance(value, tuple):
+        return tuple(_from_wire(v, device) for v in value)
+    return value

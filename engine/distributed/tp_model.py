@@ -1,0 +1,136 @@
+"""The model rank 0's runner drives at TP > 1: rank 0's own shard of the model, and its children kept in step.
+
+`TensorParallelModel` has the model interface the runner uses (`forward`, `compute_logits`, `config`, `dtype`,
+`device`): each call first sends the children the same call (engine/distributed/step_message.py), then runs rank
+0's shard, whose collectives meet theirs. `config` is rank 0's local shape, so the runner's KV cache is rank 0's
+shard of it (its KV heads, every block id); logits come back whole, gathered on rank 0.
+
+Any failure inside a call (a rank died: its sockets close and the collective raises; a pipe broke; a collective
+timed out) fails the group for good: the call and every later one raise RankDiedError naming the dead rank, so the
+engine errors its requests (and frees their blocks) instead of hanging.
+
+`launch_tensor_parallel` starts the whole thing from a loaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.distributed import step_message
+from engine.distributed.rank_group import RankDiedError, RankGroup, start_store
+from engine.distributed.rank_worker import RankSpec, model_weight_bytes
+from engine.distributed.sharding import local_model_config, shard_all, shard_weights
+from engine.distributed.tp_sizes import TPShape
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaModel
+
+# A collective (and so a step) waits this long for a rank that neither answers nor dies (a hung rank); a rank that
+# dies fails it at once. Generous: a long prefill chunk on a busy CPU takes seconds between two collectives.
+COLLECTIVE_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = 300.0  # spawning, importing torch, joining the group, building the shard
+
+T = TypeVar("T")
+
+
+class TensorParallelModel:
+    def __init__(self, local: LlamaModel, ranks: RankGroup, shape: TPShape) -> None:
+        self.local = local
+        self.ranks = ranks
+        self.shape = shape
+        self.config = local.config  # rank 0's local shape; vocab_size is the whole vocabulary
+        self._finalizer = weakref.finalize(self, ranks.close)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def group(self):  # noqa: ANN201 - the TPGroup (its collective timer)
+        return self.local.group
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self._in_step(step_message.Forward(input_ids, positions, meta),
+                             lambda: self.local.forward(input_ids, positions, kv_caches, meta))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._in_step(step_message.Logits(hidden), lambda: self.local.compute_logits(hidden))
+
+    def first_layers(self, num_layers: int) -> LlamaModel:
+        raise ValueError("a layer-skip draft does not run at tensor_parallel_size > 1 yet")
+
+    def _in_step(self, message: step_message.StepMessage, run: Callable[[], T]) -> T:
+        self.ranks.check()
+        self.ranks.send(message)
+        try:
+            return run()
+        except Exception as exc:  # the ranks are out of lockstep now, whatever failed
+            raise self.ranks.fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+
+    def weight_bytes(self) -> list[int]:
+        """Bytes of weights each rank holds, rank 0 first."""
+        return [model_weight_bytes(self.local)] + [ready.weight_bytes for ready in self.ranks.ready]
+
+    def close(self) -> None:
+        """Stop the children (idempotent); the model cannot run afterwards."""
+        self._finalizer()
+
+
+def launch_tensor_parallel(
+    *, config: ModelConfig, weights: dict[str, torch.Tensor], shape: TPShape, attention: AttentionBackend,
+    device: torch.device, dtype: torch.dtype, dtype_name: str, max_model_len: int, num_kv_blocks: int,
+    block_size: int, kv_cache_dtype: str, num_threads: int, consume_weights: bool = False,
+) -> TensorParallelModel:
+    """Start a TP-`shape.tp_size` model over the whole `weights` (HF names, any dtype, CPU): children for ranks
+    1..N-1, each handed its shard, and rank 0's shard here. With `consume_weights` (a checkpoint nobody else holds)
+    `weights` is emptied as it is cut, so that the whole model is held once at most; without, each rank's shard is
+    cut from it in turn. Raises RankDiedError if a child fails to start."""
+    world_size = shape.tp_size
+    local_config = local_model_config(config, shape)
+    store, port = start_store(world_size, STARTUP_TIMEOUT_S)
+    specs = [
+        RankSpec(rank=rank, world_size=world_size, store_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
+                 device=str(device), dtype=dtype_name, num_threads=num_threads, model_config=local_config,
+                 max_positions=max_model_len, num_kv_blocks=num_kv_blocks, block_size=block_size,
+                 kv_cache_dtype=kv_cache_dtype, attention_backend=_backend_flag(attention, kv_cache_dtype))
+        for rank in range(1, world_size)
+    ]
+    ranks = RankGroup(specs, device=device, dtype=dtype, timeout_s=COLLECTIVE_TIMEOUT_S,
+                      startup_timeout_s=STARTUP_TIMEOUT_S)
+    if consume_weights:
+        shards = shard_all(weights, config, shape)
+
+        def shard(rank: int) -> dict[str, torch.Tensor]:
+            mine, shards[rank] = shards[rank], {}
+            return mine
+    else:
+        def shard(rank: int) -> dict[str, torch.Tensor]:
+            return shard_weights(weights, config, shape, rank)
+
+    group = ranks.start(store, shard)
+    try:
+        mine = {name: t.to(device=device, dtype=dtype) for name, t in shard(0).items()}
+        local = LlamaModel(local_config, mine, attention, max_positions=max_model_len, group=group)
+    except BaseException:
+        ranks.close()
+        raise
+    return TensorParallelModel(local, ranks, shape)
+
+
+def _backend_flag(attention: AttentionBackend, kv_cache_dtype: str) -> str:
+    """The `--attention-backend` value that makes a child choose the backend rank 0 has (an int8 cache's backend is
+    named apart, but "torch" is how one asks for it)."""
+    return "torch" if kv_cache_dtype == "int8" else attention.name
+
+
+__all__ = ["RankDiedError", "TensorParallelModel", "launch_tensor_parallel"]
