@@ -1,0 +1,411 @@
+"""y = x @ W.T for a quantized W on CPUs (engine/kernels/quantized_weight.py): GGUF's Q4_0, Q4_1 and Q8_0 blocks as
+stored, and int8 per output channel, read in place, never dequantized to a float matrix.
+
+Decode is bandwidth-bound: a step reads every weight once. These kernels read a Q4_1 weight at 5 bits a value
+(an int8 one at 8) instead of float32's 32, and dequantize inside the dot product.
+
+    GGUF (Q4_0, Q4_1, Q8_0), as llama.cpp computes them:
+        the activation row is quantized to Q8 per block of 32 (quantize_activations_q8: d_x = max|x| / 127,
+        q_x = round-half-even(x / d_x)), then per output row o and token t, over the row's blocks b:
+            y[t, o] = Σ_b  d_w[b] · d_x[t, b] · Σ_i q_w[b, i] · q_x[t, b, i]        integer dot products
+                    (+ Σ_b  m_w[b] · d_x[t, b] · Σ_i q_x[t, b, i]                   Q4_1's minimum term)
+        with q_w the block's codes (Q4_0: nibble - 8; Q4_1: nibble; Q8_0: the int8). The integer dots are exact
+        (u8 x s8 multiply-adds: VNNI's vpdpbusd where the CPU has it, else AVX2's maddubs + madd; signed weights
+        go through |w| and sign(q_x, w)), the rest is float32. That is q8(x) @ dequantize(W).T up to float32
+        summation order: quantized_linear_torch computes it in torch, and the tests hold the kernel to it.
+        Against x @ dequantize(W).T the activation rounding adds at most d_x / 2 a value:
+            |y - y_ref|[t, o] ≤ ½ Σ_b d_x[t, b] Σ_{i in b} |W[o, i]|   (+ float32 rounding)
+    INT8 (weight-only): activations stay float32, each weight converted to float in registers:
+            y[t, o] = scale[o] · Σ_i x[t, i] · q[o, i]
+
+Work is split over output rows with at::parallel_for (torch's thread count); each row is read once for up to 8
+tokens at a time (a 32-token batch reads each row 4 times, from L1). `quantized_linear` runs the kernel, or
+quantized_linear_torch (the same contract, slowly) when the C++ module is not built; bfloat16 activations are
+computed in float32 and the result is cast back.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight, quantized_linear_torch
+from kv_transfer import native_build
+from kv_transfer.native_build import NativeModule
+
+# ISA choices for the GGUF dot product (the `isa` argument): -1 picks the best this CPU runs.
+ISA_AUTO, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI = -1, 0, 1, 2
+ISA_NAMES = {ISA_AVX2: "avx2", ISA_AVXVNNI: "avxvnni", ISA_AVX512VNNI: "avx512vnni"}
+
+_PRELUDE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace qk {
+
+constexpr int64_t QK = 32;  // values per block (GGUF and Q8 activations)
+enum : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+constexpr int64_t block_bytes(int64_t fmt) { return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : 34; }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One block of 32 floats -> 32 int8 q, d = max|x| / 127, s = d * sum(q). The same float32 operations as
+// quantize_activations_q8 in torch (one multiply by 1/d, round half to even), so the same bits.
+inline void quantize_block_q8(const float* x, int8_t* q, float* d_out, float* s_out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+  const __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));  // MXCSR's default: round half to even
+  __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+  __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+  i0 = _mm256_packs_epi32(i0, i1);  // 0-3 8-11 4-7 12-15
+  i2 = _mm256_packs_epi32(i2, i3);  // 16-19 24-27 20-23 28-31
+  i0 = _mm256_packs_epi16(i0, i2);  // 0-3 8-11 16-19 24-27 4-7 12-15 20-23 28-31
+  i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i0);
+  *d_out = d;
+  *s_out = d * static_cast<float>(_mm_cvtsi128_si32(t4));
+}
+
+// x [T, K] -> q [T, K], d [T, K/32], s [T, K/32].
+inline void quantize_rows_q8(const float* x, int64_t T, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, T * nb, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_block_q8(x + i * QK, q + i * QK, d + i, s + i);
+  });
+}
+
+// 32 nibbles of a Q4 block: byte j's low nibble is value j, its high nibble value j + 16.
+inline __m256i unpack_nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+}  // namespace qk
+"""
+
+# Compiled once per dot-product ISA, inside `#pragma GCC target` for the VNNI ones (chosen at run time by CPUID,
+# so the x86-64-v3 and -v4 builds both carry the VNNI paths). @NS@ and @DOT@ are filled in below.
+_GGUF_BODY = r"""
+namespace @NS@ {
+using namespace qk;
+
+// Σ over groups of 4 of u8 x s8 products, into 8 int32 lanes.
+inline __m256i dot_u8s8(__m256i u, __m256i s) { return @DOT@; }
+
+// A block's codes as u8 (what vpdpbusd multiplies) and, for the signed formats, the signed codes (whose signs
+// move onto the activations).
+template <int64_t FMT>
+inline void load_codes(const uint8_t* blk, __m256i& u, __m256i& w) {
+  if constexpr (FMT == kQ8_0) {
+    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    u = _mm256_abs_epi8(w);
+  } else if constexpr (FMT == kQ4_0) {
+    w = _mm256_sub_epi8(unpack_nibbles(blk + 2), _mm256_set1_epi8(8));
+    u = _mm256_abs_epi8(w);
+  } else {
+    u = unpack_nibbles(blk + 4);
+    w = u;
+  }
+}
+
+// Rows of one output row for TT tokens: y[tt * O] = Σ_b dw[b] dx[tt, b] dot(b) (+ Σ_b mw[b] sx[tt, b]).
+// NA accumulators per token take alternate blocks, so that a single token does not wait on one FMA chain.
+template <int64_t FMT, int TT>
+inline void tile(const uint8_t* row, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+                 const float* dw, const float* mw, int64_t K, float* y, int64_t O) {
+  constexpr int64_t BB = block_bytes(FMT);
+  constexpr int NA = TT == 1 ? 2 : 1;
+  __m256 acc[NA][TT];
+  for (int a = 0; a < NA; ++a)
+    for (int t = 0; t < TT; ++t) acc[a][t] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + NA <= nb; b += NA) {
+    for (int a = 0; a < NA; ++a) {
+      __m256i u, w;
+      load_codes<FMT>(row + (b + a) * BB, u, w);
+      for (int t = 0; t < TT; ++t) {
+        __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * K + (b + a) * QK));
+        if constexpr (FMT != kQ4_1) s = _mm256_sign_epi8(s, w);
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, s));
+        acc[a][t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw[b + a] * dx[t * nb + b + a]), acc[a][t]);
+      }
+    }
+  }
+  for (; b < nb; ++b) {
+    __m256i u, w;
+    load_codes<FMT>(row + b * BB, u, w);
+    for (int t = 0; t < TT; ++t) {
+      __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * K + b * QK));
+      if constexpr (FMT != kQ4_1) s = _mm256_sign_epi8(s, w);
+      const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, s));
+      acc[0][t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw[b] * dx[t * nb + b]), acc[0][t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    __m256 sum = acc[0][t];
+    for (int a = 1; a < NA; ++a) sum = _mm256_add_ps(sum, acc[a][t]);
+    float v = hsum(sum);
+    if constexpr (FMT == kQ4_1) {
+      for (int64_t i = 0; i < nb; ++i) v += mw[i] * sx[t * nb + i];
+    }
+    y[t * O] = v;
+  }
+}
+
+template <int64_t FMT>
+void rows_of(const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, const float* sx, int64_t T,
+             float* y, int64_t O, int64_t o0, int64_t o1) {
+  constexpr int64_t BB = block_bytes(FMT);
+  const int64_t nb = K / QK;
+  std::vector<float> dw(nb), mw(nb);
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = w + o * nb * BB;
+    for (int64_t b = 0; b < nb; ++b) {
+      dw[b] = f16_at(row + b * BB);
+      if constexpr (FMT == kQ4_1) mw[b] = f16_at(row + b * BB + 2);
+    }
+    int64_t t = 0;
+    auto run = [&](auto tt) {
+      constexpr int n = decltype(tt)::value;
+      tile<FMT, n>(row, nb, qx + t * K, dx + t * nb, sx + t * nb, dw.data(), mw.data(), K, y + t * O + o, O);
+      t += n;
+    };
+    while (T - t >= 8) run(std::integral_constant<int, 8>{});
+    if (T - t >= 4) run(std::integral_constant<int, 4>{});
+    if (T - t >= 2) run(std::integral_constant<int, 2>{});
+    if (T - t >= 1) run(std::integral_constant<int, 1>{});
+  }
+}
+
+void gguf_rows(int64_t fmt, const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, const float* sx,
+               int64_t T, float* y, int64_t O, int64_t o0, int64_t o1) {
+  if (fmt == kQ4_0) rows_of<kQ4_0>(w, K, qx, dx, sx, T, y, O, o0, o1);
+  else if (fmt == kQ4_1) rows_of<kQ4_1>(w, K, qx, dx, sx, T, y, O, o0, o1);
+  else rows_of<kQ8_0>(w, K, qx, dx, sx, T, y, O, o0, o1);
+}
+
+}  // namespace @NS@
+"""
+
+_ISAS = (  # namespace, GCC target ("" = the variant's own), the dot product
+    ("isa_avx2", "", "_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))"),
+    ("isa_avxvnni", "avxvnni", "_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)"),
+    ("isa_avx512vnni", "avx512vnni,avx512vl", "_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)"),
+)
+
+
+def _instantiate(ns: str, target: str, dot: str) -> str:
+    body = _GGUF_BODY.replace("@NS@", ns).replace("@DOT@", dot)
+    if not target:
+        return body
+    return f'#pragma GCC push_options\n#pragma GCC target("{target}")\n{body}#pragma GCC pop_options\n'
+
+
+_ENTRY_POINTS = r"""
+namespace qk {
+
+using RowsFn = void (*)(int64_t, const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t,
+                        float*, int64_t, int64_t, int64_t);
+
+inline bool isa_available(int64_t isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case 0: return true;
+    case 1: return __builtin_cpu_supports("avxvnni");
+    case 2: return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    default: return false;
+  }
+}
+
+inline int64_t best_isa() {
+  static const int64_t best = isa_available(2) ? 2 : isa_available(1) ? 1 : 0;
+  return best;
+}
+
+inline RowsFn rows_for(int64_t isa) {
+  if (isa < 0) isa = best_isa();
+  TORCH_CHECK(isa_available(isa), "this CPU cannot run dot-product ISA ", isa);
+  return isa == 2 ? isa_avx512vnni::gguf_rows : isa == 1 ? isa_avxvnni::gguf_rows : isa_avx2::gguf_rows;
+}
+
+// y[t, o] = scale[o] Σ_i x[t, i] q[o, i], TT tokens of one row; NA accumulators for few tokens.
+template <int TT>
+inline void int8_tile(const int8_t* row, int64_t K, const float* x, float scale, float* y, int64_t O) {
+  constexpr int NA = TT == 1 ? 4 : TT == 2 ? 2 : 1;
+  __m256 acc[NA][TT];
+  for (int a = 0; a < NA; ++a)
+    for (int t = 0; t < TT; ++t) acc[a][t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * NA <= K; k += 8 * NA) {
+    for (int a = 0; a < NA; ++a) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8 * a));
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+      for (int t = 0; t < TT; ++t)
+        acc[a][t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * K + k + 8 * a), acc[a][t]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(row + k))));
+    for (int t = 0; t < TT; ++t) acc[0][t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * K + k), acc[0][t]);
+  }
+  for (int t = 0; t < TT; ++t) {
+    __m256 sum = acc[0][t];
+    for (int a = 1; a < NA; ++a) sum = _mm256_add_ps(sum, acc[a][t]);
+    float v = hsum(sum);
+    for (int64_t i = k; i < K; ++i) v += x[t * K + i] * static_cast<float>(row[i]);
+    y[t * O] = v * scale;
+  }
+}
+
+// Rows per work item: at least `work` multiply-adds, so that small GEMVs do not pay for waking threads.
+inline int64_t grain_rows(int64_t per_row, int64_t work) { return std::max<int64_t>(1, work / std::max<int64_t>(1, per_row)); }
+
+}  // namespace qk
+
+// The Q8 activations of x [T, K] float32: (q int8 [T, K], d float32 [T, K/32]).
+std::tuple<torch::Tensor, torch::Tensor> quantize_q8(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
+  TORCH_CHECK(x.size(1) % qk::QK == 0, "x: K must be a multiple of 32");
+  const int64_t T = x.size(0), K = x.size(1);
+  auto q = torch::empty({T, K}, x.options().dtype(torch::kInt8));
+  auto d = torch::empty({T, K / qk::QK}, x.options());
+  auto s = torch::empty({T, K / qk::QK}, x.options());
+  qk::quantize_rows_q8(x.data_ptr<float>(), T, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  return {q, d};
+}
+
+// y [T, O] = q8(x) @ dequantize(w).T; w: uint8 [O, K/32 * block bytes], GGUF blocks as stored; fmt 0/1/2 =
+// Q4_0/Q4_1/Q8_0; isa -1 = the best this CPU runs.
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t isa) {
+  TORCH_CHECK(fmt >= qk::kQ4_0 && fmt <= qk::kQ8_0, "unknown GGUF format code ", fmt);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [O, bytes]");
+  const int64_t T = x.size(0), K = x.size(1), O = w.size(0), nb = K / qk::QK;
+  TORCH_CHECK(K > 0 && K % qk::QK == 0, "x: K = ", K, " is not a positive multiple of 32");
+  TORCH_CHECK(w.size(1) == nb * qk::block_bytes(fmt), "w: ", w.size(1), " bytes a row, ", K, " inputs need ",
+              nb * qk::block_bytes(fmt));
+  const qk::RowsFn rows = qk::rows_for(isa);
+  auto y = torch::empty({T, O}, x.options());
+  if (T == 0 || O == 0) return y;
+  auto q = torch::empty({T, K}, x.options().dtype(torch::kInt8));
+  auto d = torch::empty({T, nb}, x.options());
+  auto s = torch::empty({T, nb}, x.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  qk::quantize_rows_q8(x.data_ptr<float>(), T, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, O, qk::grain_rows(nb * T, 4096), [&](int64_t o0, int64_t o1) {
+    rows(fmt, wp, K, qp, dp, sp, T, yp, O, o0, o1);
+  });
+  return y;
+}
+
+// y [T, O] = (x @ w.T) * scales; x [T, K] float32, w int8 [O, K], scales float32 [O].
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w: contiguous int8 [O, K]");
+  TORCH_CHECK(w.size(1) == x.size(1), "w has ", w.size(1), " inputs, x ", x.size(1));
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == w.size(0) && scales.scalar_type() == torch::kFloat32 &&
+              scales.is_contiguous(), "scales: contiguous float32 [O]");
+  const int64_t T = x.size(0), K = x.size(1), O = w.size(0);
+  auto y = torch::empty({T, O}, x.options());
+  if (T == 0 || O == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, O, qk::grain_rows(K * T, 65536), [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      const int8_t* row = wp + o * K;
+      int64_t t = 0;
+      for (; T - t >= 8; t += 8) qk::int8_tile<8>(row, K, xp + t * K, sp[o], yp + t * O + o, O);
+      if (T - t >= 4) { qk::int8_tile<4>(row, K, xp + t * K, sp[o], yp + t * O + o, O); t += 4; }
+      if (T - t >= 2) { qk::int8_tile<2>(row, K, xp + t * K, sp[o], yp + t * O + o, O); t += 2; }
+      if (T - t >= 1) qk::int8_tile<1>(row, K, xp + t * K, sp[o], yp + t * O + o, O);
+    }
+  });
+  return y;
+}
+
+// The dot-product ISA `isa` names (-1: the one picked), or "" where this CPU cannot run it.
+std::string dot_isa(int64_t isa) {
+  if (isa < 0) isa = qk::best_isa();
+  if (!qk::isa_available(isa)) return "";
+  return isa == 2 ? "avx512vnni" : isa == 1 ? "avxvnni" : "avx2";
+}
+"""
+
+NATIVE = NativeModule(
+    name="cpu_quantized_linear",
+    source=_PRELUDE + "".join(_instantiate(*isa) for isa in _ISAS) + _ENTRY_POINTS,
+    functions=("gguf_linear", "int8_linear", "quantize_q8", "dot_isa"),
+)
+
+
+@cache
+def load_kernel():  # noqa: ANN201 - the compiled extension module, or None
+    """The compiled kernels, or None (see kv_transfer/native_build.py)."""
+    return native_build.load(NATIVE)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, *, isa: int = ISA_AUTO) -> torch.Tensor:
+    """y = x @ W.T, W = `weight` (see the module docstring for what is computed): x [..., in_features] float32 or
+    bfloat16 -> [..., out_features] in x's dtype. `isa` picks the GGUF dot product (tests and benchmarks); the
+    default is the best this CPU runs."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"quantized_linear takes float32 or bfloat16 CPU activations, got {x.dtype} on {x.device}")
+    if x.dim() == 0 or x.shape[-1] != weight.in_features:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not end in the weight's {weight.in_features} inputs")
+    x2 = x.reshape(-1, weight.in_features).float().contiguous()  # [tokens, in_features]
+    kernel = load_kernel()
+    if kernel is None:
+        y = quantized_linear_torch(x2, weight)
+    elif weight.format is QuantFormat.INT8:
+        y = kernel.int8_linear(x2, weight.data, weight.scales)
+    else:
+        y = kernel.gguf_linear(x2, weight.data, weight.format.code, isa)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
+
+
+def available_isas() -> list[int]:
+    """The GGUF dot-product ISAs this CPU runs (empty without the C++ module)."""
+    kernel = load_kernel()
+    return [] if kernel is None else [isa for isa in ISA_NAMES if kernel.dot_isa(isa)]
