@@ -108,6 +108,15 @@ inline void quantize_rows_q8(const float* x, int64_t T, int64_t K, int8_t* q, fl
   });
 }
 
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float v = hsum(acc);
+  for (; i < n; ++i) v += a[i] * b[i];
+  return v;
+}
+
 // 32 nibbles of a Q4 block: byte j's low nibble is value j, its high nibble value j + 16.
 inline __m256i unpack_nibbles(const uint8_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -143,46 +152,45 @@ inline void load_codes(const uint8_t* blk, __m256i& u, __m256i& w) {
   }
 }
 
+// Block b of one row against TT tokens: acc[t] += dw[b] dx[t, b] dot(b, t), 8 lanes of partial sums. The scales
+// are broadcast from memory (loads, not shuffles), one multiply each.
+template <int64_t FMT, int TT>
+inline void block(const uint8_t* row, int64_t b, int64_t nb, const int8_t* qx, const float* dx, const float* dw,
+                  int64_t K, __m256* acc) {
+  __m256i u, w;
+  load_codes<FMT>(row + b * block_bytes(FMT), u, w);
+  const __m256 dwv = _mm256_broadcast_ss(dw + b);
+  for (int t = 0; t < TT; ++t) {
+    __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * K + b * QK));
+    if constexpr (FMT != kQ4_1) s = _mm256_sign_epi8(s, w);
+    const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, s));
+    acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dwv, _mm256_broadcast_ss(dx + t * nb + b)), acc[t]);
+  }
+}
+
 // Rows of one output row for TT tokens: y[tt * O] = Σ_b dw[b] dx[tt, b] dot(b) (+ Σ_b mw[b] sx[tt, b]).
 // NA accumulators per token take alternate blocks, so that a single token does not wait on one FMA chain.
 template <int64_t FMT, int TT>
 inline void tile(const uint8_t* row, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
                  const float* dw, const float* mw, int64_t K, float* y, int64_t O) {
-  constexpr int64_t BB = block_bytes(FMT);
-  constexpr int NA = TT == 1 ? 2 : 1;
+  constexpr int NA = TT == 1 ? 4 : TT == 2 ? 2 : 1;
   __m256 acc[NA][TT];
   for (int a = 0; a < NA; ++a)
     for (int t = 0; t < TT; ++t) acc[a][t] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + NA <= nb; b += NA) {
     for (int a = 0; a < NA; ++a) {
-      __m256i u, w;
-      load_codes<FMT>(row + (b + a) * BB, u, w);
-      for (int t = 0; t < TT; ++t) {
-        __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * K + (b + a) * QK));
-        if constexpr (FMT != kQ4_1) s = _mm256_sign_epi8(s, w);
-        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, s));
-        acc[a][t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw[b + a] * dx[t * nb + b + a]), acc[a][t]);
-      }
+      block<FMT, TT>(row, b + a, nb, qx, dx, dw, K, acc[a]);
     }
   }
   for (; b < nb; ++b) {
-    __m256i u, w;
-    load_codes<FMT>(row + b * BB, u, w);
-    for (int t = 0; t < TT; ++t) {
-      __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + t * K + b * QK));
-      if constexpr (FMT != kQ4_1) s = _mm256_sign_epi8(s, w);
-      const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, s));
-      acc[0][t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw[b] * dx[t * nb + b]), acc[0][t]);
-    }
+    block<FMT, TT>(row, b, nb, qx, dx, dw, K, acc[0]);
   }
   for (int t = 0; t < TT; ++t) {
     __m256 sum = acc[0][t];
     for (int a = 1; a < NA; ++a) sum = _mm256_add_ps(sum, acc[a][t]);
     float v = hsum(sum);
-    if constexpr (FMT == kQ4_1) {
-      for (int64_t i = 0; i < nb; ++i) v += mw[i] * sx[t * nb + i];
-    }
+    if constexpr (FMT == kQ4_1) v += dot_f32(mw, sx + t * nb, nb);
     y[t * O] = v;
   }
 }
@@ -300,6 +308,7 @@ inline int64_t grain_rows(int64_t per_row, int64_t work) { return std::max<int64
 
 // The Q8 activations of x [T, K] float32: (q int8 [T, K], d float32 [T, K/32]).
 std::tuple<torch::Tensor, torch::Tensor> quantize_q8(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
   TORCH_CHECK(x.size(1) % qk::QK == 0, "x: K must be a multiple of 32");
   const int64_t T = x.size(0), K = x.size(1);
@@ -313,9 +322,11 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_q8(torch::Tensor x) {
 // y [T, O] = q8(x) @ dequantize(w).T; w: uint8 [O, K/32 * block bytes], GGUF blocks as stored; fmt 0/1/2 =
 // Q4_0/Q4_1/Q8_0; isa -1 = the best this CPU runs.
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
   TORCH_CHECK(fmt >= qk::kQ4_0 && fmt <= qk::kQ8_0, "unknown GGUF format code ", fmt);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [O, bytes]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.device().is_cpu(),
+              "w: contiguous CPU uint8 [O, bytes]");
   const int64_t T = x.size(0), K = x.size(1), O = w.size(0), nb = K / qk::QK;
   TORCH_CHECK(K > 0 && K % qk::QK == 0, "x: K = ", K, " is not a positive multiple of 32");
   TORCH_CHECK(w.size(1) == nb * qk::block_bytes(fmt), "w: ", w.size(1), " bytes a row, ", K, " inputs need ",
@@ -323,13 +334,15 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t
   const qk::RowsFn rows = qk::rows_for(isa);
   auto y = torch::empty({T, O}, x.options());
   if (T == 0 || O == 0) return y;
-  auto q = torch::empty({T, K}, x.options().dtype(torch::kInt8));
-  auto d = torch::empty({T, nb}, x.options());
-  auto s = torch::empty({T, nb}, x.options());
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* sp = s.data_ptr<float>();
-  qk::quantize_rows_q8(x.data_ptr<float>(), T, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  // The Q8 activations, in buffers this thread keeps (a GEMV is a few microseconds: allocations show).
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> ds;
+  q.resize(T * K);
+  ds.resize(2 * T * nb);
+  const int8_t* qp = q.data();
+  const float* dp = ds.data();
+  const float* sp = ds.data() + T * nb;
+  qk::quantize_rows_q8(x.data_ptr<float>(), T, K, q.data(), ds.data(), ds.data() + T * nb);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, O, qk::grain_rows(nb * T, 4096), [&](int64_t o0, int64_t o1) {
@@ -340,11 +353,13 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t
 
 // y [T, O] = (x @ w.T) * scales; x [T, K] float32, w int8 [O, K], scales float32 [O].
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w: contiguous int8 [O, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.device().is_cpu(),
+              "w: contiguous CPU int8 [O, K]");
   TORCH_CHECK(w.size(1) == x.size(1), "w has ", w.size(1), " inputs, x ", x.size(1));
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == w.size(0) && scales.scalar_type() == torch::kFloat32 &&
-              scales.is_contiguous(), "scales: contiguous float32 [O]");
+              scales.is_contiguous() && scales.device().is_cpu(), "scales: contiguous CPU float32 [O]");
   const int64_t T = x.size(0), K = x.size(1), O = w.size(0);
   auto y = torch::empty({T, O}, x.options());
   if (T == 0 || O == 0) return y;
@@ -390,12 +405,17 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, *, isa: int = ISA
     """y = x @ W.T, W = `weight` (see the module docstring for what is computed): x [..., in_features] float32 or
     bfloat16 -> [..., out_features] in x's dtype. `isa` picks the GGUF dot product (tests and benchmarks); the
     default is the best this CPU runs."""
+    kernel = load_kernel()
+    if (kernel is not None and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == weight.in_features
+            and x.is_contiguous()):  # the engine's case, with as little Python as possible: a GEMV is microseconds
+        if weight.scales is not None:
+            return kernel.int8_linear(x, weight.data, weight.scales)
+        return kernel.gguf_linear(x, weight.data, weight.format.code, isa)
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"quantized_linear takes float32 or bfloat16 CPU activations, got {x.dtype} on {x.device}")
     if x.dim() == 0 or x.shape[-1] != weight.in_features:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end in the weight's {weight.in_features} inputs")
     x2 = x.reshape(-1, weight.in_features).float().contiguous()  # [tokens, in_features]
-    kernel = load_kernel()
     if kernel is None:
         y = quantized_linear_torch(x2, weight)
     elif weight.format is QuantFormat.INT8:
