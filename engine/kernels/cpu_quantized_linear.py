@@ -18,8 +18,11 @@ Decode is bandwidth-bound: a step reads every weight once. These kernels read a 
     INT8 (weight-only): activations stay float32, each weight converted to float in registers:
             y[t, o] = scale[o] · Σ_i x[t, i] · q[o, i]
 
-Work is split over output rows with at::parallel_for (torch's thread count); each row is read once for up to 8
-tokens at a time (a 32-token batch reads each row 4 times, from L1). `quantized_linear` runs the kernel, or
+Work is split over output rows with at::parallel_for (torch's thread count). One token (decode's GEMV) runs a
+row's blocks in turn, each block's dot in 8 int32 lanes. Batches run whole tiles of 8 tokens with the tokens in
+the lanes where the CPU has VNNI (transpose_tiles: one vpdpbusd of 4 broadcast weight codes covers 8 tokens, and
+a block's scales apply once per 8 tokens, not per token: 2.7x fewer cycles at 32 tokens than token by token);
+other tokens, and every token on AVX2-only CPUs, run through the one-token code, up to 8 tokens a pass. `quantized_linear` runs the kernel, or
 quantized_linear_torch (the same contract, slowly) when the C++ module is not built; bfloat16 activations are
 computed in float32 and the result is cast back.
 """
@@ -117,6 +120,56 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return v;
 }
 
+// Tokens in lanes, for the batched VNNI path: 8 tokens' Q8 activations per tile, transposed so that one 32-byte
+// vector holds the same 4 values (a "group") of 8 tokens, one token per int32 lane:
+//
+//     xt[tile][b][g] = | t0: q[b*32 + 4g .. +3] | t1: ... | ... | t7: ... |        g = 0..7, 32 bytes each
+//     dt, st[tile][b] = d, d * sum(q) of tokens t0..t7;  ct[tile][b] = -offset * sum(q) (int32)
+//
+// Then one vpdpbusd of a block's 4 weight codes (broadcast) against xt[tile][b][g] adds those 4 products for all
+// 8 tokens, and a block's scales apply once per 8 tokens instead of once per token.
+inline void transpose_tiles(const int8_t* q, const float* d, const float* s, int64_t num_tiles, int64_t K,
+                            int32_t offset, uint8_t* xt, float* dt, float* st, int32_t* ct) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, num_tiles * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t tile = i / nb, b = i % nb;
+      __m256i r[8];
+      for (int t = 0; t < 8; ++t) {
+        const int64_t token = tile * 8 + t;
+        r[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + token * K + b * QK));
+        dt[i * 8 + t] = d[token * nb + b];
+        st[i * 8 + t] = s[token * nb + b];
+        // sum of the 32 int8 values: |sum| <= 32 * 127, exact
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), r[t]);
+        const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        __m128i v = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+        v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+        v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+        ct[i * 8 + t] = -offset * _mm_cvtsi128_si32(v);
+      }
+      // 8 x 8 transpose of int32: row t (token) -> row g (group)
+      const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+      const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+      const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+      const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+      const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+      const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+      const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+      __m256i* out = reinterpret_cast<__m256i*>(xt + i * 256);
+      _mm256_storeu_si256(out + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+      _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+      _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+      _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+      _mm256_storeu_si256(out + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+      _mm256_storeu_si256(out + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+      _mm256_storeu_si256(out + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+      _mm256_storeu_si256(out + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+    }
+  });
+}
+
 // 32 nibbles of a Q4 block: byte j's low nibble is value j, its high nibble value j + 16.
 inline __m256i unpack_nibbles(const uint8_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -135,6 +188,7 @@ using namespace qk;
 
 // Σ over groups of 4 of u8 x s8 products, into 8 int32 lanes.
 inline __m256i dot_u8s8(__m256i u, __m256i s) { return @DOT@; }
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return @DOT_ACC@; }
 
 // A block's codes as u8 (what vpdpbusd multiplies) and, for the signed formats, the signed codes (whose signs
 // move onto the activations).
@@ -220,6 +274,70 @@ void rows_of(const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, con
   }
 }
 
+// Tokens in lanes (see transpose_tiles): NT tiles of 8 tokens against one row. The codes are unsigned here (Q4_0's
+// nibbles, Q8_0's int8 + 128), the offset taken back exactly by starting each dot at ct = -offset * sum(q). Needs
+// an unsaturated u8 x s8 dot (VNNI): maddubs's int16 pairs would overflow on Q8_0's codes.
+template <int64_t FMT, int NT>
+inline void lanes(const uint8_t* row, int64_t nb, const uint8_t* xt, const float* dt, const float* st,
+                  const int32_t* ct, float* y, int64_t O) {
+  constexpr int64_t BB = block_bytes(FMT);
+  alignas(32) int32_t codes[8];
+  __m256 acc[NT];
+  for (int n = 0; n < NT; ++n) acc[n] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * BB;
+    __m256i u;
+    if constexpr (FMT == kQ8_0) {
+      u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+    } else {
+      u = unpack_nibbles(blk + (FMT == kQ4_1 ? 4 : 2));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes), u);
+    const __m256 dwv = _mm256_set1_ps(f16_at(blk));
+    for (int n = 0; n < NT; ++n) {
+      const int64_t tb = n * nb + b;  // this tile's block b
+      const __m256i* x = reinterpret_cast<const __m256i*>(xt + tb * 256);
+      __m256i dot = FMT == kQ4_1 ? _mm256_setzero_si256()
+                                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ct + tb * 8));
+      for (int g = 0; g < 8; ++g) dot = dot_acc(dot, _mm256_set1_epi32(codes[g]), _mm256_loadu_si256(x + g));
+      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dwv, _mm256_loadu_ps(dt + tb * 8)), acc[n]);
+      if constexpr (FMT == kQ4_1)
+        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_loadu_ps(st + tb * 8), acc[n]);
+    }
+  }
+  alignas(32) float out[8];
+  for (int n = 0; n < NT; ++n) {
+    _mm256_store_ps(out, acc[n]);
+    for (int t = 0; t < 8; ++t) y[(n * 8 + t) * O] = out[t];
+  }
+}
+
+template <int64_t FMT>
+void lane_rows_of(const uint8_t* w, int64_t K, const uint8_t* xt, const float* dt, const float* st,
+                  const int32_t* ct, int64_t num_tiles, float* y, int64_t O, int64_t o0, int64_t o1) {
+  const int64_t nb = K / QK;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = w + o * nb * block_bytes(FMT);
+    int64_t tile = 0;
+    auto run = [&](auto nt) {
+      constexpr int n = decltype(nt)::value;
+      const int64_t at = tile * nb;
+      lanes<FMT, n>(row, nb, xt + at * 256, dt + at * 8, st + at * 8, ct + at * 8, y + tile * 8 * O + o, O);
+      tile += n;
+    };
+    while (num_tiles - tile >= 4) run(std::integral_constant<int, 4>{});
+    if (num_tiles - tile >= 2) run(std::integral_constant<int, 2>{});
+    if (num_tiles - tile >= 1) run(std::integral_constant<int, 1>{});
+  }
+}
+
+void gguf_lane_rows(int64_t fmt, const uint8_t* w, int64_t K, const uint8_t* xt, const float* dt, const float* st,
+                    const int32_t* ct, int64_t num_tiles, float* y, int64_t O, int64_t o0, int64_t o1) {
+  if (fmt == kQ4_0) lane_rows_of<kQ4_0>(w, K, xt, dt, st, ct, num_tiles, y, O, o0, o1);
+  else if (fmt == kQ4_1) lane_rows_of<kQ4_1>(w, K, xt, dt, st, ct, num_tiles, y, O, o0, o1);
+  else lane_rows_of<kQ8_0>(w, K, xt, dt, st, ct, num_tiles, y, O, o0, o1);
+}
+
 void gguf_rows(int64_t fmt, const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, const float* sx,
                int64_t T, float* y, int64_t O, int64_t o0, int64_t o1) {
   if (fmt == kQ4_0) rows_of<kQ4_0>(w, K, qx, dx, sx, T, y, O, o0, o1);
@@ -230,15 +348,18 @@ void gguf_rows(int64_t fmt, const uint8_t* w, int64_t K, const int8_t* qx, const
 }  // namespace @NS@
 """
 
-_ISAS = (  # namespace, GCC target ("" = the variant's own), the dot product
-    ("isa_avx2", "", "_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))"),
-    ("isa_avxvnni", "avxvnni", "_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)"),
-    ("isa_avx512vnni", "avx512vnni,avx512vl", "_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)"),
+_ISAS = (  # namespace, GCC target ("" = the variant's own), the dot product, the dot product added to acc
+    ("isa_avx2", "", "_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))",
+     "_mm256_add_epi32(acc, dot_u8s8(u, s))"),  # saturates on Q8_0's offset codes: the lanes path is VNNI-only
+    ("isa_avxvnni", "avxvnni", "_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)",
+     "_mm256_dpbusd_avx_epi32(acc, u, s)"),
+    ("isa_avx512vnni", "avx512vnni,avx512vl", "_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)",
+     "_mm256_dpbusd_epi32(acc, u, s)"),
 )
 
 
-def _instantiate(ns: str, target: str, dot: str) -> str:
-    body = _GGUF_BODY.replace("@NS@", ns).replace("@DOT@", dot)
+def _instantiate(ns: str, target: str, dot: str, dot_acc: str) -> str:
+    body = _GGUF_BODY.replace("@NS@", ns).replace("@DOT_ACC@", dot_acc).replace("@DOT@", dot)
     if not target:
         return body
     return f'#pragma GCC push_options\n#pragma GCC target("{target}")\n{body}#pragma GCC pop_options\n'
@@ -263,6 +384,14 @@ inline bool isa_available(int64_t isa) {
 inline int64_t best_isa() {
   static const int64_t best = isa_available(2) ? 2 : isa_available(1) ? 1 : 0;
   return best;
+}
+
+using LaneRowsFn = void (*)(int64_t, const uint8_t*, int64_t, const uint8_t*, const float*, const float*,
+                            const int32_t*, int64_t, float*, int64_t, int64_t, int64_t);
+
+inline LaneRowsFn lane_rows_for(int64_t isa) {  // null: no lanes path (AVX2's dot saturates)
+  if (isa < 0) isa = best_isa();
+  return isa == 2 ? isa_avx512vnni::gguf_lane_rows : isa == 1 ? isa_avxvnni::gguf_lane_rows : nullptr;
 }
 
 inline RowsFn rows_for(int64_t isa) {
@@ -345,8 +474,28 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t
   qk::quantize_rows_q8(x.data_ptr<float>(), T, K, q.data(), ds.data(), ds.data() + T * nb);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  // Whole tiles of 8 tokens go through the lanes path where the CPU has VNNI; the rest token by token.
+  const qk::LaneRowsFn lane_rows = qk::lane_rows_for(isa);
+  const int64_t num_tiles = lane_rows != nullptr ? T / 8 : 0, tiled = num_tiles * 8;
+  thread_local std::vector<uint8_t> xt;
+  thread_local std::vector<float> dst;
+  thread_local std::vector<int32_t> ct;
+  if (num_tiles > 0) {
+    xt.resize(num_tiles * nb * 256);
+    dst.resize(2 * num_tiles * nb * 8);
+    ct.resize(num_tiles * nb * 8);
+    const int32_t offset = fmt == qk::kQ4_0 ? 8 : fmt == qk::kQ8_0 ? 128 : 0;
+    qk::transpose_tiles(qp, dp, sp, num_tiles, K, offset, xt.data(), dst.data(), dst.data() + num_tiles * nb * 8,
+                        ct.data());
+  }
+  const uint8_t* xtp = xt.data();
+  const float* dtp = dst.data();
+  const float* stp = dst.data() + num_tiles * nb * 8;
+  const int32_t* ctp = ct.data();
   at::parallel_for(0, O, qk::grain_rows(nb * T, 4096), [&](int64_t o0, int64_t o1) {
-    rows(fmt, wp, K, qp, dp, sp, T, yp, O, o0, o1);
+    if (num_tiles > 0) lane_rows(fmt, wp, K, xtp, dtp, stp, ctp, num_tiles, yp, O, o0, o1);
+    if (T > tiled) rows(fmt, wp, K, qp + tiled * K, dp + tiled * nb, sp + tiled * nb, T - tiled, yp + tiled * O, O,
+                        o0, o1);
   });
   return y;
 }

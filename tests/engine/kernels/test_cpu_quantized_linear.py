@@ -83,7 +83,7 @@ def test_activation_q8_is_the_same_bits_in_cpp_and_torch(kernel) -> None:
 
 
 @pytest.mark.parametrize("fmt", GGUF_FORMATS, ids=lambda f: f.label)
-@pytest.mark.parametrize("tokens", [1, 5, 32])
+@pytest.mark.parametrize("tokens", [1, 5, 27, 32])  # 27: 3 tiles of 8 (2 + 1) and 3 tokens (2 + 1)
 @pytest.mark.parametrize("shape", [(77, 96), (130, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gguf_kernel_matches_torch_on_every_isa(kernel, fmt: QuantFormat, tokens: int, shape) -> None:
     out_features, in_features = shape
