@@ -22,7 +22,8 @@ Work is split over output rows with at::parallel_for (torch's thread count). One
 row's blocks in turn, each block's dot in 8 int32 lanes. Batches run whole tiles of 8 tokens with the tokens in
 the lanes where the CPU has VNNI (transpose_tiles: one vpdpbusd of 4 broadcast weight codes covers 8 tokens, and
 a block's scales apply once per 8 tokens, not per token: 2.7x fewer cycles at 32 tokens than token by token);
-other tokens, and every token on AVX2-only CPUs, run through the one-token code, up to 8 tokens a pass. `quantized_linear` runs the kernel, or
+other tokens, and every token on AVX2-only CPUs, run through the one-token code, up to 8 tokens a pass. INT8
+batches take two rows at a time, so that each activation vector loaded serves two rows. `quantized_linear` runs the kernel, or
 quantized_linear_torch (the same contract, slowly) when the C++ module is not built; bfloat16 activations are
 computed in float32 and the result is cast back.
 """
@@ -430,6 +431,42 @@ inline void int8_tile(const int8_t* row, int64_t K, const float* x, float scale,
   }
 }
 
+// Two rows x TT tokens: each activation vector is loaded once for both rows (one row at a time, the loads, not
+// the multiply-adds, would bound a batch).
+template <int TT>
+inline void int8_tile2(const int8_t* r0, const int8_t* r1, int64_t K, const float* x, float s0, float s1, float* y,
+                       int64_t O) {
+  __m256 a0[TT], a1[TT];
+  for (int t = 0; t < TT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(r0 + k))));
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(r1 + k))));
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * K + k);
+      a0[t] = _mm256_fmadd_ps(w0, xv, a0[t]);
+      a1[t] = _mm256_fmadd_ps(w1, xv, a1[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float v0 = hsum(a0[t]), v1 = hsum(a1[t]);
+    for (int64_t i = k; i < K; ++i) {
+      v0 += x[t * K + i] * static_cast<float>(r0[i]);
+      v1 += x[t * K + i] * static_cast<float>(r1[i]);
+    }
+    y[t * O] = v0 * s0;
+    y[t * O + 1] = v1 * s1;
+  }
+}
+
+#ifdef __AVX512VL__  // 32 vector registers: 2 rows x 8 tokens of accumulators fit
+constexpr int kInt8PairTokens = 8;
+#else
+constexpr int kInt8PairTokens = 4;
+#endif
+
 // Rows per work item: at least `work` multiply-adds, so that small GEMVs do not pay for waking threads.
 inline int64_t grain_rows(int64_t per_row, int64_t work) { return std::max<int64_t>(1, work / std::max<int64_t>(1, per_row)); }
 
@@ -517,7 +554,18 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, O, qk::grain_rows(K * T, 65536), [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
+    int64_t o = o0;
+    for (; T >= qk::kInt8PairTokens && o + 2 <= o1; o += 2) {  // batches: pairs of rows
+      int64_t t = 0;
+      for (; T - t >= qk::kInt8PairTokens; t += qk::kInt8PairTokens)
+        qk::int8_tile2<qk::kInt8PairTokens>(wp + o * K, wp + (o + 1) * K, K, xp + t * K, sp[o], sp[o + 1],
+                                            yp + t * O + o, O);
+      for (; t < T; ++t) {
+        qk::int8_tile<1>(wp + o * K, K, xp + t * K, sp[o], yp + t * O + o, O);
+        qk::int8_tile<1>(wp + (o + 1) * K, K, xp + t * K, sp[o + 1], yp + t * O + o + 1, O);
+      }
+    }
+    for (; o < o1; ++o) {
       const int8_t* row = wp + o * K;
       int64_t t = 0;
       for (; T - t >= 8; t += 8) qk::int8_tile<8>(row, K, xp + t * K, sp[o], yp + t * O + o, O);
