@@ -173,9 +173,16 @@ inline void transpose_tiles(const int8_t* q, const float* d, const float* s, int
 
 // 32 nibbles of a Q4 block: byte j's low nibble is value j, its high nibble value j + 16.
 inline __m256i unpack_nibbles(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  // the 16 bytes in both halves (a load), the upper half shifted down a nibble, then the low nibbles of all
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+// The f16 pair at p (a block's d, and Q4_1's m) as floats in lanes 0 and 1.
+inline __m128 f16_pair(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
 }
 
 }  // namespace qk
@@ -250,11 +257,52 @@ inline void tile(const uint8_t* row, int64_t nb, const int8_t* qx, const float* 
   }
 }
 
+// One token (decode's GEMV): the scales straight from the block, no per-row pass over them. dsx: [nb][2] the
+// token's (d, d * sum(q)) per block. Two accumulators take alternate blocks.
+template <int64_t FMT>
+inline float gemv_row(const uint8_t* row, int64_t nb, const int8_t* qx, const float* dsx) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m128 macc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};  // lane 1: Q4_1's Σ m sx
+  auto one = [&](int64_t b, int a) {
+    const uint8_t* blk = row + b * block_bytes(FMT);
+    __m256i u, w;
+    load_codes<FMT>(blk, u, w);
+    __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * QK));
+    if constexpr (FMT != kQ4_1) s = _mm256_sign_epi8(s, w);
+    const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, s));
+    const __m128 xs = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dsx + 2 * b)));
+    const __m128 p = _mm_mul_ps(f16_pair(blk), xs);  // (dw dx, m sx): lane 1 is Q4_1's, garbage otherwise
+    if constexpr (FMT == kQ4_1) macc[a] = _mm_add_ps(macc[a], p);
+    acc[a] = _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(p), acc[a]);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    one(b, 0);
+    one(b + 1, 1);
+  }
+  if (b < nb) one(b, 0);
+  float v = hsum(_mm256_add_ps(acc[0], acc[1]));
+  if constexpr (FMT == kQ4_1) {
+    const __m128 m = _mm_add_ps(macc[0], macc[1]);
+    v += _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1));
+  }
+  return v;
+}
+
 template <int64_t FMT>
 void rows_of(const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, const float* sx, int64_t T,
              float* y, int64_t O, int64_t o0, int64_t o1) {
   constexpr int64_t BB = block_bytes(FMT);
   const int64_t nb = K / QK;
+  if (T == 1) {
+    std::vector<float> dsx(2 * nb);
+    for (int64_t b = 0; b < nb; ++b) {
+      dsx[2 * b] = dx[b];
+      dsx[2 * b + 1] = sx[b];
+    }
+    for (int64_t o = o0; o < o1; ++o) y[o] = gemv_row<FMT>(w + o * nb * block_bytes(FMT), nb, qx, dsx.data());
+    return;
+  }
   std::vector<float> dw(nb), mw(nb);
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* row = w + o * nb * BB;
