@@ -449,31 +449,62 @@ inline RowsFn rows_for(int64_t isa) {
   return isa == 2 ? isa_avx512vnni::gguf_rows : isa == 1 ? isa_avxvnni::gguf_rows : isa_avx2::gguf_rows;
 }
 
+// Float vectors for the int8 kernels: 8 lanes (AVX2) or, in the AVX-512 build, 16 (Zen 5 runs 512-bit FMAs at
+// full width: twice the multiply-adds an instruction).
+struct V256 {
+  using F = __m256;
+  static constexpr int N = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F weights(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static float sum(F v) { return hsum(v); }
+};
+#ifdef __AVX512F__
+struct V512 {
+  using F = __m512;
+  static constexpr int N = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F weights(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+};
+using VInt8 = V512;
+constexpr int kInt8PairTokens = 8;  // 2 rows x 8 tokens of accumulators in 32 registers
+#else
+using VInt8 = V256;
+constexpr int kInt8PairTokens = 4;  // 2 x 4 in 16
+#endif
+
 // y[t, o] = scale[o] Σ_i x[t, i] q[o, i], TT tokens of one row; NA accumulators for few tokens.
-template <int TT>
+template <int TT, class V = VInt8>
 inline void int8_tile(const int8_t* row, int64_t K, const float* x, float scale, float* y, int64_t O) {
-  constexpr int NA = TT == 1 ? 4 : TT == 2 ? 2 : 1;
-  __m256 acc[NA][TT];
+  constexpr int NA = TT == 1 ? 4 : TT == 2 ? 2 : 1, N = V::N;
+  typename V::F acc[NA][TT];
   for (int a = 0; a < NA; ++a)
-    for (int t = 0; t < TT; ++t) acc[a][t] = _mm256_setzero_ps();
+    for (int t = 0; t < TT; ++t) acc[a][t] = V::zero();
   int64_t k = 0;
-  for (; k + 8 * NA <= K; k += 8 * NA) {
+  for (; k + N * NA <= K; k += N * NA) {
     for (int a = 0; a < NA; ++a) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8 * a));
-      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-      for (int t = 0; t < TT; ++t)
-        acc[a][t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * K + k + 8 * a), acc[a][t]);
+      const typename V::F w = V::weights(row + k + N * a);
+      for (int t = 0; t < TT; ++t) acc[a][t] = V::fma(w, V::load(x + t * K + k + N * a), acc[a][t]);
     }
   }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(row + k))));
-    for (int t = 0; t < TT; ++t) acc[0][t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * K + k), acc[0][t]);
+  for (; k + N <= K; k += N) {
+    const typename V::F w = V::weights(row + k);
+    for (int t = 0; t < TT; ++t) acc[0][t] = V::fma(w, V::load(x + t * K + k), acc[0][t]);
   }
   for (int t = 0; t < TT; ++t) {
-    __m256 sum = acc[0][t];
-    for (int a = 1; a < NA; ++a) sum = _mm256_add_ps(sum, acc[a][t]);
-    float v = hsum(sum);
+    typename V::F sum = acc[0][t];
+    for (int a = 1; a < NA; ++a) sum = V::add(sum, acc[a][t]);
+    float v = V::sum(sum);
     for (int64_t i = k; i < K; ++i) v += x[t * K + i] * static_cast<float>(row[i]);
     y[t * O] = v * scale;
   }
@@ -481,25 +512,23 @@ inline void int8_tile(const int8_t* row, int64_t K, const float* x, float scale,
 
 // Two rows x TT tokens: each activation vector is loaded once for both rows (one row at a time, the loads, not
 // the multiply-adds, would bound a batch).
-template <int TT>
+template <int TT, class V = VInt8>
 inline void int8_tile2(const int8_t* r0, const int8_t* r1, int64_t K, const float* x, float s0, float s1, float* y,
                        int64_t O) {
-  __m256 a0[TT], a1[TT];
-  for (int t = 0; t < TT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+  constexpr int N = V::N;
+  typename V::F a0[TT], a1[TT];
+  for (int t = 0; t < TT; ++t) a0[t] = a1[t] = V::zero();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(r0 + k))));
-    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(r1 + k))));
+  for (; k + N <= K; k += N) {
+    const typename V::F w0 = V::weights(r0 + k), w1 = V::weights(r1 + k);
     for (int t = 0; t < TT; ++t) {
-      const __m256 xv = _mm256_loadu_ps(x + t * K + k);
-      a0[t] = _mm256_fmadd_ps(w0, xv, a0[t]);
-      a1[t] = _mm256_fmadd_ps(w1, xv, a1[t]);
+      const typename V::F xv = V::load(x + t * K + k);
+      a0[t] = V::fma(w0, xv, a0[t]);
+      a1[t] = V::fma(w1, xv, a1[t]);
     }
   }
   for (int t = 0; t < TT; ++t) {
-    float v0 = hsum(a0[t]), v1 = hsum(a1[t]);
+    float v0 = V::sum(a0[t]), v1 = V::sum(a1[t]);
     for (int64_t i = k; i < K; ++i) {
       v0 += x[t * K + i] * static_cast<float>(r0[i]);
       v1 += x[t * K + i] * static_cast<float>(r1[i]);
@@ -508,12 +537,6 @@ inline void int8_tile2(const int8_t* r0, const int8_t* r1, int64_t K, const floa
     y[t * O + 1] = v1 * s1;
   }
 }
-
-#ifdef __AVX512VL__  // 32 vector registers: 2 rows x 8 tokens of accumulators fit
-constexpr int kInt8PairTokens = 8;
-#else
-constexpr int kInt8PairTokens = 4;
-#endif
 
 // Rows per work item: at least `work` multiply-adds, so that small GEMVs do not pay for waking threads.
 inline int64_t grain_rows(int64_t per_row, int64_t work) { return std::max<int64_t>(1, work / std::max<int64_t>(1, per_row)); }
