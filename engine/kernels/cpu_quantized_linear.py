@@ -19,7 +19,7 @@ Decode is bandwidth-bound: a step reads every weight once. These kernels read a 
             y[t, o] = scale[o] · Σ_i x[t, i] · q[o, i]
 
 Work is split over output rows with at::parallel_for (torch's thread count). One token (decode's GEMV) runs a
-row's blocks in turn, each block's dot in 8 int32 lanes. Batches run whole tiles of 8 tokens with the tokens in
+row's blocks in turn, each block's dot in 8 int32 lanes (two blocks to a 512-bit vector with AVX-512 VNNI). Batches run whole tiles of 8 tokens with the tokens in
 the lanes where the CPU has VNNI (transpose_tiles: one vpdpbusd of 4 broadcast weight codes covers 8 tokens, and
 a block's scales apply once per 8 tokens, not per token: 2.7x fewer cycles at 32 tokens than token by token);
 other tokens, and every token on AVX2-only CPUs, run through the one-token code, up to 8 tokens a pass. INT8
@@ -260,27 +260,30 @@ inline void tile(const uint8_t* row, int64_t nb, const int8_t* qx, const float* 
 // One token (decode's GEMV): the scales straight from the block, no per-row pass over them. dsx: [nb][2] the
 // token's (d, d * sum(q)) per block. Two accumulators take alternate blocks.
 template <int64_t FMT>
+inline void gemv_block(const uint8_t* row, int64_t b, const int8_t* qx, const float* dsx, __m256& acc,
+                       __m128& macc) {
+  const uint8_t* blk = row + b * block_bytes(FMT);
+  __m256i u, w;
+  load_codes<FMT>(blk, u, w);
+  __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * QK));
+  if constexpr (FMT != kQ4_1) s = _mm256_sign_epi8(s, w);
+  const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, s));
+  const __m128 xs = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dsx + 2 * b)));
+  const __m128 p = _mm_mul_ps(f16_pair(blk), xs);  // (dw dx, m sx): lane 1 is Q4_1's, garbage otherwise
+  if constexpr (FMT == kQ4_1) macc = _mm_add_ps(macc, p);
+  acc = _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(p), acc);
+}
+
+template <int64_t FMT>
 inline float gemv_row(const uint8_t* row, int64_t nb, const int8_t* qx, const float* dsx) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   __m128 macc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};  // lane 1: Q4_1's Σ m sx
-  auto one = [&](int64_t b, int a) {
-    const uint8_t* blk = row + b * block_bytes(FMT);
-    __m256i u, w;
-    load_codes<FMT>(blk, u, w);
-    __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + b * QK));
-    if constexpr (FMT != kQ4_1) s = _mm256_sign_epi8(s, w);
-    const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, s));
-    const __m128 xs = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dsx + 2 * b)));
-    const __m128 p = _mm_mul_ps(f16_pair(blk), xs);  // (dw dx, m sx): lane 1 is Q4_1's, garbage otherwise
-    if constexpr (FMT == kQ4_1) macc[a] = _mm_add_ps(macc[a], p);
-    acc[a] = _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(p), acc[a]);
-  };
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    one(b, 0);
-    one(b + 1, 1);
+    gemv_block<FMT>(row, b, qx, dsx, acc[0], macc[0]);
+    gemv_block<FMT>(row, b + 1, qx, dsx, acc[1], macc[1]);
   }
-  if (b < nb) one(b, 0);
+  if (b < nb) gemv_block<FMT>(row, b, qx, dsx, acc[0], macc[0]);
   float v = hsum(_mm256_add_ps(acc[0], acc[1]));
   if constexpr (FMT == kQ4_1) {
     const __m128 m = _mm_add_ps(macc[0], macc[1]);
@@ -288,7 +291,7 @@ inline float gemv_row(const uint8_t* row, int64_t nb, const int8_t* qx, const fl
   }
   return v;
 }
-
+@WIDE_GEMV@
 template <int64_t FMT>
 void rows_of(const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, const float* sx, int64_t T,
              float* y, int64_t O, int64_t o0, int64_t o1) {
@@ -300,7 +303,7 @@ void rows_of(const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, con
       dsx[2 * b] = dx[b];
       dsx[2 * b + 1] = sx[b];
     }
-    for (int64_t o = o0; o < o1; ++o) y[o] = gemv_row<FMT>(w + o * nb * block_bytes(FMT), nb, qx, dsx.data());
+    for (int64_t o = o0; o < o1; ++o) y[o] = gemv_row_wide<FMT>(w + o * nb * block_bytes(FMT), nb, qx, dsx.data());
     return;
   }
   std::vector<float> dw(nb), mw(nb);
@@ -397,18 +400,89 @@ void gguf_rows(int64_t fmt, const uint8_t* w, int64_t K, const int8_t* qx, const
 }  // namespace @NS@
 """
 
-_ISAS = (  # namespace, GCC target ("" = the variant's own), the dot product, the dot product added to acc
+_GEMV_WIDE = r"""
+// The GEMV two blocks to a 512-bit vector (Zen 5 runs them at full width): codes, activations, one vpdpbusd, and
+// the two blocks' scales as one vector (lanes 0-7 block b, 8-15 block b + 1).
+template <int64_t FMT>
+inline float gemv_row_wide(const uint8_t* row, int64_t nb, const int8_t* qx, const float* dsx) {
+  constexpr int64_t BB = block_bytes(FMT);
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m128 macc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};  // lanes 1 and 3: Q4_1's Σ m sx
+  auto pair = [&](int64_t b, int a) {
+    const uint8_t* b0 = row + b * BB;
+    const uint8_t* b1 = b0 + BB;
+    __m512i u, w;
+    if constexpr (FMT == kQ8_0) {
+      w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
+      u = _mm512_abs_epi8(w);
+    } else {
+      constexpr int64_t at = FMT == kQ4_1 ? 4 : 2;
+      const __m512i both = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + at)))),
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + at))), 1);
+      u = _mm512_and_si512(_mm512_srlv_epi64(both, shifts), low);
+      if constexpr (FMT == kQ4_0) {
+        w = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
+        u = _mm512_abs_epi8(w);
+      }
+    }
+    __m512i s = _mm512_loadu_si512(qx + b * QK);
+    if constexpr (FMT != kQ4_1)  // sign(s, w): w's zeros meet |w| = 0, so negating where w < 0 is enough
+      s = _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s);
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
+    int32_t h0, h1;
+    std::memcpy(&h0, b0, 4);
+    std::memcpy(&h1, b1, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1));  // d0 m0 d1 m1
+    const __m128 p = _mm_mul_ps(dm, _mm_loadu_ps(dsx + 2 * b));                       // x (dx0 sx0 dx1 sx1)
+    if constexpr (FMT == kQ4_1) macc[a] = _mm_add_ps(macc[a], p);
+    acc[a] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(p)), acc[a]);
+  };
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    pair(b, 0);
+    pair(b + 2, 1);
+  }
+  if (b + 2 <= nb) {
+    pair(b, 0);
+    b += 2;
+  }
+  __m256 acc1 = _mm256_setzero_ps();
+  __m128 macc1 = _mm_setzero_ps();
+  if (b < nb) gemv_block<FMT>(row, b, qx, dsx, acc1, macc1);
+  float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(acc1);
+  if constexpr (FMT == kQ4_1) {
+    const __m128 m = _mm_add_ps(macc[0], macc[1]);
+    v += _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 3)) +
+         _mm_cvtss_f32(_mm_shuffle_ps(macc1, macc1, 1));
+  }
+  return v;
+}
+"""
+_GEMV_NARROW = r"""
+template <int64_t FMT>
+inline float gemv_row_wide(const uint8_t* row, int64_t nb, const int8_t* qx, const float* dsx) {
+  return gemv_row<FMT>(row, nb, qx, dsx);  // no 512-bit vectors here
+}
+"""
+
+_ISAS = (  # namespace, GCC target ("" = the variant's own), the dot product, the dot product added to acc, the GEMV
     ("isa_avx2", "", "_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))",
-     "_mm256_add_epi32(acc, dot_u8s8(u, s))"),  # saturates on Q8_0's offset codes: the lanes path is VNNI-only
+     "_mm256_add_epi32(acc, dot_u8s8(u, s))", _GEMV_NARROW),  # saturates on Q8_0's offset codes: lanes need VNNI
     ("isa_avxvnni", "avxvnni", "_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)",
-     "_mm256_dpbusd_avx_epi32(acc, u, s)"),
-    ("isa_avx512vnni", "avx512vnni,avx512vl", "_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)",
-     "_mm256_dpbusd_epi32(acc, u, s)"),
+     "_mm256_dpbusd_avx_epi32(acc, u, s)", _GEMV_NARROW),
+    ("isa_avx512vnni", "avx512f,avx512bw,avx512vl,avx512vnni", "_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)",
+     "_mm256_dpbusd_epi32(acc, u, s)", _GEMV_WIDE),
 )
 
 
-def _instantiate(ns: str, target: str, dot: str, dot_acc: str) -> str:
-    body = _GGUF_BODY.replace("@NS@", ns).replace("@DOT_ACC@", dot_acc).replace("@DOT@", dot)
+def _instantiate(ns: str, target: str, dot: str, dot_acc: str, gemv: str) -> str:
+    body = (_GGUF_BODY.replace("@NS@", ns).replace("@DOT_ACC@", dot_acc).replace("@DOT@", dot)
+            .replace("@WIDE_GEMV@", gemv))
     if not target:
         return body
     return f'#pragma GCC push_options\n#pragma GCC target("{target}")\n{body}#pragma GCC pop_options\n'
@@ -425,7 +499,8 @@ inline bool isa_available(int64_t isa) {
   switch (isa) {
     case 0: return true;
     case 1: return __builtin_cpu_supports("avxvnni");
-    case 2: return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    case 2: return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512bw");
     default: return false;
   }
 }
