@@ -20,19 +20,20 @@ _logged = threading.Event()
 
 
 def native_modules() -> tuple[NativeModule, ...]:
-    from engine.kernels import cpu_elementwise, cpu_paged_attention
+    from engine.kernels import cpu_elementwise, cpu_paged_attention, cpu_quantized_linear
     from kv_transfer import block_copy
 
-    return (cpu_elementwise.NATIVE, cpu_paged_attention.NATIVE, block_copy.NATIVE)
+    return (cpu_elementwise.NATIVE, cpu_paged_attention.NATIVE, cpu_quantized_linear.NATIVE, block_copy.NATIVE)
 
 
 def load_all() -> list[KernelStatus]:
     """Load (building first where the cache lacks it) every module through its own cached loader, so that the
     first forward pass and the first KV handoff find them ready. Cheap after the first call in a process."""
-    from engine.kernels import cpu_elementwise, cpu_paged_attention
+    from engine.kernels import cpu_elementwise, cpu_paged_attention, cpu_quantized_linear
     from kv_transfer import block_copy
 
-    loaders = (cpu_elementwise.load_elementwise, cpu_paged_attention.load_kernel, block_copy.native_ops)
+    loaders = (cpu_elementwise.load_elementwise, cpu_paged_attention.load_kernel, cpu_quantized_linear.load_kernel,
+               block_copy.native_ops)
     with ThreadPoolExecutor(max_workers=len(loaders), thread_name_prefix="kernel-load") as pool:
         list(pool.map(lambda load: load(), loaders))
     names = {module.name for module in native_modules()}

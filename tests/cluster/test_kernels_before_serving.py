@@ -24,7 +24,7 @@ from tests.deploy.processes import get_status, serve_argv, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-KERNELS = {"cpu_elementwise", "cpu_paged_attention", "block_copy"}
+KERNELS = {"cpu_elementwise", "cpu_paged_attention", "cpu_quantized_linear", "block_copy"}
 PROMPTS = ["The capital of France is", "The largest ocean on Earth", "My favourite colour is",
            "The best way to learn is", "Once upon a time there"]
 

@@ -9,7 +9,7 @@ from kv_transfer import native_build
 def test_an_engine_has_its_kernels_loaded_before_its_first_step(tiny_engine) -> None:
     variant, _ = native_build.selected_variant()
     names = {module.name for module in native_modules()}
-    assert names == {"cpu_elementwise", "cpu_paged_attention", "block_copy"}
+    assert names == {"cpu_elementwise", "cpu_paged_attention", "cpu_quantized_linear", "block_copy"}
     assert {k.kernel for k in tiny_engine.cpu_kernels} == names
     # The CI machine builds them at set-up (deploy/setup.sh), so here they are loaded, not fallen back.
     assert variant is not None, "no kernel variant fits the test machine"
