@@ -7,7 +7,7 @@ expressions the CPU kernels (engine/kernels/cpu_quantized_linear.py) are held to
     Q8_0     uint8 [out, in/32 * 34]  d:f16, q:int8[32]                    (in the blocks)   d * q
     INT8     int8  [out, in]                                               float32 [out]     scale[o] * q
 
-The GGUF formats keep the file's bytes as they are stored (engine/loader/gguf_quants.py describes each block):
+The GGUF formats keep the file's bytes as they are stored (engine/kernels/gguf_quants.py describes each block):
 a GGUF matrix is row-major with its blocks along the input dimension, so output row o is one contiguous run of
 in/32 blocks. A tensor-parallel shard is therefore a range of whole rows (`rows`, column-parallel layers) or a
 range of whole blocks in every row (`columns`, row-parallel layers): a block is never split.
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from engine.loader import gguf_quants
+from engine.kernels import gguf_quants
 
 Q8_BLOCK = 32  # values per Q8 activation block (and per GGUF block of every format here)
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType
 
-from engine.loader import gguf_quants
+from engine.kernels import gguf_quants
 from engine.loader.errors import ModelLoadError, UnsupportedQuantizationError
 from engine.loader.gguf_metadata import GGUFMetadata, config_from_gguf
 from engine.loader.weight_layout import check_weights

@@ -9,8 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
-from engine.loader.errors import UnsupportedQuantizationError
-from engine.loader.gguf_quants import SUPPORTED_TYPES, dequantize, packed_size_bytes
+from engine.kernels.gguf_quants import UnsupportedGGMLTypeError, SUPPORTED_TYPES, dequantize, packed_size_bytes
 
 # Values spanning several magnitudes, with exact zeros and a constant row: the cases where scale choices differ.
 SHAPE = (6, 512)
@@ -58,7 +57,7 @@ def test_accepts_flat_bytes_and_3d_shapes() -> None:
 
 @pytest.mark.parametrize("ggml_type", [T.Q2_K, T.IQ4_NL, 77])
 def test_unsupported_type_is_named(ggml_type: T | int) -> None:
-    with pytest.raises(UnsupportedQuantizationError) as info:
+    with pytest.raises(UnsupportedGGMLTypeError) as info:
         dequantize(np.zeros(1024, np.uint8), ggml_type, (1, 256))
     label = ggml_type.name if isinstance(ggml_type, T) else "id 77"
     assert label in str(info.value)

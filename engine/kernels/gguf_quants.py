@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.loader.errors import UnsupportedQuantizationError
 
 # Blocks are decoded a chunk at a time into a preallocated output so that the int intermediates of a large
 # embedding (hundreds of millions of values) never all exist at once.
@@ -155,9 +154,14 @@ def packed_size_bytes(ggml_type: GGMLQuantizationType | int, shape: Sequence[int
     return num_values // block_size * block_bytes
 
 
+class UnsupportedGGMLTypeError(ValueError):
+    """A GGML tensor type this module has no decoder for (the loader checks `is_supported` first and raises its own
+    `engine.loader.errors.UnsupportedQuantizationError`, naming the tensor)."""
+
+
 def _format(ggml_type: GGMLQuantizationType | int) -> tuple[int, int, _DecodeBlocks]:
     if not is_supported(ggml_type):
-        raise UnsupportedQuantizationError(unsupported_message(ggml_type))
+        raise UnsupportedGGMLTypeError(unsupported_message(ggml_type))
     return _FORMATS[GGMLQuantizationType(int(ggml_type))]
 
 
@@ -166,7 +170,7 @@ def dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType | int, shape: S
 
     `shape` is the logical row-major shape (GGUF lists dimensions innermost first; pass them reversed). `data`
     may be any array over the packed bytes (e.g. a read-only memmap view); it is read, never kept. Raises
-    `UnsupportedQuantizationError` naming the type for formats not listed in the module docstring, and
+    `UnsupportedGGMLTypeError` naming the type for formats not listed in the module docstring, and
     `ValueError` when the byte count does not match the shape.
     """
     block_size, block_bytes, decode = _format(ggml_type)
