@@ -58,26 +58,30 @@ class KVCacheManager:
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones; False (and no change) if the pool
         cannot. `new_computed_blocks` are prefix hits taken on first scheduling."""
-        table = self._tables.setdefault(request.request_id, [])
-        ids = self._ids.setdefault(request.request_id, [])
+        request_id = request.request_id
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = []
+            self._ids[request_id] = []
         hits = new_computed_blocks or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(hits)
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # free cached blocks a hit takes off the free list
+        # Free cached blocks a hit takes off the free list.
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
         if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
             if not table:
-                del self._tables[request.request_id]
-                del self._ids[request.request_id]
+                del self._tables[request_id]
+                del self._ids[request_id]
             return False
         if hits:
             self.pool.touch(hits)
             table.extend(hits)
-            ids.extend(b.block_id for b in hits)
-            self._num_cached[request.request_id] = len(hits)
+            self._ids[request_id].extend(b.block_id for b in hits)
+            self._num_cached[request_id] = len(hits)
         if num_needed > 0:
             allocated = self.pool.allocate(num_needed)
             table.extend(allocated)
-            ids.extend(b.block_id for b in allocated)
+            self._ids[request_id].extend(b.block_id for b in allocated)
         return True
 
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
