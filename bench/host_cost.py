@@ -19,7 +19,8 @@ and the sampler's launch within it), the step's `result()` (the wait and the hos
 postprocessing (detokenize, outputs), and the garbage collector's passes. `--profile-first` runs one
 torch.profiler session over a few steps before the timings (bench/gpu.py counts kernels that way before its
 decode timings), `--release-cupti` detaches CUPTI after it (bench/kernel_count.release_cupti), to measure what a
-profiler left attached costs the steps after it.
+profiler left attached costs the steps after it. `--sync-debug` (cuda) has torch warn at every op of the timed
+steps that waits for the device.
 """
 
 from __future__ import annotations
@@ -188,6 +189,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     gc.callbacks.append(on_gc)
     sync(device)
+    if args.sync_debug and device.type == "cuda":  # torch warns at each op that waits for the device
+        torch.cuda.set_sync_debug_mode("warn")
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -199,6 +202,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.step()
     sync(device)
     steady_s = (time.perf_counter() - t) / args.steps
+    if args.sync_debug and device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("default")
     gc.callbacks.remove(on_gc)
     replays = None if engine.runner.graphs is None else engine.runner.graphs.num_replays
     engine.abort_all()
@@ -229,6 +234,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-first", choices=["none", "cpu", "cuda"], default="none")
     p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("--release-cupti", action="store_true")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="cuda: torch.cuda.set_sync_debug_mode('warn') over the timed steps (the one expected wait a "
+                        "step is the read of its tokens; with async scheduling, of the step before)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
