@@ -27,7 +27,8 @@ Every figure names the device it ran on (torch.cuda.get_device_name), torch's, t
    activity over one graph replay, the graph's step run eagerly (forward and logits; and again with rotary as a
    launch of its own, where the model fuses it into the KV store), and one whole engine step: the kernel launches,
    their summed device time and the largest groups by name. Where the profiler cannot count (cpu, no Kineto), the
-   row says why and the run goes on.
+   row says why and the run goes on. CUPTI is detached after the count (kernel_count.release_cupti; CUDA >= 12.6,
+   TEARDOWN_CUPTI=0 keeps it): attached, it slows every step timed after it in this process.
    Then `--steps` more steps back to back, with one device synchronisation before and one after: the steady-state
    step (wall time / steps). With async scheduling (`--async-scheduling`, engine/core/overlap.py) that is the
    meaningful figure: a step launches the next one before it reads the last, so a step timed alone (synchronised
@@ -81,7 +82,9 @@ from bench.gpu_floors import (
     wall_s,
     weight_bytes,
 )
-from bench.kernel_count import KernelCount, KernelCountUnavailable, count_kernels, describe
+from bench.kernel_count import (
+    KernelCount, KernelCountUnavailable, count_kernels, describe, release_cupti,
+)
 from engine.config import EngineConfig
 from engine.device import TORCH_DTYPES, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
@@ -304,6 +307,8 @@ def count_step_kernels(engine: LLMEngine, batch: int, step: Callable[[], None]) 
             continue
         counts[label] = count.as_json()
         print(describe(label, count), flush=True)
+    # The profiler's CUPTI would otherwise stay attached and slow every later step timed in this process.
+    print(f"  CUPTI {'detached' if release_cupti() else 'left attached'} after counting", flush=True)
     return counts
 
 

@@ -7,10 +7,16 @@ activity is counted apart (`copies`), not as kernels. Kernels are grouped by nam
 parameter lists cut off (`void at::native::elementwise_kernel<128, 4, ...>(...)` is `at::native::elementwise_kernel`;
 Triton's and cuBLAS's names are kept whole). `KernelCountUnavailable` says why, where nothing can be counted (no
 CUDA device, a torch without Kineto, a profiler that recorded no CUDA activity); the caller prints it and goes on.
+
+CUPTI stays attached to the process after a profiler session unless Kineto tears it down (TEARDOWN_CUPTI=1, off by
+default: pytorch/pytorch#144455), and an attached CUPTI slows the CUDA calls that follow (that issue: 10-20% of a
+training step). `release_cupti()` detaches it once the counting is done, so that later timings in the process run
+as in one that never counted.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,6 +53,36 @@ def kernel_group(name: str) -> str:
 
 def _is_copy(name: str) -> bool:
     return name.startswith(("Memcpy", "Memset", "memcpy", "memset"))
+
+
+def release_cupti() -> bool:
+    """Detach CUPTI after `count_kernels` (module docstring): one empty profiler session that ends with Kineto's
+    teardown (cuptiFinalize, on Kineto's thread at the next CUDA call). True if it was released; False where nothing
+    was counted, TEARDOWN_CUPTI is set to something else (the caller's choice), or the CUDA version is one where a
+    process with CUDA graphs crashes when CUPTI comes back after a teardown (< 12.6: torch keeps CUPTI attached there
+    for the same reason, torch/profiler/profiler.py). A later `count_kernels` attaches it again."""
+    global _cupti_started
+    if not _cupti_started or os.environ.get("TEARDOWN_CUPTI", "1") != "1":
+        return False
+    from torch.profiler import ProfilerActivity, profile
+    from torch.torch_version import TorchVersion
+
+    cuda = torch.version.cuda
+    if cuda is None or TorchVersion(cuda) < "12.6":
+        return False
+    previous = os.environ.get("TEARDOWN_CUPTI")
+    os.environ["TEARDOWN_CUPTI"] = "1"  # Kineto reads it when a session stops
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            torch.cuda.synchronize()
+        torch.cuda.synchronize()  # a CUDA call: the teardown finalizes CUPTI in its exit callback
+    finally:
+        if previous is None:
+            del os.environ["TEARDOWN_CUPTI"]
+        else:
+            os.environ["TEARDOWN_CUPTI"] = previous
+    _cupti_started = False  # the next count warms a new CUPTI up first
+    return True
 
 
 def count_kernels(fn: Callable[[], object], device: torch.device, *, top: int = TOP_GROUPS) -> KernelCount:

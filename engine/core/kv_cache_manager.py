@@ -17,6 +17,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids, kept beside them: every step copies each scheduled request's ids
+        # (`block_ids`), a plain list copy rather than a pass over its blocks (0.8 -> 0.15 us at 65 blocks).
+        self._ids: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # per request: how many of its blocks are already prefix cache
         self.prefix_queries_tokens = 0  # prompt tokens looked up
         self.prefix_hits_tokens = 0  # of which found in cache
@@ -55,21 +58,30 @@ class KVCacheManager:
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones; False (and no change) if the pool
         cannot. `new_computed_blocks` are prefix hits taken on first scheduling."""
-        table = self._tables.setdefault(request.request_id, [])
+        request_id = request.request_id
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = []
+            self._ids[request_id] = []
         hits = new_computed_blocks or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(table) - len(hits)
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # free cached blocks a hit takes off the free list
+        # Free cached blocks a hit takes off the free list.
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
         if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
             if not table:
-                del self._tables[request.request_id]
+                del self._tables[request_id]
+                del self._ids[request_id]
             return False
         if hits:
             self.pool.touch(hits)
             table.extend(hits)
-            self._num_cached[request.request_id] = len(hits)
+            self._ids[request_id].extend(b.block_id for b in hits)
+            self._num_cached[request_id] = len(hits)
         if num_needed > 0:
-            table.extend(self.pool.allocate(num_needed))
+            allocated = self.pool.allocate(num_needed)
+            table.extend(allocated)
+            self._ids[request_id].extend(b.block_id for b in allocated)
         return True
 
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
@@ -86,6 +98,7 @@ class KVCacheManager:
             raise ValueError(f"request {parent.request_id!r} holds {len(shared)} blocks, not {num_blocks}")
         self.pool.touch(shared)
         self._tables[child.request_id] = list(shared)
+        self._ids[child.request_id] = [b.block_id for b in shared]
         self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), num_blocks)
 
     def cache_blocks(self, request: Request) -> None:
@@ -116,12 +129,14 @@ class KVCacheManager:
         tail = table[num_keep:]
         if tail:
             del table[num_keep:]
+            del self._ids[request.request_id][num_keep:]
             self.pool.free(reversed(tail))
         return len(tail)
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first (so its tail is evicted before its shared head)."""
         table = self._tables.pop(request.request_id, None)
+        self._ids.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         if table:
             self.pool.free(reversed(table))
@@ -131,7 +146,8 @@ class KVCacheManager:
         return self._num_cached.get(request_id, 0)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(request_id, ())]
+        """A copy of the request's block table, as block ids."""
+        return list(self._ids.get(request_id, ()))
 
     @property
     def num_requests(self) -> int:

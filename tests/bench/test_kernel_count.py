@@ -1,10 +1,11 @@
 """bench/kernel_count.py and bench/gpu.py's kernels-a-step probes: the tally's grouping on recorded names, the probes'
 plumbing on a stand-in engine (the profiler faked: this machine has no CUDA activity to record), the reason printed
-where nothing can be counted, and, on a GPU, real counts of eager launches and of a graph replay's kernels."""
+where nothing can be counted, CUPTI's release after counting (the profiler faked), and, on a GPU, real counts of eager launches and of a graph replay's kernels."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -83,6 +84,43 @@ def test_probes_on_a_graph_engine(monkeypatch: pytest.MonkeyPatch, capsys):
     assert "eager_forward_rotary_unfused: 4 kernels" in capsys.readouterr().out
     row = gpu.kernel_row("smollm2-135m", {"batch": 1, "kernels": counts})
     assert row == "| smollm2-135m | 1 | 3 | 3 | 4 | - | 0.006 |"
+
+
+def test_release_cupti_tears_down_once_after_a_count(monkeypatch: pytest.MonkeyPatch):
+    """One empty session stopped with TEARDOWN_CUPTI=1 (Kineto reads it when a session stops), the variable as it
+    was afterwards; nothing where nothing was counted, where the caller set TEARDOWN_CUPTI=0, or on CUDA < 12.6."""
+    import torch.profiler
+
+    import bench.kernel_count as kc
+
+    sessions: list[str | None] = []
+
+    class FakeProfile:
+        def __init__(self, activities) -> None:  # noqa: ANN001
+            pass
+
+        def __enter__(self) -> FakeProfile:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            sessions.append(os.environ.get("TEARDOWN_CUPTI"))
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.setattr(kc, "_cupti_started", False)
+    assert not kc.release_cupti() and sessions == []  # nothing counted: CUPTI never attached
+    monkeypatch.setattr(kc, "_cupti_started", True)
+    assert kc.release_cupti() and sessions == ["1"]
+    assert "TEARDOWN_CUPTI" not in os.environ and kc._cupti_started is False
+    assert not kc.release_cupti() and sessions == ["1"]  # released already
+    monkeypatch.setattr(kc, "_cupti_started", True)
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    assert not kc.release_cupti()
+    monkeypatch.delenv("TEARDOWN_CUPTI")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert not kc.release_cupti() and sessions == ["1"]
 
 
 @pytest.mark.gpu

@@ -363,3 +363,36 @@ def test_allocation_evicts_cached_blocks_from_the_lru_end(assert_all_blocks_free
     assert num_hit_tokens == 4
     manager.free(b)
     assert_all_blocks_free(pool)
+
+
+def test_block_ids_follow_the_table_through_every_change(assert_all_blocks_free: AllFree) -> None:
+    """`block_ids` (kept beside the tables, not rebuilt from them) is each table's ids after every kind of change:
+    prefix hits, growth, a refused allocation, a fork, a freed tail, a free; and a copy the caller may keep."""
+    manager, pool = make_manager(12)
+
+    def table_ids(request_id: str) -> list[int]:
+        return [b.block_id for b in manager._tables.get(request_id, [])]
+
+    first = make_request("a", PROMPT)
+    admit(manager, first)
+    second = make_request("b", PROMPT + [7, 7])
+    assert admit(manager, second) == 8  # two prefix hits, then a block of its own
+    for request in (first, second):
+        assert manager.block_ids(request.request_id) == table_ids(request.request_id)
+    kept = manager.block_ids("b")
+    compute(manager, second, 7)  # grows by two blocks
+    assert manager.block_ids("b") == table_ids("b") and kept != manager.block_ids("b")
+    assert not manager.allocate_slots(make_request("c", list(range(60))), 60)  # refused: no table, no ids
+    assert manager.block_ids("c") == [] and "c" not in manager._tables
+    child = make_request("b-1", PROMPT + [7, 7])
+    manager.fork(second, child, 2)
+    assert manager.block_ids("b-1") == table_ids("b-1") == manager.block_ids("b")[:2]
+    assert manager.allocate_slots(second, 6)  # slots for six drafts, then only two of them computed
+    second.num_computed_tokens += 2
+    assert manager.free_uncomputed_tail(second) == 1
+    assert manager.block_ids("b") == table_ids("b")
+    for request in (first, second, child):
+        manager.free(request)
+        assert manager.block_ids(request.request_id) == []
+    assert not manager._ids
+    assert_all_blocks_free(pool)
