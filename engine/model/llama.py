@@ -18,6 +18,7 @@ from engine.attention.backend import AttentionBackend, RotaryAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
+from engine.model.quantization import Weight, cat_rows
 from engine.model.tp_group import SINGLE, TPGroup
 from engine.model.linear import Linear
 from engine.model.parallel_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -68,7 +69,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         attention: AttentionBackend,
         *,
         max_positions: int,
@@ -83,7 +84,7 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             if name not in weights:
                 raise MissingWeightError(f"checkpoint has no tensor {name!r}")
             return weights[name]
@@ -102,11 +103,11 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=ColumnParallelLinear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    qkv=ColumnParallelLinear(cat_rows([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                                              qkv_bias),
                     o=RowParallelLinear(take(p + "self_attn.o_proj.weight"), group),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=ColumnParallelLinear(torch.cat([take(p + "mlp.gate_proj.weight"),
+                    gate_up=ColumnParallelLinear(cat_rows([take(p + "mlp.gate_proj.weight"),
                                                             take(p + "mlp.up_proj.weight")])),
                     down=RowParallelLinear(take(p + "mlp.down_proj.weight"), group),
                 )
