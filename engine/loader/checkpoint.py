@@ -98,4 +98,6 @@ def load_engine_checkpoint(config: EngineConfig, device: torch.device | str = "c
             path=dummy.dummy_checkpoint_path(config.model),
             model_id=dummy.dummy_model_id(config.model, seed),
         )
-    return load_checkpoint(config.model, dtype=dtype, quantization=config.quantization)
+    if config.quantization == "gguf":  # the one method the loader takes part in (the others quantize floats)
+        return load_checkpoint(config.model, dtype=dtype, quantization="gguf")
+    return load_checkpoint(config.model, dtype=dtype)
