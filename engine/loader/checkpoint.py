@@ -30,7 +30,8 @@ class Checkpoint:
     """Everything a model runner needs from disk.
 
     `weights` uses HF names and layouts (see `weight_layout`), every tensor in the requested dtype, contiguous,
-    on CPU (loaded for `--quantization gguf`: the linear layers' GGUF blocks as `QuantizedWeight`s); `lm_head.weight` is absent when `config.tie_word_embeddings`. The dict is the caller's to consume
+    on CPU (loaded for `--quantization gguf`: the linear layers' GGUF blocks as `QuantizedWeight`s);
+    `lm_head.weight` is absent when `config.tie_word_embeddings`. The dict is the caller's to consume
     (e.g. pop tensors as they move to a device).
     """
 
