@@ -239,6 +239,7 @@ class WorkerRuntime:
             block_size=self.engine.config.block_size,
             max_model_len=self.engine.max_model_len,
             kv_cache_dtype=self.engine.config.kv_cache_dtype,
+            quantization=self.engine.config.quantization,
         )
 
     async def load_stats(self) -> serving_pb2.LoadStats:
