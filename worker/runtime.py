@@ -271,6 +271,7 @@ class WorkerRuntime:
         stats.role = self.config.role
         stats.incarnation = self.config.incarnation
         stats.prefix_index_up = self.kv_events.up
+        stats.quantization = engine.config.quantization
         stats.cpu_kernels.extend(
             serving_pb2.CpuKernel(kernel=k.kernel, variant=k.variant) for k in self.engine.cpu_kernels
         )
