@@ -26,8 +26,8 @@ class EngineConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
-    # "none": float weights; "int8": every linear weight quantized at load; "gguf": a GGUF file's Q4_0/Q4_1/Q8_0
-    # linear tensors kept as its blocks; "fp8": cuda only. int8 and gguf run on cpu so far.
+    # "none": float weights; "int8": every linear weight and the LM head quantized at load; "gguf": a GGUF file's
+    # Q4_0/Q4_1/Q8_0 linear tensors kept as its blocks, the head in Q8_0; "fp8": cuda only. int8 and gguf: cpu so far.
     quantization: str = "none"
     block_size: int = 16
     max_num_seqs: int = 128

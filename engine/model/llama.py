@@ -18,7 +18,7 @@ from engine.attention.backend import AttentionBackend, RotaryAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
-from engine.model.quantization import Weight, cat_rows
+from engine.model.quantization import Weight, cat_rows, quantize_head
 from engine.model.tp_group import SINGLE, TPGroup
 from engine.model.linear import Linear
 from engine.model.parallel_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -92,8 +92,6 @@ class LlamaModel:
         self.embed = take("model.embed_tokens.weight")  # [vocab (/ N, padded), hidden]
         self.embedding = VocabParallelEmbedding(self.embed, group, vocab_size=c.vocab_size)
         self.final_norm = take("model.norm.weight")
-        self.lm_head = VocabParallelHead(self.embed if c.tie_word_embeddings else take("lm_head.weight"), group,
-                                         vocab_size=c.vocab_size)
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -112,6 +110,11 @@ class LlamaModel:
                     down=RowParallelLinear(take(p + "mlp.down_proj.weight"), group),
                 )
             )
+        head: Weight = self.embed if c.tie_word_embeddings else take("lm_head.weight")
+        layer_weight = self.layers[0].qkv.quantized if self.layers else None
+        if layer_weight is not None and isinstance(head, torch.Tensor):  # --quantization: the head too
+            head = quantize_head(head, layer_weight.format)
+        self.lm_head = VocabParallelHead(head, group, vocab_size=c.vocab_size)
         # On a GPU the elementwise steps run as the fused Triton kernels of engine/kernels/triton/ (the residual add
         # with the RMSNorm after it, rotary with the KV store where the backend fuses them, SiLU-and-mul): four
         # launches a layer instead of ~20 small ones, which is most of a small model's decode step there.

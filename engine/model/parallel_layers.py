@@ -49,7 +49,8 @@ class VocabParallelHead(Linear):
 
     __slots__ = ("group", "vocab_size")
 
-    def __init__(self, weight: torch.Tensor, group: TPGroup = SINGLE, *, vocab_size: int, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, group: TPGroup = SINGLE, *, vocab_size: int,
+                 pack: bool = True) -> None:
         super().__init__(weight, pack=pack)
         self.group = group
         self.vocab_size = vocab_size

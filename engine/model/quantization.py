@@ -8,12 +8,14 @@
              blocks (engine/loader/gguf_loader.py hands them over undequantized)
     fp8      e4m3 weights                                                       cuda only: not built yet
 
-"Linear layers" are q/k/v (fused into qkv), o, gate/up (fused into gate_up) and down, in every layer. The
-embedding and the LM head stay float in every method: the embedding is a lookup, not a GEMM, and the head is tied
-to it in the models we serve (SmolLM2): quantizing it would mean a second copy of the vocabulary matrix, and the
-head is the one layer whose rounding every sampled token sees directly. A quantized weight in the weights dict is a
-`QuantizedWeight` in place of the float tensor, under the same HF name; the model's `Linear` runs it through
-`quantized_linear` (engine/kernels/cpu_quantized_linear.py).
+"Linear layers" are q/k/v (fused into qkv), o, gate/up (fused into gate_up) and down, in every layer: in the
+weights dict a quantized one is a `QuantizedWeight` in place of the float tensor, under the same HF name, and the
+model's `Linear` runs it through `quantized_linear` (engine/kernels/cpu_quantized_linear.py). The embedding stays
+float (a lookup, not a GEMM). The LM head, the largest single matrix of a small model (SmolLM2: 49152 x 576, a
+fifth of its weights, read whole every decode step), is quantized by the model when its layers are
+(`quantize_head`): int8 per row with int8, Q8_0 with gguf, as llama.cpp runs a GGUF's head (SmolLM2's file stores
+its tied embedding in Q8_0: re-quantizing the dequantized values gives back the file's own blocks). At tensor
+parallelism each rank quantizes its vocabulary rows: per-row scales and per-row blocks make that the whole head's.
 
 Fusing and tensor-parallel cuts work on whole rows or whole blocks (`cat_rows`, QuantizedWeight.rows/columns), so
 a GGUF block is never split: a column-parallel shard is a range of rows, a row-parallel one a range of blocks in
@@ -26,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from engine.kernels.quantized_weight import QuantizedWeight
+from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight
 
 QUANTIZATIONS = ("none", "int8", "gguf", "fp8")
 _LINEAR_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -61,6 +63,18 @@ def quantize_int8(weights: Mapping[str, Weight]) -> dict[str, Weight]:
         else:
             out[name] = weight
     return out
+
+
+def quantize_head(weight: torch.Tensor, like: QuantFormat) -> QuantizedWeight:
+    """The LM head's float [vocab, hidden] weight quantized for a model whose layers are in `like`: int8 per row
+    for INT8, Q8_0 (gguf's quantizer, round half away from zero as llama.cpp's) for the GGUF formats."""
+    if like is QuantFormat.INT8:
+        return QuantizedWeight.quantize_int8(weight)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    blocks = quantize(weight.detach().float().contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    return QuantizedWeight.from_gguf(blocks, GGMLQuantizationType.Q8_0, tuple(weight.shape))  # type: ignore[arg-type]
 
 
 def holds_quantized(weights: Mapping[str, Weight]) -> bool:

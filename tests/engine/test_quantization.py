@@ -1,6 +1,6 @@
 """`--quantization` through the engine, over the tiny random-weight model: the flag reaches EngineConfig and `LLM`;
-fp8 and anything on cuda is refused before any weight loads; int8 quantizes exactly the linear layers (not the
-embedding nor the LM head) and runs them through the quantized kernel; its blocks hash in their own namespace; at
+fp8 and anything on cuda is refused before any weight loads; int8 quantizes exactly the linear layers and the LM
+head (not the embedding) and runs them through the quantized kernel; its blocks hash in their own namespace; at
 tensor_parallel_size 2 (real rank processes) an int8 engine gives TP 1's int8 tokens, every logits row within 1e-3.
 The real model's accuracy: tests/engine/test_quantization_accuracy.py.
 """
@@ -46,7 +46,7 @@ def test_fp8_is_one_error_before_anything_loads() -> None:
             build_engine_parts(EngineConfig(model="/nonexistent/model.gguf", quantization="fp8"))
 
 
-def test_int8_quantizes_the_linear_layers_only(tiny_checkpoint) -> None:  # noqa: ANN001
+def test_int8_quantizes_the_linear_layers_and_the_head_only(tiny_checkpoint) -> None:  # noqa: ANN001
     plain = make_engine(tiny_checkpoint)
     engine = make_engine(tiny_checkpoint, quantization="int8")
     model = engine.runner.model
@@ -54,7 +54,8 @@ def test_int8_quantizes_the_linear_layers_only(tiny_checkpoint) -> None:  # noqa
         for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
             assert isinstance(linear.quantized, QuantizedWeight) and linear.quantized.format is QuantFormat.INT8
             assert linear.weight is None and linear.packed is None
-    assert model.lm_head.quantized is None and isinstance(model.embed, torch.Tensor)
+    assert model.lm_head.quantized is not None and model.lm_head.quantized.format is QuantFormat.INT8
+    assert isinstance(model.embed, torch.Tensor)  # the lookup stays float
     # the checkpoint, which other engines share, keeps its float weights
     assert all(isinstance(t, torch.Tensor) for t in tiny_checkpoint.weights.values())
     requests = {f"r{i}": (p, greedy(8)) for i, p in enumerate(PROMPTS)}
@@ -76,6 +77,7 @@ def test_int8_logits_are_the_dequantized_weights_logits(tiny_checkpoint) -> None
 
     int8_weights = quantize_int8(tiny_checkpoint.weights)
     round_trip = {n: w.dequantize() if isinstance(w, QuantizedWeight) else w for n, w in int8_weights.items()}
+    round_trip["lm_head.weight"] = QuantizedWeight.quantize_int8(round_trip["lm_head.weight"]).dequantize()
     assert sum(is_linear_weight(n) for n in round_trip) == 7 * tiny_checkpoint.config.num_layers
     import dataclasses
 

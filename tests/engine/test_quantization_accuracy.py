@@ -3,9 +3,10 @@ weights): perplexity over a fixed public-domain text (tests/data/pride_and_preju
 Austen's Pride and Prejudice, 1813), from the engine's own prompt logprobs, and greedy agreement on the exactness
 prompts (reported: run with -s to see them).
 
-    gguf   the same weights as `none` (the file's blocks, read in place); only the arithmetic differs (the
-           activations are rounded to Q8 per block of 32, as llama.cpp does): perplexity within 0.5%
-    int8   the dequantized weights rounded again, to int8 per output channel: perplexity within 2%
+    gguf   the same weights as `none` (the file's blocks, read in place; the tied head in Q8_0, the file's own
+           embedding blocks); only the arithmetic differs (the activations are rounded to Q8 per block of 32, as
+           llama.cpp does): perplexity within 0.5%
+    int8   the dequantized weights rounded again, to int8 per output channel (the head too): perplexity within 2%
 """
 
 from __future__ import annotations
@@ -69,11 +70,21 @@ def results(engines) -> dict[str, dict[str, object]]:  # noqa: ANN001
     return out
 
 
-def test_the_engines_run_what_they_say(engines) -> None:  # noqa: ANN001
+def test_the_engines_run_what_they_say(engines, smollm2_gguf: str) -> None:  # noqa: ANN001
+    import torch
+
+    from engine.loader.gguf_loader import open_gguf
+
     for name, fmt in (("int8", QuantFormat.INT8), ("gguf", QuantFormat.Q4_1)):
         layer = engines[name].runner.model.layers[0]
         for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
             assert isinstance(linear.quantized, QuantizedWeight) and linear.quantized.format is fmt, name
+        head = engines[name].runner.model.lm_head.quantized  # the tied head: int8, or Q8_0 as the file stores it
+        assert head is not None and head.format is (fmt if name == "int8" else QuantFormat.Q8_0), name
+    # gguf's head, re-quantized from the dequantized embedding, is the file's own Q8_0 token_embd, byte for byte
+    stored = next(t for t in open_gguf(Path(smollm2_gguf)).tensors if t.name == "token_embd.weight")
+    raw = torch.from_numpy(stored.data.reshape(-1).view("uint8").copy())
+    assert torch.equal(engines["gguf"].runner.model.lm_head.quantized.data.reshape(-1), raw)
 
 
 @pytest.mark.parametrize("method", ["gguf", "int8"])
