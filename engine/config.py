@@ -11,6 +11,8 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on cuda, float32 on cpu (engine/device.py)
 DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is taken too; "auto": cuda when torch sees a GPU
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names; "dummy": seeded random weights of a named shape
+# vLLM's --quantization: which linear weights stay quantized (engine/model/quantization.py says what each does).
+QUANTIZATIONS = ("none", "int8", "gguf", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # "auto": the model's dtype; int8: per-block-per-head scales; fp8: GPU only
 CPU_KV_CACHE_MEMORY_BYTES = 2 << 30  # the KV cache on cpu when neither its size nor its block count is given
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -24,6 +26,9 @@ class EngineConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
+    # "none": float weights; "int8": every linear weight and the LM head quantized at load; "gguf": a GGUF file's
+    # Q4_0/Q4_1/Q8_0 linear tensors kept as its blocks, the head in Q8_0; "fp8": cuda only. int8 and gguf: cpu so far.
+    quantization: str = "none"
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -74,6 +79,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8" and self.device == "cpu":
             raise ValueError("kv_cache_dtype fp8 needs a CUDA device (--device cuda); on cpu use int8")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "fp8" and self.device == "cpu":
+            raise ValueError("quantization fp8 needs cuda (--device cuda); on cpu use int8 or gguf")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len_to_capture"):

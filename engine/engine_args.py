@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig, SpeculativeConfig
+from engine.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig,
+                           SpeculativeConfig)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 
@@ -30,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy: seeded random weights of the named shape (smollm2-135m, llama-3.2-1b, qwen2.5-1.5b)")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; int8: per-block-per-head scales; fp8: cuda only")
+    g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+                   help="weights kept quantized: int8 (every linear layer, per output channel, quantized at load), "
+                        "gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored); cpu only so far; fp8: cuda only")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -95,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         load_format=args.load_format,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -33,6 +33,7 @@ from engine.loader.model_identity import model_identity
 from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
+from engine.model.quantization import check_quantization, holds_quantized, quantize_int8
 from engine.model_runner import ModelRunner
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
 from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
@@ -71,6 +72,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     speculative method)."""
     config = resolve_engine_config(config)
     device = torch.device(config.device)
+    check_quantization(config.quantization, device)  # fp8 on cpu, or any on cuda (not built yet): before any load
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     dtype = TORCH_DTYPES[config.dtype]
@@ -80,7 +82,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         memory_baseline = MemoryBaseline(device, utilization=config.gpu_memory_utilization)
     owned = checkpoint is None  # loaded here: nobody else holds its weights
-    checkpoint = checkpoint or load_engine_checkpoint(config, device)
+    checkpoint = _quantized(checkpoint or load_engine_checkpoint(config, device), config.quantization)
     mc = checkpoint.config
     # The sizes the model takes: one clear error naming its heads before any rank starts (TensorParallelSizeError).
     shape = tp_shape(mc, config.tensor_parallel_size)
@@ -124,8 +126,10 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=config.block_size, seed=config.seed,
                          kv_cache_dtype=config.kv_cache_dtype)
     cuda_graph_capture_seconds = _capture_cuda_graphs(runner, config, attention, device, max_model_len)
+    # Quantized weights compute other logits, hence other KV: a quantization's blocks are never another's.
+    model_name = config.model_id or checkpoint.model_id or model_identity(checkpoint.path)
     hash_namespace = BlockHashNamespace(
-        model=config.model_id or checkpoint.model_id or model_identity(checkpoint.path),
+        model=model_name if config.quantization == "none" else f"{model_name}+{config.quantization}",
         block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
     speculator = _speculator(spec, runner, draft_checkpoint, config, max_model_len)
     return EngineParts(
@@ -138,6 +142,19 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
 
 def _nothing_to_stop() -> None:
     pass
+
+
+def _quantized(checkpoint: Checkpoint, quantization: str) -> Checkpoint:
+    """The checkpoint as `quantization` runs it (engine/model/quantization.py): int8 quantizes the float linear
+    weights (a new dict: the given one may be shared by other engines); gguf needs them loaded as blocks."""
+    if quantization == "int8":
+        return dataclasses.replace(checkpoint, weights=quantize_int8(checkpoint.weights))
+    if quantization == "gguf" and not holds_quantized(checkpoint.weights):
+        raise ValueError(f"--quantization gguf: the checkpoint {checkpoint.path} holds no GGUF blocks (load it with "
+                         "load_checkpoint(..., quantization='gguf'))")
+    if quantization == "none" and holds_quantized(checkpoint.weights):
+        raise ValueError("--quantization none over a checkpoint loaded with quantized weights")
+    return checkpoint
 
 
 def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
@@ -201,10 +218,11 @@ def _model_on_device(checkpoint: Checkpoint, attention: AttentionBackend, *, dev
     """The model over the checkpoint's weights, on `device` in `dtype`. The unfused q/k/v and gate/up tensors it
     concatenates are dropped on return: only what the model holds stays (what a memory profile counts)."""
     weights = checkpoint.weights
-    if device.type != "cpu" or any(t.dtype != dtype for t in weights.values()):
+    floats = {name: t for name, t in weights.items() if isinstance(t, torch.Tensor)}  # quantized ones stay as they are
+    if device.type != "cpu" or any(t.dtype != dtype for t in floats.values()):
         # A copy per engine (the checkpoint's CPU tensors may be shared by other engines), in the engine's
         # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
-        weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
+        weights = {**weights, **{name: t.to(device=device, dtype=dtype) for name, t in floats.items()}}
     return LlamaModel(checkpoint.config, weights, attention, max_positions=max_model_len)
 
 

@@ -218,7 +218,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "worker_id", "role", "model", "incarnation", "engine_model", "load_format", "block_size", "max_model_len", "kv_cache_dtype")
+    __slots__ = ("ok", "worker_id", "role", "model", "incarnation", "engine_model", "load_format", "block_size", "max_model_len", "kv_cache_dtype", "quantization")
     OK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class HealthResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     worker_id: str
     role: str
@@ -239,7 +240,8 @@ class HealthResponse(_message.Message):
     block_size: int
     max_model_len: int
     kv_cache_dtype: str
-    def __init__(self, ok: _Optional[bool] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., engine_model: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    quantization: str
+    def __init__(self, ok: _Optional[bool] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., engine_model: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
@@ -264,7 +266,7 @@ class KVNamespace(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class LoadStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_kv_transfers", "num_kv_transfer_failures", "incarnation", "cpu_kernels", "max_num_seqs", "kv_namespace", "prefix_index_up", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_chosen_k", "num_queued_prompt_tokens", "kv_transfers_rejected")
+    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_kv_transfers", "num_kv_transfer_failures", "incarnation", "cpu_kernels", "max_num_seqs", "kv_namespace", "prefix_index_up", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_chosen_k", "num_queued_prompt_tokens", "kv_transfers_rejected", "quantization")
     class KvTransfersRejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +301,7 @@ class LoadStats(_message.Message):
     SPEC_DECODE_CHOSEN_K_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_requests_running: int
@@ -326,4 +329,5 @@ class LoadStats(_message.Message):
     spec_decode_chosen_k: _containers.RepeatedScalarFieldContainer[int]
     num_queued_prompt_tokens: int
     kv_transfers_rejected: _containers.ScalarMap[str, int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    quantization: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ...) -> None: ...

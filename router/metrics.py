@@ -63,6 +63,7 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
     gauges   splitserve:num_requests_running, splitserve:num_requests_waiting, splitserve:kv_blocks_used,
              splitserve:kv_blocks_total, splitserve:kv_cache_usage_perc (a 0-1 fraction, as in vLLM),
              splitserve:worker_healthy (1/0),
+             splitserve:worker_quantization_info{worker,quantization} (1: the --quantization its weights run with)
              splitserve:cpu_kernels_info{worker,kernel,variant} (1: the C++ CPU kernel build the worker runs,
              variant "x86-64-v4" | "x86-64-v3" | ..., or "torch" where its torch ops run instead)
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total (tokens),
@@ -353,6 +354,12 @@ class WorkerLoadCollector(Collector):
                 for kernel in snapshot.stats.cpu_kernels:
                     kernels.add_metric([snapshot.info.worker_id, kernel.kernel, kernel.variant], 1.0)
         yield kernels
+        quantization = GaugeMetricFamily(f"{PREFIX}worker_quantization_info", "The --quantization each worker's "
+                                         "weights run with (none, int8, gguf, fp8).", labels=["worker", "quantization"])
+        for snapshot in snapshots:
+            if snapshot.stats is not None:
+                quantization.add_metric([snapshot.info.worker_id, snapshot.stats.quantization or "none"], 1.0)
+        yield quantization
 
 
 class RestartCollector(Collector):

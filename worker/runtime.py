@@ -239,6 +239,7 @@ class WorkerRuntime:
             block_size=self.engine.config.block_size,
             max_model_len=self.engine.max_model_len,
             kv_cache_dtype=self.engine.config.kv_cache_dtype,
+            quantization=self.engine.config.quantization,
         )
 
     async def load_stats(self) -> serving_pb2.LoadStats:
@@ -270,6 +271,7 @@ class WorkerRuntime:
         stats.role = self.config.role
         stats.incarnation = self.config.incarnation
         stats.prefix_index_up = self.kv_events.up
+        stats.quantization = engine.config.quantization
         stats.cpu_kernels.extend(
             serving_pb2.CpuKernel(kernel=k.kernel, variant=k.variant) for k in self.engine.cpu_kernels
         )

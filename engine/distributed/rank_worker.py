@@ -91,7 +91,7 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
     c = spec.model_config
     attention = get_attention_backend(spec.attention_backend, scale=c.head_dim**-0.5, device=device,
                                       kv_cache_dtype=spec.kv_cache_dtype)
-    assert all(t.dtype == TORCH_DTYPES[spec.dtype] for t in weights.values())
+    assert all(t.dtype == TORCH_DTYPES[spec.dtype] for t in weights.values() if isinstance(t, torch.Tensor))
     model = LlamaModel(c, weights, attention, max_positions=spec.max_positions, group=group)
     del weights
     kv_cache, kv_scales, kv_caches = allocate_kv_cache(model, spec.num_kv_blocks, spec.block_size,
@@ -135,6 +135,10 @@ def model_weight_bytes(model: object) -> int:
         add(getattr(linear, "packed", None))
         add(getattr(linear, "weight", None))
         add(getattr(linear, "bias", None))
+        quantized = getattr(linear, "quantized", None)  # a QuantizedWeight (--quantization)
+        if quantized is not None:
+            add(quantized.data)
+            add(quantized.scales)
 
     add(model.embed)  # type: ignore[attr-defined]
     add(model.final_norm)  # type: ignore[attr-defined]

@@ -10,7 +10,9 @@
     embed_tokens, lm_head                rows of its vocabulary slice, padded      vocab-parallel
     *norm                                all of it                                 replicated
 
-Each slice is a fresh contiguous tensor, so the whole one can be freed once every rank's slice is cut.
+Each slice is a fresh contiguous tensor, so the whole one can be freed once every rank's slice is cut. A quantized
+linear weight (`QuantizedWeight`, --quantization) is cut the same way in whole rows (`rows`) or whole blocks
+(`columns`): a GGUF block is never split, and an int8 row keeps its one scale on every rank.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import MutableMapping
 import torch
 
 from engine.distributed.tp_sizes import TPShape, check_tp_size
+from engine.kernels.quantized_weight import QuantizedWeight
 from engine.model.config import ModelConfig
 
 
@@ -74,9 +77,11 @@ def shard_all(weights: MutableMapping[str, torch.Tensor], config: ModelConfig, s
     return shards
 
 
-def _slice(name: str, tensor: torch.Tensor, shape: TPShape, rank: int, *, q_rows: slice, kv_rows: slice,
-           inter_rows: slice) -> torch.Tensor:
+def _slice(name: str, tensor: torch.Tensor | QuantizedWeight, shape: TPShape, rank: int, *, q_rows: slice,
+           kv_rows: slice, inter_rows: slice) -> torch.Tensor | QuantizedWeight:
     leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+    if isinstance(tensor, QuantizedWeight):
+        return _slice_quantized(name, leaf, tensor, q_rows=q_rows, kv_rows=kv_rows, inter_rows=inter_rows)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return _vocab_rows(tensor, shape, rank)
     if leaf == "q_proj":
@@ -92,6 +97,21 @@ def _slice(name: str, tensor: torch.Tensor, shape: TPShape, rank: int, *, q_rows
     if name.endswith("norm.weight"):
         return tensor  # replicated
     raise ValueError(f"no tensor-parallel split known for weight {name!r}")
+
+
+def _slice_quantized(name: str, leaf: str, weight: QuantizedWeight, *, q_rows: slice, kv_rows: slice,
+                     inter_rows: slice) -> QuantizedWeight:
+    """A quantized linear weight's slice, in fresh memory (the whole one can go once every rank's is cut)."""
+    rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "gate_proj": inter_rows, "up_proj": inter_rows}
+    columns = {"o_proj": q_rows, "down_proj": inter_rows}
+    if leaf in rows:
+        cut = weight.rows(rows[leaf].start, rows[leaf].stop)
+    elif leaf in columns:  # a ValueError if the cut is not on a block boundary
+        cut = weight.columns(columns[leaf].start, columns[leaf].stop)
+    else:
+        raise ValueError(f"no tensor-parallel split known for quantized weight {name!r}")
+    return QuantizedWeight(format=cut.format, data=cut.data.clone(), in_features=cut.in_features,
+                           scales=None if cut.scales is None else cut.scales.clone())
 
 
 def _vocab_rows(tensor: torch.Tensor, shape: TPShape, rank: int) -> torch.Tensor:

@@ -11,19 +11,31 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory pickling of tensors for the pipes
 
+from engine.kernels.quantized_weight import QuantizedWeight
+from engine.model.quantization import Weight
 
-def share(shard: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A copy of `shard` (CPU tensors) in shared memory, in `dtype`; `shard` is emptied as it goes (a tensor only it
-    held is freed once copied)."""
-    shared = {}
+
+def share(shard: dict[str, Weight], dtype: torch.dtype) -> dict[str, Weight]:
+    """A copy of `shard` (CPU tensors) in shared memory, in `dtype` (a quantized weight: its own dtypes); `shard` is
+    emptied as it goes (a tensor only it held is freed once copied)."""
+    shared: dict[str, Weight] = {}
     for name in list(shard):
         tensor = shard.pop(name)
-        shared[name] = torch.empty(tensor.shape, dtype=dtype).share_memory_().copy_(tensor)
+        if isinstance(tensor, QuantizedWeight):
+            shared[name] = QuantizedWeight(format=tensor.format, data=_shared_copy(tensor.data),
+                                           in_features=tensor.in_features,
+                                           scales=None if tensor.scales is None else _shared_copy(tensor.scales))
+        else:
+            shared[name] = torch.empty(tensor.shape, dtype=dtype).share_memory_().copy_(tensor)
     return shared
 
 
-def unshare(shared: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The shard's tensors on `device` (on cpu the shared tensors themselves)."""
+def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_().copy_(tensor)
+
+
+def unshare(shared: dict[str, Weight], device: torch.device) -> dict[str, Weight]:
+    """The shard's tensors on `device` (on cpu the shared tensors themselves; quantized weights run on cpu only)."""
     if device.type == "cpu":
         return shared
-    return {name: tensor.to(device) for name, tensor in shared.items()}
+    return {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in shared.items()}

@@ -119,7 +119,8 @@ def launch_tensor_parallel(
 
     group = ranks.start(store, shard)
     try:
-        mine = {name: t.to(device=device, dtype=dtype) for name, t in shard(0).items()}
+        mine = {name: t.to(device=device, dtype=dtype) if isinstance(t, torch.Tensor) else t  # quantized: as is
+                for name, t in shard(0).items()}
         local = LlamaModel(local_config, mine, attention, max_positions=max_model_len, group=group)
     except BaseException:
         ranks.close()

@@ -9,6 +9,11 @@ Three translations happen on the way:
   rotates element i with element i + head_dim/2). `_unpermute_rotary_rows` puts them back. Qwen2 GGUFs are
   converted without the reordering and load as stored.
 
+With `keep_blocks` (`--quantization gguf`), the linear layers' Q4_0 / Q4_1 / Q8_0 tensors are handed over as the
+file's blocks (`QuantizedWeight`), not dequantized: a GGUF row is one run of whole blocks, so the q/k row reorder
+moves whole rows of bytes. Their F32/F16/BF16 tensors, and every other tensor (embedding, norms), load as floats as
+without it; a linear tensor of any other type (e.g. Q6_K) is an `UnsupportedQuantizationError` naming it.
+
 Every failure is a `ModelLoadError` naming the file (see `errors.py`).
 """
 
@@ -20,12 +25,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from engine.kernels import gguf_quants
+from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight
 from engine.loader.errors import ModelLoadError, UnsupportedQuantizationError
 from engine.loader.gguf_metadata import GGUFMetadata, config_from_gguf
 from engine.loader.weight_layout import check_weights
+from engine.model.quantization import Weight, is_linear_weight
 from engine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedArchitectureError
 
 GGUF_MAGIC = b"GGUF"
@@ -172,15 +179,20 @@ def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, reader: GGUFReader | None = None
-              ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+_FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, reader: GGUFReader | None = None,
+              keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
     """Read `path` and return its config and weights (HF names and layouts, `dtype`, contiguous). `reader`: the
     file already opened by `open_gguf` (parsing the header is most of a small model's load: open it once when the
     tokenizer is read from the same file).
 
     The weights are checked against the config (`weight_layout.check_weights`). Raises `ModelLoadError` for
     unreadable, truncated or inconsistent files, `UnsupportedQuantizationError` for tensor types we cannot
-    dequantize and `UnsupportedArchitectureError` for architectures the engine does not implement.
+    dequantize (with `keep_blocks`: a linear tensor of a type without a quantized kernel) and
+    `UnsupportedArchitectureError` for architectures the engine does not implement. `keep_blocks`: see the module
+    docstring; those weights are `QuantizedWeight`s, the rest float tensors.
     """
     path = Path(path)
     if reader is None:
@@ -205,13 +217,16 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, reader: G
     permuted = config.architecture in _PERMUTED_ARCHITECTURES
     if permuted and config.head_dim % 2 != 0:
         raise ModelLoadError(f"{path}: odd head size {config.head_dim} cannot carry rotary pairs")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     for gguf_name, tensor in tensors.items():
         if gguf_name == _ROPE_FREQS:
             continue
         name = hf_name(gguf_name)
         if name is None:
             raise ModelLoadError(f"{path}: tensor {gguf_name!r} has no place in a {config.architecture} model")
+        if keep_blocks and is_linear_weight(name) and tensor.tensor_type not in _FLOAT_TYPES:
+            weights[name] = _blocks(path, tensor, name, config, permuted)
+            continue
         weight = _dequantize(path, tensor)
         if permuted and (".q_proj." in name or ".k_proj." in name):
             num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
@@ -222,6 +237,31 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, *, reader: G
         weights[name] = weight.to(dtype).contiguous()
     check_weights(weights, config, str(path))
     return config, weights
+
+
+def _blocks(path: Path, tensor: Any, name: str, config: ModelConfig, permuted: bool) -> QuantizedWeight:
+    """A linear tensor's blocks as stored (q/k rows put back in HF order, whole rows at a time)."""
+    shape = tuple(reversed([int(d) for d in tensor.shape]))
+    try:
+        QuantFormat.of_ggml(tensor.tensor_type)
+    except ValueError as err:
+        raise UnsupportedQuantizationError(f"{path}: tensor {tensor.name} ({name}) is {tensor.tensor_type.name}: "
+                                           f"--quantization gguf {err}; load it with --quantization none "
+                                           "(dequantized to floats)") from None
+    if len(shape) != 2:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} has shape {shape}, expected a matrix")
+    try:
+        weight = QuantizedWeight.from_gguf(tensor.data, tensor.tensor_type, shape)
+    except ValueError as err:  # too few bytes, a non-finite block scale: refused at load, never served
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {err}") from err
+    if permuted and (".q_proj." in name or ".k_proj." in name):
+        num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+        if weight.out_features != num_heads * config.head_dim:
+            raise ModelLoadError(f"{path}: tensor {tensor.name} has shape {shape}, "
+                                 f"expected {num_heads * config.head_dim} rows")
+        data = _unpermute_rotary_rows(weight.data, num_heads).contiguous()
+        weight = QuantizedWeight(format=weight.format, data=data, in_features=weight.in_features)
+    return weight
 
 
 def _dequantize(path: Path, tensor: Any) -> torch.Tensor:

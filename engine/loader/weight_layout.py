@@ -9,11 +9,15 @@ are not tied; a tied model reads `model.embed_tokens.weight` for both.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.loader.errors import ModelLoadError
 from engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.kernels.quantized_weight import QuantizedWeight
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -44,9 +48,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+def check_weights(weights: Mapping[str, torch.Tensor | QuantizedWeight], config: ModelConfig, source: str) -> None:
     """Raise `ModelLoadError` naming `source` unless `weights` has exactly the expected names and shapes and
-    only finite values. No trained model has a NaN or infinite weight; one means a corrupt file (a damaged
+    only finite values (a `QuantizedWeight`: its logical [out, in] shape; its scales were checked when it was made).
+    No trained model has a NaN or infinite weight; one means a corrupt file (a damaged
     GGUF type or scale decodes to garbage that is often non-finite) or a dtype too narrow for the values."""
     expected = expected_shapes(config)
     missing = sorted(set(expected) - set(weights))
@@ -58,6 +63,12 @@ def check_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig, sour
             f"{source}: {len(unexpected)} weight(s) this architecture has no use for: {unexpected[:5]}"
         )
     for name, shape in expected.items():
+        weight = weights[name]
+        if not isinstance(weight, torch.Tensor):  # a QuantizedWeight
+            if (weight.out_features, weight.in_features) != shape:
+                raise ModelLoadError(f"{source}: weight {name} has shape {(weight.out_features, weight.in_features)}, "
+                                     f"the config implies {shape}")
+            continue
         if tuple(weights[name].shape) != shape:
             raise ModelLoadError(
                 f"{source}: weight {name} has shape {tuple(weights[name].shape)}, the config implies {shape}"

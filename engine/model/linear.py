@@ -6,6 +6,9 @@ saves the per-call packing too. Measured at this model's shapes (bench/onednn_li
 0.9-2.5x at one row, 1.28x on the whole forward pass. Same math, a different summation order: outputs agree with
 MKL's to float32 rounding, not bit for bit (greedy output still matches HF transformers token for token; tests
 check it).
+
+A quantized weight (`QuantizedWeight`: --quantization int8 or gguf, engine/model/quantization.py) runs through
+`quantized_linear` (engine/kernels/cpu_quantized_linear.py) instead: read in place, never dequantized.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.cpu_quantized_linear import quantized_linear
+from engine.kernels.quantized_weight import QuantizedWeight
 from kv_transfer.native_build import cpu_kernels_disabled
 
 logger = logging.getLogger(__name__)
@@ -38,13 +43,20 @@ def onednn_usable(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """y = x @ weight.T + bias, weight [out_features, in_features] as in `torch.nn.Linear`."""
+    """y = x @ weight.T + bias, weight [out_features, in_features] as in `torch.nn.Linear`, or a `QuantizedWeight`
+    of that logical shape."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "quantized")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
+                 pack: bool = True) -> None:
         self.bias = bias
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None
+        if isinstance(weight, QuantizedWeight):
+            self.quantized = weight
+            self.weight: torch.Tensor | None = None
+            return
         if pack and onednn_usable(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
@@ -52,17 +64,22 @@ class Linear:
                 logger.warning("oneDNN weight packing unavailable (%s); using F.linear", exc)
         # The packed copy replaces the dense one (same bytes). A tied LM head's dense weight lives on as the embedding
         # table, so tying costs one extra vocab x hidden matrix here.
-        self.weight: torch.Tensor | None = None if self.packed is not None else weight
+        self.weight = None if self.packed is not None else weight
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out_features, in_features] tensor (unpacked again if packed)."""
         if self.packed is not None:
             return self.packed.to_dense()
+        if self.quantized is not None:
+            return self.quantized.dequantize()
         assert self.weight is not None
         return self.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.quantized is not None:
+            y = quantized_linear(x, self.quantized)
+            return y if self.bias is None else y.add_(self.bias)
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)

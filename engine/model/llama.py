@@ -18,6 +18,7 @@ from engine.attention.backend import AttentionBackend, RotaryAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
+from engine.model.quantization import Weight, cat_rows, quantize_head
 from engine.model.tp_group import SINGLE, TPGroup
 from engine.model.linear import Linear
 from engine.model.parallel_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -68,7 +69,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         attention: AttentionBackend,
         *,
         max_positions: int,
@@ -83,7 +84,7 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             if name not in weights:
                 raise MissingWeightError(f"checkpoint has no tensor {name!r}")
             return weights[name]
@@ -91,8 +92,6 @@ class LlamaModel:
         self.embed = take("model.embed_tokens.weight")  # [vocab (/ N, padded), hidden]
         self.embedding = VocabParallelEmbedding(self.embed, group, vocab_size=c.vocab_size)
         self.final_norm = take("model.norm.weight")
-        self.lm_head = VocabParallelHead(self.embed if c.tie_word_embeddings else take("lm_head.weight"), group,
-                                         vocab_size=c.vocab_size)
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -102,15 +101,20 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=ColumnParallelLinear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    qkv=ColumnParallelLinear(cat_rows([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                                              qkv_bias),
                     o=RowParallelLinear(take(p + "self_attn.o_proj.weight"), group),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=ColumnParallelLinear(torch.cat([take(p + "mlp.gate_proj.weight"),
+                    gate_up=ColumnParallelLinear(cat_rows([take(p + "mlp.gate_proj.weight"),
                                                             take(p + "mlp.up_proj.weight")])),
                     down=RowParallelLinear(take(p + "mlp.down_proj.weight"), group),
                 )
             )
+        head: Weight = self.embed if c.tie_word_embeddings else take("lm_head.weight")
+        layer_weight = self.layers[0].qkv.quantized if self.layers else None
+        if layer_weight is not None and isinstance(head, torch.Tensor):  # --quantization: the head too
+            head = quantize_head(head, layer_weight.format)
+        self.lm_head = VocabParallelHead(head, group, vocab_size=c.vocab_size)
         # On a GPU the elementwise steps run as the fused Triton kernels of engine/kernels/triton/ (the residual add
         # with the RMSNorm after it, rotary with the KV store where the backend fuses them, SiLU-and-mul): four
         # launches a layer instead of ~20 small ones, which is most of a small model's decode step there.

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.tp_group import SINGLE, TPGroup
+from engine.kernels.quantized_weight import QuantizedWeight
 from engine.model.linear import Linear
+from engine.model.tp_group import SINGLE, TPGroup
 
 # A column-parallel layer is a plain linear layer over its output rows: no collective.
 ColumnParallelLinear = Linear
@@ -33,7 +34,8 @@ class RowParallelLinear(Linear):
 
     __slots__ = ("group",)
 
-    def __init__(self, weight: torch.Tensor, group: TPGroup = SINGLE, *, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, group: TPGroup = SINGLE, *, pack: bool = True
+                 ) -> None:
         super().__init__(weight, pack=pack)
         self.group = group
 
@@ -47,7 +49,8 @@ class VocabParallelHead(Linear):
 
     __slots__ = ("group", "vocab_size")
 
-    def __init__(self, weight: torch.Tensor, group: TPGroup = SINGLE, *, vocab_size: int, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, group: TPGroup = SINGLE, *, vocab_size: int,
+                 pack: bool = True) -> None:
         super().__init__(weight, pack=pack)
         self.group = group
         self.vocab_size = vocab_size

@@ -215,3 +215,12 @@ def test_pool_signals_for_autoscalers(cluster: Cluster) -> None:
     assert 0 <= tpot["0.5"] <= tpot["0.9"] <= tpot["0.99"] < 30
     assert {labels["pool"] for labels, _, _ in samples["splitserve:pool_time_to_first_token_seconds"]} == {"prefill"}
     assert "splitserve:autoscaler_decisions_total" not in samples  # no autoscaler here: no series
+
+
+def test_worker_quantization_info_names_each_workers_quantization(cluster: Cluster) -> None:
+    cluster.prefill.load.quantization = "gguf"
+    cluster.decode.load.quantization = "int8"
+    samples = scrape(cluster.client)
+    info = {(labels["worker"], labels["quantization"], value)
+            for labels, value, _ in samples["splitserve:worker_quantization_info"]}
+    assert info == {("prefill-0", "gguf", 1.0), ("decode-0", "int8", 1.0)}

@@ -1,0 +1,64 @@
+"""`--quantization` end to end (issue 34's benchmark, first part): single-stream decode tok/s and resident weight
+bytes of the SmolLM2 Q4_1 GGUF with `none`, `int8` and `gguf`, every configuration in one run, interleaved round by
+round (the machine is shared: each configuration's best round is reported).
+
+    .venv/bin/python bench/quantized.py [--threads 2] [--tokens 64] [--rounds 3] [--json out.json]
+
+Decode tok/s is 1 / the request's mean time per output token after the first (RequestStats.tpot_s): prefill is not
+in it. Not yet here (the issue lists them): llama.cpp on the same file, aggregate decode at 32 streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from engine import SamplingParams  # noqa: E402
+from engine.distributed.rank_worker import model_weight_bytes  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+
+METHODS = ("none", "int8", "gguf")
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    llms = {m: LLM(args.model, quantization=m, device="cpu", dtype="float32", num_threads=args.threads,
+                   max_model_len=1024, num_kv_blocks=128, enable_prefix_caching=False) for m in METHODS}
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    for llm in llms.values():  # warm-up: kernels loaded, first-call costs paid
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    best: dict[str, float] = {}
+    for r in range(args.rounds):
+        for method, llm in llms.items():
+            stats = llm.generate(PROMPT, params)[0].stats
+            assert stats is not None and stats.tpot_s > 0
+            best[method] = max(best.get(method, 0.0), 1 / stats.tpot_s)
+            print(f"round {r} {method:5s} {1 / stats.tpot_s:7.1f} tok/s", flush=True)
+    results = {}
+    for method, llm in llms.items():
+        weight_bytes = model_weight_bytes(llm.engine.runner.model)
+        results[method] = {"decode_tok_s": best[method], "weight_bytes": weight_bytes,
+                           "vs_none": best[method] / best["none"]}
+        print(f"{method:5s} single-stream decode {best[method]:7.1f} tok/s ({best[method] / best['none']:.2f}x none), "
+              f"weights {weight_bytes / 2**20:7.1f} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": args.threads, "tokens": args.tokens, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
