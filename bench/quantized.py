@@ -5,7 +5,10 @@ round (the machine is shared: each configuration's best round is reported).
     .venv/bin/python bench/quantized.py [--threads 2] [--tokens 64] [--rounds 3] [--json out.json]
 
 Decode tok/s is 1 / the request's mean time per output token after the first (RequestStats.tpot_s): prefill is not
-in it. Not yet here (the issue lists them): llama.cpp on the same file, aggregate decode at 32 streams.
+in it. `--llama-cpp` times llama.cpp (llama-cpp-python, not a dependency: install it yourself, e.g. as
+docs/benchmarks.md's "Single-stream decode vs llama.cpp" says) on the same GGUF file in the same rounds: greedy,
+the same prompt, the time per token after the first, its own Q4_1/Q8_0 kernels on the same thread count. Not yet
+here: aggregate decode at 32 streams.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +38,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp on the same GGUF, same rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     llms = {m: LLM(args.model, quantization=m, device="cpu", dtype="float32", num_threads=args.threads,
@@ -41,6 +46,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     for llm in llms.values():  # warm-up: kernels loaded, first-call costs paid
         llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    cpp = llama_cpp_decoder(args) if args.llama_cpp else None
     best: dict[str, float] = {}
     for r in range(args.rounds):
         for method, llm in llms.items():
@@ -48,6 +54,10 @@ def main() -> None:
             assert stats is not None and stats.tpot_s > 0
             best[method] = max(best.get(method, 0.0), 1 / stats.tpot_s)
             print(f"round {r} {method:5s} {1 / stats.tpot_s:7.1f} tok/s", flush=True)
+        if cpp is not None:
+            tok_s = cpp(args.tokens)
+            best["llama.cpp"] = max(best.get("llama.cpp", 0.0), tok_s)
+            print(f"round {r} llama.cpp {tok_s:7.1f} tok/s", flush=True)
     results = {}
     for method, llm in llms.items():
         weight_bytes = model_weight_bytes(llm.engine.runner.model)
@@ -55,9 +65,38 @@ def main() -> None:
                            "vs_none": best[method] / best["none"]}
         print(f"{method:5s} single-stream decode {best[method]:7.1f} tok/s ({best[method] / best['none']:.2f}x none), "
               f"weights {weight_bytes / 2**20:7.1f} MiB")
+    if cpp is not None:
+        results["llama.cpp"] = {"decode_tok_s": best["llama.cpp"]}
+        for method in METHODS:
+            print(f"{method:5s} / llama.cpp: {best[method] / best['llama.cpp']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": args.threads, "tokens": args.tokens, "results": results}, f, indent=2)
+
+
+def llama_cpp_decoder(args: argparse.Namespace):  # noqa: ANN201 - (tokens) -> tok/s
+    """llama.cpp over the same GGUF file: a function that decodes `tokens` greedy tokens after PROMPT and returns
+    tok/s over the tokens after the first (as RequestStats.tpot_s counts ours)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        sys.exit("--llama-cpp needs llama-cpp-python (not a splitserve dependency; see this file's docstring)")
+    from engine.loader.model_registry import resolve_model
+
+    llm = Llama(model_path=str(resolve_model(args.model)), n_ctx=1024, n_threads=args.threads, verbose=False)
+    prompt_ids = llm.tokenize(PROMPT.encode())
+
+    def decode(tokens: int) -> float:
+        llm.reset()
+        llm.eval(prompt_ids)
+        llm.eval([llm.sample(temp=0.0)])  # the first token, as ours: not timed
+        start = time.perf_counter()
+        for _ in range(tokens - 1):
+            llm.eval([llm.sample(temp=0.0)])
+        return (tokens - 1) / (time.perf_counter() - start)
+
+    decode(4)  # warm-up
+    return decode
 
 
 if __name__ == "__main__":
