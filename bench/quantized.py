@@ -7,8 +7,9 @@ round (the machine is shared: each configuration's best round is reported).
 Decode tok/s is 1 / the request's mean time per output token after the first (RequestStats.tpot_s): prefill is not
 in it. `--llama-cpp` times llama.cpp (llama-cpp-python, not a dependency: install it yourself, e.g. as
 docs/benchmarks.md's "Single-stream decode vs llama.cpp" says) on the same GGUF file in the same rounds: greedy,
-the same prompt, the time per token after the first, its own Q4_1/Q8_0 kernels on the same thread count. Not yet
-here: aggregate decode at 32 streams.
+the same prompt, the time per token after the first, its own Q4_1/Q8_0 kernels on the same thread count. `--streams N` (e.g. 32) also times aggregate
+decode: N distinct short prompts at once through each engine, output tokens / wall time of the batch (prefill of
+the short prompts included), best round.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--llama-cpp", action="store_true", help="also llama.cpp on the same GGUF, same rounds")
+    parser.add_argument("--streams", type=int, default=0, help="also aggregate decode of this many streams at once")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     llms = {m: LLM(args.model, quantization=m, device="cpu", dtype="float32", num_threads=args.threads,
@@ -58,6 +60,16 @@ def main() -> None:
             tok_s = cpp(args.tokens)
             best["llama.cpp"] = max(best.get("llama.cpp", 0.0), tok_s)
             print(f"round {r} llama.cpp {tok_s:7.1f} tok/s", flush=True)
+    aggregate: dict[str, float] = {}
+    if args.streams:
+        prompts = [f"{PROMPT} story number {i}:" for i in range(args.streams)]
+        for r in range(args.rounds):
+            for method, llm in llms.items():
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+                aggregate[method] = max(aggregate.get(method, 0.0), tok_s)
+                print(f"round {r} {method:5s} {args.streams} streams {tok_s:7.1f} tok/s", flush=True)
     results = {}
     for method, llm in llms.items():
         weight_bytes = model_weight_bytes(llm.engine.runner.model)
@@ -65,6 +77,11 @@ def main() -> None:
                            "vs_none": best[method] / best["none"]}
         print(f"{method:5s} single-stream decode {best[method]:7.1f} tok/s ({best[method] / best['none']:.2f}x none), "
               f"weights {weight_bytes / 2**20:7.1f} MiB")
+        if method in aggregate:
+            results[method] |= {"aggregate_tok_s": aggregate[method], "aggregate_vs_none": aggregate[method] /
+                                aggregate["none"], "streams": args.streams}
+            print(f"{method:5s} {args.streams} streams {aggregate[method]:7.1f} tok/s "
+                  f"({aggregate[method] / aggregate['none']:.2f}x none)")
     if cpp is not None:
         results["llama.cpp"] = {"decode_tok_s": best["llama.cpp"]}
         for method in METHODS:
