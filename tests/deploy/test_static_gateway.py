@@ -162,7 +162,9 @@ def test_a_dropped_stream_frees_every_block_and_the_pools_are_fixed(cluster: Clu
         scaled = http.post("/admin/scale", json={"decode": 2}, headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
     assert {(w["role"], w["endpoint"], w["state"]) for w in pools} == {
         ("prefill", cluster.prefill.url, "serving"), ("decode", cluster.decode.url, "serving")}
-    assert {w["incarnation"] for w in pools} == {h.incarnation for h in _healths(cluster)}
+    healths = _healths(cluster)
+    assert {w["incarnation"] for w in pools} == {h.incarnation for h in healths}
+    assert [h.quantization for h in healths] == ["none", "none"]  # Health names the workers' --quantization
     assert scaled.status_code == 503 and "fixed worker list" in scaled.json()["error"]["message"]
 
     deadline = time.monotonic() + 30
