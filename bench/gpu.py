@@ -82,9 +82,9 @@ from bench.gpu_floors import (
     wall_s,
     weight_bytes,
 )
-from bench.kernel_count import (
-    KernelCount, KernelCountUnavailable, count_kernels, describe, release_cupti,
-)
+from bench.gpu_hf import hf_model, measure_hf_generate
+from bench.gpu_report import summary
+from bench.kernel_count import count_step_kernels
 from engine.config import EngineConfig
 from engine.device import TORCH_DTYPES, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
@@ -98,7 +98,6 @@ from engine.loader.dummy_weights import (
     dummy_model_id,
     dummy_weights,
 )
-from engine.model.config import ModelConfig
 
 BLOCK_SIZE = 16
 SEED = 0
@@ -247,7 +246,8 @@ def measure_decode(
     graphs = getattr(engine.runner, "graphs", None)
     if graphs is not None and graphs.bucket(batch) is not None:
         bucket = graphs.bucket(batch)
-        replay_ms = median_s(lambda: [graphs._replay(bucket) for _ in range(20)], device, warmup=1, repeats=5) * 1e3 / 20
+        replay_s = median_s(lambda: [graphs._replay(bucket) for _ in range(20)], device, warmup=1, repeats=5)
+        replay_ms = replay_s * 1e3 / 20
     kernels = count_step_kernels(engine, batch, step) if batch in args.kernel_count_batches else None
     engine.abort_request(ids)
     check_blocks_free(engine)
@@ -263,53 +263,6 @@ def measure_decode(
         "floor_ms": floor_s * 1e3, "step_over_floor": step_s / floor_s, "bytes_read_per_step": read_bytes,
         "achieved_gb_s": read_bytes / step_s / 1e9, "tokens_per_s": batch / step_s, "kernels": kernels,
     }
-
-
-def count_step_kernels(engine: LLMEngine, batch: int, step: Callable[[], None]) -> dict[str, Any]:
-    """Kernels of one decode step at `batch` (module docstring), label -> KernelCount.as_json(), printed as they come;
-    {"unavailable": why} where the profiler cannot count, {"error": ...} for a probe that failed (the decode row
-    keeps its figures either way). The eager probes rerun the last replayed step's inputs, as the replay timing
-    does; the engine step is one more step of the batch."""
-    device = engine.device
-    graphs = getattr(engine.runner, "graphs", None)
-    bucket = graphs.bucket(batch) if graphs is not None else None
-    probes: dict[str, Callable[[], object]] = {}
-    if graphs is not None and bucket is not None:
-        probes["graph_replay"] = lambda: graphs._replay(bucket)
-        probes["eager_forward"] = lambda: graphs._step(bucket)
-        model = graphs.model
-        if getattr(model, "rotary_in_attention", False):
-
-            def unfused() -> object:
-                model.rotary_in_attention = False
-                try:
-                    return graphs._step(bucket)
-                finally:
-                    model.rotary_in_attention = True
-
-            probes["eager_forward_rotary_unfused"] = unfused
-    probes["engine_step"] = step
-    print(f"kernels a step at batch {batch}:", flush=True)
-    counts: dict[str, Any] = {}
-    for label, probe in probes.items():
-        try:
-            count: KernelCount = count_kernels(probe, device)
-        except KernelCountUnavailable as why:  # nothing to count: say why (once, where the first probe says it)
-            print(f"  {label}: not counted: {why}", flush=True)
-            if not counts:
-                return {"unavailable": str(why)}
-            counts[label] = {"unavailable": str(why)}
-            continue
-        except Exception as exc:  # noqa: BLE001 - a figure lost, not the run
-            traceback.print_exc()
-            counts[label] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"  {label}: not counted: {counts[label]['error']}", flush=True)
-            continue
-        counts[label] = count.as_json()
-        print(describe(label, count), flush=True)
-    # The profiler's CUPTI would otherwise stay attached and slow every later step timed in this process.
-    print(f"  CUPTI {'detached' if release_cupti() else 'left attached'} after counting", flush=True)
-    return counts
 
 
 def measure_prefill(engine: LLMEngine, args: argparse.Namespace, flops_per_s: float, num_params: int) -> dict:
@@ -352,59 +305,6 @@ def measure_ours_generate(engine: LLMEngine, prompts: list[list[int]], new_token
     check_blocks_free(engine)
     if produced != len(prompts) * new_tokens:
         raise RuntimeError(f"the engine produced {produced} tokens, expected {len(prompts) * new_tokens}")
-    return produced / seconds
-
-
-# -- HF transformers -------------------------------------------------------------------------------------------------
-def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
-    """HF's model class for `config`, holding `weights` (our dummy weights use HF's names and layouts)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings}
-    cls = Qwen2Config if config.architecture == "qwen2" else LlamaConfig
-    eos = list(config.eos_token_ids) or None
-    hf_config = cls(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters=rope, bos_token_id=config.bos_token_id, eos_token_id=eos,
-        pad_token_id=config.eos_token_ids[0] if config.eos_token_ids else 0,
-    )
-    with torch.device(device):  # initialised there (fast on a GPU); .to() in case a version builds on the host
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"dummy weights do not fit HF's model: missing {missing}, unexpected {unexpected}")
-    return model.eval()
-
-
-@torch.inference_mode()
-def measure_hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
-    input_ids = torch.tensor(prompts, device=device)  # [B, prompt_len]: same lengths, no padding
-    mask = torch.ones_like(input_ids)
-
-    def generate(n: int):
-        return model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False)
-
-    generate(2)  # warm-up
-    out = None
-
-    def run() -> None:
-        nonlocal out
-        out = generate(new_tokens)
-
-    seconds = wall_s(run, device)
-    assert out is not None
-    produced = (out.shape[1] - input_ids.shape[1]) * input_ids.shape[0]
-    if produced != input_ids.shape[0] * new_tokens:
-        raise RuntimeError(f"HF generate produced {produced} tokens, expected {input_ids.shape[0] * new_tokens}")
     return produced / seconds
 
 
@@ -571,64 +471,6 @@ def _bench_prefill(engine: LLMEngine, args: argparse.Namespace, flops_per_s: flo
 
 def _rate(value: float | None) -> str:
     return "failed" if value is None else f"{value:,.0f}"
-
-
-def summary(report: dict) -> str:
-    """The markdown table for docs/benchmarks.md."""
-    bandwidth = report["copy_bandwidth_gb_s"]
-    lines = [
-        (f"Device: {report['device']}; torch {report['torch']}, triton {report['triton']}, transformers "
-         f"{report['transformers']}; {report['dtype']}, dummy weights; CUDA graphs: {report['cuda_graphs']}. "
-         f"Measured copy bandwidth {bandwidth:,.0f} GB/s, {report['gemm_dtype']} GEMM "
-         f"{report['gemm_tflops']:,.1f} TFLOP/s."),
-        "",
-        ("| shape | batch x context | async | step ms | steady step ms | floor ms | step / floor | GB/s read | "
-         "% of copy bw | graph replay ms | replay / floor | steady / replay |"),
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for shape, r in report["shapes"].items():
-        for d in r.get("decode", []):
-            replay = ("- | - | -" if d.get("replay_ms") is None else
-                      f"{d['replay_ms']:.3f} | {d['replay_over_floor']:.2f} | {d['steady_over_replay']:.2f}")
-            lines.append(f"| {shape} | {d['batch']} x {d['context']} | {'on' if d['async_scheduling'] else 'off'} | "
-                         f"{d['step_ms']:.3f} | {d['steady_step_ms']:.3f} | {d['floor_ms']:.3f} | "
-                         f"{d['step_over_floor']:.2f} | {d['achieved_gb_s']:,.0f} | "
-                         f"{100 * d['achieved_gb_s'] / bandwidth:.0f}% | {replay} |")
-    kernel_rows = [kernel_row(shape, d) for shape, r in report["shapes"].items() for d in r.get("decode", [])
-                   if isinstance(d.get("kernels"), dict) and "engine_step" in d["kernels"]]
-    if kernel_rows:
-        lines += ["", ("| shape | batch | kernels: graph replay | eager forward | eager, rotary unfused | engine step "
-                       "(+ copies) | replay's kernel ms |"), "|---|---:|---:|---:|---:|---:|---:|", *kernel_rows]
-    ratios = [(shape, row) for shape, r in report["shapes"].items() for row in r.get("async_vs_sync", [])]
-    if ratios:
-        lines += ["", "| shape | batch | steady step ms, async on | async off | off / on |",
-                  "|---|---:|---:|---:|---:|"]
-        lines += [f"| {shape} | {row['batch']} | {row['on_steady_step_ms']:.3f} | {row['off_steady_step_ms']:.3f} | "
-                  f"{row['off_over_on']:.3f} |" for shape, row in ratios]
-    lines += ["", ("| shape | prefill | tok/s | FLOP-floor tok/s | % of floor | generate batch | ours tok/s | "
-                   "HF tok/s | ours / HF |"), "|---|---|---:|---:|---:|---|---:|---:|---:|"]
-    for shape, r in report["shapes"].items():
-        p, h = r.get("prefill"), r.get("hf")
-        if p is None:
-            continue
-        gen = (f"{h['batch']} x ({h['prompt_len']}+{h['new_tokens']}) | {h['ours_tokens_per_s']:,.0f} | "
-               f"{h['hf_tokens_per_s']:,.0f} | {h['ours_over_hf']:.1f}x" if h else "- | - | - | -")
-        lines.append(f"| {shape} | {p['prompts']} x {p['prompt_len']} | {p['tokens_per_s']:,.0f} | "
-                     f"{p['tokens_per_s_floor']:,.0f} | {p['pct_of_floor']:.1f}% | {gen} |")
-    return "\n".join(lines)
-
-
-def kernel_row(shape: str, decode: dict) -> str:
-    k = decode["kernels"]
-
-    def launches(label: str) -> str:
-        return str(k[label]["launches"]) if "launches" in k.get(label, {}) else "-"
-
-    step = k["engine_step"]
-    step_cell = f"{step['launches']} (+{step['copies']})" if "launches" in step else "-"
-    replay_ms = f"{k['graph_replay']['kernel_us'] / 1e3:.3f}" if "launches" in k.get("graph_replay", {}) else "-"
-    return (f"| {shape} | {decode['batch']} | {launches('graph_replay')} | {launches('eager_forward')} | "
-            f"{launches('eager_forward_rotary_unfused')} | {step_cell} | {replay_ms} |")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

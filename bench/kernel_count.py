@@ -17,11 +17,16 @@ as in one that never counted.
 from __future__ import annotations
 
 import os
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, field
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 TOP_GROUPS = 12
 _cupti_started = False
@@ -135,3 +140,63 @@ def describe(label: str, count: KernelCount, *, top: int = 6) -> str:
     groups = ", ".join(f"{g['count']} x {str(g['name'])[:48]}" for g in count.groups[:top])
     return (f"  {label}: {count.launches} kernels, {count.kernel_us / 1e3:.3f} ms of kernels, {count.copies} copies"
             f" | {groups}")
+
+
+def count_step_kernels(engine: LLMEngine, batch: int, step: Callable[[], None]) -> dict[str, Any]:
+    """Kernels of one decode step at `batch` (module docstring), label -> KernelCount.as_json(), printed as they come;
+    {"unavailable": why} where the profiler cannot count, {"error": ...} for a probe that failed (the decode row
+    keeps its figures either way). The eager probes rerun the last replayed step's inputs, as the replay timing
+    does; the engine step is one more step of the batch."""
+    device = engine.device
+    graphs = getattr(engine.runner, "graphs", None)
+    bucket = graphs.bucket(batch) if graphs is not None else None
+    probes: dict[str, Callable[[], object]] = {}
+    if graphs is not None and bucket is not None:
+        probes["graph_replay"] = lambda: graphs._replay(bucket)
+        probes["eager_forward"] = lambda: graphs._step(bucket)
+        model = graphs.model
+        if getattr(model, "rotary_in_attention", False):
+
+            def unfused() -> object:
+                model.rotary_in_attention = False
+                try:
+                    return graphs._step(bucket)
+                finally:
+                    model.rotary_in_attention = True
+
+            probes["eager_forward_rotary_unfused"] = unfused
+    probes["engine_step"] = step
+    print(f"kernels a step at batch {batch}:", flush=True)
+    counts: dict[str, Any] = {}
+    for label, probe in probes.items():
+        try:
+            count: KernelCount = count_kernels(probe, device)
+        except KernelCountUnavailable as why:  # nothing to count: say why (once, where the first probe says it)
+            print(f"  {label}: not counted: {why}", flush=True)
+            if not counts:
+                return {"unavailable": str(why)}
+            counts[label] = {"unavailable": str(why)}
+            continue
+        except Exception as exc:  # noqa: BLE001 - a figure lost, not the run
+            traceback.print_exc()
+            counts[label] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"  {label}: not counted: {counts[label]['error']}", flush=True)
+            continue
+        counts[label] = count.as_json()
+        print(describe(label, count), flush=True)
+    # The profiler's CUPTI would otherwise stay attached and slow every later step timed in this process.
+    print(f"  CUPTI {'detached' if release_cupti() else 'left attached'} after counting", flush=True)
+    return counts
+
+
+def kernel_row(shape: str, decode: dict) -> str:
+    k = decode["kernels"]
+
+    def launches(label: str) -> str:
+        return str(k[label]["launches"]) if "launches" in k.get(label, {}) else "-"
+
+    step = k["engine_step"]
+    step_cell = f"{step['launches']} (+{step['copies']})" if "launches" in step else "-"
+    replay_ms = f"{k['graph_replay']['kernel_us'] / 1e3:.3f}" if "launches" in k.get("graph_replay", {}) else "-"
+    return (f"| {shape} | {decode['batch']} | {launches('graph_replay')} | {launches('eager_forward')} | "
+            f"{launches('eager_forward_rotary_unfused')} | {step_cell} | {replay_ms} |")

@@ -1,27 +1,18 @@
-"""bench/kernel_count.py and bench/gpu.py's kernels-a-step probes: the tally's grouping on recorded names, the probes'
-plumbing on a stand-in engine (the profiler faked: this machine has no CUDA activity to record), the reason printed
-where nothing can be counted, CUPTI's release after counting (the profiler faked), and, on a GPU, real counts of eager launches and of a graph replay's kernels."""
+"""bench/kernel_count.py and its kernels-a-step probes (which bench/gpu.py runs): the tally's grouping on recorded
+names, the probes' plumbing on a stand-in engine (the profiler faked: this machine has no CUDA activity to
+record), the reason printed where nothing can be counted, CUPTI's release after counting (the profiler faked), and,
+on a GPU, real counts of eager launches and of a graph replay's kernels."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import bench.kernel_count as kc
 from bench.kernel_count import KernelCountUnavailable, count_kernels, kernel_group, tally
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_gpu_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_groups_cut_templates_and_parameters_and_keep_copies_apart():
@@ -38,16 +29,14 @@ def test_groups_cut_templates_and_parameters_and_keep_copies_apart():
 def test_unavailable_on_cpu_says_why():
     with pytest.raises(KernelCountUnavailable, match="the device is cpu"):
         count_kernels(lambda: None, torch.device("cpu"))
-    gpu = _load_script()
     engine = SimpleNamespace(device=torch.device("cpu"), runner=SimpleNamespace(graphs=None))
-    assert gpu.count_step_kernels(engine, 1, lambda: None) == {
+    assert kc.count_step_kernels(engine, 1, lambda: None) == {
         "unavailable": "kernel counts need CUDA activity; the device is cpu"}
 
 
 def test_probes_on_a_graph_engine(monkeypatch: pytest.MonkeyPatch, capsys):
     """Each probe runs once under the counter; the unfused-rotary probe runs the forward with the model's flag off
     and sets it back; a probe that raises is recorded, the others still counted; the summary row reads them."""
-    gpu = _load_script()
     calls: list[str] = []
     model = SimpleNamespace(rotary_in_attention=True)
 
@@ -73,16 +62,16 @@ def test_probes_on_a_graph_engine(monkeypatch: pytest.MonkeyPatch, capsys):
     def engine_step() -> None:
         raise RuntimeError("step failed")
 
-    monkeypatch.setattr(gpu, "count_kernels", fake_count)
+    monkeypatch.setattr(kc, "count_kernels", fake_count)
     engine = SimpleNamespace(device=torch.device("cuda"), runner=SimpleNamespace(graphs=Graphs()))
-    counts = gpu.count_step_kernels(engine, 1, engine_step)
+    counts = kc.count_step_kernels(engine, 1, engine_step)
     assert calls == ["replay 2", "forward 2 fused=True", "forward 2 fused=False"]
     assert model.rotary_in_attention is True
     assert counts["graph_replay"]["launches"] == 3 and counts["eager_forward"]["launches"] == 3
     assert counts["eager_forward_rotary_unfused"]["launches"] == 4
     assert counts["engine_step"] == {"error": "RuntimeError: step failed"}
     assert "eager_forward_rotary_unfused: 4 kernels" in capsys.readouterr().out
-    row = gpu.kernel_row("smollm2-135m", {"batch": 1, "kernels": counts})
+    row = kc.kernel_row("smollm2-135m", {"batch": 1, "kernels": counts})
     assert row == "| smollm2-135m | 1 | 3 | 3 | 4 | - | 0.006 |"
 
 
@@ -90,8 +79,6 @@ def test_release_cupti_tears_down_once_after_a_count(monkeypatch: pytest.MonkeyP
     """One empty session stopped with TEARDOWN_CUPTI=1 (Kineto reads it when a session stops), the variable as it
     was afterwards; nothing where nothing was counted, where the caller set TEARDOWN_CUPTI=0, or on CUDA < 12.6."""
     import torch.profiler
-
-    import bench.kernel_count as kc
 
     sessions: list[str | None] = []
 
