@@ -125,12 +125,15 @@ class EngineLoop:
                 self.engine.publish_kv_events()  # an admission or an abort can evict cached blocks
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
-            else:
-                future.set_result(result)
-                if isinstance(result, list) and result and isinstance(result[0], RequestOutput):
-                    self._dispatch(result)  # e.g. abort_request's final outputs
-                elif isinstance(result, RequestOutput):
-                    self._dispatch([result])
+                continue
+            # The outputs (e.g. abort_request's final ones) go to the listeners of now, before the caller hears the
+            # command ran: a caller that unlistened, aborted and then let a retry of the same id listen must not
+            # have the retry's listener handed the aborted attempt's output.
+            if isinstance(result, list) and result and isinstance(result[0], RequestOutput):
+                self._dispatch(result)
+            elif isinstance(result, RequestOutput):
+                self._dispatch([result])
+            future.set_result(result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -120,3 +120,38 @@ def test_with_async_scheduling_listeners_get_the_same_outputs_in_order(tiny_chec
         streams[async_scheduling] = got
         assert_no_blocks_held(engine)
     assert streams[True] == streams[False]
+
+
+def test_a_commands_outputs_reach_the_listeners_before_its_caller_hears_it_ran(tiny_checkpoint) -> None:
+    """The decode worker lets go of a failed attempt (unlisten, abort, await the abort) before the gateway's retry
+    of the same request id listens. The abort's final output must be handed out before the abort's future resolves:
+    were it handed out after, a retry listening in between would get the failed attempt's "abort" and end at once
+    (a 503 on a busy 2-core CI machine)."""
+    engine = make_engine(tiny_checkpoint)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    loop = EngineLoop(engine, name="test-loop")
+    first_attempt: list = []
+    retry: list = []
+    loop.listen("a", first_attempt.append)
+    gate = threading.Event()
+    loop.start()
+    try:
+        loop.call(lambda e: e.add_request("a", [1, 2, 3], params))
+        held = loop.submit(lambda e: gate.wait(10.0))  # the engine thread waits here, so the abort queues behind
+        aborted = loop.submit(lambda e: e.abort_request(["a"]))
+        heard = {}
+
+        def on_done(_future) -> None:  # type: ignore[no-untyped-def]  # runs as the future resolves
+            heard["first attempt finished"] = any(out.finished for out in first_attempt)
+            loop.listen("a", retry.append)  # the retry, listening the moment the abort is known done
+
+        aborted.add_done_callback(on_done)
+        gate.set()
+        held.result(10.0)
+        assert [out.finished for out in aborted.result(10.0)] == [True]
+        assert heard == {"first attempt finished": True}
+        assert not retry, "the retry was handed the aborted attempt's output"
+        assert loop.call(lambda e: e.block_pool.num_used_blocks) == 0
+    finally:
+        loop.stop()
+    assert_no_blocks_held(engine)
