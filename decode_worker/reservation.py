@@ -22,11 +22,12 @@ from __future__ import annotations
 import enum
 import hmac
 import threading
+from collections.abc import Sequence
 
 import torch
 
 from kv_transfer.layout import KVHandoff, KVLayout, KVRefused, KVTransferError
-from kv_transfer.wire_block import write_wire_block, write_wire_blocks
+from kv_transfer.tp_slices import WireBlocks, rank_caches
 
 
 class ReservationState(enum.Enum):
@@ -43,19 +44,22 @@ class Reservation:
         self, request_id: str, num_tokens: int, block_ids: list[int], kv_cache: torch.Tensor, layout: KVLayout,
         *, first_block: int = 0, transfer_id: str = "", source_endpoint: str = "",
         kv_scales: torch.Tensor | None = None,
+        ranks: Sequence[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> None:
         """`block_ids[:first_block]` are held already (this worker's prefix cache, shared with other requests):
         the handoff must skip them, and no write may touch them. `transfer_id` and `source_endpoint` ("": any)
-        are what the one handoff it accepts must name."""
+        are what the one handoff it accepts must name. `kv_cache` / `kv_scales`: the runner's; at
+        tensor_parallel_size N, `ranks` is every rank's (`KVBlocks.ranks`), the same block ids reserved on each."""
         self.request_id = request_id
         self.transfer_id = transfer_id
         self.source_endpoint = source_endpoint
         self.num_tokens = num_tokens
         self.block_ids = block_ids
         self.first_block = first_block
-        self.kv_cache = kv_cache  # the runner's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_scales = kv_scales  # int8 only: the runner's [num_layers, 2, num_blocks, num_kv_heads] float32
+        self.caches = rank_caches(layout, ranks or ((kv_cache, kv_scales),))
         self.layout = layout
+        self._blocks: WireBlocks | None = None  # once open: the handoff's wire blocks in this worker's caches
+        self._wire_range = range(0)  # the wire blocks the open handoff may write
         self.state = ReservationState.RESERVED
         self.error: str | None = None
         self.num_bytes = 0
@@ -84,33 +88,36 @@ class Reservation:
                     f"request {self.request_id}: this worker holds the first {self.first_block} blocks, the handoff "
                     f"starts at block {handoff.first_block}", reason="block_count",
                 )
+            self._blocks = WireBlocks(self.caches, self.block_ids, handoff.wire, sender=False)
+            self._wire_range = handoff.wire_indices
             self.state = ReservationState.RECEIVING
 
     def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
+        """Wire block `index` of the handoff (a whole block at TP 1 → 1, else one rank's run of KV heads of one)."""
         with self._lock:
             if self.state is not ReservationState.RECEIVING:
                 raise KVTransferError(f"request {self.request_id}: transfer is {self.state.value}, block dropped")
-            if not self.first_block <= index < len(self.block_ids):
+            if index not in self._wire_range:
                 raise KVTransferError(f"request {self.request_id}: block {index} is not the handoff's to write")
-            # data: [num_layers, 2, block_size, num_kv_heads, head_dim] (int8: values ‖ scales as bytes); one strided
-            # copy across the layers that also checks the CRC (of the scales too). On a mismatch the reserved block
+            # data: [num_layers, 2, block_size, heads, head_dim] (int8: values ‖ scales as bytes); one strided copy
+            # across the layers that also checks the CRC (of the scales too). On a mismatch the reserved block
             # holds junk until the failed handoff frees it.
-            block_id = self.block_ids[index]
-            scales = None if self.kv_scales is None else self.kv_scales[:, :, block_id]
-            write_wire_block(self.layout, self.kv_cache[:, :, block_id], scales, data, crc32c)
+            assert self._blocks is not None
+            self._blocks.write_block(index, data, crc32c)
             self.num_bytes += data.numel() * data.element_size()
 
     def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
-        """Blocks first_index, ... of the handoff, all of `data` ([k, *wire_shape]) at once and unchecked: the
-        transport verifies them (device digests) before it commits."""
+        """Wire blocks first_index, ... of the handoff, all of `data` ([k, *wire_shape]) at once and unchecked:
+        the transport verifies them (device digests) before it commits."""
         with self._lock:
             if self.state is not ReservationState.RECEIVING:
                 raise KVTransferError(f"request {self.request_id}: transfer is {self.state.value}, blocks dropped")
             end = first_index + data.shape[0]
-            if not self.first_block <= first_index <= end <= len(self.block_ids):
+            if not (first_index in self._wire_range and end - 1 in self._wire_range):
                 raise KVTransferError(f"request {self.request_id}: blocks {first_index} to {end - 1} are not the "
                                       "handoff's to write")
-            write_wire_blocks(self.layout, self.kv_cache, self.kv_scales, self.block_ids[first_index:end], data)
+            assert self._blocks is not None
+            self._blocks.write_blocks(first_index, data)
             self.num_bytes += data.numel() * data.element_size()
 
     def commit(self) -> None:
@@ -148,7 +155,7 @@ class DecodeKVSink:
             self._reservations.pop(request_id, None)
 
     def open(self, handoff: KVHandoff) -> Reservation:
-        self.layout.check_compatible(handoff.layout)
+        handoff.check_receiver(self.layout)
         with self._lock:
             reservation = self._reservations.get(handoff.request_id)
         if reservation is None:

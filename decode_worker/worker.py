@@ -197,7 +197,7 @@ class DecodeWorker(RuntimeWorker):
         reservation = Reservation(
             req.request_id, req.num_prompt_tokens, reserved.block_ids, blocks.kv_cache, runtime.layout,
             first_block=reserved.num_held_blocks, transfer_id=secrets.token_hex(16), source_endpoint=prefill_endpoint,
-            kv_scales=blocks.kv_scales,
+            kv_scales=blocks.kv_scales, ranks=blocks.ranks,
         )
         self.sink.add(reservation)
         return reservation
@@ -222,6 +222,7 @@ class DecodeWorker(RuntimeWorker):
                     decode_worker_id=self.config.worker_id,
                     transfer_id=reservation.transfer_id,
                     decode_cached_blocks=reservation.first_block,
+                    decode_tensor_parallel_size=self.runtime.layout.tensor_parallel_size,
                 ),
                 # The prefill worker's own queue plus the handoff: generous, but never unbounded.
                 timeout=self.config.kv_transfer_timeout_s * 2,

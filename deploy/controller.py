@@ -23,6 +23,7 @@ CLI and the fixed-list gateway never do.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -78,6 +79,10 @@ class ControllerConfig:
     """The pools to start and how workers are configured and watched. No I/O."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # Each pool's tensor-parallel size where it differs from the engine's (`serve --prefill-tensor-parallel-size`,
+    # `--decode-tensor-parallel-size`); None: the engine's.
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     num_prefill_workers: int = checked(AT_LEAST_ZERO, default=1)
     num_decode_workers: int = checked(AT_LEAST_ZERO, default=1)
     num_colocated_workers: int = checked(AT_LEAST_ZERO, default=0)
@@ -105,6 +110,11 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of `role`'s workers: the common one at that pool's tensor-parallel size."""
+        size = {"prefill": self.prefill_tensor_parallel_size, "decode": self.decode_tensor_parallel_size}.get(role)
+        return self.engine if size is None else dataclasses.replace(self.engine, tensor_parallel_size=size)
 
     @property
     def shares_one_process(self) -> bool:
@@ -399,7 +409,7 @@ class ClusterController:
                 WorkerConfig(
                     worker_id=worker_id,
                     role=role,
-                    engine=c.engine,
+                    engine=c.engine_for(role),
                     host=c.worker_host,
                     kv_transport=c.kv_transport,
                     kv_transfer_timeout_s=c.kv_transfer_timeout_s,
@@ -450,7 +460,8 @@ class ClusterController:
             options = host_actor_options([c.role for c in configs], cluster_resources=cluster_resources,
                                          reserve_devices=self._config.reserve_devices,
                                          num_threads=configs[0].engine.num_threads or 1, device=configs[0].engine.device,
-                                         by_pool=self._config.place_by_pool)
+                                         by_pool=self._config.place_by_pool,
+                                         ranks=[c.engine.tensor_parallel_size for c in configs])
             host.actor = WorkerHostActor.options(**common, **options).remote(configs, factory=self._factory)
             refs.append(host.actor.start.remote())
         deadline = time.monotonic() + self._config.start_timeout_s

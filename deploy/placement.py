@@ -14,7 +14,9 @@ actor it creates (`deploy/controller.py`).
   after it starts, and a worker placed before they do would land on whatever node came first. The embedded local cluster
   (`init_local_ray`) gives its one node `LOCAL_POOL_UNITS` of each, so `serve` on one machine is unchanged.
 - **CPUs and GPUs.** On a joined cluster (`reserve_devices`), a worker asks for its engine's threads as CPUs and,
-  on CUDA, one GPU, so that Ray's accounting matches what runs on each node. The embedded local cluster asks for
+  on CUDA, one GPU, each for every rank of a tensor-parallel worker, so that Ray's accounting matches what runs on
+  each node. A worker's ranks are child processes of its host actor's process (engine/distributed/): they run on
+  the actor's node, together, by construction — what a STRICT_PACK placement group would ask Ray for. The embedded local cluster asks for
   none: `serve` splits the machine's cores between its worker processes itself (`--num-threads`), and counting
   them in Ray would stop a scale-up past the core count that the operator asked for on purpose.
 """
@@ -41,12 +43,13 @@ def local_node_resources(roles: Sequence[str]) -> dict[str, float]:
 
 def host_actor_options(
     roles: Sequence[str], *, cluster_resources: Mapping[str, float], reserve_devices: bool, num_threads: int,
-    device: str, by_pool: bool = False,
+    device: str, by_pool: bool = False, ranks: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Ray actor options of a host running one worker per entry of `roles` (one entry, except the in-process KV
     transport's shared host): its pools' resources when the cluster uses them, and on a joined cluster the CPUs
     (engine threads) and GPUs (one per CUDA worker) the workers use. `cluster_resources`: `ray.cluster_resources()`
-    now (nodes come and go); `by_pool`: ask for the pools' resources whatever the cluster has now."""
+    now (nodes come and go); `by_pool`: ask for the pools' resources whatever the cluster has now; `ranks`: each
+    worker's tensor-parallel size, in `roles`' order (default: 1 each)."""
     resources: dict[str, float] = {}
     if by_pool or any(name.startswith(POOL_RESOURCE_PREFIX) and amount > 0 for name, amount in cluster_resources.items()):
         for role in roles:
@@ -56,7 +59,8 @@ def host_actor_options(
     if resources:
         options["resources"] = resources
     if reserve_devices:
-        options["num_cpus"] = max(1, num_threads) * len(roles)
+        num_ranks = sum(ranks) if ranks is not None else len(roles)
+        options["num_cpus"] = max(1, num_threads) * num_ranks
         if device.startswith("cuda"):
-            options["num_gpus"] = len(roles)
+            options["num_gpus"] = num_ranks
     return options

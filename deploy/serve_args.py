@@ -88,6 +88,11 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true", help="no disaggregation: each worker runs both phases")
     p.add_argument("--colocated-workers", type=int, default=None, help="colocated pool size (default 1)")
     p.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS, help="how KV blocks go prefill→decode")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="ranks of each prefill worker (default: --tensor-parallel-size); the KV handoff sends each "
+                        "decode rank its own KV heads")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="ranks of each decode worker (default: --tensor-parallel-size)")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds before a KV handoff fails")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between liveness checks")
     p.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a worker has to answer one")
@@ -201,16 +206,24 @@ def pools_from_args(args: argparse.Namespace, *,
         raise ValueError(f"--kv-cache-dtype {engine.kv_cache_dtype}: KV handoffs carry "
                          f"{' or '.join(HANDOFF_KV_CACHE_DTYPES)} blocks only; serve it with colocated workers "
                          "(--colocated)")
-    if engine.tensor_parallel_size > 1 and num_prefill + num_decode > 0:
-        raise ValueError(f"--tensor-parallel-size {engine.tensor_parallel_size}: KV handoffs between tensor-parallel "
-                         "workers are not built yet; serve it with colocated workers (--colocated)")
-    # The cores are split between worker processes (all workers share one under --kv-transport inproc) so that
-    # they do not oversubscribe them, at the largest pools the autoscaler may make; --num-threads overrides.
-    num_processes = num_prefill + num_decode + num_colocated
+    pool_tp = {role: getattr(args, f"{role}_tensor_parallel_size") for role in ("prefill", "decode")}
+    for role, size in pool_tp.items():
+        if size is None:
+            continue
+        if colocated:
+            raise ValueError(f"--{role}-tensor-parallel-size sizes a {role} pool; --colocated runs none (use "
+                             "--tensor-parallel-size)")
+        check_tp_size_flag(f"--{role}-tensor-parallel-size", size)
+    tp = {role: size or engine.tensor_parallel_size for role, size in pool_tp.items()}
+    # The cores are split between worker processes, every rank of a tensor-parallel worker one (all workers share
+    # one under --kv-transport inproc), so that they do not oversubscribe them, at the largest pools the autoscaler
+    # may make; --num-threads overrides.
+    num_processes = num_prefill * tp["prefill"] + num_decode * tp["decode"] + num_colocated * engine.tensor_parallel_size
     if autoscaler is not None:
-        num_processes = autoscaler.policy.prefill.max_workers + autoscaler.policy.decode.max_workers
+        num_processes = (autoscaler.policy.prefill.max_workers * tp["prefill"]
+                         + autoscaler.policy.decode.max_workers * tp["decode"])
     if args.kv_transport == "inproc":
-        num_processes = 1
+        num_processes = max(tp.values()) if num_prefill + num_decode else engine.tensor_parallel_size
     num_threads = engine.num_threads or max(1, len(os.sched_getaffinity(0)) // num_processes)
     engine = dataclasses.replace(engine, num_threads=num_threads)
     if args.gpu_memory_utilization is None and args.ray_address is None and _on_gpu(engine.device):
@@ -232,6 +245,8 @@ def pools_from_args(args: argparse.Namespace, *,
     }
     return ControllerConfig(
         engine=engine,
+        prefill_tensor_parallel_size=pool_tp["prefill"],
+        decode_tensor_parallel_size=pool_tp["decode"],
         num_prefill_workers=num_prefill,
         num_decode_workers=num_decode,
         num_colocated_workers=num_colocated,
@@ -258,3 +273,10 @@ def _on_gpu(device: str) -> bool:
 
 
 SECRET_ENVS = frozenset({CLUSTER_SECRET_ENV, API_KEY_ENV, "SPLITSERVE_ADMIN_TOKEN"})
+
+
+def check_tp_size_flag(flag: str, size: int) -> None:
+    """ValueError naming `flag` unless `size` is a tensor-parallel size at all (whether the model's heads take it is
+    checked where the model is known: the worker, at start-up)."""
+    if size < 1:
+        raise ValueError(f"{flag} must be at least 1, got {size}")

@@ -27,4 +27,12 @@ class KVBlocks:
     kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     kv_scales: torch.Tensor | None  # int8 only: [num_layers, 2, num_blocks, num_kv_heads] float32
     layout: KVLayout
+    # Every rank's (kv_cache, kv_scales), rank 0's (the two above) first: at tensor_parallel_size N each holds its
+    # rank's KV heads (layout.kv_head_range) of every block id; ranks 1..N-1's are their processes' caches mapped
+    # here (shared memory). None where they are not mapped (cuda at N > 1): no handoff can reach them.
+    ranks: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks is None and self.layout.tensor_parallel_size == 1:
+            object.__setattr__(self, "ranks", ((self.kv_cache, self.kv_scales),))
 

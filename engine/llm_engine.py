@@ -35,12 +35,14 @@ from engine.input_processor import InputProcessor
 from engine.kv_blocks import KVBlocks
 from engine.launched_step import LaunchedStep
 from engine.loader.checkpoint import Checkpoint
+from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RemoteReservation, RequestOutput
 from engine.request.logprobs import TokenLogprobs
 from engine.spec_decode.speculator import NullSpeculator
 from kv_transfer.block_hash import BlockHash
 from kv_transfer.kv_events import KVEvent
+from kv_transfer.layout import KVLayout
 
 KVEventSink = Callable[[Sequence[KVEvent]], None]
 
@@ -68,7 +70,7 @@ class LLMEngine:
         self.hash_namespace = parts.hash_namespace
         self.runner, self.speculator = parts.runner, parts.speculator
         # What a worker's KV handoff moves, and how it names it.
-        self.kv_blocks = KVBlocks(self.runner.kv_cache, self.runner.kv_scales, kv_layout(self.model_config, config))
+        self.kv_blocks = _kv_blocks(self.runner, kv_layout(self.model_config, config))
         # What start-up found: the cuda memory profile (None: not profiled), the C++ kernels loaded (cpu), the
         # attention backend, the seconds CUDA-graph capture took (None: no graphs).
         self.memory_profile, self.cpu_kernels = parts.memory_profile, parts.cpu_kernels
@@ -370,3 +372,11 @@ def _by_request(produced: list[tuple[Request, int]]) -> list[tuple[Request, list
     for request, token_id in produced:
         grouped.setdefault(request.request_id, (request, []))[1].append(token_id)
     return list(grouped.values())
+
+
+def _kv_blocks(runner: ModelRunner, layout: KVLayout) -> KVBlocks:
+    """The runner's KV cache as handoffs see it, with every tensor-parallel rank's where the model maps them."""
+    rank_caches = getattr(runner.model, "rank_kv_caches", None)  # a TensorParallelModel (engine/distributed/)
+    others = rank_caches() if rank_caches is not None else []
+    ranks = None if others is None else ((runner.kv_cache, runner.kv_scales), *others)
+    return KVBlocks(runner.kv_cache, runner.kv_scales, layout, ranks)

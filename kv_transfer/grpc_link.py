@@ -160,7 +160,7 @@ class SettlingReceiver(KVReceiver):
 
     def open(self, handoff: KVHandoff) -> SettleOnce:
         """Layout first (before any byte is accepted), then the sink, which may refuse."""
-        self.sink.layout.check_compatible(handoff.layout)
+        handoff.check_receiver(self.sink.layout)
         with self._lock:
             if self._closed:
                 raise KVTransferError("KV receiver is closed")

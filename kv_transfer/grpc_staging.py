@@ -109,8 +109,8 @@ class ReceiveStaging:
 
     def __init__(self, pools: StagingPools, handoff: KVHandoff) -> None:
         self.handoff = handoff
-        self.layout = handoff.layout
-        self.count = len(handoff.block_indices)
+        self.layout = handoff.wire_layout
+        self.count = len(handoff.wire_indices)
         self.device = pools.device
         num_bytes = self.count * self.layout.block_bytes
         with contextlib.ExitStack() as stack:  # both leases, or neither
@@ -123,7 +123,7 @@ class ReceiveStaging:
         """Copy block `index` (its bytes, e.g. a view into the received message) into pinned staging, raising
         KVChecksumError unless they match `crc32c`. Nothing reaches the device before it is checked."""
         block_bytes = self.layout.block_bytes
-        slot = index - self.handoff.first_block
+        slot = index - self.handoff.first_wire_block
         dst = self._pinned[slot * block_bytes:(slot + 1) * block_bytes]
         try:
             copy_checked(dst, torch.frombuffer(data, dtype=torch.uint8), crc32c)
@@ -135,7 +135,7 @@ class ReceiveStaging:
     def upload(self, indices: range) -> None:
         """Queue the host-to-device copy of verified blocks `indices`."""
         block_bytes = self.layout.block_bytes
-        first = self.handoff.first_block
+        first = self.handoff.first_wire_block
         piece = slice((indices.start - first) * block_bytes, (indices.stop - first) * block_bytes)
         self._device[piece].copy_(self._pinned[piece], non_blocking=True)
         self._queued = True
@@ -143,7 +143,7 @@ class ReceiveStaging:
     def finish(self, dest: KVDestination) -> None:
         """Every block verified and uploaded: scatter them into `dest` (one kernel where it scatters) and wait for
         the device to be done."""
-        write_blocks(dest, self.handoff.first_block, _wire_view(self._device, self.layout, self.count))
+        write_blocks(dest, self.handoff.first_wire_block, _wire_view(self._device, self.layout, self.count))
         self._wait()
 
     def close(self) -> None:

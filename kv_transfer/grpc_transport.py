@@ -225,11 +225,11 @@ class Receiver(SettlingReceiver):
 
     def _receive(self, handoff: KVHandoff, messages: Iterator[kv_transfer_pb2.KVTransferMessage | Chunk],
                  clock: StageClock, store: _DirectWrites | ReceiveStaging) -> None:
-        layout = handoff.layout
+        layout = handoff.wire_layout
         block_nbytes = layout.block_bytes
         buffer = bytearray(block_nbytes)  # a split block, assembled
         view = memoryview(buffer)
-        index, filled = handoff.first_block, 0
+        index, filled = handoff.first_wire_block, 0
         for msg in messages:
             clock.lap("receive")
             if isinstance(msg, Malformed):
@@ -239,10 +239,10 @@ class Receiver(SettlingReceiver):
             if msg.block_crc32c:  # a run of whole blocks
                 count = len(msg.block_crc32c)
                 if (filled or msg.block_index != index or msg.offset or not msg.last or msg.crc32c is not None
-                        or index + count > handoff.num_blocks or len(msg.data) != count * block_nbytes):
+                        or index + count > handoff.num_wire_blocks or len(msg.data) != count * block_nbytes):
                     raise KVRefused(
                         f"handoff {handoff.transfer_id}: a run of {count} blocks from block {msg.block_index} "
-                        f"({len(msg.data)} bytes) where block {index} of {handoff.num_blocks} was due",
+                        f"({len(msg.data)} bytes) where block {index} of {handoff.num_wire_blocks} was due",
                         reason="malformed",
                     )
                 for slot, crc32c in enumerate(msg.block_crc32c):
@@ -253,10 +253,10 @@ class Receiver(SettlingReceiver):
                     clock.lap("h2d")
                 index += count
                 continue
-            if index >= handoff.num_blocks or msg.block_index != index or msg.offset != filled:
+            if index >= handoff.num_wire_blocks or msg.block_index != index or msg.offset != filled:
                 raise KVRefused(
                     f"handoff {handoff.transfer_id}: chunk of block {msg.block_index} at offset {msg.offset} "
-                    f"out of order (expected block {index} at offset {filled} of {handoff.num_blocks} blocks)",
+                    f"out of order (expected block {index} at offset {filled} of {handoff.num_wire_blocks} blocks)",
                     reason="malformed",
                 )
             end = filled + len(msg.data)
@@ -285,10 +285,10 @@ class Receiver(SettlingReceiver):
                 store.upload(range(index, index + 1))
                 clock.lap("h2d")
             index, filled = index + 1, 0
-        if index != handoff.num_blocks or filled:
+        if index != handoff.num_wire_blocks or filled:
             raise KVTransferError(
-                f"handoff {handoff.transfer_id}: stream ended at block {index} of {handoff.num_blocks} "
-                f"(blocks {handoff.first_block} to {handoff.num_blocks - 1} travel)"
+                f"handoff {handoff.transfer_id}: stream ended at block {index} of {handoff.num_wire_blocks} "
+                f"(blocks {handoff.first_wire_block} to {handoff.num_wire_blocks - 1} travel)"
             )
 
 
@@ -298,11 +298,11 @@ class _DirectWrites:
     def __init__(self, handoff: KVHandoff, dest: SettleOnce) -> None:
         self.handoff = handoff
         self.dest = dest
-        self.dtype = getattr(torch, handoff.layout.wire_dtype)
+        self.dtype = getattr(torch, handoff.wire_layout.wire_dtype)
 
     def verify(self, index: int, data: memoryview, crc32c: int) -> None:
         # [*layout.wire_shape], a view of the received bytes (or of the assembled block), copied out by the sink
-        block = torch.frombuffer(data, dtype=self.dtype).view(self.handoff.layout.wire_shape)
+        block = torch.frombuffer(data, dtype=self.dtype).view(self.handoff.wire_layout.wire_shape)
         write_verified(self.dest, self.handoff, index, block, crc32c)
 
 
@@ -381,12 +381,12 @@ class Sender(ChannelSender):
         to CHUNK_BYTES a message, or the pieces of a block larger than that. From a CPU cache each block is
         gathered, checksummed and framed in one pass; from a GPU, the blocks are gathered once on the device and
         copied to pinned memory a message at a time (kv_transfer/grpc_staging.py), then checksummed and framed."""
-        indices = handoff.block_indices
-        runs = _runs(len(indices), handoff.layout.block_bytes, self.fault.stop_after_blocks)
+        indices = handoff.wire_indices
+        runs = _runs(len(indices), handoff.wire_layout.block_bytes, self.fault.stop_after_blocks)
         staging = None
         try:
             if self.staging is not None and 0 < handoff.num_bytes <= STAGE_MAX_BYTES:
-                staging = SendStaging(self.staging, handoff.layout, len(indices))
+                staging = SendStaging(self.staging, handoff.wire_layout, len(indices))
                 staging.gather(source, indices)
                 staging.copy_out(runs)
                 clock.lap("gather+d2h queued")

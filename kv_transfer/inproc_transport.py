@@ -55,7 +55,7 @@ class _Incoming:
     def __init__(self, handoff: KVHandoff, dest: KVDestination) -> None:
         self.handoff = handoff
         self.dest = dest
-        self.next_index = handoff.first_block
+        self.next_index = handoff.first_wire_block
 
     def write(self, index: int, block: torch.Tensor, check: int | torch.Tensor) -> None:
         """`check`: the sender's CRC-32C of a host block, or its `device_digest` of a device block."""
@@ -74,17 +74,17 @@ class _Incoming:
             raise KVTransferError(
                 f"handoff {self.handoff.transfer_id}: block {index} arrived, block {self.next_index} expected"
             )
-        if tuple(block.shape) != self.handoff.layout.wire_shape:
+        if tuple(block.shape) != self.handoff.wire_layout.wire_shape:
             raise KVTransferError(
                 f"handoff {self.handoff.transfer_id}: block {index} has shape {tuple(block.shape)}, "
-                f"expected {self.handoff.layout.wire_shape}"
+                f"expected {self.handoff.wire_layout.wire_shape}"
             )
 
     def commit(self) -> None:
-        if self.next_index != self.handoff.num_blocks:
+        if self.next_index != self.handoff.num_wire_blocks:
             raise KVTransferError(
                 f"handoff {self.handoff.transfer_id}: commit before block {self.next_index} of "
-                f"{self.handoff.num_blocks}"
+                f"{self.handoff.num_wire_blocks}"
             )
         self.dest.commit()
 
@@ -114,7 +114,7 @@ class Receiver(KVReceiver):
 
     def open(self, handoff: KVHandoff) -> _Incoming:
         """Check the layout before anything else, then ask the sink (which may refuse with KVTransferError)."""
-        self.sink.layout.check_compatible(handoff.layout)
+        handoff.check_receiver(self.sink.layout)
         return _Incoming(handoff, self.sink.open(handoff))
 
 
@@ -138,7 +138,7 @@ class Sender(KVSender):
         incoming = receiver.open(handoff)  # refusals propagate as they are: nothing was opened
         clock.lap("open")
         try:
-            for num_sent, index in enumerate(handoff.block_indices):
+            for num_sent, index in enumerate(handoff.wire_indices):
                 if num_sent == self.fault.stop_after_blocks:
                     raise KVTransferError(
                         f"handoff {handoff.transfer_id}: sender stopped after {num_sent} blocks (fault)"

@@ -323,7 +323,7 @@ class Receiver(SettlingReceiver):
         buffer once we ack). A destination that scatters (the decode worker's reservation) is written before the
         digests are compared; a mismatch fails the handoff, whose reserved blocks are then freed unread, as after
         the CPU's fused copy-and-check. Any other destination is verified first, then written block by block."""
-        indices = handoff.block_indices
+        indices = handoff.wire_indices
         on_gpu = self.device.type != "cpu"
         checks = list(commit.device_digests if on_gpu else commit.crc32c)
         if len(checks) != len(indices):
@@ -336,7 +336,7 @@ class Receiver(SettlingReceiver):
             raise KVRefused(f"handoff {handoff.transfer_id}: {handoff.num_bytes} bytes travel in a buffer of "
                             f"{buffer.num_bytes}", reason="malformed")
         try:
-            blocks = wire_blocks(self._map(buffer), handoff.layout, len(indices))
+            blocks = wire_blocks(self._map(buffer), handoff.wire_layout, len(indices))
             clock.lap("map")
             if not on_gpu:
                 for slot, index in enumerate(indices):
@@ -387,7 +387,7 @@ class Receiver(SettlingReceiver):
 def _check_digests(handoff: KVHandoff, found: list[int], expected: list[int]) -> None:
     for slot, (got, want) in enumerate(zip(found, expected)):
         if got != want:
-            raise KVChecksumError(f"handoff {handoff.transfer_id}: block {handoff.block_indices[slot]} failed its "
+            raise KVChecksumError(f"handoff {handoff.transfer_id}: block {handoff.wire_indices[slot]} failed its "
                                   "checksum (a device digest, in place of the CRC-32C: the block stayed on the GPU)")
 
 
@@ -498,11 +498,11 @@ class Sender(ChannelSender):
         """Gather every travelling block into `buffer` and checksum it (CRC-32C on the CPU, a device digest on a
         GPU); returns the commit once the copies are complete."""
         commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.transfer_id)
-        indices = handoff.block_indices
+        indices = handoff.wire_indices
         if buffer is None:
             return commit
         commit.ipc_buffer.CopyFrom(buffer.proto)
-        blocks = wire_blocks(buffer.tensor, handoff.layout, len(indices))
+        blocks = wire_blocks(buffer.tensor, handoff.wire_layout, len(indices))
         if self.device.type != "cpu":
             # On a GPU a kernel launch costs more than copying a block: one gather and one digest pass for all.
             stop = self.fault.stop_after_blocks

@@ -23,10 +23,16 @@ int8 block's scales are whole: they cover the tokens written so far).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
+from typing import TYPE_CHECKING
+
 import crc32c
-from dataclasses import dataclass, field, fields
 
 from protos import kv_transfer_pb2
+
+if TYPE_CHECKING:
+    from kv_transfer.tp_plan import WirePlan
 
 
 def cdiv(a: int, b: int) -> int:
@@ -210,6 +216,10 @@ class KVHandoff:
     It covers the request's `num_tokens` tokens in `num_blocks` blocks, of which blocks [0, first_block) stay
     home: the receiver already holds them (a hit in its own prefix cache). The rest travel in order, each under
     its handoff-wide index (`block_indices`).
+
+    Transports move wire blocks (`wire_indices`, each of `wire_layout`): a block's KV heads cut by which sender rank
+    sends them to which receiver rank (`wire`, kv_transfer/tp_plan.py), `units_per_block` wire blocks a block.
+    Between two engines of tensor-parallel size 1 a wire block is a whole block, and wire index = block index.
     """
 
     request_id: str
@@ -221,12 +231,57 @@ class KVHandoff:
     source_worker_id: str = ""
     transport: str = ""
     first_block: int = 0
+    receiver_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.num_blocks:
             raise KVTransferError(
                 f"handoff {self.transfer_id}: first block {self.first_block} outside its {self.num_blocks} blocks"
             )
+        if self.receiver_tensor_parallel_size < 1:
+            raise KVTransferError(f"handoff {self.transfer_id}: receiver tensor-parallel size "
+                                  f"{self.receiver_tensor_parallel_size}")
+
+    def check_receiver(self, ours: KVLayout) -> None:
+        """Raise KVLayoutMismatch, naming what differs, unless a receiver of layout `ours` can take this handoff: the
+        same model and KV dtype, at the tensor-parallel size the sender planned for, which splits the heads."""
+        ours.check_compatible(self.receiver_layout)
+        _ = self.wire  # the plan: refused here, before any byte, when the sizes do not split the heads
+
+    @property
+    def receiver_layout(self) -> KVLayout:
+        """The layout the receiver must have: the sender's, at the receiver's tensor-parallel size."""
+        return replace(self.layout, tensor_parallel_size=self.receiver_tensor_parallel_size)
+
+    @cached_property
+    def wire(self) -> WirePlan:
+        """How each block travels (KVLayoutMismatch when the two tensor-parallel sizes cannot split the heads)."""
+        from kv_transfer.tp_plan import wire_plan  # it builds on this module
+
+        return wire_plan(self.layout, self.receiver_layout)
+
+    @property
+    def wire_layout(self) -> KVLayout:
+        """One wire block's layout: what transports check shapes and sizes against."""
+        return self.wire.layout
+
+    @property
+    def units_per_block(self) -> int:
+        return self.wire.units_per_block
+
+    @property
+    def first_wire_block(self) -> int:
+        return self.first_block * self.units_per_block
+
+    @property
+    def num_wire_blocks(self) -> int:
+        """Wire blocks of the whole handoff, those of the blocks that stay home included."""
+        return self.num_blocks * self.units_per_block
+
+    @property
+    def wire_indices(self) -> range:
+        """The indices of the wire blocks that travel, in the order they travel."""
+        return range(self.first_wire_block, self.num_wire_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -240,7 +295,7 @@ class KVHandoff:
     @property
     def num_bytes(self) -> int:
         """Bytes that travel."""
-        return len(self.block_indices) * self.layout.block_bytes
+        return len(self.wire_indices) * self.wire_layout.block_bytes
 
     def to_proto(self) -> kv_transfer_pb2.KVHandoffDescriptor:
         return kv_transfer_pb2.KVHandoffDescriptor(
@@ -254,6 +309,7 @@ class KVHandoff:
             source_worker_id=self.source_worker_id,
             transport=self.transport,
             first_block=self.first_block,
+            receiver_tensor_parallel_size=self.receiver_tensor_parallel_size,
         )
 
     @classmethod
@@ -268,6 +324,7 @@ class KVHandoff:
             source_worker_id=msg.source_worker_id,
             transport=msg.transport,
             first_block=msg.first_block,
+            receiver_tensor_parallel_size=msg.receiver_tensor_parallel_size or 1,
         )
         if msg.num_blocks != handoff.num_blocks:
             raise KVTransferError(

@@ -85,11 +85,11 @@ class PairGroup:
     def staging_for(self, handoff: KVHandoff, device: torch.device) -> torch.Tensor:
         """[blocks that travel, *wire_shape] of the layout's wire dtype over the pair's reused staging bytes. Reuse
         matters: a fresh multi-MB tensor per handoff costs a page fault per 4 KiB, as much as the copy itself."""
-        layout = handoff.layout
+        layout = handoff.wire_layout
         if self._staging is None or self._staging.numel() < handoff.num_bytes:
             self._staging = torch.empty(handoff.num_bytes, dtype=torch.uint8, device=device)
         flat = self._staging[: handoff.num_bytes].view(getattr(torch, layout.wire_dtype))
-        return flat.view(len(handoff.block_indices), *layout.wire_shape)
+        return flat.view(len(handoff.wire_indices), *layout.wire_shape)
 
     def build(self, *, store_host: str, store_port: int, rank: int, local_host: str, device: torch.device,
               deadline_s: float) -> None:

@@ -154,7 +154,7 @@ class Receiver(KVReceiver):
                     f"torch transport backend mismatch: sender uses {request.torch_backend}, "
                     f"receiver (device {self.device}) uses {self.backend}"
                 )
-            self.sink.layout.check_compatible(handoff.layout)
+            handoff.check_receiver(self.sink.layout)
             with self._lock:
                 if self._closed:
                     raise KVTransferError("KV receiver is closed")
@@ -221,7 +221,7 @@ class Receiver(KVReceiver):
                         f"handoff {handoff.transfer_id}: no Commit from the sender before the deadline"
                     )
                 checksums = item.checksums or []
-                indices = handoff.block_indices
+                indices = handoff.wire_indices
                 if len(checksums) != len(indices):
                     raise KVTransferError(
                         f"handoff {handoff.transfer_id}: {len(checksums)} checksums for {len(indices)} blocks"
@@ -260,9 +260,9 @@ class Receiver(KVReceiver):
             staging = pair.staging_for(handoff, self.device)
             assert pair.group is not None
             # staging[slot] holds the slot-th block that travels (tag = slot)
-            works = [pair.group.recv([staging[slot]], 0, slot) for slot in range(len(handoff.block_indices))]
+            works = [pair.group.recv([staging[slot]], 0, slot) for slot in range(len(handoff.wire_indices))]
             for slot, work in enumerate(works):
-                pair.wait(work, item.deadline_s, f"{what}: receiving block {handoff.first_block + slot}")
+                pair.wait(work, item.deadline_s, f"{what}: receiving block {handoff.first_wire_block + slot}")
             pair.last_used_s = time.monotonic()
             return staging
         except Exception as exc:
@@ -364,7 +364,7 @@ class Sender(ChannelSender):
             assert pair.group is not None
             checksums: list[int] = []
             in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # each tensor kept alive until its send ends
-            for slot, index in enumerate(handoff.block_indices):  # tag = slot, as the receiver's staging
+            for slot, index in enumerate(handoff.wire_indices):  # tag = slot, as the receiver's staging
                 if slot == self.fault.stop_after_blocks:
                     for work, _ in in_flight:
                         pair.wait(work, deadline_s, f"{what}: sending")
@@ -376,7 +376,7 @@ class Sender(ChannelSender):
                 in_flight.append((pair.group.send([wire], 1, slot), wire))
                 clock.lap("send")
             for slot, (work, _) in enumerate(in_flight):
-                pair.wait(work, deadline_s, f"{what}: sending block {handoff.first_block + slot}")
+                pair.wait(work, deadline_s, f"{what}: sending block {handoff.first_wire_block + slot}")
             clock.lap("send wait")
             return pair, checksums
         except Exception as exc:

@@ -28,6 +28,7 @@ its own CRC-32C (kv_transfer/tp_slices.py reads and writes them).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -128,3 +129,51 @@ def plan_tp_handoff(sender: KVLayout, receiver: KVLayout) -> TPHandoffPlan:
             ))
             head = heads.stop
     return TPHandoffPlan(sender, receiver, tuple(slices))
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireUnit:
+    """One wire block of a handoff's block: local heads `sender_heads` of sender rank `sender_rank` to local heads
+    `receiver_heads` of receiver rank `receiver_rank` (as many heads on both sides)."""
+
+    sender_rank: int
+    receiver_rank: int
+    sender_heads: range
+    receiver_heads: range
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """How a handoff's blocks travel as wire blocks, the unit every transport moves, checksums and counts.
+
+    Each block goes as `units_per_block` wire blocks (the plan's slices, cut into runs of `heads_per_unit` heads so
+    that every wire block of a handoff has one shape, `layout`): wire block `w` is unit `w % units_per_block` of
+    block `w // units_per_block`. TP 1 → 1 is one unit of every head: a wire block is a whole block, as before
+    tensor parallelism."""
+
+    layout: KVLayout  # one wire block's: the sender's, with `heads_per_unit` heads, one rank
+    units: tuple[WireUnit, ...]
+
+    @property
+    def units_per_block(self) -> int:
+        return len(self.units)
+
+    def unit(self, wire_index: int) -> tuple[int, WireUnit]:
+        """(the block, the unit) wire block `wire_index` carries."""
+        block, unit = divmod(wire_index, len(self.units))
+        return block, self.units[unit]
+
+
+def wire_plan(sender: KVLayout, receiver: KVLayout) -> WirePlan:
+    """The wire blocks of a handoff from `sender`'s ranks to `receiver`'s (KVLayoutMismatch when they are not one
+    model's): `plan_tp_handoff`'s slices in its order, each cut into runs of the slices' greatest common head
+    count."""
+    plan = plan_tp_handoff(sender, receiver)
+    heads = math.gcd(*(len(s.heads) for s in plan.slices))
+    units = tuple(
+        WireUnit(sender_rank=s.sender_rank, receiver_rank=s.receiver_rank,
+                 sender_heads=range(s.sender_heads.start + i, s.sender_heads.start + i + heads),
+                 receiver_heads=range(s.receiver_heads.start + i, s.receiver_heads.start + i + heads))
+        for s in plan.slices for i in range(0, len(s.heads), heads)
+    )
+    return WirePlan(slice_layout(sender, heads), units)

@@ -14,14 +14,15 @@ when the copy is fused, so the caller must fail the handoff and free the blocks 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kv_transfer.block_copy import gather
 from kv_transfer.layout import KVLayout
-from kv_transfer.tp_plan import slice_layout
-from kv_transfer.wire_block import read_wire_block, write_wire_block
+from kv_transfer.tp_plan import WirePlan, slice_layout
+from kv_transfer.wire_block import read_wire_block, read_wire_blocks, write_wire_block, write_wire_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +61,13 @@ class RankCache:
                                                                     local_heads.start:local_heads.stop]  # [L, 2, h]
         return values, scales
 
+    def slice_view(self, block_id: int, local_heads: range) -> torch.Tensor:
+        """Local heads `local_heads` of cache block `block_id` as a wire block of `slice_layout(layout,
+        len(local_heads))`: a strided view of the cache (int8: values and scales packed in a copy), which a
+        transport gathers as it copies it out."""
+        values, scales = self._views(block_id, local_heads)
+        return read_wire_block(slice_layout(self.layout, len(local_heads)), values, scales)
+
     def read_slice(self, block_id: int, local_heads: range) -> tuple[torch.Tensor, int]:
         """Local heads `local_heads` of cache block `block_id` as a contiguous wire block of
         `slice_layout(layout, len(local_heads))`, and its CRC-32C (gathered and checksummed in one pass on the CPU)."""
@@ -71,3 +79,62 @@ class RankCache:
         unless its bytes match `crc32c` (None: unchecked); see the module docstring for when the check comes."""
         values, scales = self._views(block_id, local_heads)
         write_wire_block(slice_layout(self.layout, len(local_heads)), values, scales, data, crc32c)
+
+
+def rank_caches(layout: KVLayout, ranks: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[RankCache, ...]:
+    """A RankCache for each rank's (kv_cache, kv_scales), rank 0 first (engine/kv_blocks.py `KVBlocks.ranks`)."""
+    if len(ranks) != layout.tensor_parallel_size:
+        raise ValueError(f"{len(ranks)} rank caches for tensor-parallel size {layout.tensor_parallel_size}")
+    return tuple(RankCache(layout=layout, rank=rank, kv_cache=kv_cache, kv_scales=kv_scales)
+                 for rank, (kv_cache, kv_scales) in enumerate(ranks))
+
+
+class WireBlocks:
+    """A handoff's wire blocks (kv_transfer/tp_plan.py, `WirePlan`) in one engine's rank caches: handoff block `i`
+    is cache block `block_ids[i]` on every rank; wire block `w` is the unit `plan.unit(w)` names, on the sender's
+    side of it (`sender`, what a prefill worker reads) or the receiver's (what a decode worker writes).
+
+    A plan of whole blocks on one rank (TP 1 → 1) reads and writes as before tensor parallelism, many blocks in one
+    gather or scatter; any other moves slice by slice."""
+
+    def __init__(self, caches: Sequence[RankCache], block_ids: Sequence[int], plan: WirePlan, *, sender: bool) -> None:
+        self.caches = caches
+        self.block_ids = block_ids
+        self.plan = plan
+        self.layout = plan.layout
+        self.sender = sender
+        only = caches[0]
+        self._whole = (len(caches) == 1 and plan.units_per_block == 1
+                       and plan.layout.num_kv_heads == only.num_local_heads)
+
+    def _unit(self, wire_index: int) -> tuple[RankCache, int, range]:
+        block, unit = self.plan.unit(wire_index)
+        if self.sender:
+            return self.caches[unit.sender_rank], self.block_ids[block], unit.sender_heads
+        return self.caches[unit.receiver_rank], self.block_ids[block], unit.receiver_heads
+
+    def read_block(self, wire_index: int) -> torch.Tensor:
+        cache, block_id, heads = self._unit(wire_index)
+        return cache.slice_view(block_id, heads)
+
+    def read_blocks(self, indices: range, out: torch.Tensor) -> None:
+        if self._whole:
+            only = self.caches[0]
+            read_wire_blocks(self.layout, only.kv_cache, only.kv_scales, self.block_ids[indices.start:indices.stop],
+                             out)
+            return
+        for slot, wire_index in enumerate(indices):
+            out[slot].copy_(self.read_block(wire_index))
+
+    def write_block(self, wire_index: int, data: torch.Tensor, crc32c: int | None) -> None:
+        cache, block_id, heads = self._unit(wire_index)
+        cache.write_slice(block_id, heads, data, crc32c)
+
+    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
+        if self._whole:
+            only = self.caches[0]
+            write_wire_blocks(self.layout, only.kv_cache, only.kv_scales,
+                              self.block_ids[first_index:first_index + data.shape[0]], data)
+            return
+        for slot in range(data.shape[0]):
+            self.write_block(first_index + slot, data[slot], None)

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
 import grpc
 import grpc.aio
@@ -34,7 +35,8 @@ from kv_transfer.base import TransferResult
 from kv_transfer.handoff_failure import reason_of
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.registry import make_sender
-from kv_transfer.wire_block import read_wire_block, read_wire_blocks
+from kv_transfer.tp_plan import WirePlan, wire_plan
+from kv_transfer.tp_slices import WireBlocks, rank_caches
 from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
 from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
@@ -49,26 +51,21 @@ FAULT_KV_CUTS_ENV = "SPLITSERVE_FAULT_KV_CUTS"
 FAULT_KV_STALL_ENV = "SPLITSERVE_FAULT_KV_STALL_FILE"
 
 
-class HeldBlocks:
-    """A KVBlockSource over a prefilled request's held blocks (read-only while held)."""
+class HeldBlocks(WireBlocks):
+    """A KVBlockSource over a prefilled request's held blocks (read-only while held), in the wire blocks of a handoff
+    (`plan`: `handoff.wire`; default: whole blocks of a tensor-parallel size 1 engine). At tensor_parallel_size N
+    `ranks` is every rank's cache (`KVBlocks.ranks`), each wire block read from the rank whose KV heads it carries.
+
+    A wire block is a strided view of the cache (an int8 one packs its values and scales into one byte tensor,
+    kv_transfer/wire_block.py), gathered by the transport as it copies it out: the gRPC sender does it in the same
+    pass that checksums and frames it."""
 
     def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], layout: KVLayout,
-                 kv_scales: torch.Tensor | None = None) -> None:
-        self.kv_cache = kv_cache  # the runner's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_scales = kv_scales  # int8 only: the runner's [num_layers, 2, num_blocks, num_kv_heads] float32
-        self.block_ids = block_ids
-        self.layout = layout
-
-    def read_block(self, index: int) -> torch.Tensor:
-        # [num_layers, 2, block_size, num_kv_heads, head_dim]: a strided view across the layers, gathered by the
-        # transport as it copies the block out (the gRPC sender in the same pass that checksums and frames it);
-        # an int8 block: its values and scales packed into one byte tensor (kv_transfer/wire_block.py)
-        block_id = self.block_ids[index]
-        scales = None if self.kv_scales is None else self.kv_scales[:, :, block_id]
-        return read_wire_block(self.layout, self.kv_cache[:, :, block_id], scales)
-
-    def read_blocks(self, indices: range, out: torch.Tensor) -> None:
-        read_wire_blocks(self.layout, self.kv_cache, self.kv_scales, self.block_ids[indices.start:indices.stop], out)
+                 kv_scales: torch.Tensor | None = None, *,
+                 ranks: Sequence[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+                 plan: WirePlan | None = None) -> None:
+        super().__init__(rank_caches(layout, ranks or ((kv_cache, kv_scales),)), block_ids,
+                         plan or wire_plan(layout, layout), sender=True)
 
 
 class CutHalfWay:
@@ -77,7 +74,7 @@ class CutHalfWay:
 
     def __init__(self, source: HeldBlocks, handoff: KVHandoff) -> None:
         self.source = source
-        self.cut_at = handoff.first_block + len(handoff.block_indices) // 2
+        self.cut_at = handoff.first_wire_block + len(handoff.wire_indices) // 2
 
     def read_block(self, index: int) -> torch.Tensor:
         if index >= self.cut_at:
@@ -92,8 +89,8 @@ class StallHalfWay:
 
     def __init__(self, source: HeldBlocks | CutHalfWay, handoff: KVHandoff, path: str) -> None:
         self.source = source
-        self.layout = handoff.layout
-        self.stall_at = handoff.first_block + len(handoff.block_indices) // 2
+        self.layout = handoff.wire_layout
+        self.stall_at = handoff.first_wire_block + len(handoff.wire_indices) // 2
         self.transfer_id = handoff.transfer_id
         self.path = path
 
@@ -216,9 +213,11 @@ class PrefillWorker(RuntimeWorker):
             source_worker_id=self.config.worker_id,
             transport=self.config.kv_transport,
             first_block=request.decode_cached_blocks,  # the decode worker holds these already
+            receiver_tensor_parallel_size=request.decode_tensor_parallel_size or 1,
         )
         blocks = runtime.engine.kv_blocks
-        source = HeldBlocks(blocks.kv_cache, block_ids, layout, blocks.kv_scales)
+        source = HeldBlocks(blocks.kv_cache, block_ids, layout, blocks.kv_scales, ranks=blocks.ranks,
+                            plan=handoff.wire)
         if len(handoff.block_indices) >= 2 and self._take_cut():
             source = CutHalfWay(source, handoff)
         stall_path = os.environ.get(FAULT_KV_STALL_ENV)

@@ -30,8 +30,5 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_role(self.role)
-        if self.engine.tensor_parallel_size > 1 and self.role != "colocated":
-            raise ValueError(f"a {self.role} worker at tensor_parallel_size {self.engine.tensor_parallel_size}: KV "
-                             "handoffs between tensor-parallel workers are not built yet; serve it colocated")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}")

@@ -124,6 +124,11 @@ class WorkerRuntime:
         if checkpoint is None:
             checkpoint = load_engine_checkpoint(engine_config)
         self.engine = LLMEngine(engine_config, checkpoint)
+        if config.role != "colocated" and self.engine.kv_blocks.ranks is None:
+            self.engine.close()
+            raise ValueError(f"a {config.role} worker at tensor_parallel_size {engine_config.tensor_parallel_size} "
+                             f"on {self.engine.device.type}: its KV handoffs reach every rank's cache on cpu only "
+                             "so far; serve it colocated")
         self.device = self.engine.device  # where its KV blocks live: the transports read and write them there
         _inject_slow_steps(self.engine, float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0))
         self.loop = EngineLoop(self.engine, name=f"{config.worker_id}-engine")

@@ -51,6 +51,10 @@ class Hello:
 class Ready:
     weight_bytes: int  # what this rank's model holds
     kv_cache_bytes: int
+    # On cpu, the rank's paged KV cache (and int8 scales) in shared memory: rank 0's worker reads and writes this
+    # rank's KV heads of a handoff's blocks through them (kv_transfer/tp_slices.py). None on cuda.
+    kv_cache: object = None
+    kv_scales: object = None
 
 
 def run_rank(spec: RankSpec, conn: Connection) -> None:
@@ -98,7 +102,13 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
                                                        spec.kv_cache_dtype)
     kv_bytes = kv_cache.numel() * kv_cache.element_size() + (
         0 if kv_scales is None else kv_scales.numel() * kv_scales.element_size())
-    conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes))
+    shared = device.type == "cpu"
+    if shared:  # moved in place: the per-layer views the forward takes follow their storage
+        kv_cache.share_memory_()
+        if kv_scales is not None:
+            kv_scales.share_memory_()
+    conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes,
+                    kv_cache=kv_cache if shared else None, kv_scales=kv_scales if shared else None))
     with torch.inference_mode():
         while True:
             message = step_message.decode(conn.recv_bytes(), device)

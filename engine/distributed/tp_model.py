@@ -77,6 +77,14 @@ class TensorParallelModel:
         except Exception as exc:  # the ranks are out of lockstep now, whatever failed
             raise self.ranks.fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
 
+    def rank_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """Ranks 1..N-1's paged KV caches (and int8 scales), mapped into this process (shared memory), in rank
+        order; None where the children keep them to themselves (cuda)."""
+        caches = [(ready.kv_cache, ready.kv_scales) for ready in self.ranks.ready]
+        if any(cache is None for cache, _ in caches):
+            return None
+        return caches  # type: ignore[return-value]
+
     def weight_bytes(self) -> list[int]:
         """Bytes of weights each rank holds, rank 0 first."""
         return [model_weight_bytes(self.local)] + [ready.weight_bytes for ready in self.ranks.ready]

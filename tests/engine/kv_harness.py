@@ -99,24 +99,27 @@ def hand_off_prompt(prefill, decode, sender, sink: DecodeKVSink, endpoint: str, 
     `sender` to the receiver at `endpoint` (which writes into `sink`), release the prefill's hold. Returns the
     reservation and the first token. `corrupt_last_byte`: the last block's last byte arrives flipped (an int8
     block's: a scale's), so the checksum fails."""
-    layout = decode.kv_blocks.layout
+    layout = prefill.kv_blocks.layout  # the sender's (its tensor-parallel size may differ from the decode's)
     prefill.enqueue(prefill.make_request(request_id, prompt, params, remote_decode=True))
     first = steps_until_finished(prefill, request_id)
     request = decode.make_request(request_id, prompt, params)
     reserved = decode.reserve_remote(request)
     assert reserved is not None
-    reservation = Reservation(request_id, request.num_prompt_tokens, reserved.block_ids, decode.kv_blocks.kv_cache,
-                              layout, first_block=reserved.num_held_blocks, kv_scales=decode.kv_blocks.kv_scales)
+    blocks = decode.kv_blocks
+    reservation = Reservation(request_id, request.num_prompt_tokens, reserved.block_ids, blocks.kv_cache,
+                              blocks.layout, first_block=reserved.num_held_blocks, kv_scales=blocks.kv_scales,
+                              ranks=blocks.ranks)
     sink.add(reservation)
     handoff = KVHandoff(request_id=request_id, transfer_id=uuid.uuid4().hex, num_tokens=request.num_prompt_tokens,
-                        layout=layout, first_block=reserved.num_held_blocks)
+                        layout=layout, first_block=reserved.num_held_blocks,
+                        receiver_tensor_parallel_size=blocks.layout.tensor_parallel_size)
     source = HeldBlocks(prefill.kv_blocks.kv_cache, prefill.held_block_ids(request_id), layout,
-                        prefill.kv_blocks.kv_scales)
-    fault = TransferFault(corrupt_block=handoff.block_indices[-1] if corrupt_last_byte else None, corrupt_byte=-1)
+                        prefill.kv_blocks.kv_scales, ranks=prefill.kv_blocks.ranks, plan=handoff.wire)
+    fault = TransferFault(corrupt_block=handoff.wire_indices[-1] if corrupt_last_byte else None, corrupt_byte=-1)
     sender.fault = fault  # type: ignore[attr-defined]
     try:
         result = sender.send(handoff, source, endpoint=endpoint, timeout_s=30)
-        assert result.num_bytes == len(handoff.block_indices) * layout.block_bytes
+        assert result.num_bytes == len(handoff.wire_indices) * handoff.wire_layout.block_bytes
     finally:
         prefill.release_held(request_id)
         sink.remove(request_id)

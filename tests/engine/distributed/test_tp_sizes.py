@@ -77,25 +77,31 @@ def test_the_kv_layout_names_each_ranks_heads_and_travels() -> None:
         layout.check_compatible(tp1)
 
 
-def test_only_colocated_workers_run_tensor_parallel_for_now() -> None:
-    from engine.config import EngineConfig
-    from worker.config import WorkerConfig
-
-    engine = EngineConfig(tensor_parallel_size=2)
-    assert WorkerConfig(worker_id="c", role="colocated", engine=engine).engine.tensor_parallel_size == 2
-    for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match="KV handoffs between tensor-parallel workers are not built yet"):
-            WorkerConfig(worker_id="w", role=role, engine=engine)
-
-
-def test_serve_takes_a_tensor_parallel_size_for_colocated_workers_only(tmp_path) -> None:  # noqa: ANN001
+def test_serve_sizes_each_pool_apart(tmp_path) -> None:  # noqa: ANN001
     from deploy.cli import build_parser
     from deploy.serve_args import controller_config_from_args
 
     def serve(*flags: str):  # noqa: ANN202
         return controller_config_from_args(build_parser().parse_args(
-            ["serve", "--model", str(tmp_path), "--no-prefix-index", "--tensor-parallel-size", "2", *flags]))
+            ["serve", "--model", str(tmp_path), "--no-prefix-index", *flags]))
 
-    assert serve("--colocated").engine.tensor_parallel_size == 2
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2: KV handoffs between tensor-parallel workers"):
-        serve()
+    assert serve("--tensor-parallel-size", "2", "--colocated").engine.tensor_parallel_size == 2
+    common = serve("--tensor-parallel-size", "2")
+    assert [common.engine_for(role).tensor_parallel_size for role in ("prefill", "decode")] == [2, 2]
+    apart = serve("--prefill-tensor-parallel-size", "3", "--decode-tensor-parallel-size", "1", "--num-threads", "1")
+    assert [apart.engine_for(role).tensor_parallel_size for role in ("prefill", "decode")] == [3, 1]
+    assert apart.engine.tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="--decode-tensor-parallel-size must be at least 1, got 0"):
+        serve("--decode-tensor-parallel-size", "0")
+    with pytest.raises(ValueError, match="--prefill-tensor-parallel-size sizes a prefill pool; --colocated runs none"):
+        serve("--prefill-tensor-parallel-size", "2", "--colocated")
+
+
+def test_a_worker_asks_ray_for_a_cpu_share_and_a_gpu_per_rank() -> None:
+    from deploy.placement import host_actor_options
+
+    options = host_actor_options(["decode"], cluster_resources={}, reserve_devices=True, num_threads=2,
+                                 device="cuda", ranks=[4])
+    assert (options["num_cpus"], options["num_gpus"]) == (8, 4)
+    assert host_actor_options(["prefill"], cluster_resources={}, reserve_devices=True, num_threads=2,
+                              device="cpu")["num_cpus"] == 2
