@@ -90,7 +90,7 @@ class WorkerDirectory:
             return []
         listed = ray.get(self._controller.pool_workers.remote(), timeout=self._timeout_s)
         return [PoolWorker(worker_id=w.worker_id, role=w.role, state=state, endpoint=getattr(w, "endpoint", ""),
-                           pid=getattr(w, "pid", 0), incarnation=w.incarnation, node_id=getattr(w, "node_id", ""))
+                           pid=getattr(w, "pid", 0), rank_pids=getattr(w, "rank_pids", ()), incarnation=w.incarnation, node_id=getattr(w, "node_id", ""))
                 for state, w in listed]
 
     def restart_counts(self) -> list[tuple[str, str, int]]:

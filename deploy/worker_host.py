@@ -225,6 +225,7 @@ class WorkerHost:
             endpoint=endpoint,
             incarnation=config.incarnation,
             pid=os.getpid(),
+            rank_pids=tuple(worker.runtime.engine.rank_pids()) if hasattr(worker, "runtime") else (),
             node_id=self._node_id,
         )
         logger.info("started %s (incarnation %d) at %s", info.worker_id, info.incarnation, endpoint)

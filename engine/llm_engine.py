@@ -111,6 +111,17 @@ class LLMEngine:
         ends."""
         self._shutdown()
 
+    def rank_pids(self) -> list[int]:
+        """The processes of its tensor-parallel ranks 1..N-1 (rank 0 is this one); [] at TP 1."""
+        ranks = getattr(self.runner.model, "ranks", None)
+        return [] if ranks is None else ranks.pids
+
+    def failure(self) -> str | None:
+        """Why the engine can run no further step (a tensor-parallel rank died, or its group failed); None while
+        it can. Answers from any thread, at once."""
+        ranks = getattr(self.runner.model, "ranks", None)  # a TensorParallelModel's RankGroup
+        return None if ranks is None else ranks.dead()
+
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
         """Validate and queue a request. Raises ValueError naming the problem; allocates nothing on failure."""

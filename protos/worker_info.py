@@ -24,6 +24,7 @@ class WorkerInfo:
     endpoint: str  # "host:port" of its gRPC `Worker` service
     incarnation: int = 0  # changes on every restart: index entries and channels of an older one are stale
     pid: int = 0  # the process hosting it (for operators and tests; 0: not known)
+    rank_pids: tuple[int, ...] = ()  # at tensor_parallel_size N: its ranks 1..N-1's processes (rank 0 is `pid`)
     node_id: str = ""  # the Ray node it runs on ("": not on Ray)
     # Chosen for removal by a scale-down: still listed (so in-flight calls, Aborts and load polls reach it) but
     # routed no new request; it refuses new ones itself too (UNAVAILABLE "draining").

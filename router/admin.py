@@ -3,9 +3,10 @@
     POST /admin/scale   {"prefill": N, "decode": M} (or {"colocated": K})  → 200 {"workers": [...]} once each named
                         pool has its new size (new workers serve, removed ones are gone); the pools scale one by one,
                         each on its own (a pool not named is left alone)
-    GET  /admin/pools   → 200 {"workers": [{"worker_id", "role", "state", "endpoint", "pid", "node", "node_id",
-                                            "incarnation", "load": {...} | null}]}
-                        ("node": the host of its endpoint; "node_id": its Ray node, "" when not known)
+    GET  /admin/pools   → 200 {"workers": [{"worker_id", "role", "state", "endpoint", "pid", "rank_pids", "node",
+                                            "node_id", "incarnation", "load": {...} | null}]}
+                        ("node": the host of its endpoint; "node_id": its Ray node, "" when not known;
+                        "rank_pids": every tensor-parallel rank's process, rank 0's (= "pid") first)
 
 Guarded by `Authorization: Bearer <token>` (`--admin-token` / SPLITSERVE_ADMIN_TOKEN): without a token configured
 the routes do not exist (404, as any unknown path); a missing or wrong token is a 401. The token is compared in
@@ -46,6 +47,7 @@ class PoolWorker:
     state: str  # one of STATES
     endpoint: str = ""  # "" while starting
     pid: int = 0
+    rank_pids: tuple[int, ...] = ()  # a tensor-parallel worker's ranks 1..N-1 (rank 0 is `pid`)
     incarnation: int = 0
     node_id: str = ""  # its Ray node
 
@@ -133,7 +135,8 @@ async def _pools(admin: AdminApi, registry: WorkerRegistry) -> list[dict[str, An
         stats = snapshot.stats if snapshot is not None else None
         listed.append({
             "worker_id": worker.worker_id, "role": worker.role, "state": worker.state, "endpoint": worker.endpoint,
-            "pid": worker.pid, "node": worker.endpoint.rpartition(":")[0] or None, "node_id": worker.node_id,
+            "pid": worker.pid, "rank_pids": [worker.pid, *worker.rank_pids] if worker.pid else [],
+            "node": worker.endpoint.rpartition(":")[0] or None, "node_id": worker.node_id,
             "incarnation": worker.incarnation,
             "load": None if stats is None else {
                 "healthy": snapshot.healthy,  # type: ignore[union-attr]

@@ -232,9 +232,12 @@ class WorkerRuntime:
     # -- the common RPCs -------------------------------------------------------------------------------------
     def health(self) -> serving_pb2.HealthResponse:
         """Liveness, answered on the asyncio loop without the engine: its loop thread is alive and not stuck in
-        one step for over `stall_timeout_s`. However busy the engine is, this answers at once."""
+        one step for over `stall_timeout_s`, and every tensor-parallel rank runs (one dead rank fails the whole
+        worker: the controller restarts it, all ranks, as a new incarnation). However busy the engine is, this
+        answers at once."""
         return serving_pb2.HealthResponse(
-            ok=self.loop.is_alive and self.loop.step_running_s() < self.config.stall_timeout_s,
+            ok=(self.loop.is_alive and self.loop.step_running_s() < self.config.stall_timeout_s
+                and self.engine.failure() is None),
             worker_id=self.config.worker_id,
             role=self.config.role,
             model=self.engine.model_config.name,

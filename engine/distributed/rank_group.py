@@ -115,6 +115,15 @@ class RankGroup:
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             raise self.fail(f"a pipe to a rank broke ({exc})") from exc
 
+    def dead(self) -> str | None:
+        """Which children are gone, or why the group failed; None while every rank runs. No side effect: safe from
+        any thread while the engine steps (a liveness probe)."""
+        if self.failure is not None:
+            return str(self.failure)
+        dead = [f"rank {spec.rank} (pid {p.pid}) {_exit_status(p.exitcode)}"
+                for spec, p in zip(self.specs, self.processes, strict=False) if not p.is_alive()]
+        return "; ".join(dead) or None
+
     def check(self) -> None:
         """RankDiedError naming every child that is no longer running."""
         if self.failure is not None:

@@ -52,7 +52,8 @@ def gateway(fakes: dict[str, FakeWorker], tokenizer) -> Iterator[tuple[str, Stan
         worker.reset()
     infos = [info_of(fakes["prefill-0"]), info_of(fakes["decode-0"])]
     controller = StandInController([PoolWorker(worker_id=i.worker_id, role=i.role, state="serving",
-                                               endpoint=i.endpoint, pid=42, incarnation=1) for i in infos])
+                                               endpoint=i.endpoint, pid=42, incarnation=1,
+                                               rank_pids=(43, 44) if i.role == "decode" else ()) for i in infos])
     config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN,
                           disagg_prefill_threshold_tokens=0)  # every prompt through a prefill worker
     registry = WorkerRegistry(lambda: infos, refresh_interval_s=0.5, load_timeout_s=1.0)
@@ -104,6 +105,7 @@ def test_scale_resizes_each_named_pool_and_pools_lists_every_worker_with_its_loa
     pools = httpx.get(f"{url}/admin/pools", headers=_auth()).json()["workers"]
     assert [(w["worker_id"], w["role"], w["state"], w["pid"], w["incarnation"], w["node"]) for w in pools] == [
         ("prefill-0", "prefill", "serving", 42, 1, "127.0.0.1"), ("decode-0", "decode", "serving", 42, 1, "127.0.0.1")]
+    assert [w["rank_pids"] for w in pools] == [[42], [42, 43, 44]]  # a TP 3 decode worker: every rank's process
     assert all(w["load"]["kv_blocks_total"] == 100 and w["load"]["healthy"] for w in pools)
     response = httpx.post(f"{url}/admin/scale", json={"decode": 2, "prefill": 1}, headers=_auth(), timeout=30)
     assert response.status_code == 200, response.text
