@@ -163,6 +163,36 @@ def test_ngram_speculation_and_prompt_logprobs_match_tp1(tiny_checkpoint) -> Non
         pair.close()
 
 
+def test_a_draft_model_drafts_at_tp1_on_rank_0_and_matches_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
+    """draft_model at TP 2: the draft model (here the tiny model itself) runs whole on rank 0, its KV cache over
+    the target's block ids; only the verification runs on every rank. Greedy: TP 1's tokens, every draft accepted
+    (the target drafting for itself), every block back."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_checkpoint.path),
+            "policy": "fixed"}
+    pair = Pair(tiny_checkpoint, 2, **{**ENGINE, "max_num_batched_tokens": 64}, speculative_config=spec)
+    try:
+        assert pair.tpn.speculator.proposer.model.group.size == 1  # the draft model: not sharded
+        pair.check({f"r{i}": (p, greedy(10)) for i, p in enumerate(PROMPTS)})
+        stats = pair.tpn.stats()
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    finally:
+        pair.close()
+
+
+def test_structured_outputs_match_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
+    """Grammar masks apply to the logits gathered on rank 0: a JSON schema, a regex and a choice (greedy and
+    seeded) give TP 1's tokens."""
+    from tests.engine.structured.test_fill_ahead import PROMPTS as GRAMMAR_PROMPTS
+    from tests.engine.structured.test_fill_ahead import batch_params
+
+    pair = Pair(tiny_checkpoint, 2, **{**ENGINE, "num_kv_blocks": 64, "max_model_len": 128})
+    try:
+        pair.check({f"g{i}": (p, params) for i, (p, params) in enumerate(zip(GRAMMAR_PROMPTS, batch_params(),
+                                                                             strict=True))})
+    finally:
+        pair.close()
+
+
 def test_llm_and_the_generate_flag_take_the_size(tiny_model_dir: Path) -> None:
     import argparse
 
