@@ -29,6 +29,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "gpu": {"prefill": {"gpus": 1, "image": {"tag": "0.1.0-cuda"}, "nodeSelector": {"gpu": "h100"},
                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
             "decode": {"gpus": 2, "image": {"tag": "0.1.0-cuda"}}, "kvTransport": "torch"},
+    "tensor-parallel": {"prefill": {"tensorParallelSize": 2, "gpus": 2, "image": {"tag": "0.1.0-cuda"}},
+                        "decode": {"workersPerNode": 2, "gpus": 2, "image": {"tag": "0.1.0-cuda"}},
+                        "kvTransport": "torch"},
     "kuberay": {"rayCluster": {"kuberay": True}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
     "everything-on": {"gateway": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"},
                                   "ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
@@ -121,6 +124,17 @@ def test_resources_gpus_node_selectors_and_tolerations_per_pool(rendered: dict[s
             (c,) = containers(find(rendered[name], "Deployment", role))
             assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
             assert not any(a.startswith("--num-gpus") for a in c["args"])
+
+
+def test_a_pools_tensor_parallel_size_reaches_the_head_and_needs_a_gpu_per_rank(
+        rendered: dict[str, list[dict]]) -> None:
+    head_args = containers(find(rendered["tensor-parallel"], "Deployment", "head"))[0]["args"]
+    assert "--prefill-tensor-parallel-size=2" in head_args
+    assert not any(a.startswith("--decode-tensor-parallel-size") for a in head_args)  # 1: the default
+    assert not any("tensor-parallel" in a for a in containers(find(rendered["defaults"], "Deployment", "head"))[0]["args"])
+    with pytest.raises(Exception, match=re.escape("decode.gpus is 2: a pod of 1 workers of tensorParallelSize 4 needs "
+                                                  "4 GPUs (one per rank)")):
+        render({"decode": {"tensorParallelSize": 4, "gpus": 2}})
 
 
 def test_selectors_match_their_pods_labels(rendered: dict[str, list[dict]]) -> None:

@@ -185,6 +185,16 @@ its agents write, which a slow start can leave it waiting for past Ray's own tim
 - {{ printf "--prefill-workers=%d" (mul (int .Values.prefill.replicas) (int .Values.prefill.workersPerNode)) | quote }}
 - {{ printf "--decode-workers=%d" (mul (int .Values.decode.replicas) (int .Values.decode.workersPerNode)) | quote }}
 - {{ printf "--kv-transport=%s" .Values.kvTransport | quote }}
+{{- range $role := list "prefill" "decode" }}
+{{- $pool := index $.Values $role }}
+{{- $tp := int ($pool.tensorParallelSize | default 1) }}
+{{- if gt $tp 1 }}
+- {{ printf "--%s-tensor-parallel-size=%d" $role $tp | quote }}
+{{- end }}
+{{- if and (gt (int $pool.gpus) 0) (lt (int $pool.gpus) (mul $tp (int $pool.workersPerNode))) }}
+{{- fail (printf "%s.gpus is %d: a pod of %d workers of tensorParallelSize %d needs %d GPUs (one per rank)" $role (int $pool.gpus) (int $pool.workersPerNode) $tp (mul $tp (int $pool.workersPerNode))) }}
+{{- end }}
+{{- end }}
 {{- if not (include "splitserve.redisUrl" .) }}
 - "--no-prefix-index"
 {{- end }}
