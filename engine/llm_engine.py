@@ -116,6 +116,24 @@ class LLMEngine:
         ranks = getattr(self.runner.model, "ranks", None)
         return [] if ranks is None else ranks.pids
 
+    def rank_stats(self) -> list[RankStats]:
+        """Each tensor-parallel rank's process, weight bytes and KV cache bytes, rank 0 first (one at TP 1)."""
+        import os
+
+        from engine.distributed.rank_worker import model_weight_bytes
+
+        model = self.runner.model
+        ranks = getattr(model, "ranks", None)
+        local = getattr(model, "local", model)  # rank 0's shard of a TensorParallelModel
+        kv_bytes = sum(t.numel() * t.element_size() for t in (self.runner.kv_cache, self.runner.kv_scales)
+                       if t is not None)
+        stats = [RankStats(rank=0, pid=os.getpid(), weight_bytes=model_weight_bytes(local), kv_cache_bytes=kv_bytes)]
+        if ranks is not None:
+            stats += [RankStats(rank=rank, pid=pid, weight_bytes=ready.weight_bytes,
+                                kv_cache_bytes=ready.kv_cache_bytes)
+                      for rank, (pid, ready) in enumerate(zip(ranks.pids, ranks.ready, strict=True), start=1)]
+        return stats
+
     def failure(self) -> str | None:
         """Why the engine can run no further step (a tensor-parallel rank died, or its group failed); None while
         it can. Answers from any thread, at once."""
@@ -391,3 +409,13 @@ def _kv_blocks(runner: ModelRunner, layout: KVLayout) -> KVBlocks:
     others = rank_caches() if rank_caches is not None else []
     ranks = None if others is None else ((runner.kv_cache, runner.kv_scales), *others)
     return KVBlocks(runner.kv_cache, runner.kv_scales, layout, ranks)
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One tensor-parallel rank of the engine (`LLMEngine.rank_stats`)."""
+
+    rank: int
+    pid: int
+    weight_bytes: int
+    kv_cache_bytes: int

@@ -64,6 +64,8 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
              splitserve:kv_blocks_total, splitserve:kv_cache_usage_perc (a 0-1 fraction, as in vLLM),
              splitserve:worker_healthy (1/0),
              splitserve:worker_quantization_info{worker,quantization} (1: the --quantization its weights run with)
+             splitserve:worker_rank_weight_bytes{worker,rank}, worker_rank_kv_cache_bytes{worker,rank} (each
+             tensor-parallel rank's weights and KV cache shard; rank "0" alone at TP 1)
              splitserve:cpu_kernels_info{worker,kernel,variant} (1: the C++ CPU kernel build the worker runs,
              variant "x86-64-v4" | "x86-64-v3" | ..., or "torch" where its torch ops run instead)
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total (tokens),
@@ -360,6 +362,17 @@ class WorkerLoadCollector(Collector):
             if snapshot.stats is not None:
                 quantization.add_metric([snapshot.info.worker_id, snapshot.stats.quantization or "none"], 1.0)
         yield quantization
+        rank_weights = GaugeMetricFamily(f"{PREFIX}worker_rank_weight_bytes", "Bytes of weights each tensor-parallel "
+                                         "rank of a worker holds (rank 0 alone at TP 1).", labels=["worker", "rank"])
+        rank_kv = GaugeMetricFamily(f"{PREFIX}worker_rank_kv_cache_bytes", "Bytes of each tensor-parallel rank's "
+                                    "shard of a worker's paged KV cache.", labels=["worker", "rank"])
+        for snapshot in snapshots:
+            if snapshot.stats is not None:
+                for rank in snapshot.stats.ranks:
+                    rank_weights.add_metric([snapshot.info.worker_id, str(rank.rank)], float(rank.weight_bytes))
+                    rank_kv.add_metric([snapshot.info.worker_id, str(rank.rank)], float(rank.kv_cache_bytes))
+        yield rank_weights
+        yield rank_kv
 
 
 class RestartCollector(Collector):

@@ -143,6 +143,7 @@ class WorkerRuntime:
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.advertise_host or config.host}:{port}"
         self.layout = self.engine.kv_blocks.layout
+        self._rank_stats = self.engine.rank_stats()  # fixed for the engine's life
         self.gate = RequestGate()
         self._started = False
         self._stopped = False
@@ -280,6 +281,8 @@ class WorkerRuntime:
         stats.incarnation = self.config.incarnation
         stats.prefix_index_up = self.kv_events.up
         stats.quantization = engine.config.quantization
+        stats.ranks.extend(serving_pb2.RankStats(rank=r.rank, pid=r.pid, weight_bytes=r.weight_bytes,
+                                                 kv_cache_bytes=r.kv_cache_bytes) for r in self._rank_stats)
         stats.cpu_kernels.extend(
             serving_pb2.CpuKernel(kernel=k.kernel, variant=k.variant) for k in self.engine.cpu_kernels
         )

@@ -129,3 +129,20 @@ def generate_request(request_id: str, prompt_ids: list[int], params: SamplingPar
 
     return serving_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                        params=sampling_params_to_proto(params), prefill_endpoint=prefill_endpoint)
+
+
+def test_each_rank_holds_a_third_of_the_weights_and_of_the_kv_cache(workers) -> None:
+    """GetLoad's ranks (splitserve:worker_rank_*): a TP 3 worker's every rank, its own process, each ~1/3 of the TP 1
+    worker's weights (the vocabulary-split embedding/LM head included; only the norms are replicated) and exactly
+    1/3 of its KV cache (one of the 3 KV heads of every block)."""
+    import os
+
+    from protos import serving_pb2
+
+    whole, = stub(workers["decode", 1]).GetLoad(serving_pb2.LoadRequest(), timeout=10).ranks
+    split = stub(workers["decode", 3]).GetLoad(serving_pb2.LoadRequest(), timeout=10).ranks
+    assert [r.rank for r in split] == [0, 1, 2]
+    assert [r.pid for r in split] == [os.getpid(), *workers["decode", 3].runtime.engine.rank_pids()]
+    for rank in split:
+        assert rank.weight_bytes == pytest.approx(whole.weight_bytes / 3, rel=0.01)
+        assert rank.kv_cache_bytes * 3 == whole.kv_cache_bytes

@@ -224,3 +224,18 @@ def test_worker_quantization_info_names_each_workers_quantization(cluster: Clust
     info = {(labels["worker"], labels["quantization"], value)
             for labels, value, _ in samples["splitserve:worker_quantization_info"]}
     assert info == {("prefill-0", "gguf", 1.0), ("decode-0", "int8", 1.0)}
+
+
+def test_worker_rank_gauges_label_each_tensor_parallel_rank(cluster: Cluster) -> None:
+    from protos import serving_pb2
+
+    cluster.decode.load.ranks.extend(serving_pb2.RankStats(rank=r, pid=100 + r, weight_bytes=1000 + r,
+                                                           kv_cache_bytes=50) for r in range(3))
+    try:
+        samples = scrape(cluster.client)
+        weights = {(labels["worker"], labels["rank"], v) for labels, v, _ in samples["splitserve:worker_rank_weight_bytes"]}
+        kv = {(labels["worker"], labels["rank"], v) for labels, v, _ in samples["splitserve:worker_rank_kv_cache_bytes"]}
+        assert weights == {("decode-0", "0", 1000.0), ("decode-0", "1", 1001.0), ("decode-0", "2", 1002.0)}
+        assert kv == {("decode-0", str(r), 50.0) for r in range(3)}
+    finally:
+        del cluster.decode.load.ranks[:]
