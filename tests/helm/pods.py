@@ -181,7 +181,15 @@ class LocalCluster:
 
     def argv(self, pod: Pod) -> list[str]:
         command = pod.container.get("command") or IMAGE_ENTRYPOINTS[pod.container["image"].split(":")[0]]
-        return [self.rewrite(pod, a) for a in command + pod.container.get("args", [])]
+        return [*self.exec_prefix(pod), *(self.rewrite(pod, a) for a in command + pod.container.get("args", []))]
+
+    def exec_prefix(self, pod: Pod) -> list[str]:
+        """What runs a command on `pod`'s host (here: nothing, this host; tests/multihost: its namespace)."""
+        return []
+
+    def address(self, pod: Pod) -> str:
+        """The address `pod` listens on, as seen from the test."""
+        return "127.0.0.1"
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     MAX_RESTARTS = 3
@@ -237,7 +245,7 @@ class LocalCluster:
         while time.monotonic() < deadline:
             self.supervise()
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=2):
+                with socket.create_connection((self.address(pod), port), timeout=2):
                     return
             except OSError:
                 time.sleep(0.5)
@@ -300,18 +308,19 @@ class LocalCluster:
         timeout_s = float(spec.get("timeoutSeconds", 1)) + 20.0  # the kubelet's timeout, and room for a busy host
         if "tcpSocket" in spec:
             try:
-                with socket.create_connection(("127.0.0.1", self._port(pod, spec["tcpSocket"]["port"])), timeout=5):
+                with socket.create_connection((self.address(pod), self._port(pod, spec["tcpSocket"]["port"])),
+                                              timeout=5):
                     return True
             except OSError:
                 return False
         if "httpGet" in spec:
-            url = f"http://127.0.0.1:{self._port(pod, spec['httpGet']['port'])}{spec['httpGet']['path']}"
+            url = f"http://{self.address(pod)}:{self._port(pod, spec['httpGet']['port'])}{spec['httpGet']['path']}"
             try:
                 with urllib.request.urlopen(url, timeout=timeout_s) as response:
                     return 200 <= response.status < 400
             except (urllib.error.URLError, OSError):
                 return False
-        command = [self.rewrite(pod, a) for a in spec["exec"]["command"]]
+        command = [*self.exec_prefix(pod), *(self.rewrite(pod, a) for a in spec["exec"]["command"])]
         result = subprocess.run(command, env=self.env(pod), cwd=REPO_ROOT, capture_output=True, timeout=timeout_s)
         return result.returncode == 0
 

@@ -1,0 +1,66 @@
+"""The Helm chart's pods on several hosts: tests/helm/pods.py's `LocalCluster` (the chart's own commands, as the
+kubelet runs them), each pod on a host of a `HostNetwork` (tests/multihost/network.py) instead of all on loopback.
+
+    head host       redis, head (Ray head, the controller), gateway (its own Ray node)
+    prefill-i       one prefill pool pod each (`ray start --resources '{"splitserve_prefill": 1}'`)
+    decode-i        one decode pool pod each
+
+A pool Deployment of N replicas becomes N pods (`prefill-0`, `prefill-1`, ...), each on its own host. A Service's
+`name:port` becomes its pod's host IP and port; pods on one host (the head's) keep the port moves of
+`LocalCluster`, so that their Ray nodes do not collide. Workers bind 0.0.0.0 and advertise their host's IP, as on
+Kubernetes (`--ray-address` makes `--worker-host 0.0.0.0` the default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from tests.helm.pods import LocalCluster, Pod, free_port
+from tests.multihost.network import HostNetwork
+
+HEAD_HOST = "head"
+POOLS = ("prefill", "decode")
+
+
+class MultiHostCluster(LocalCluster):
+    transport = ""  # the cluster's --kv-transport (for the tests' bookkeeping)
+
+    def __init__(self, objects: list[dict[str, Any]], *, release_prefix: str, tmp: Path, network: HostNetwork,
+                 replicas: dict[str, int]) -> None:
+        super().__init__(objects, release_prefix=release_prefix, tmp=tmp)
+        self.network = network
+        self.host_of: dict[str, str] = {}
+        taken = {port for pod in self.pods.values() for port in pod.ports.values()}
+        for pool in POOLS:
+            template = self.pods.pop(pool)
+            for i in range(replicas[pool]):
+                name = f"{pool}-{i}"
+                pod_tmp = template.tmp.parent / name
+                pod_tmp.mkdir()
+                self.pods[name] = dataclasses.replace(
+                    template, name=name, tmp=pod_tmp, log=template.log.with_name(f"{name}.log"),
+                    ports={p: free_port(taken=taken) for p in template.ports}, tree={})
+                self.host_of[name] = name
+        for name in self.pods:
+            self.host_of.setdefault(name, HEAD_HOST)
+        owner = {port: pod for pod in self.pods.values() for port in pod.ports.values()}
+        for service, local in self.services.items():
+            port = int(local.rsplit(":", 1)[1])
+            self.services[service] = f"{self.address(owner[port])}:{port}"
+
+    @staticmethod
+    def hosts(replicas: dict[str, int]) -> list[str]:
+        """The hosts a cluster of these pool sizes needs: the head's, then one per pool pod."""
+        return [HEAD_HOST, *(f"{pool}-{i}" for pool in POOLS for i in range(replicas[pool]))]
+
+    def exec_prefix(self, pod: Pod) -> list[str]:
+        return self.network.exec_prefix(self.host_of[pod.name])
+
+    def address(self, pod: Pod) -> str:
+        return self.network.ip(self.host_of[pod.name])
+
+    def host_ips(self, pool: str) -> set[str]:
+        return {self.address(pod) for name, pod in self.pods.items() if re.fullmatch(rf"{pool}-\d+", name)}
