@@ -44,7 +44,7 @@ from protos.cluster_auth import aio_channel
 from worker.config import WorkerConfig
 from worker.convert import output_to_response
 from worker.engine_loop import EngineLoopClosed
-from worker.runtime import GRPC_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
+from worker.runtime import CALLER_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class DecodeWorker(RuntimeWorker):
         """An aio stub on this worker's asyncio loop (only called there, so no lock)."""
         stub = self._prefill_stubs.get(endpoint)
         if stub is None:
-            channel = aio_channel(endpoint, self.config.auth, options=GRPC_OPTIONS)
+            channel = aio_channel(endpoint, self.config.auth, options=CALLER_OPTIONS)
             self._prefill_channels.append(channel)
             stub = self._prefill_stubs[endpoint] = serving_pb2_grpc.WorkerStub(channel)
         return stub

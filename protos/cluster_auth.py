@@ -36,6 +36,24 @@ METADATA_KEY = "x-splitserve-cluster-secret"  # gRPC metadata keys are lowercase
 UNAUTHENTICATED_MESSAGE = "missing or wrong cluster secret"
 
 
+# A peer that stops answering (its host cut off, its process stopped) fails the calls in flight on it within about
+# KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (UNAVAILABLE), instead of leaving them waiting on TCP for minutes: the
+# callers' channels ping every KEEPALIVE_TIME_MS while a call is open, with or without data in between, and give up
+# on a ping unanswered for KEEPALIVE_TIMEOUT_MS. HTTP/2 pings are answered by gRPC's own threads, not by a busy
+# engine or event loop: a busy worker is not taken for a dead one. The servers accept pings that often.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+CALLER_KEEPALIVE = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging through a stream's silence (a long prefill)
+)
+SERVER_KEEPALIVE = (
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a caller for its pings
+)
+
+
 def generate_secret() -> str:
     """A fresh random cluster secret (256 bits, URL-safe text)."""
     return secrets.token_urlsafe(32)

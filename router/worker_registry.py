@@ -35,7 +35,7 @@ import grpc.aio
 
 from kv_transfer.block_hash import BlockHashNamespace
 from protos import serving_pb2, serving_pb2_grpc
-from protos.cluster_auth import OPEN, ClusterAuth, aio_channel
+from protos.cluster_auth import CALLER_KEEPALIVE, OPEN, ClusterAuth, aio_channel
 from protos.worker_info import WorkerInfo
 from router.routing import WorkerLoad
 
@@ -48,6 +48,8 @@ _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # a stream on a worker whose host is cut off fails (UNAVAILABLE: migrated) instead of hanging
+    *CALLER_KEEPALIVE,
 )
 _CHANNEL_CLOSE_GRACE_S = 30.0  # in-flight calls on a worker that left the list may finish within this
 

@@ -48,7 +48,7 @@ from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.prefix_index import PublisherId
 from protos import serving_pb2, serving_pb2_grpc
-from protos.cluster_auth import add_port, server_interceptors
+from protos.cluster_auth import CALLER_KEEPALIVE, SERVER_KEEPALIVE, add_port, server_interceptors
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop, EngineLoopClosed
 from worker.event_loop_thread import EventLoopThread
@@ -67,8 +67,11 @@ FAULT_STEP_SLEEP_ENV = "SPLITSERVE_FAULT_STEP_SLEEP_S"
 _MIGRATION_THREADS = 16
 
 # The worker's server takes KV blocks (gRPC transport) and long prompts' token ids and logprobs: big messages and
-# large HTTP/2 frames (kv_transfer.grpc_link.CHANNEL_OPTIONS).
-GRPC_OPTIONS = CHANNEL_OPTIONS
+# large HTTP/2 frames (kv_transfer.grpc_link.CHANNEL_OPTIONS); it lets callers ping it as often as their keepalive
+# does. Its own calls (a decode worker's Prefill call) keep alive the same way, so that a prefill host cut off fails
+# that call within seconds (protos/cluster_auth.py).
+SERVER_OPTIONS = (*CHANNEL_OPTIONS, *SERVER_KEEPALIVE)
+CALLER_OPTIONS = (*CHANNEL_OPTIONS, *CALLER_KEEPALIVE)
 
 
 @dataclass
@@ -151,7 +154,7 @@ class WorkerRuntime:
     async def _make_server(self) -> grpc.aio.Server:  # on the loop: the server belongs to it
         migration = ThreadPoolExecutor(max_workers=_MIGRATION_THREADS, thread_name_prefix=f"{self.config.worker_id}-kv")
         # Every call, the KV receiver's included, must carry the cluster secret (protos/cluster_auth.py).
-        return grpc.aio.server(migration_thread_pool=migration, options=GRPC_OPTIONS,
+        return grpc.aio.server(migration_thread_pool=migration, options=SERVER_OPTIONS,
                                interceptors=server_interceptors(self.config.auth))
 
     def start(self) -> str:

@@ -1,7 +1,8 @@
 """The Helm chart's pods on several hosts: tests/helm/pods.py's `LocalCluster` (the chart's own commands, as the
 kubelet runs them), each pod on a host of a `HostNetwork` (tests/multihost/network.py) instead of all on loopback.
 
-    head host       redis, head (Ray head, the controller), gateway (its own Ray node)
+    head host       head (Ray head, the controller), gateway (its own Ray node)
+    redis host      redis (on a host of its own, so that a test can cut it off alone)
     prefill-i       one prefill pool pod each (`ray start --resources '{"splitserve_prefill": 1}'`)
     decode-i        one decode pool pod each
 
@@ -22,6 +23,7 @@ from tests.helm.pods import LocalCluster, Pod, free_port
 from tests.multihost.network import HostNetwork
 
 HEAD_HOST = "head"
+REDIS_HOST = "redis"
 POOLS = ("prefill", "decode")
 
 
@@ -29,9 +31,12 @@ class MultiHostCluster(LocalCluster):
     transport = ""  # the cluster's --kv-transport (for the tests' bookkeeping)
 
     def __init__(self, objects: list[dict[str, Any]], *, release_prefix: str, tmp: Path, network: HostNetwork,
-                 replicas: dict[str, int]) -> None:
+                 replicas: dict[str, int], extra_env: dict[str, dict[str, str]] | None = None) -> None:
+        """`extra_env`: environment entries added to a pod's (by pod name), e.g. a fault hook on the head, whose
+        controller hands SPLITSERVE_* settings on to every worker."""
         super().__init__(objects, release_prefix=release_prefix, tmp=tmp)
         self.network = network
+        self.extra_env = extra_env or {}
         self.host_of: dict[str, str] = {}
         taken = {port for pod in self.pods.values() for port in pod.ports.values()}
         for pool in POOLS:
@@ -44,6 +49,7 @@ class MultiHostCluster(LocalCluster):
                     template, name=name, tmp=pod_tmp, log=template.log.with_name(f"{name}.log"),
                     ports={p: free_port(taken=taken) for p in template.ports}, tree={})
                 self.host_of[name] = name
+        self.host_of["redis"] = REDIS_HOST
         for name in self.pods:
             self.host_of.setdefault(name, HEAD_HOST)
         owner = {port: pod for pod in self.pods.values() for port in pod.ports.values()}
@@ -54,10 +60,13 @@ class MultiHostCluster(LocalCluster):
     @staticmethod
     def hosts(replicas: dict[str, int]) -> list[str]:
         """The hosts a cluster of these pool sizes needs: the head's, then one per pool pod."""
-        return [HEAD_HOST, *(f"{pool}-{i}" for pool in POOLS for i in range(replicas[pool]))]
+        return [HEAD_HOST, REDIS_HOST, *(f"{pool}-{i}" for pool in POOLS for i in range(replicas[pool]))]
 
     def exec_prefix(self, pod: Pod) -> list[str]:
         return self.network.exec_prefix(self.host_of[pod.name])
+
+    def env(self, pod: Pod) -> dict[str, str]:
+        return super().env(pod) | self.extra_env.get(pod.name, {})
 
     def address(self, pod: Pod) -> str:
         return self.network.ip(self.host_of[pod.name])
