@@ -270,15 +270,27 @@ def test_a_decode_host_cut_mid_stream_resumes_elsewhere_and_rejoins_when_healed(
         # the keepalive (protos/cluster_auth.py: 10 s pings, 10 s to answer) and the resumed prefill
         assert stream.ended_s - cut_s < 90
         assert _metric(cluster, "splitserve:request_migrations_total") >= migrations + 1
+        # The cut held until the controller gives the worker up (its Health unanswered 3 times in a row) and
+        # restarts it: there is no room for it on the other decode host, so it waits for one.
+        deadline = time.monotonic() + 120
+        while (now := {w["worker_id"]: w for w in _get(cluster, "/admin/pools", ADMIN_TOKEN)["workers"]}).get(
+                victim["worker_id"], {}).get("incarnation") == victim["incarnation"]:
+            assert time.monotonic() < deadline, f"the controller did not give the cut worker up: {now}"
+            time.sleep(1.0)
+        given_up_s = time.monotonic() - cut_s
     finally:
         cluster.network.heal(host)
+    pod = cluster.pods[host]
+    restarts_before = pod.num_restarts
     after = {w["worker_id"]: w for w in _settle(cluster)}
-    rejoined = next(w for w in after.values() if w["role"] == "decode" and w["node"] == victim["node"])
-    print(f"decode host cut {time.monotonic() - cut_s:.0f} s ago: {victim['worker_id']} incarnation "
-          f"{victim['incarnation']} -> {rejoined['worker_id']} {rejoined['incarnation']}")
+    rejoined = after[victim["worker_id"]]
+    assert rejoined["incarnation"] != victim["incarnation"] and rejoined["node"] == victim["node"]
+    print(f"decode host cut {given_up_s:.0f} s until the controller restarted {victim['worker_id']}; back as "
+          f"incarnation {rejoined['incarnation']} on {rejoined['node']}; its Ray node's pod restarted "
+          f"{pod.num_restarts - restarts_before} times")
     index = _get(cluster, "/v1/prefix_index", API_KEY)
     stale = [w for w in index["workers"] if w["worker_id"] == victim["worker_id"]
-             and w["incarnation"] != after.get(victim["worker_id"], {}).get("incarnation")]
+             and w["incarnation"] != rejoined["incarnation"]]
     assert not stale, f"the cut worker's old incarnation is still indexed: {index}"
     for prompt in PROMPTS[:2]:  # serving again, every host
         assert _complete(cluster, prompt) == expected[prompt]
