@@ -33,7 +33,7 @@ from engine.loader.model_identity import model_identity
 from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
-from engine.model.quantization import check_quantization, holds_quantized, quantize_int8
+from engine.model.quantization import check_quantization, holds_quantized, quantize_fp8, quantize_int8, weights_on
 from engine.model_runner import ModelRunner
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
 from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
@@ -72,7 +72,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     speculative method)."""
     config = resolve_engine_config(config)
     device = torch.device(config.device)
-    check_quantization(config.quantization, device)  # fp8 on cpu, or any on cuda (not built yet): before any load
+    check_quantization(config.quantization, device)  # e.g. fp8 on cpu or an old GPU: before any load
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     dtype = TORCH_DTYPES[config.dtype]
@@ -145,10 +145,11 @@ def _nothing_to_stop() -> None:
 
 
 def _quantized(checkpoint: Checkpoint, quantization: str) -> Checkpoint:
-    """The checkpoint as `quantization` runs it (engine/model/quantization.py): int8 quantizes the float linear
-    weights (a new dict: the given one may be shared by other engines); gguf needs them loaded as blocks."""
-    if quantization == "int8":
-        return dataclasses.replace(checkpoint, weights=quantize_int8(checkpoint.weights))
+    """The checkpoint as `quantization` runs it (engine/model/quantization.py): int8 and fp8 quantize the float
+    linear weights (a new dict: the given one may be shared by other engines); gguf needs them loaded as blocks."""
+    if quantization in ("int8", "fp8"):
+        quantize = quantize_int8 if quantization == "int8" else quantize_fp8
+        return dataclasses.replace(checkpoint, weights=quantize(checkpoint.weights))
     if quantization == "gguf" and not holds_quantized(checkpoint.weights):
         raise ValueError(f"--quantization gguf: the checkpoint {checkpoint.path} holds no GGUF blocks (load it with "
                          "load_checkpoint(..., quantization='gguf'))")
@@ -223,6 +224,8 @@ def _model_on_device(checkpoint: Checkpoint, attention: AttentionBackend, *, dev
         # A copy per engine (the checkpoint's CPU tensors may be shared by other engines), in the engine's
         # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
         weights = {**weights, **{name: t.to(device=device, dtype=dtype) for name, t in floats.items()}}
+    if device.type != "cpu" and holds_quantized(weights):  # quantized ones whole, in their own dtypes
+        weights = weights_on(weights, device)
     return LlamaModel(checkpoint.config, weights, attention, max_positions=max_model_len)
 
 
