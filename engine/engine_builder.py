@@ -166,6 +166,9 @@ def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     if isinstance(spec, SpeculativeConfig) and spec.method != "ngram":
         raise ValueError(f"speculative method {spec.method!r} does not run at tensor_parallel_size > 1 yet "
                          "(its drafter runs the model outside the ranks' lockstep); ngram does")
+    if device.type == "cuda" and config.quantization != "none":
+        raise ValueError(f"quantization {config.quantization} on cuda does not run at tensor_parallel_size > 1 yet "
+                         "(the ranks keep quantized shards on the host); on cpu it does")
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         raise ValueError("tensor_parallel_size > 1 on cuda needs --num-kv-blocks or --kv-cache-memory for now "
                          "(the memory profile runs on one rank)")

@@ -82,15 +82,16 @@ def test_fp8_activations_per_token() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_fp8_linear_is_the_emulated_scaled_gemm(dtype: torch.dtype, tokens: int) -> None:
-    """torch._scaled_mm (its CPU implementation here) computes the float32 emulation of the same e4m3 values, and
-    both are within the module docstring's bound of the float product."""
+def test_fp8_linear_is_the_emulated_scaled_gemm(device, dtype: torch.dtype, tokens: int) -> None:
+    """torch._scaled_mm (its CPU implementation here, the fp8 tensor cores on a GPU) computes the float32
+    emulation of the same e4m3 values, and both are within the module docstring's bound of the float product."""
     w = _matrix(48, 64, seed=4)
-    weight = QuantizedWeight.quantize_fp8(w)
-    x = (torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)) * 3).to(dtype)
+    weight = QuantizedWeight.quantize_fp8(w.to(device))
+    x = (torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)) * 3).to(dtype).to(device)
     got = fp8_linear(x, weight)
     assert got.dtype == dtype and got.shape == (tokens, 48)
-    emulated = fp8_linear_emulated(x, weight)
+    emulated = fp8_linear_emulated(x, weight).cpu()
+    got, x, w = got.cpu(), x.cpu(), w.cpu()
     bf16 = 2.0**-8 * emulated.abs()  # _scaled_mm's row-wise output is bfloat16
     assert bool(((got.float() - emulated).abs() <= bf16 + 64 * 2.0**-24 * emulated.abs() + 1e-30).all())
     x32 = x.float()
@@ -98,9 +99,9 @@ def test_fp8_linear_is_the_emulated_scaled_gemm(dtype: torch.dtype, tokens: int)
     assert bool(((got.float() - x32 @ w.T).abs() <= bound).all())
 
 
-def test_fp8_shapes_scaled_mm_does_not_take_run_emulated() -> None:
-    weight = QuantizedWeight.quantize_fp8(_matrix(40, 24, seed=5))  # neither a multiple of 16
-    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(5))
+def test_fp8_shapes_scaled_mm_does_not_take_run_emulated(device) -> None:
+    weight = QuantizedWeight.quantize_fp8(_matrix(40, 24, seed=5).to(device))  # neither a multiple of 16
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(5)).to(device)
     torch.testing.assert_close(fp8_linear(x, weight), fp8_linear_emulated(x, weight))
 
 
@@ -138,6 +139,11 @@ def test_dispatch_keeps_leading_dims(device, fmt: QuantFormat) -> None:
 
 
 # -- the tiny model through the cuda path ----------------------------------------------------------------------------
+# On the CPU, through the interpreter and torch's CPU _scaled_mm; on a CUDA machine tests/engine/test_gpu_quantization.py
+# runs the same engine on the GPU instead (compiled Triton kernels take no CPU tensors).
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="tests/engine/test_gpu_quantization.py on a GPU")
+
+
 def _linears(model):  # noqa: ANN001, ANN202
     for layer in model.layers:
         yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -170,6 +176,7 @@ def _round_trip(checkpoint, quantized_weights: dict, head_format: QuantFormat): 
     return dataclasses.replace(checkpoint, weights=weights)
 
 
+@cpu_only
 @pytest.mark.parametrize("method", ["int8", "gguf"])
 def test_tiny_model_through_the_triton_kernels_is_its_dequantized_weights(tiny_checkpoint, method: str,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,6 +213,7 @@ def test_tiny_model_through_the_triton_kernels_is_its_dequantized_weights(tiny_c
         assert (cpu_path - reference).abs().max() > 1e-4
 
 
+@cpu_only
 def test_tiny_model_in_fp8_against_float32(tiny_checkpoint) -> None:
     """Every linear layer and the head in e4m3 through fp8_linear (torch._scaled_mm on the CPU here): the same
     prompt logprobs as the float32 model within FP8_LOGPROB_BOUND, and not equal to them."""
