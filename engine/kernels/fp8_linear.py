@@ -7,7 +7,9 @@
     product       y[t, o] = s_x[t] · s_w[o] · Σ_k x̂[t, k] · Ŵ[o, k]      (float32 accumulation, bf16 out)
 
 Dynamic per-token scales need no calibration and no host sync (the amax is a device reduction), so the call
-runs inside a CUDA graph. e4m3 keeps 3 mantissa bits: each factor carries a relative rounding error of at most
+runs inside a CUDA graph. On a GPU the activations are quantized by one Triton launch (triton/fp8_quantize.py,
+the same bits as `quantize_activations_fp8`, this module's torch expression, which the CPU runs): two launches a
+GEMM, against one unquantized. e4m3 keeps 3 mantissa bits: each factor carries a relative rounding error of at most
 2^-4, so |y - x @ W.T| ≤ (2^-4 + 2^-4 + 2^-8) · (|x| @ |W|ᵀ) + bf16's rounding of y (first order); subnormal
 e4m3 values (below 2^-6 of the row's scale) lose more, in absolute terms at most 2^-10 · s each.
 
@@ -57,7 +59,12 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         f"x of shape {tuple(x.shape)} does not have the weight's {weight.in_features} inputs")
     if not scaled_mm_takes(weight):
         return fp8_linear_emulated(x, weight).to(x.dtype)
-    x_q, x_scale = quantize_activations_fp8(x)
+    if x.is_cuda:
+        from engine.kernels.triton.fp8_quantize import quantize_fp8
+
+        x_q, x_scale = quantize_fp8(x if x.stride(1) == 1 else x.contiguous())
+    else:
+        x_q, x_scale = quantize_activations_fp8(x)
     # [T, K] @ [K, N]: W's rows are contiguous, so W.T is the column-major operand _scaled_mm wants.
     y = torch._scaled_mm(x_q, weight.data.t(), scale_a=x_scale, scale_b=weight.scales.view(1, -1),
                          out_dtype=torch.bfloat16)  # row-wise scales: bf16 output only
