@@ -73,6 +73,11 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     config = resolve_engine_config(config)
     device = torch.device(config.device)
     check_quantization(config.quantization, device)  # e.g. fp8 on cpu or an old GPU: before any load
+    if isinstance(config.speculative_config, SpeculativeConfig):  # a draft model's, likewise
+        check_quantization(config.speculative_config.quantization, device)
+    if config.quantization != "none" and device.type == "cuda" and config.tensor_parallel_size > 1:
+        raise ValueError(f"quantization {config.quantization} on cuda does not run at tensor_parallel_size > 1 yet "
+                         "(the ranks keep quantized shards on the host); on cpu it does")
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     dtype = TORCH_DTYPES[config.dtype]
@@ -166,9 +171,6 @@ def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     if isinstance(spec, SpeculativeConfig) and spec.method != "ngram":
         raise ValueError(f"speculative method {spec.method!r} does not run at tensor_parallel_size > 1 yet "
                          "(its drafter runs the model outside the ranks' lockstep); ngram does")
-    if device.type == "cuda" and config.quantization != "none":
-        raise ValueError(f"quantization {config.quantization} on cuda does not run at tensor_parallel_size > 1 yet "
-                         "(the ranks keep quantized shards on the host); on cpu it does")
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         raise ValueError("tensor_parallel_size > 1 on cuda needs --num-kv-blocks or --kv-cache-memory for now "
                          "(the memory profile runs on one rank)")
@@ -194,14 +196,17 @@ def _tensor_parallel_model(checkpoint: Checkpoint, shape: TPShape, attention: At
 
 
 def _draft_checkpoint(spec: SpeculativeConfig | None, device: torch.device, dtype: torch.dtype) -> Checkpoint | None:
-    """The draft model of a draft_model speculator, loaded; None for any other. Model drafters run on cpu only."""
+    """The draft model of a draft_model speculator, loaded and quantized as its "quantization" says; None for any
+    other. Model drafters run on cpu only."""
     if spec is not None and spec.method in ("draft_model", "layer_skip") and device.type != "cpu":
         raise ValueError(f"speculative method {spec.method!r} runs on cpu only so far (its drafter builds its "
                          "step on the host); ngram runs on any device")
     if spec is None or spec.method != "draft_model":
         return None
     assert spec.model is not None
-    return load_checkpoint(spec.model, dtype=dtype)
+    if spec.quantization == "gguf":  # the loader keeps the file's blocks (engine/model/quantization.py)
+        return _quantized(load_checkpoint(spec.model, dtype=dtype, quantization="gguf"), "gguf")
+    return _quantized(load_checkpoint(spec.model, dtype=dtype), spec.quantization)
 
 
 def _given_num_kv_blocks(config: EngineConfig, block_bytes: int, max_model_len: int) -> int:
