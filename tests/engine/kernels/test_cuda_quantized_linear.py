@@ -284,3 +284,21 @@ def test_quantization_on_cuda_at_tensor_parallel_2_is_refused_before_loading(mon
                           tensor_parallel_size=2, num_kv_blocks=64)
     with pytest.raises(ValueError, match="int8 on cuda does not run at tensor_parallel_size > 1"):
         engine_builder.build_engine_parts(config)
+
+
+def test_fp8_quantizes_the_checkpoints_linear_layers_at_load(tiny_checkpoint) -> None:  # noqa: ANN001
+    """What an fp8 engine's build does to the checkpoint (on cuda; here the same code on the CPU tensors): every
+    linear layer in e4m3 per channel, the rest and the shared checkpoint untouched."""
+    from engine import engine_builder
+    from engine.model.quantization import is_linear_weight
+
+    fp8 = engine_builder._quantized(tiny_checkpoint, "fp8")
+    for name, weight in fp8.weights.items():
+        if is_linear_weight(name):
+            assert isinstance(weight, QuantizedWeight) and weight.format is QuantFormat.FP8, name
+            original = tiny_checkpoint.weights[name]
+            assert bool(((weight.dequantize() - original).abs() <= 2.0**-4 * original.abs()
+                         + 2.0**-10 * weight.scales[:, None]).all())
+        else:
+            assert weight is tiny_checkpoint.weights[name]
+    assert all(isinstance(t, torch.Tensor) for t in tiny_checkpoint.weights.values())
