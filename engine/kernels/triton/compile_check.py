@@ -140,7 +140,7 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                 num_warps=warps,
             )
         for tokens in (1, 32, 256):  # each launch shape the wrappers pick
-            block_m, block_n, warps = gguf_linear.launch_shape(tokens)
+            block_m, block_n, warps = gguf_linear.launch_shape(tokens, fp32=dtype == "fp32")
             for fmt in (gguf_linear.FMT_Q4_0, gguf_linear.FMT_Q4_1, gguf_linear.FMT_Q8_0):
                 yield Variant(
                     f"gguf_linear {dtype} fmt={fmt} tokens={tokens}",
@@ -148,7 +148,7 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                     {"x_ptr": p, "w_ptr": "*u8", "w16_ptr": "*fp16", "y_ptr": p,
                      **_ints("M", "N", "num_blocks", "stride_xm", "stride_ym", "row_bytes")},
                     {"FMT": fmt, "BLOCK_BYTES": (18, 20, 34)[fmt], "BLOCK_M": block_m, "BLOCK_N": block_n,
-                     "IEEE": dtype == "fp32"},
+                     "UNROLL": gguf_linear.UNROLL, "IEEE": dtype == "fp32"},
                     num_warps=warps,
                 )
             block_m, block_n, block_k, warps = int8_linear.launch_shape(tokens)

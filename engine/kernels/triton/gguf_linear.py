@@ -19,7 +19,9 @@ at all (a code is an integer of at most 8 bits). `gguf_linear_reference` is x @ 
 the tests hold the kernel to (quantized_weight.quantized_linear_reference on the device).
 
 A decode step's GEMV (M = 1) runs the same kernel with BLOCK_M = 16 (tl.dot's least) and narrower N tiles, so
-that the GPU has enough programs: it is bound by reading W, not by the wasted MMA rows.
+that the GPU has enough programs: it is bound by reading W, not by the wasted MMA rows. Each loop iteration takes
+UNROLL blocks, so that their loads are in flight together (one block of 16 rows is only ~300-550 bytes). The
+launch shapes are chosen without a GPU to measure on: the first GPU session's figures may move them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def _gguf_linear_kernel(
     BLOCK_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    UNROLL: tl.constexpr,  # GGUF blocks an iteration: their loads in flight together
     IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -69,39 +72,50 @@ def _gguf_linear_kernel(
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BLOCK_M, 1]
     w_rows = rn * row_bytes  # [BLOCK_N] byte offset of each row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b in range(0, num_blocks):
-        start = w_rows + b * BLOCK_BYTES  # [BLOCK_N] byte offset of block b of each row
-        d = tl.load(w16_ptr + start // 2, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-        raw = tl.load(w_ptr + start[:, None] + code_offset[None, :], mask=mask_n[:, None], other=0)  # [BN, 32]
-        if FMT == 2:
-            codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
-        else:
-            nibble = tl.where(high[None, :], raw >> 4, raw & 0xF).to(tl.float32)
-            if FMT == 0:
-                codes = nibble - 8.0
+    for b0 in range(0, num_blocks, UNROLL):
+        for i in tl.static_range(UNROLL):
+            b = b0 + i
+            # the last iteration may run past the row's blocks (vectors, all alike: the interpreter takes no
+            # scalar in a mask)
+            in_row = (j * 0 + b) < num_blocks  # [32]
+            w_mask = mask_n & ((rn * 0 + b) < num_blocks)  # [BLOCK_N]
+            start = w_rows + b * BLOCK_BYTES  # [BLOCK_N] byte offset of block b of each row
+            d = tl.load(w16_ptr + start // 2, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+            raw = tl.load(w_ptr + start[:, None] + code_offset[None, :], mask=w_mask[:, None] & in_row[None, :],
+                          other=0)  # [BLOCK_N, 32]
+            if FMT == 2:
+                codes = raw.to(tl.int8, bitcast=True).to(tl.float32)
             else:
-                codes = nibble
-        x = tl.load(x_rows + b * 32 + j[None, :], mask=mask_m[:, None], other=0.0)  # [BLOCK_M, 32]
-        w = codes.to(x.dtype)
-        if IEEE:
-            part = tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w))
-        acc += part * d[None, :]
-        if FMT == 1:
-            minimum = tl.load(w16_ptr + start // 2 + 1, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-            x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
-            acc += x_sum[:, None] * minimum[None, :]
+                nibble = tl.where(high[None, :], raw >> 4, raw & 0xF).to(tl.float32)
+                if FMT == 0:
+                    codes = nibble - 8.0
+                else:
+                    codes = nibble
+            x = tl.load(x_rows + b * 32 + j[None, :], mask=mask_m[:, None] & in_row[None, :], other=0.0)  # [BM, 32]
+            w = codes.to(x.dtype)
+            if IEEE:
+                part = tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w))
+            acc += part * d[None, :]
+            if FMT == 1:
+                minimum = tl.load(w16_ptr + start // 2 + 1, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+                x_sum = tl.sum(x.to(tl.float32), axis=1)  # [BLOCK_M]
+                acc += x_sum[:, None] * minimum[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def launch_shape(num_tokens: int) -> tuple[int, int, int]:
+UNROLL = 4  # GGUF blocks (128 inputs) an iteration; a row's last iteration masks what runs past it
+
+
+def launch_shape(num_tokens: int, fp32: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for `num_tokens` rows of x: narrow N tiles for decode's few rows (more
-    programs over the weight), square ones for prefill."""
+    programs over the weight: Llama-1B's 2048 outputs are 128 programs for 132 SMs), square ones for prefill.
+    float32 tiles stop at 64 rows (128 would take 139 KB of shared memory, over sm_89's 100 KB)."""
     if num_tokens <= 16:
-        return 16, 32, 4
-    if num_tokens <= 64:
+        return 16, 16, 4
+    if num_tokens <= 64 or fp32:
         return 64, 64, 4
     return 128, 64, 8
 
@@ -119,13 +133,13 @@ def gguf_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
-    block_m, block_n, num_warps = launch_shape(num_tokens)
+    block_m, block_n, num_warps = launch_shape(num_tokens, fp32=x.dtype == torch.float32)
     data = weight.data  # [N, row_bytes]; row_bytes = K / 32 * block_bytes, even for every format here
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, block_n))
     _gguf_linear_kernel[grid](
         x, data, data.view(torch.float16), y, num_tokens, out_features, weight.in_features // 32, x.stride(0),
         y.stride(0), data.shape[1], FMT=fmt.code, BLOCK_BYTES=fmt.block_bytes, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=x.dtype == torch.float32, num_warps=num_warps,
+        UNROLL=UNROLL, IEEE=x.dtype == torch.float32, num_warps=num_warps,
     )
     return y
 
