@@ -214,23 +214,20 @@ def test_tiny_model_through_the_triton_kernels_is_its_dequantized_weights(tiny_c
 
 
 @cpu_only
-def test_tiny_model_in_fp8_against_float32(tiny_checkpoint) -> None:
-    """Every linear layer and the head in e4m3 through fp8_linear (torch._scaled_mm on the CPU here): the same
-    prompt logprobs as the float32 model within FP8_LOGPROB_BOUND, and not equal to them."""
-    plain = make_engine(tiny_checkpoint)
-    reference = _prompt_logprobs(plain, PROMPTS[1])
-    engine = make_engine(tiny_checkpoint)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_model_in_fp8_against_float32(tiny_checkpoint, dtype: str) -> None:
+    """Every linear layer and the head in e4m3 through fp8_linear (torch._scaled_mm on the CPU here), activations
+    in `dtype`: the prompt logprobs of every test prompt within the bound tests/engine/test_gpu_quantization.py
+    states for the GPU (max < 1.0, mean < 0.3; measured here: float32 max 0.34 mean 0.11, bfloat16 max 0.47 mean
+    0.14), and not equal to the float32 model's."""
+    reference = make_engine(tiny_checkpoint)
+    engine = make_engine(tiny_checkpoint, dtype=dtype)
     for linear in _linears(engine.runner.model):
         linear.quantized = QuantizedWeight.quantize_fp8(linear.dense_weight())
         linear.weight = linear.packed = None
     _route_to_cuda_path(engine.runner.model)
-    fp8 = _prompt_logprobs(engine, PROMPTS[1])
-    diff = (fp8 - reference).abs().max().item()
-    print(f"fp8 vs float32: max |prompt logprob diff| {diff:.4f}")
-    assert 0 < diff < FP8_LOGPROB_BOUND
-
-
-FP8_LOGPROB_BOUND = 0.5
+    diffs = torch.cat([(_prompt_logprobs(engine, p) - _prompt_logprobs(reference, p)).abs() for p in PROMPTS])
+    assert 0 < diffs.max().item() < 1.0 and diffs.mean().item() < 0.3, diffs
 
 
 # -- the Triton activation quantizer ---------------------------------------------------------------------------------
