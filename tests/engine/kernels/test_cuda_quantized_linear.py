@@ -29,7 +29,7 @@ from engine.kernels.fp8_linear import (  # noqa: E402
 )
 from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight  # noqa: E402
 from engine.model.quantization import check_quantization, quantize_head  # noqa: E402
-from tests.engine.kernels.test_triton_quantized_linear import assert_within, gguf_weight  # noqa: E402
+from tests.engine.kernels.quantized_cases import assert_within, gguf_weight  # noqa: E402
 from tests.engine.tiny_model import PROMPTS, make_engine  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
