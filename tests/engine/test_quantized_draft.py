@@ -51,3 +51,39 @@ def test_a_draft_quantization_the_device_does_not_run_is_refused_before_loading(
     with pytest.raises(ValueError, match="fp8 needs cuda"):
         make_engine(tiny_checkpoint, speculative_config={
             "method": "draft_model", "model": "/nonexistent/draft", "quantization": "fp8"})
+
+
+def test_gguf_draft_runs_its_blocks(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """"quantization": "gguf": the draft is loaded with its GGUF blocks kept (here the loader is handed the tiny
+    model's weights in Q8_0 blocks, as a GGUF file of them would load) and its layers run them; the float
+    target's greedy outputs are unchanged and drafts are accepted."""
+    import dataclasses
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from engine import engine_builder
+    from engine.kernels.quantized_weight import QuantizedWeight
+    from engine.model.quantization import is_linear_weight
+
+    q8_0 = GGMLQuantizationType.Q8_0
+    blocks = {n: QuantizedWeight.from_gguf(quantize(w.numpy(), q8_0), q8_0, tuple(w.shape)) if is_linear_weight(n)
+              else w for n, w in tiny_checkpoint.weights.items()}
+    loads = []
+
+    def load_checkpoint(path, *, dtype, quantization="none"):  # noqa: ANN001, ANN202
+        loads.append((path, quantization))
+        return dataclasses.replace(tiny_checkpoint, weights=blocks)
+
+    monkeypatch.setattr(engine_builder, "load_checkpoint", load_checkpoint)
+    expected = _greedy_outputs(make_engine(tiny_checkpoint))
+    engine = make_engine(tiny_checkpoint, speculative_config={
+        "method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 3, "policy": "fixed",
+        "quantization": "gguf"})
+    assert loads == [("draft.gguf", "gguf")]
+    draft = engine.speculator.proposer.model
+    linears = [lin for layer in draft.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert {lin.quantized.format for lin in [*linears, draft.lm_head]} == {QuantFormat.Q8_0}
+    assert _greedy_outputs(engine) == expected
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
+    assert_no_blocks_held(engine)
