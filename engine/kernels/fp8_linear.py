@@ -8,7 +8,7 @@
 
 Dynamic per-token scales need no calibration and no host sync (the amax is a device reduction), so the call
 runs inside a CUDA graph. On a GPU the activations are quantized by one Triton launch (triton/fp8_quantize.py,
-the same bits as `quantize_activations_fp8`, this module's torch expression, which the CPU runs): two launches a
+the same bits as quantized_weight.quantize_activations_fp8, the torch expression, which the CPU runs): two launches a
 GEMM, against one unquantized. e4m3 keeps 3 mantissa bits: each factor carries a relative rounding error of at most
 2^-4, so |y - x @ W.T| ≤ (2^-4 + 2^-4 + 2^-8) · (|x| @ |W|ᵀ) + bf16's rounding of y (first order); subnormal
 e4m3 values (below 2^-6 of the row's scale) lose more, in absolute terms at most 2^-10 · s each.
@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.quantized_weight import FP8_MAX, QuantFormat, QuantizedWeight
+from engine.kernels.quantized_weight import FP8_MAX, QuantFormat, QuantizedWeight, quantize_activations_fp8
+
+__all__ = ["FP8_MAX", "check_fp8_device", "fp8_linear", "fp8_linear_emulated", "quantize_activations_fp8",
+           "scaled_mm_takes"]
 
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (sm_89), Hopper (sm_90) and later
 _ALIGN = 16  # _scaled_mm's K and N granularity
@@ -37,13 +40,6 @@ def check_fp8_device(device: torch.device) -> None:
         raise ValueError(f"quantization fp8 needs a GPU of compute capability 8.9 or later (fp8 tensor cores for "
                          f"torch._scaled_mm); {torch.cuda.get_device_name(device)} is {major}.{minor}: use int8 or "
                          "gguf, or none")
-
-
-def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (x̂ float8_e4m3fn [T, K], s_x float32 [T, 1]): per-token dynamic scales (module docstring)."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [T, 1]
-    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def scaled_mm_takes(weight: QuantizedWeight) -> bool:

@@ -255,6 +255,15 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q.reshape(tokens, in_features), d
 
 
+def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 per token, fp8_linear's activations: s = max(max|x[t]|, 1e-12) / 448, x̂ = e4m3(x / s) (round to
+    nearest even; |x / s| <= 448). x [T, K] -> (x̂ float8_e4m3fn [T, K], s float32 [T, 1]). The Triton kernel
+    (triton/fp8_quantize.py) computes the same bits on a GPU."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [T, 1]
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def dequantize_activations_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     tokens, in_features = q.shape
     return (q.reshape(tokens, -1, Q8_BLOCK).float() * d[..., None]).reshape(tokens, in_features)

@@ -4,7 +4,7 @@
     x̂[t, k] = e4m3(x[t, k] / s[t])                            (div_rn, then the hardware's round-to-nearest-even
                                                                conversion, saturating at ±448)
 
-`quantize_fp8_reference` is engine/kernels/fp8_linear.quantize_activations_fp8, the torch expression: six
+`quantize_fp8_reference` is quantized_weight.quantize_activations_fp8, the torch expression: six
 launches (abs, amax, clamp, divide, divide, cast) where this is one, which is what a decode step's CUDA graph of
 ~65 fp8 GEMMs notices. The row is read twice (its max, then its values), the second time from cache.
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.quantized_weight import quantize_activations_fp8
 
 FP8_MAX = 448.0
 MAX_BLOCK = 4096
@@ -71,6 +73,4 @@ def quantize_fp8(x: torch.Tensor, *, block: int | None = None) -> tuple[torch.Te
 
 
 def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from engine.kernels.fp8_linear import quantize_activations_fp8
-
     return quantize_activations_fp8(x)
