@@ -6,6 +6,8 @@
         --async-scheduling both                                           # engine step with and without async
     PYTHONPATH=. python3 bench/gpu.py --device cpu --shapes smollm2-135m --batches 1,2 --context 64 --steps 3 \
         --hf-batch 2 --hf-prompt-len 16 --hf-new-tokens 4                 # CPU smoke: 1-2 min on 2 shared vCPUs
+    PYTHONPATH=. python3 bench/gpu.py --quantization fp8 --shapes llama-3.2-1b --batches 1,256 \
+        --async-scheduling on --json q.json                               # fp8 decode against bf16 (issue 34)
 
 Every figure names the device it ran on (torch.cuda.get_device_name), torch's, triton's and transformers' versions.
 
@@ -51,6 +53,10 @@ turns the graphs off to compare. Prefix caching is off: every prompt is random. 
 stand-in tokenizer here, even SmolLM2's, so that nothing is read from disk or the network (a GPU machine has
 neither the GGUF nor a way to fetch it); token ids, not text, are what is measured.
 
+6. `--quantization int8|gguf|fp8` (bench/gpu_quantized.py): instead of 3-5, decode at each batch with that
+   method's weights against the same shape unquantized, both in this run, and their ratios (step time, tokens/s;
+   issue 34's fp8 targets printed as met or not). `fp8` on cpu is refused before anything is measured.
+
 Results go to docs/benchmarks.md (the summary table printed last), not into comments here.
 """
 
@@ -83,6 +89,7 @@ from bench.gpu_floors import (
     weight_bytes,
 )
 from bench.gpu_hf import hf_model, measure_hf_generate
+from bench.gpu_quantized import QUANTIZATIONS, bench_quantized, check_method, gguf_dummy_weights
 from bench.gpu_report import summary
 from bench.kernel_count import count_step_kernels
 from engine.config import EngineConfig
@@ -117,8 +124,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_engine(shape: str, device: torch.device, dtype_name: str, args: argparse.Namespace,
-                 async_scheduling: bool | None = None) -> LLMEngine:
-    """One engine for every phase of `shape`: sequences, tokens and KV blocks sized for the largest."""
+                 async_scheduling: bool | None = None, quantization: str = "none") -> LLMEngine:
+    """One engine for every phase of `shape`: sequences, tokens and KV blocks sized for the largest; its weights
+    quantized as `quantization` says (gguf: the dummy weights' linear layers in Q4_1 blocks, bench/gpu_quantized)."""
     config = dummy_model_config(shape)
     decode_tokens = decode_max_tokens(max(args.batches), args)
     per_seq = [  # (sequences, tokens each) of every phase
@@ -133,11 +141,12 @@ def build_engine(shape: str, device: torch.device, dtype_name: str, args: argpar
         async_scheduling=async_scheduling,
         max_num_seqs=max(n for n, _ in per_seq), max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=False, num_kv_blocks=num_kv_blocks, seed=SEED,
-        attention_backend=args.attention_backend, **engine_kwargs(args),
+        attention_backend=args.attention_backend, quantization=quantization, **engine_kwargs(args),
     )
+    weights = dummy_weights(config, dtype=TORCH_DTYPES[dtype_name], device=device, seed=SEED)
     checkpoint = Checkpoint(
         config=config,
-        weights=dummy_weights(config, dtype=TORCH_DTYPES[dtype_name], device=device, seed=SEED),
+        weights=gguf_dummy_weights(weights) if quantization == "gguf" else weights,  # type: ignore[arg-type]
         tokenizer=byte_level_tokenizer(config),  # not SmolLM2's real one: no GGUF read (module docstring)
         path=dummy_checkpoint_path(shape),
         model_id=dummy_model_id(shape, SEED),
@@ -420,6 +429,25 @@ def bench_shape(shape: str, device: torch.device, dtype_name: str, bandwidth: fl
     save()
 
 
+def bench_shape_quantized(shape: str, device: torch.device, dtype_name: str, bandwidth: float,
+                          args: argparse.Namespace, result: dict[str, Any], save: Callable[[], None]) -> None:
+    """--quantization: decode with none and with the method (bench/gpu_quantized.py), on the first async mode."""
+    async_scheduling = async_modes(args)[0]
+    kv_token_bytes = kv_bytes_per_token(dummy_model_config(shape), TORCH_DTYPES[dtype_name])
+    decode_args = argparse.Namespace(**{**vars(args), "kernel_count_batches": []})
+    print(f"\n== {shape}: decode with {args.quantization} against none, async scheduling {async_scheduling}",
+          flush=True)
+    t0 = time.perf_counter()
+    bench_quantized(
+        shape,
+        build=lambda method: build_engine(shape, device, dtype_name, args, async_scheduling, quantization=method),
+        measure=lambda engine, batch, floor: measure_decode(engine, batch, decode_args, floor),
+        kv_token_bytes=kv_token_bytes, bandwidth=bandwidth, args=args, result=result, save=save, phase=phase,
+        free=lambda: free(device))
+    result["shape_s"] = time.perf_counter() - t0
+    save()
+
+
 def async_vs_sync(decode: list[dict]) -> list[dict]:
     """Per batch measured both ways: the steady-state step with async scheduling and without, and their ratio."""
     rows = []
@@ -498,6 +526,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gemm-n", type=int, default=None, help="default: 8192 on cuda, 1024 on cpu")
     p.add_argument("--kernel-count-batches", default="1",
                    help="decode batches whose kernels a step are counted with torch.profiler ('' for none)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="decode with these weights against unquantized ones, both in this run (bench/gpu_quantized.py)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
     args.kernel_count_batches = [int(b) for b in args.kernel_count_batches.split(",") if b]
@@ -510,6 +540,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"unknown shapes {unknown}; known: {', '.join(DUMMY_SHAPES)}")
     if min(args.batches) <= 0 or args.steps <= 0 or args.context <= 0:
         p.error("--batches, --steps and --context must be positive")
+    if args.quantization == "fp8" and args.device == "cpu":
+        p.error("--quantization fp8 needs cuda (e4m3 weights, torch._scaled_mm); on cpu use int8 or gguf")
     return args
 
 
@@ -518,6 +550,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = resolve_device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if args.quantization != "none":  # e.g. fp8 with --device auto on a machine without a GPU: before any figure
+        reason = check_method(args.quantization, device)
+        if reason is not None:
+            print(f"--quantization {args.quantization}: {reason}", flush=True)
+            return 2
     dtype_name = resolve_dtype(args.dtype, device)
     dtype = TORCH_DTYPES[dtype_name]
     graphs_field = bool(engine_kwargs(args))
@@ -526,7 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("note: EngineConfig has no enforce_eager field yet; the engine runs eagerly either way")
     started = time.perf_counter()
     report: dict[str, Any] = {"device": device_name(device), **versions(), "dtype": dtype_name,
-                              "cuda_graphs": cuda_graphs, "args": vars(args).copy()}
+                              "cuda_graphs": cuda_graphs, "quantization": args.quantization,
+                              "args": vars(args).copy()}
     print(f"device {report['device']}; torch {report['torch']}, triton {report['triton']}, transformers "
           f"{report['transformers']}; {dtype_name}; CUDA graphs asked for: {cuda_graphs}", flush=True)
 
@@ -545,9 +583,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(report, args.json)
     for shape in args.shapes:
         report["shapes"][shape] = {}
-        bench_shape(shape, device, dtype_name, bandwidth, flops_per_s, args, report["shapes"][shape],
-                    lambda: write_json(report, args.json))
-    report["cuda_graphs"] = any(r.get("cuda_graphs") for r in report["shapes"].values())
+        save = lambda: write_json(report, args.json)  # noqa: E731
+        if args.quantization != "none":
+            bench_shape_quantized(shape, device, dtype_name, bandwidth, args, report["shapes"][shape], save)
+        else:
+            bench_shape(shape, device, dtype_name, bandwidth, flops_per_s, args, report["shapes"][shape], save)
+    if args.quantization == "none":
+        report["cuda_graphs"] = any(r.get("cuda_graphs") for r in report["shapes"].values())
     report["total_s"] = time.perf_counter() - started
     write_json(report, args.json)
     print(f"\n{summary(report)}\n\ntotal {report['total_s']:.1f} s", flush=True)

@@ -13,11 +13,14 @@ def summary(report: dict) -> str:
          f"{report['transformers']}; {report['dtype']}, dummy weights; CUDA graphs: {report['cuda_graphs']}. "
          f"Measured copy bandwidth {bandwidth:,.0f} GB/s, {report['gemm_dtype']} GEMM "
          f"{report['gemm_tflops']:,.1f} TFLOP/s."),
-        "",
-        ("| shape | batch x context | async | step ms | steady step ms | floor ms | step / floor | GB/s read | "
-         "% of copy bw | graph replay ms | replay / floor | steady / replay |"),
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    if any(r.get("decode") for r in report["shapes"].values()):
+        lines += [
+            "",
+            ("| shape | batch x context | async | step ms | steady step ms | floor ms | step / floor | GB/s read | "
+             "% of copy bw | graph replay ms | replay / floor | steady / replay |"),
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
     for shape, r in report["shapes"].items():
         for d in r.get("decode", []):
             replay = ("- | - | -" if d.get("replay_ms") is None else
@@ -37,8 +40,12 @@ def summary(report: dict) -> str:
                   "|---|---:|---:|---:|---:|"]
         lines += [f"| {shape} | {row['batch']} | {row['on_steady_step_ms']:.3f} | {row['off_steady_step_ms']:.3f} | "
                   f"{row['off_over_on']:.3f} |" for shape, row in ratios]
-    lines += ["", ("| shape | prefill | tok/s | FLOP-floor tok/s | % of floor | generate batch | ours tok/s | "
-                   "HF tok/s | ours / HF |"), "|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    quantized = [(shape, r["quantized"]) for shape, r in report["shapes"].items() if r.get("quantized")]
+    for shape, q in quantized:
+        lines += ["", quantized_table(shape, q)]
+    if any(r.get("prefill") for r in report["shapes"].values()):
+        lines += ["", ("| shape | prefill | tok/s | FLOP-floor tok/s | % of floor | generate batch | ours tok/s | "
+                       "HF tok/s | ours / HF |"), "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for shape, r in report["shapes"].items():
         p, h = r.get("prefill"), r.get("hf")
         if p is None:
@@ -47,4 +54,20 @@ def summary(report: dict) -> str:
                f"{h['hf_tokens_per_s']:,.0f} | {h['ours_over_hf']:.1f}x" if h else "- | - | - | -")
         lines.append(f"| {shape} | {p['prompts']} x {p['prompt_len']} | {p['tokens_per_s']:,.0f} | "
                      f"{p['tokens_per_s_floor']:,.0f} | {p['pct_of_floor']:.1f}% | {gen} |")
+    return "\n".join(lines)
+
+
+def quantized_table(shape: str, q: dict) -> str:
+    """--quantization's rows (bench/gpu_quantized.py): each batch's step and tokens/s against none's."""
+    method, weights = q["method"], q.get("weight_bytes", {})
+    sizes = ", ".join(f"{name} {weights[name] / 1e6:,.2f} MB" for name in ("none", method) if name in weights)
+    lines = [f"Weights read a step ({shape}): {sizes}.", "",
+             f"| shape | batch | none step ms | {method} step ms | step ratio | none tok/s | {method} tok/s | "
+             "tok/s ratio | target |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in q.get("ratios", []):
+        target = "-" if r["target"] is None else f"{r['target']}: {'met' if r['met'] else 'not met'}"
+        lines.append(f"| {shape} | {r['batch']} | {r['none_step_ms']:.3f} | {r['step_ms']:.3f} | "
+                     f"{r['step_ratio']:.3f} | {r['none_tokens_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_s_ratio']:.3f} | {target} |")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ class EngineConfig:
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
     # "none": float weights; "int8": every linear weight and the LM head quantized at load; "gguf": a GGUF file's
-    # Q4_0/Q4_1/Q8_0 linear tensors kept as its blocks, the head in Q8_0; "fp8": cuda only. int8 and gguf: cpu so far.
+    # Q4_0/Q4_1/Q8_0 linear tensors kept as its blocks, the head in Q8_0; "fp8": e4m3, cuda (sm_89+) only.
     quantization: str = "none"
     block_size: int = 16
     max_num_seqs: int = 128
@@ -117,11 +117,14 @@ class SpeculativeConfig:
     Keys as vLLM names them:
 
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-        {"method": "draft_model", "model": NAME_OR_PATH, "num_speculative_tokens": 4}
+        {"method": "draft_model", "model": NAME_OR_PATH, "num_speculative_tokens": 4, "quantization": "int8"}
         {"method": "layer_skip", "num_layers": K, "num_speculative_tokens": 4}
 
     plus `"policy"`: "dynamic" (the default: k chosen per request and step, up to num_speculative_tokens) or "fixed"
-    (always num_speculative_tokens, as far as the budget and the proposer allow).
+    (always num_speculative_tokens, as far as the budget and the proposer allow). `"quantization"` (vLLM's key):
+    the draft model's weights, as --quantization says for the target's (default none; the target's own method
+    does not carry over: a draft is chosen for its speed, its weights by their own file). layer_skip drafts with
+    the target's layers, quantized as the target's are.
     """
 
     method: str
@@ -131,6 +134,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5  # ngram: the longest
     model: str | None = None  # draft_model: a name or path our loaders load, with the target's vocabulary
     num_layers: int | None = None  # layer_skip: the target's first K layers draft
+    quantization: str = "none"  # draft_model: its weights (QUANTIZATIONS; engine/model/quantization.py)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -148,6 +152,11 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError('draft_model needs "model": a name or path of the draft model')
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                             f"{self.quantization!r}")
+        if self.quantization != "none" and self.method != "draft_model":
+            raise ValueError(f'"quantization" is the draft model\'s; {self.method} drafts with no weights of its own')
         if self.method == "layer_skip" and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError(f'layer_skip needs "num_layers": a positive integer, got {self.num_layers!r}')
 

@@ -33,7 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: the model's dtype; int8: per-block-per-head scales; fp8: cuda only")
     g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="weights kept quantized: int8 (every linear layer, per output channel, quantized at load), "
-                        "gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored); cpu only so far; fp8: cuda only")
+                        "gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored): cpu and cuda; fp8 (e4m3 weights and "
+                        "per-token activations, torch._scaled_mm): cuda, compute capability 8.9+")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

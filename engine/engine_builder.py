@@ -33,7 +33,7 @@ from engine.loader.model_identity import model_identity
 from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
-from engine.model.quantization import check_quantization, holds_quantized, quantize_int8
+from engine.model.quantization import check_quantization, holds_quantized, quantize_fp8, quantize_int8, weights_on
 from engine.model_runner import ModelRunner
 from engine.spec_decode.draft_model_proposer import draft_kv_block_bytes
 from engine.spec_decode.speculator import NullSpeculator, Speculator, make_proposer
@@ -72,7 +72,12 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     speculative method)."""
     config = resolve_engine_config(config)
     device = torch.device(config.device)
-    check_quantization(config.quantization, device)  # fp8 on cpu, or any on cuda (not built yet): before any load
+    check_quantization(config.quantization, device)  # e.g. fp8 on cpu or an old GPU: before any load
+    if isinstance(config.speculative_config, SpeculativeConfig):  # a draft model's, likewise
+        check_quantization(config.speculative_config.quantization, device)
+    if config.quantization != "none" and device.type == "cuda" and config.tensor_parallel_size > 1:
+        raise ValueError(f"quantization {config.quantization} on cuda does not run at tensor_parallel_size > 1 yet "
+                         "(the ranks keep quantized shards on the host); on cpu it does")
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     dtype = TORCH_DTYPES[config.dtype]
@@ -145,10 +150,11 @@ def _nothing_to_stop() -> None:
 
 
 def _quantized(checkpoint: Checkpoint, quantization: str) -> Checkpoint:
-    """The checkpoint as `quantization` runs it (engine/model/quantization.py): int8 quantizes the float linear
-    weights (a new dict: the given one may be shared by other engines); gguf needs them loaded as blocks."""
-    if quantization == "int8":
-        return dataclasses.replace(checkpoint, weights=quantize_int8(checkpoint.weights))
+    """The checkpoint as `quantization` runs it (engine/model/quantization.py): int8 and fp8 quantize the float
+    linear weights (a new dict: the given one may be shared by other engines); gguf needs them loaded as blocks."""
+    if quantization in ("int8", "fp8"):
+        quantize = quantize_int8 if quantization == "int8" else quantize_fp8
+        return dataclasses.replace(checkpoint, weights=quantize(checkpoint.weights))
     if quantization == "gguf" and not holds_quantized(checkpoint.weights):
         raise ValueError(f"--quantization gguf: the checkpoint {checkpoint.path} holds no GGUF blocks (load it with "
                          "load_checkpoint(..., quantization='gguf'))")
@@ -191,14 +197,17 @@ def _tensor_parallel_model(checkpoint: Checkpoint, shape: TPShape, attention: At
 
 
 def _draft_checkpoint(spec: SpeculativeConfig | None, device: torch.device, dtype: torch.dtype) -> Checkpoint | None:
-    """The draft model of a draft_model speculator, loaded; None for any other. Model drafters run on cpu only."""
+    """The draft model of a draft_model speculator, loaded and quantized as its "quantization" says; None for any
+    other. Model drafters run on cpu only."""
     if spec is not None and spec.method in ("draft_model", "layer_skip") and device.type != "cpu":
         raise ValueError(f"speculative method {spec.method!r} runs on cpu only so far (its drafter builds its "
                          "step on the host); ngram runs on any device")
     if spec is None or spec.method != "draft_model":
         return None
     assert spec.model is not None
-    return load_checkpoint(spec.model, dtype=dtype)
+    if spec.quantization == "gguf":  # the loader keeps the file's blocks (engine/model/quantization.py)
+        return _quantized(load_checkpoint(spec.model, dtype=dtype, quantization="gguf"), "gguf")
+    return _quantized(load_checkpoint(spec.model, dtype=dtype), spec.quantization)
 
 
 def _given_num_kv_blocks(config: EngineConfig, block_bytes: int, max_model_len: int) -> int:
@@ -224,6 +233,8 @@ def _model_on_device(checkpoint: Checkpoint, attention: AttentionBackend, *, dev
         # A copy per engine (the checkpoint's CPU tensors may be shared by other engines), in the engine's
         # dtype: a checkpoint passed in may have been loaded in another (e.g. float32 with dtype "auto" on cuda).
         weights = {**weights, **{name: t.to(device=device, dtype=dtype) for name, t in floats.items()}}
+    if device.type != "cpu" and holds_quantized(weights):  # quantized ones whole, in their own dtypes
+        weights = weights_on(weights, device)
     return LlamaModel(checkpoint.config, weights, attention, max_positions=max_model_len)
 
 

@@ -6,11 +6,16 @@ expressions the CPU kernels (engine/kernels/cpu_quantized_linear.py) are held to
     Q4_1     uint8 [out, in/32 * 20]  d:f16, m:f16, nibbles[16]            (in the blocks)   d * q + m
     Q8_0     uint8 [out, in/32 * 34]  d:f16, q:int8[32]                    (in the blocks)   d * q
     INT8     int8  [out, in]                                               float32 [out]     scale[o] * q
+    FP8      float8_e4m3fn [out, in]                                       float32 [out]     scale[o] * q
+                                                                            (cuda only: fp8_linear.py)
 
 The GGUF formats keep the file's bytes as they are stored (engine/kernels/gguf_quants.py describes each block):
 a GGUF matrix is row-major with its blocks along the input dimension, so output row o is one contiguous run of
 in/32 blocks. A tensor-parallel shard is therefore a range of whole rows (`rows`, column-parallel layers) or a
 range of whole blocks in every row (`columns`, row-parallel layers): a block is never split.
+
+The data lives on the CPU, or on a GPU for the cuda kernels (engine/kernels/cuda_quantized_linear.py; `to`
+moves a weight there whole).
 
 A weight is checked when it is made: shapes, dtypes, and every scale (and Q4_1 minimum) finite, so a corrupt block
 is refused at load, never served.
@@ -38,6 +43,7 @@ from gguf import GGMLQuantizationType
 from engine.kernels import gguf_quants
 
 Q8_BLOCK = 32  # values per Q8 activation block (and per GGUF block of every format here)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 class QuantFormat(enum.Enum):
@@ -47,6 +53,7 @@ class QuantFormat(enum.Enum):
     Q4_1 = ("q4_1", 1, 20, GGMLQuantizationType.Q4_1)
     Q8_0 = ("q8_0", 2, 34, GGMLQuantizationType.Q8_0)
     INT8 = ("int8", 3, 1, None)
+    FP8 = ("fp8", 4, 1, None)  # no C++ kernel: cuda only (torch._scaled_mm)
 
     def __init__(self, label: str, code: int, block_bytes: int, ggml_type: GGMLQuantizationType | None) -> None:
         self.label = label
@@ -57,7 +64,12 @@ class QuantFormat(enum.Enum):
     @property
     def block_size(self) -> int:
         """Input values per block: the granularity of `in_features` and of a column shard."""
-        return 1 if self is QuantFormat.INT8 else Q8_BLOCK
+        return 1 if self.per_channel else Q8_BLOCK
+
+    @property
+    def per_channel(self) -> bool:
+        """Values in `data`, one float32 scale per output row in `scales` (INT8, FP8); else GGUF blocks."""
+        return self in (QuantFormat.INT8, QuantFormat.FP8)
 
     @property
     def is_gguf(self) -> bool:
@@ -76,6 +88,10 @@ class QuantFormat(enum.Enum):
         raise ValueError(f"no quantized CPU kernel for GGML type {name} (id {int(ggml_type)}); they run {known}")
 
 
+_DATA_DTYPES = {QuantFormat.Q4_0: torch.uint8, QuantFormat.Q4_1: torch.uint8, QuantFormat.Q8_0: torch.uint8,
+                QuantFormat.INT8: torch.int8, QuantFormat.FP8: torch.float8_e4m3fn}
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """A [out_features, in_features] weight in `format` (see the module docstring for `data` and `scales`)."""
@@ -87,9 +103,10 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         fmt, data = self.format, self.data
-        want_dtype = torch.int8 if fmt is QuantFormat.INT8 else torch.uint8
-        if data.dim() != 2 or data.dtype != want_dtype or data.device.type != "cpu" or not data.is_contiguous():
-            raise ValueError(f"{fmt.label} weight data must be a contiguous CPU {want_dtype} matrix "
+        want_dtype = _DATA_DTYPES[fmt]
+        if (data.dim() != 2 or data.dtype != want_dtype or data.device.type not in ("cpu", "cuda")
+                or not data.is_contiguous()):
+            raise ValueError(f"{fmt.label} weight data must be a contiguous CPU or CUDA {want_dtype} matrix "
                              f"[out_features, bytes per row], got {data.dtype} {tuple(data.shape)} on {data.device}")
         if self.in_features <= 0 or self.in_features % fmt.block_size:
             raise ValueError(f"{fmt.label}: in_features {self.in_features} is not a positive multiple of "
@@ -98,14 +115,15 @@ class QuantizedWeight:
         if data.shape[1] != row_bytes:
             raise ValueError(f"{fmt.label}: {self.in_features} inputs take {row_bytes} bytes a row, the data has "
                              f"{data.shape[1]}")
-        if fmt is QuantFormat.INT8:
+        if fmt.per_channel:
             s = self.scales
-            if s is None or s.dtype != torch.float32 or s.shape != (data.shape[0],) or not s.is_contiguous():
-                raise ValueError(f"int8 weight needs float32 scales of shape ({data.shape[0]},), got "
-                                 f"{None if s is None else (s.dtype, tuple(s.shape))}")
+            if (s is None or s.dtype != torch.float32 or s.shape != (data.shape[0],) or not s.is_contiguous()
+                    or s.device != data.device):
+                raise ValueError(f"{fmt.label} weight needs float32 scales of shape ({data.shape[0]},) on "
+                                 f"{data.device}, got {None if s is None else (s.dtype, tuple(s.shape), s.device)}")
             bad = (~torch.isfinite(s)).nonzero()
             if len(bad):
-                raise ValueError(f"int8 weight: scale of output row {int(bad[0])} is {float(s[bad[0]])}")
+                raise ValueError(f"{fmt.label} weight: scale of output row {int(bad[0])} is {float(s[bad[0]])}")
         else:
             if self.scales is not None:
                 raise ValueError(f"{fmt.label} keeps its scales in its blocks; scales must be None")
@@ -164,6 +182,31 @@ class QuantizedWeight:
         return QuantizedWeight(format=QuantFormat.INT8, data=q.contiguous(), in_features=w.shape[1],
                                scales=scales.contiguous())
 
+    @staticmethod
+    def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
+        """e4m3 per output channel: scale[o] = max|W[o]| / 448, q = e4m3(W / scale) (round to nearest even, the
+        cast's; |W / scale| <= 448 so nothing saturates). An all-zero row stores scale 1. On W's device."""
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(f"fp8 quantization needs a floating-point matrix, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        w = weight.detach().float()
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("fp8 quantization: the weight has non-finite values")
+        amax = w.abs().amax(dim=1)  # [out]
+        scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return QuantizedWeight(format=QuantFormat.FP8, data=q.contiguous(), in_features=w.shape[1],
+                               scales=scales.contiguous())
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight with its data (and scales) on `device`; itself when already there."""
+        device = torch.device(device)
+        if self.data.device == device or (device.index is None and self.data.device.type == device.type):
+            return self
+        scales = None if self.scales is None else self.scales.to(device)
+        return QuantizedWeight(format=self.format, data=self.data.to(device), in_features=self.in_features,
+                               scales=scales)
+
     # -- shards: whole rows or whole blocks --------------------------------------------------------------------
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Output rows [start, stop): a column-parallel shard (a view, no copy)."""
@@ -185,12 +228,15 @@ class QuantizedWeight:
 
     # -- float -------------------------------------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:
-        """[out_features, in_features] float32: gguf_quants' bit-exact decoders (GGUF), q * scale (INT8)."""
-        if self.format is QuantFormat.INT8:
+        """[out_features, in_features] float32 on the data's device: gguf_quants' bit-exact decoders (GGUF),
+        q * scale (INT8, FP8)."""
+        if self.format.per_channel:
             assert self.scales is not None
             return self.data.float() * self.scales[:, None]
         assert self.format.ggml_type is not None
-        return gguf_quants.dequantize(self.data.numpy(), self.format.ggml_type, (self.out_features, self.in_features))
+        dense = gguf_quants.dequantize(self.data.cpu().numpy(), self.format.ggml_type,
+                                       (self.out_features, self.in_features))
+        return dense.to(self.data.device)
 
 
 # -- the torch expressions ---------------------------------------------------------------------------------------
@@ -209,6 +255,15 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q.reshape(tokens, in_features), d
 
 
+def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 per token, fp8_linear's activations: s = max(max|x[t]|, 1e-12) / 448, x̂ = e4m3(x / s) (round to
+    nearest even; |x / s| <= 448). x [T, K] -> (x̂ float8_e4m3fn [T, K], s float32 [T, 1]). The Triton kernel
+    (triton/fp8_quantize.py) computes the same bits on a GPU."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [T, 1]
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def dequantize_activations_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     tokens, in_features = q.shape
     return (q.reshape(tokens, -1, Q8_BLOCK).float() * d[..., None]).reshape(tokens, in_features)
@@ -223,6 +278,8 @@ def quantized_linear_torch(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     """The kernel's contract in torch (float32 out): GGUF formats q8(x) @ dequantize(w).T, INT8 (x @ q.T) * scale.
     It dequantizes the whole weight on every call: a fallback, not a fast path."""
     x = x.float()
+    if weight.format is QuantFormat.FP8:
+        raise ValueError("fp8 weights run on cuda only (engine/kernels/fp8_linear.py)")
     if weight.format is QuantFormat.INT8:
         assert weight.scales is not None
         return F.linear(x, weight.data.float()) * weight.scales

@@ -7,8 +7,10 @@ saves the per-call packing too. Measured at this model's shapes (bench/onednn_li
 MKL's to float32 rounding, not bit for bit (greedy output still matches HF transformers token for token; tests
 check it).
 
-A quantized weight (`QuantizedWeight`: --quantization int8 or gguf, engine/model/quantization.py) runs through
-`quantized_linear` (engine/kernels/cpu_quantized_linear.py) instead: read in place, never dequantized.
+A quantized weight (`QuantizedWeight`: --quantization int8, gguf or fp8, engine/model/quantization.py) runs
+through `quantized_linear` (engine/kernels/cpu_quantized_linear.py) where its data is on the CPU, and through
+`cuda_quantized_linear` (engine/kernels/cuda_quantized_linear.py: Triton kernels, torch._scaled_mm) where it is on
+a GPU: read in place, never dequantized to a float matrix.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_quantized_linear import quantized_linear
+from engine.kernels.cuda_quantized_linear import cuda_quantized_linear
 from engine.kernels.quantized_weight import QuantizedWeight
 from kv_transfer.native_build import cpu_kernels_disabled
 
@@ -46,15 +49,17 @@ class Linear:
     """y = x @ weight.T + bias, weight [out_features, in_features] as in `torch.nn.Linear`, or a `QuantizedWeight`
     of that logical shape."""
 
-    __slots__ = ("weight", "bias", "packed", "quantized")
+    __slots__ = ("weight", "bias", "packed", "quantized", "on_cuda")
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
                  pack: bool = True) -> None:
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None
+        self.on_cuda = False
         if isinstance(weight, QuantizedWeight):
             self.quantized = weight
+            self.on_cuda = weight.data.device.type == "cuda"
             self.weight: torch.Tensor | None = None
             return
         if pack and onednn_usable(weight):
@@ -79,7 +84,7 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.quantized is not None:
-            y = quantized_linear(x, self.quantized)
+            y = (cuda_quantized_linear if self.on_cuda else quantized_linear)(x, self.quantized)
             return y if self.bias is None else y.add_(self.bias)
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)

@@ -2,20 +2,24 @@
 
     method   where the quantized weights come from                              runs on
     none     nothing quantized: today's float weights                          any device
-    int8     every linear layer's float weight, symmetric per output channel,   cpu (cuda: not built yet)
+    int8     every linear layer's float weight, symmetric per output channel,   cpu (C++), cuda (Triton)
              quantized at load (QuantizedWeight.quantize_int8), any checkpoint
-    gguf     a GGUF file's Q4_0 / Q4_1 / Q8_0 linear tensors, kept as the file's  cpu (cuda: not built yet)
+    gguf     a GGUF file's Q4_0 / Q4_1 / Q8_0 linear tensors, kept as the file's  cpu (C++), cuda (Triton)
              blocks (engine/loader/gguf_loader.py hands them over undequantized)
-    fp8      e4m3 weights                                                       cuda only: not built yet
+    fp8      every linear layer's float weight in e4m3, one scale per output     cuda, compute capability
+             channel, quantized at load (QuantizedWeight.quantize_fp8); e4m3      8.9+ (torch._scaled_mm)
+             activations with per-token scales at each call
 
 "Linear layers" are q/k/v (fused into qkv), o, gate/up (fused into gate_up) and down, in every layer: in the
 weights dict a quantized one is a `QuantizedWeight` in place of the float tensor, under the same HF name, and the
-model's `Linear` runs it through `quantized_linear` (engine/kernels/cpu_quantized_linear.py). The embedding stays
-float (a lookup, not a GEMM). The LM head, the largest single matrix of a small model (SmolLM2: 49152 x 576, a
-fifth of its weights, read whole every decode step), is quantized by the model when its layers are
-(`quantize_head`): int8 per row with int8, Q8_0 with gguf, as llama.cpp runs a GGUF's head (SmolLM2's file stores
-its tied embedding in Q8_0: re-quantizing the dequantized values gives back the file's own blocks). At tensor
-parallelism each rank quantizes its vocabulary rows: per-row scales and per-row blocks make that the whole head's.
+model's `Linear` runs it through `quantized_linear` (engine/kernels/cpu_quantized_linear.py) on the CPU or
+`cuda_quantized_linear` (engine/kernels/cuda_quantized_linear.py) on a GPU, by where its data is (the engine moves
+it whole to its device, `QuantizedWeight.to`). The embedding stays float (a lookup, not a GEMM). The LM head, the
+largest single matrix of a small model (SmolLM2: 49152 x 576, a fifth of its weights, read whole every decode
+step), is quantized by the model when its layers are (`quantize_head`): int8 per row with int8, e4m3 per row with
+fp8, Q8_0 with gguf, as llama.cpp runs a GGUF's head (SmolLM2's file stores its tied embedding in Q8_0:
+re-quantizing the dequantized values gives back the file's own blocks). At tensor parallelism each rank quantizes
+its vocabulary rows: per-row scales and per-row blocks make that the whole head's.
 
 Fusing and tensor-parallel cuts work on whole rows or whole blocks (`cat_rows`, QuantizedWeight.rows/columns), so
 a GGUF block is never split: a column-parallel shard is a range of rows, a row-parallel one a range of blocks in
@@ -24,7 +28,8 @@ every row (int8 keeps each row's one scale, so a shard computes exactly its part
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import importlib.util
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -43,38 +48,60 @@ def is_linear_weight(name: str) -> bool:
 
 
 def check_quantization(method: str, device: torch.device | str) -> None:
-    """ValueError, before anything loads, for a method this device does not run (`device` concrete)."""
+    """ValueError, before anything loads, for a method this device does not run (`device` concrete): fp8 off
+    cuda or on a GPU older than compute capability 8.9; int8 or gguf on cuda without Triton."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
-    kind = torch.device(device).type
-    if method == "fp8" and kind != "cuda":
-        raise ValueError("quantization fp8 needs cuda (e4m3 weights, torch._scaled_mm); on cpu use int8 or gguf")
-    if method != "none" and kind == "cuda":
-        raise ValueError(f"quantization {method} on cuda is not built yet; it runs on cpu (--device cpu)")
+    device = torch.device(device)
+    if method == "fp8":
+        from engine.kernels.fp8_linear import check_fp8_device
+
+        check_fp8_device(device)
+    if method in ("int8", "gguf") and device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"quantization {method} on cuda runs Triton kernels, and triton is not installed")
 
 
 def quantize_int8(weights: Mapping[str, Weight]) -> dict[str, Weight]:
     """A new dict: every float linear weight (`is_linear_weight`) of `weights` quantized to int8 per output
     channel, the rest as they are (the input is not changed: a checkpoint may be shared by several engines)."""
+    return _quantize_linear(weights, QuantizedWeight.quantize_int8)
+
+
+def quantize_fp8(weights: Mapping[str, Weight]) -> dict[str, Weight]:
+    """As `quantize_int8`, to e4m3 per output channel (QuantizedWeight.quantize_fp8), each on its tensor's device."""
+    return _quantize_linear(weights, QuantizedWeight.quantize_fp8)
+
+
+def _quantize_linear(weights: Mapping[str, Weight], quantize: Callable[[torch.Tensor], QuantizedWeight]
+                     ) -> dict[str, Weight]:
     out: dict[str, Weight] = {}
     for name, weight in weights.items():
         if is_linear_weight(name) and isinstance(weight, torch.Tensor):
-            out[name] = QuantizedWeight.quantize_int8(weight)
+            out[name] = quantize(weight)
         else:
             out[name] = weight
     return out
 
 
+def weights_on(weights: Mapping[str, Weight], device: torch.device) -> dict[str, Weight]:
+    """A new dict with every quantized weight moved whole to `device` (float tensors as they are)."""
+    return {name: w.to(device) if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}
+
+
 def quantize_head(weight: torch.Tensor, like: QuantFormat) -> QuantizedWeight:
-    """The LM head's float [vocab, hidden] weight quantized for a model whose layers are in `like`: int8 per row
-    for INT8, Q8_0 (gguf's quantizer, round half away from zero as llama.cpp's) for the GGUF formats."""
+    """The LM head's float [vocab, hidden] weight quantized for a model whose layers are in `like`, on the
+    weight's device: int8 per row for INT8, e4m3 per row for FP8, Q8_0 (gguf's quantizer, round half away from
+    zero as llama.cpp's; on the CPU) for the GGUF formats."""
     if like is QuantFormat.INT8:
         return QuantizedWeight.quantize_int8(weight)
+    if like is QuantFormat.FP8:
+        return QuantizedWeight.quantize_fp8(weight)
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    blocks = quantize(weight.detach().float().contiguous().numpy(), GGMLQuantizationType.Q8_0)
-    return QuantizedWeight.from_gguf(blocks, GGMLQuantizationType.Q8_0, tuple(weight.shape))  # type: ignore[arg-type]
+    blocks = quantize(weight.detach().float().cpu().contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    head = QuantizedWeight.from_gguf(blocks, GGMLQuantizationType.Q8_0, tuple(weight.shape))  # type: ignore[arg-type]
+    return head.to(weight.device)
 
 
 def holds_quantized(weights: Mapping[str, Weight]) -> bool:

@@ -169,3 +169,69 @@ def test_a_failed_phase_keeps_the_others(tmp_path: Path, monkeypatch: pytest.Mon
     assert [(row["batch"], row["async_scheduling"]) for row in shape["decode"]] == [(2, False)]
     assert shape["prefill"]["tokens_per_s"] > 0
     assert "hf" not in shape
+
+
+# -- --quantization (bench/gpu_quantized.py) -------------------------------------------------------------------------
+def test_quantization_flag_parses_and_fp8_on_cpu_is_refused(capsys) -> None:
+    gpu = _load_script()
+    assert gpu.parse_args([]).quantization == "none"
+    for method in ("int8", "gguf", "fp8"):
+        assert gpu.parse_args(["--quantization", method]).quantization == method
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--quantization", "awq"])
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--quantization", "fp8", "--device", "cpu"])
+    assert "fp8 needs cuda" in capsys.readouterr().err
+
+
+def test_fp8_on_a_machine_without_a_gpu_is_refused_before_any_figure(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("--device auto resolves to the GPU here")
+    gpu = _load_script()
+
+    def measured(*args, **kwargs):
+        raise AssertionError("nothing is measured before the quantization is checked")
+
+    monkeypatch.setattr(gpu, "copy_bandwidth", measured)
+    assert gpu.main(["--quantization", "fp8"]) == 2
+    assert "fp8 needs cuda" in capsys.readouterr().out
+
+
+def test_ratios_and_fp8_targets() -> None:
+    from bench.gpu_quantized import ratios
+
+    none = [{"batch": 1, "step_ms": 2.0, "tokens_per_s": 500.0}, {"batch": 256, "step_ms": 8.0, "tokens_per_s": 32000.0}]
+    fp8 = [{"batch": 1, "step_ms": 1.1, "tokens_per_s": 909.0}, {"batch": 256, "step_ms": 7.0, "tokens_per_s": 36571.0}]
+    rows = ratios(none, fp8, "fp8")
+    assert [(r["batch"], round(r["step_ratio"], 3), r["met"]) for r in rows] == [(1, 0.55, True), (256, 0.875, False)]
+    assert rows[1]["target"] == "tokens_per_s_ratio >= 1.3" and round(rows[1]["tokens_per_s_ratio"], 3) == 1.143
+    assert [r["target"] for r in ratios(none, fp8, "int8")] == [None, None]  # targets are fp8's only
+    assert ratios(none, [{"batch": 7, "step_ms": 1.0, "tokens_per_s": 7.0}], "fp8") == []  # no baseline: no row
+
+
+def test_gguf_smoke_run_measures_both_in_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--quantization gguf on the CPU: the dummy weights' linear layers in Q4_1 blocks through the engine, each
+    batch decoded with none and with gguf, and their ratios; no prefill or HF phase."""
+    monkeypatch.setitem(dummy_weights.DUMMY_SHAPES, "tiny-llama", TINY_SHAPES["tiny-llama"])
+    out = tmp_path / "q.json"
+    status = _load_script().main([
+        "--device", "cpu", "--shapes", "tiny-llama", "--batches", "1,3", "--context", "24", "--steps", "2",
+        "--warmup-steps", "1", "--copy-mib", "1", "--gemm-n", "64", "--async-scheduling", "off",
+        "--quantization", "gguf", "--json", str(out),
+    ])
+    assert status == 0, capsys.readouterr().out[-3000:]
+    report = json.loads(out.read_text())
+    assert report["quantization"] == "gguf"
+    shape = report["shapes"]["tiny-llama"]
+    assert "errors" not in shape and "prefill" not in shape and "hf" not in shape
+    q = shape["quantized"]
+    assert [row["batch"] for row in q["rows"]["none"]] == [row["batch"] for row in q["rows"]["gguf"]] == [1, 3]
+    assert [r["batch"] for r in q["ratios"]] == [1, 3]
+    # Q4_1 (5 bits a weight) layers and a Q8_0 head (8.5) against float32's 32
+    assert 0.1 < q["weight_bytes_ratio"] < 0.35
+    bad = [(path, value) for path, value in _numbers(q) if not (math.isfinite(value) and value > 0)]
+    assert not bad, bad
+    assert "| tiny-llama | 3 |" in capsys.readouterr().out  # the ratio table for docs/benchmarks.md

@@ -1,5 +1,6 @@
 """`--quantization` through the engine, over the tiny random-weight model: the flag reaches EngineConfig and `LLM`;
-fp8 and anything on cuda is refused before any weight loads; int8 quantizes exactly the linear layers and the LM
+fp8 on cpu is refused before any weight loads (the cuda path: tests/engine/kernels/test_cuda_quantized_linear.py,
+tests/engine/test_gpu_quantization.py); int8 quantizes exactly the linear layers and the LM
 head (not the embedding) and runs them through the quantized kernel; its blocks hash in their own namespace; at
 tensor_parallel_size 2 (real rank processes) an int8 engine gives TP 1's int8 tokens, every logits row within 1e-3.
 The real model's accuracy: tests/engine/test_quantization_accuracy.py.

@@ -40,7 +40,8 @@ def _ints(*names: str) -> dict[str, str]:
 def variants(dtypes: list[str]) -> Iterator[Variant]:
     from engine.kernels.triton import paged_decode_attention as decode
     from engine.kernels.triton import paged_prefill_attention as prefill
-    from engine.kernels.triton import rms_norm, rotary, rotary_store_kv, silu_and_mul, store_kv
+    from engine.kernels.triton import (fp8_quantize, gguf_linear, int8_linear, rms_norm, rotary, rotary_store_kv,
+                                       silu_and_mul, store_kv)
 
     for dtype in dtypes:
         p = POINTER[dtype]
@@ -129,6 +130,36 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
             {"x_ptr": p, "out_ptr": p, **_ints("stride_x", "stride_o", "inter")},
             {"BLOCK": silu_and_mul.BLOCK},
         )
+        for in_features in (2048, 8192):  # Llama-3.2-1B's hidden and intermediate sizes
+            block, warps = fp8_quantize.launch_shape(in_features)
+            yield Variant(
+                f"fp8_quantize {dtype} in={in_features}",
+                fp8_quantize._fp8_quantize_kernel,
+                {"x_ptr": p, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", **_ints("K", "stride_x")},
+                {"BLOCK": block},
+                num_warps=warps,
+            )
+        for tokens in (1, 32, 256):  # each launch shape the wrappers pick
+            block_m, block_n, warps = gguf_linear.launch_shape(tokens, fp32=dtype == "fp32")
+            for fmt in (gguf_linear.FMT_Q4_0, gguf_linear.FMT_Q4_1, gguf_linear.FMT_Q8_0):
+                yield Variant(
+                    f"gguf_linear {dtype} fmt={fmt} tokens={tokens}",
+                    gguf_linear._gguf_linear_kernel,
+                    {"x_ptr": p, "w_ptr": "*u8", "w16_ptr": "*fp16", "y_ptr": p,
+                     **_ints("M", "N", "num_blocks", "stride_xm", "stride_ym", "row_bytes")},
+                    {"FMT": fmt, "BLOCK_BYTES": (18, 20, 34)[fmt], "BLOCK_M": block_m, "BLOCK_N": block_n,
+                     "UNROLL": gguf_linear.UNROLL, "IEEE": dtype == "fp32"},
+                    num_warps=warps,
+                )
+            block_m, block_n, block_k, warps = int8_linear.launch_shape(tokens)
+            yield Variant(
+                f"int8_linear {dtype} tokens={tokens}",
+                int8_linear._int8_linear_kernel,
+                {"x_ptr": p, "w_ptr": "*i8", "scale_ptr": "*fp32", "y_ptr": p,
+                 **_ints("M", "N", "K", "stride_xm", "stride_ym")},
+                {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "IEEE": dtype == "fp32"},
+                num_warps=warps,
+            )
 
 
 def compile_variant(variant: Variant, arch: int) -> int:
