@@ -23,6 +23,8 @@ the worker as a belt-and-braces, in the background.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
@@ -171,7 +173,7 @@ class GenerationStream:
     async def _read_call(self, count_rpc_failure: bool = True,
                          first: bool = False) -> serving_pb2.GenerateResponse | None:
         try:
-            message = await self._call.read()
+            message = await self._read_or_channel_closed()
         except grpc.aio.AioRpcError as error:
             self.finished = True
             if count_rpc_failure:
@@ -204,6 +206,21 @@ class GenerationStream:
             for callback in self.on_finished:
                 callback(self)
         return message
+
+    async def _read_or_channel_closed(self) -> serving_pb2.GenerateResponse | object:
+        """The call's next message. grpc.aio raises asyncio.CancelledError from a read whose call was cancelled
+        locally: here, when the registry closed the channel of a worker that left the list (its grace spent). That
+        is the worker going away, not this task being cancelled (the client gone, the server stopping): it is
+        raised as the AioRpcError CANCELLED a worker that cancels the call itself gives (router/migration.py)."""
+        try:
+            return await self._call.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details=f"the channel to worker {self.worker_id} closed: it left the "
+                                               "cluster's worker list") from None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,8 @@ Which failures mean "the worker is gone" (`worker_gone`), and so are migrated:
 - UNKNOWN whose details say "Stream removed": the same cut HTTP/2 stream as other gRPC versions report it — the
   transport's words, never a worker's own error (a worker's own exception is UNKNOWN "Exception iterating ...").
 - CANCELLED: the gateway never reads a call it cancelled itself, so a CANCELLED read means the server side
-  cancelled it (a worker shutting down).
+  cancelled it (a worker shutting down), or the registry closed the channel of a worker that left the list
+  (GenerationStream raises that read, which grpc.aio gives as asyncio.CancelledError, as CANCELLED).
 Everything else is the request's own fate and is not retried: INVALID_ARGUMENT / OUT_OF_RANGE (a bad request
 would fail anywhere), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED (the request's deadline is spent), INTERNAL, and a
 message with finish_reason "abort" or "error" (the worker answered; an abort may be an operator's Abort).

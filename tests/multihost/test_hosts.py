@@ -227,6 +227,7 @@ class _Stream(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.prompt, self.max_tokens = cluster.url, prompt, max_tokens
         self.text, self.error = "", None
+        self.chunk_times: list[float] = []
         self.first = threading.Event()
         self.ended_s = 0.0
 
@@ -243,6 +244,7 @@ class _Stream(threading.Thread):
                             self.error = chunk["error"]
                         else:
                             self.text += chunk["choices"][0]["text"]
+                            self.chunk_times.append(time.monotonic())
                             self.first.set()
         except Exception as exc:  # noqa: BLE001 - reported by the test
             self.error = repr(exc)
@@ -267,8 +269,12 @@ def test_a_decode_host_cut_mid_stream_resumes_elsewhere_and_rejoins_when_healed(
         assert not stream.is_alive(), "the stream hung on the cut host"
         assert stream.error is None, stream.error
         assert stream.text == long_answers[LONG_PROMPT]
-        # the keepalive (protos/cluster_auth.py: 10 s pings, 10 s to answer) and the resumed prefill
-        assert stream.ended_s - cut_s < 90
+        # Resumed within the keepalive's bound (protos/cluster_auth.py: 10 s pings, 10 s to answer them) and the
+        # new prefill; without it the stream would wait until the controller gives the worker up (~28 s) and the
+        # gateway's channel to it closes (its 30 s grace): about a minute.
+        resumed_s = next(t for t in stream.chunk_times if t > cut_s + 1.0) - cut_s
+        print(f"stream resumed {resumed_s:.1f} s after its decode host was cut")
+        assert resumed_s < 40
         assert _metric(cluster, "splitserve:request_migrations_total") >= migrations + 1
         # The cut held until the controller gives the worker up (its Health unanswered 3 times in a row) and
         # restarts it: there is no room for it on the other decode host, so it waits for one.

@@ -320,3 +320,42 @@ def test_a_sigkilled_worker_process_reads_as_gone() -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_stream_on_a_worker_that_leaves_the_list_resumes_on_another(fakes, tokenizer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The controller gives a silent worker up (it leaves the list): the gateway closes its channel after a grace,
+    which cancels the calls still open on it under the gateway's feet. Such a call is the worker going away, not the
+    client: the stream resumes on another decode worker. (Found on several hosts, tests/multihost/: the cancelled
+    read raised asyncio.CancelledError through the SSE response, which the HTTP server cut short — "ASGI callable
+    returned without completing response".)"""
+    import router.worker_registry as worker_registry
+
+    monkeypatch.setattr(worker_registry, "_CHANNEL_CLOSE_GRACE_S", 0.3)
+    for worker in fakes.values():
+        worker.reset()
+    prefill, first, second = fakes["prefill-0"], fakes["decode-0"], fakes["decode-1"]
+    first.load.kv_blocks_free = 100
+    second.load.kv_blocks_free = 50  # decode-0 is chosen first
+    first.script = Script(text="Hello world", hang_after=4)  # then silent, as behind a cut link
+    second.script = Script(text="o world")
+    listed = [info_of(prefill), info_of(first), info_of(second)]
+    server = serve_router(listed, tokenizer, routing_policy="least-loaded")
+    try:
+        client = httpx.Client(base_url=server.url, timeout=30.0)
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 11, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            received = []
+            for line in lines:
+                received.append(line)
+                if sum(line.startswith("data: {") for line in received) == 4:
+                    break
+            listed.remove(info_of(first))  # the controller's list no longer has decode-0
+            received += list(lines)
+        payloads = sse_payloads("\n\n".join(line for line in received if line))
+        assert payloads[-1] == "[DONE]"
+        assert "".join(p["choices"][0]["text"] for p in payloads[:-1]) == "Hello world"
+        assert len(second.requests) == 1
+        assert _metric(client, "splitserve:request_migrations_total") == {SERVER_CANCELLED: 1.0}
+    finally:
+        server.stop()
