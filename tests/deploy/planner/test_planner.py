@@ -153,3 +153,18 @@ def test_the_kv_capacity_caps_the_batch() -> None:
     traffic = Traffic(isl=256, osl=64, rate=1.0)
     assert {l.max_num_seqs for l in layouts(small, traffic, OPTIONS)} == {3}
     assert math.isfinite(plan(small, traffic, SLO_, OPTIONS).best.ttft_p50_s)
+
+
+def test_the_planner_imports_no_torch() -> None:
+    """plan runs anywhere: the planner's modules (all but the profiler) and the CLI's parser leave torch out."""
+    import subprocess
+    import sys
+
+    modules = ["deploy.planner." + m for m in ("fit", "profile", "queueing", "planner", "render", "validate",
+                                               "commands")]
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
+        "from deploy.cli import build_parser\nbuild_parser()\n"
+        "print(sorted(name for name in ('torch', 'numpy') if name in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
