@@ -289,7 +289,8 @@ def check_against_floor(profile: Profile, traffic: Traffic, slo: SLO) -> None:
     prefill_s = profile.prefill.seconds(traffic.num_new_tokens, traffic.num_cached_tokens)
     if slo.ttft_s < prefill_s:
         raise ValueError(f"--ttft-slo {slo.ttft_s} s is below the profile's floor: a lone {traffic.isl}-token prompt "
-                         f"({traffic.num_cached_tokens} cached) takes {prefill_s:.3f} s to prefill on the profiled worker")
+                         f"({traffic.num_cached_tokens} cached) takes {prefill_s:.3f} s to prefill on the profiled "
+                         "worker")
     step_s = profile.decode.seconds(1, traffic.isl)
     if slo.tpot_s < step_s:
         raise ValueError(f"--tpot-slo {slo.tpot_s} s is below the profile's floor: one sequence's decode step at "

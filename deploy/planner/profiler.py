@@ -9,7 +9,8 @@
 
 Each point keeps its fastest measurement (of `repeats` prefills, of `decode_steps` steps): on a machine shared with
 other work a median still swings by 10x (load 5 on 2 cores: a 1x256 decode step measured 80 ms and 1,200 ms in one
-run), and the fastest is the worker's own cost, not its neighbours'. Prompts are random token ids from a seeded generator, fresh for each point, so that no point hits another's cache.
+run), and the fastest is the worker's own cost, not its neighbours'. Prompts are random token ids from a seeded
+generator, fresh for each point, so that no point hits another's cache.
 The decode points share one prompt prefix of ctx - block_size tokens between the B sequences (each has its own
 last block), so that reaching a context of 2,048 tokens costs one prefill, not B: the decode step still attends
 over B x ctx tokens, but the shared blocks are read from one place (warm in the CPU's caches), which flatters large
@@ -246,8 +247,8 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
     prefill_grid = [(n, c - c % block_size) for n, c in grid.prefill
                     if n + c < longest and (c == 0 or engine.config.enable_prefix_caching)]
     decode_grid = [(b, ctx) for b, ctx in grid.decode if ctx + grid.decode_steps + 2 < longest]
-    progress = Progress(len(prefill_grid) * grid.repeats + len(decode_grid) + len(grid.handoff_tokens) * bool(transports)
-                        + 1, enabled=show_progress)
+    num_points = len(prefill_grid) * grid.repeats + len(decode_grid) + len(grid.handoff_tokens) * bool(transports)
+    progress = Progress(num_points + 1, enabled=show_progress)
     rng = random.Random(seed)
     try:
         progress.start("warm-up")

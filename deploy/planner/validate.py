@@ -92,7 +92,8 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
             measured = {"ttft_p50_s": run["ttft_s"]["p50"], "ttft_p90_s": run["ttft_s"]["p90"],
                         "tpot_p50_s": run["tpot_s"]["p50"], "tpot_p90_s": run["tpot_s"]["p90"]}
         except (KeyError, TypeError):
-            raise ValueError(f"{directory / 'report.json'}: runs[{i}] needs ttft_s and tpot_s with p50 and p90") from None
+            raise ValueError(f"{directory / 'report.json'}: runs[{i}] needs ttft_s and tpot_s with p50 and "
+                             "p90") from None
         if run.get("goodput_rps") is not None:
             measured["goodput"] = run["goodput_rps"]
         predicted = model.predict(float(rate), slo)
