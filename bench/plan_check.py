@@ -10,8 +10,9 @@ AIPerf's TTFT and inter-token latency p50/p90, its goodput at both SLOs, its req
 `splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
 `colocatedxN`. With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
 prediction scales compute times accordingly. AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and
-`--osl` output tokens with ignore_eos, streamed, from `--random-seed 7`; it is not a splitserve dependency (see
-bench/serve_process.py for its venv).
+`--osl` output tokens with ignore_eos, streamed, each run from its own `--random-seed` (a warm-up of 4 requests
+first, from another): a run that repeated an earlier one's prompts would hit the prefix cache. AIPerf is not a
+splitserve dependency (see bench/serve_process.py for its venv).
 """
 
 from __future__ import annotations
@@ -67,16 +68,17 @@ def main() -> int:
     workload = ["--endpoint-type", "completions", "--streaming", "--use-server-token-count",
                 "--synthetic-input-tokens-mean", str(args.isl), "--synthetic-input-tokens-stddev", "0",
                 "--output-tokens-mean", str(args.osl), "--output-tokens-stddev", "0",
-                "--extra-inputs", "ignore_eos:true", "--random-seed", "7", "--request-timeout-seconds", "600",
+                "--extra-inputs", "ignore_eos:true", "--request-timeout-seconds", "600",
                 "--goodput", f"time_to_first_token:{args.ttft_slo * 1000:.0f} "
                              f"inter_token_latency:{args.tpot_slo * 1000:.0f}"]
     runs = []
     server = Serve(flags, model=profile.model.name, stderr_path=str(out / "serve.log"))
     try:
-        aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1"])  # warm-up
-        for rate in [float(r) for r in args.rates.split(",") if r]:
+        # Every run its own prompts (AIPerf's seed): a run repeating an earlier one's would hit the prefix cache.
+        aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed", "1000"])
+        for i, rate in enumerate(float(r) for r in args.rates.split(",") if r):
             summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
-                                          str(args.num_requests)])
+                                          str(args.num_requests), "--random-seed", str(7 + i)])
             (out / f"aiperf-{rate:g}.json").write_text(json.dumps(summary, indent=1))
             runs.append({
                 "rate": rate, "num_requests": int(metric(summary, "request_count") or args.num_requests),
