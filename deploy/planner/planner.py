@@ -20,7 +20,7 @@ tokens (of which `prefix_hit` are cached) and `osl` output tokens, at `rate` req
 
 A layout meets the SLO when its TTFT p90 and TPOT p90 are within it. With `--one-host` every worker shares the
 profiled machine's cores, as `serve` splits them (cpu_count // workers threads each): its compute times scale by
-profiled threads / threads each (linear scaling: an approximation that overstates the cost of splitting).
+what the profile measured one thread to cost each phase (`host_share_slowdown`).
 """
 
 from __future__ import annotations
@@ -149,19 +149,42 @@ class Plan:
         return bool(self.ranked) and self.ranked[0].meets
 
 
+def host_share_slowdown(profile: Profile, num_workers: int, phase: str) -> float:
+    """How many times slower `phase` runs on each of `num_workers` workers sharing the profiled machine's cores,
+    each with cpu_count // num_workers threads (at least 1) as `serve` gives them, than on the profile's threads:
+
+        threads each k >= profiled N  ->  1
+        k = 1, measured (profile.one_thread)  ->  that ratio;  1 < k < N  ->  ratio ** (log(N/k) / log N)
+        not measured  ->  N / k (linear scaling: an upper bound)
+        and x num_workers * k / cpu_count beyond the cores (more workers than cores time-share them)
+    """
+    threads = max(1, profile.cpu_count // max(1, num_workers))
+    profiled = profile.num_threads
+    scale = 1.0
+    if threads < profiled:
+        ratio = profile.one_thread.get(phase)
+        if ratio is None:
+            scale = profiled / threads
+        else:
+            scale = max(1.0, ratio) ** (math.log(profiled / threads) / math.log(profiled))
+    return scale * max(1.0, num_workers * threads / profile.cpu_count)
+
+
 class LayoutModel:
     """A layout's costs on a profile and traffic; `predict` prices it at one rate."""
 
     def __init__(self, profile: Profile, traffic: Traffic, layout: Layout, options: PlanOptions) -> None:
         self.profile, self.traffic, self.layout = profile, traffic, layout
-        self.slowdown = 1.0
+        self.prefill_slowdown = self.decode_slowdown = 1.0
         if options.one_host:
-            self.slowdown = max(1.0, profile.num_threads * layout.num_workers / profile.cpu_count)
+            self.prefill_slowdown = host_share_slowdown(profile, layout.num_workers, "prefill")
+            self.decode_slowdown = host_share_slowdown(profile, layout.num_workers, "decode")
         n, c = traffic.num_new_tokens, traffic.num_cached_tokens
         budget = int(profile.engine.get("max_num_batched_tokens") or n) or n
         self.num_chunks = max(1, math.ceil(n / budget))
-        self.intercept_s = self.slowdown * profile.prefill.intercept_s
-        self.prefill_s = self.slowdown * profile.prefill.seconds(n, c) + self.intercept_s * (self.num_chunks - 1)
+        self.intercept_s = self.prefill_slowdown * profile.prefill.intercept_s
+        self.prefill_s = (self.prefill_slowdown * profile.prefill.seconds(n, c)
+                          + self.intercept_s * (self.num_chunks - 1))
         self.prompts_per_step = max(1, budget // max(1, n))
         self.ctx = traffic.isl + traffic.osl / 2
         block_size = profile.kv.block_size
@@ -174,7 +197,7 @@ class LayoutModel:
             self.handoff_s = profile.handoff[layout.transport].fit.seconds(prompt_bytes) if layout.transport else 0.0
 
     def step_s(self, batch: float) -> float:
-        return self.slowdown * self.profile.decode.seconds(batch, self.ctx)
+        return self.decode_slowdown * self.profile.decode.seconds(batch, self.ctx)
 
     def _prefill_wait(self, servers: int, rate: float) -> tuple[Wait, float]:
         """The prefill queue and the service time, with the intercept shared by the prompts batched at load."""
@@ -199,7 +222,7 @@ class LayoutModel:
         r = rate / num_decode  # per decode (or colocated) worker
         u_p = r * service if prefilling_here else 0.0  # the share of a worker's time its prompts take
         d = self.profile.decode
-        a, b = self.slowdown * d.intercept_s, self.slowdown * (d.per_seq_s + d.per_seq_token_s * self.ctx)
+        a, b = self.decode_slowdown * d.intercept_s, self.decode_slowdown * (d.per_seq_s + d.per_seq_token_s * self.ctx)
         # B = r * osl * T, with T = (a + b B) / (1 - u_p): closed form for the batch each worker runs.
         denominator = 1 - u_p - r * osl * b
         unstable = not wait.stable or u_p >= 1 or denominator <= 0

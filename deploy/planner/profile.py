@@ -12,6 +12,8 @@ profile.json (schema "splitserve-profile/1"):
     decode     {points: [{batch_size, context_len, seconds}], fit: DecodeFit}      seconds: one decode step
     handoff    {transports: {name: {points: [{num_bytes, seconds}], fit: HandoffFit}}, skipped: {name: why}}
     kv         {num_blocks, block_size, block_bytes, capacity_tokens}
+    one_thread {prefill, decode}: how many times slower one point of each ran on 1 thread than on num_threads
+               (absent when the profile ran on 1; `plan --one-host` scales by them)
     quick, created, wall_s
 
 The fitted curves (all coefficients >= 0, fitted in relative error by fit.py):
@@ -141,6 +143,8 @@ class Profile:
     handoff: dict[str, TransportProfile]
     kv: KVCapacity
     handoff_skipped: dict[str, str] = field(default_factory=dict)
+    # phase ("prefill", "decode") -> its time on 1 thread over its time on num_threads (measured on one point)
+    one_thread: dict[str, float] = field(default_factory=dict)
     quick: bool = False
     created: str = ""
     wall_s: float = 0.0
@@ -181,6 +185,7 @@ class Profile:
                                        for name, t in self.handoff.items()},
                         "skipped": self.handoff_skipped},
             "kv": {**dataclasses.asdict(self.kv), "capacity_tokens": self.kv.capacity_tokens},
+            "one_thread": self.one_thread,
         }
 
     def write(self, path: str | Path) -> None:
@@ -228,6 +233,7 @@ def profile_from_json(data: Any, *, source: str = "profile") -> Profile:
             handoff_skipped=dict(data["handoff"].get("skipped", {})),
             kv=_build(KVCapacity, {k: data["kv"][k] for k in ("num_blocks", "block_size", "block_bytes")},
                       f"{source}: kv"),
+            one_thread={str(k): float(v) for k, v in data.get("one_thread", {}).items()},
             quick=bool(data.get("quick", False)), created=str(data.get("created", "")),
             wall_s=float(data.get("wall_s", 0.0)),
         )
@@ -243,6 +249,8 @@ def load_profile(path: str | Path) -> Profile:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     profile = profile_from_json(data, source=str(path))
+    if any(not ratio > 0 for ratio in profile.one_thread.values()):
+        raise ValueError(f"{path}: one_thread: ratios must be positive, got {profile.one_thread}")
     if profile.kv.block_size <= 0 or profile.kv.num_blocks <= 0:
         raise ValueError(f"{path}: kv: a KV cache of {profile.kv.num_blocks} blocks of {profile.kv.block_size} tokens")
     return profile

@@ -55,6 +55,8 @@ class ProfileGrid:
     handoff_tokens: tuple[int, ...]
     handoff_repeats: int
     repeats: int  # each prefill point's measurements (the fastest is kept)
+    one_thread_prefill: tuple[int, int] = (256, 0)  # the points measured again on 1 thread (no cached prefix)
+    one_thread_decode: tuple[int, int] = (8, 256)
 
 
 QUICK_GRID = ProfileGrid(
@@ -234,6 +236,8 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
     import dataclasses
     import datetime
 
+    import torch
+
     from engine.llm_engine import LLMEngine
 
     started = time.perf_counter()
@@ -247,7 +251,8 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
     prefill_grid = [(n, c - c % block_size) for n, c in grid.prefill
                     if n + c < longest and (c == 0 or engine.config.enable_prefix_caching)]
     decode_grid = [(b, ctx) for b, ctx in grid.decode if ctx + grid.decode_steps + 2 < longest]
-    num_points = len(prefill_grid) * grid.repeats + len(decode_grid) + len(grid.handoff_tokens) * bool(transports)
+    num_points = (len(prefill_grid) * grid.repeats + len(decode_grid) + len(grid.handoff_tokens) * bool(transports)
+                  + (torch.get_num_threads() > 1))
     progress = Progress(num_points + 1, enabled=show_progress)
     rng = random.Random(seed)
     try:
@@ -268,6 +273,23 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
             seconds = measure_decode(engine, b, ctx, grid.decode_steps, rng)
             decode_points.append(DecodePoint(batch_size=b, context_len=ctx, seconds=seconds))
             progress.done(f"decode {b}x{ctx}: {seconds * 1e3:.1f} ms/step")
+        one_thread = {}
+        if torch.get_num_threads() > 1:  # the same points on 1 thread: what sharing the cores costs each phase
+            threads = torch.get_num_threads()
+            n, c = min(grid.one_thread_prefill[0], longest // 2), 0
+            b, ctx = min(grid.one_thread_decode[0], engine.config.max_num_seqs), min(grid.one_thread_decode[1],
+                                                                                   longest // 2)
+            progress.start(f"prefill and decode on 1 thread (of {threads})")
+            many = (min(measure_prefill(engine, n, c, rng) for _ in range(2)),
+                    measure_decode(engine, b, ctx, grid.decode_steps, rng))
+            torch.set_num_threads(1)
+            try:
+                one = (min(measure_prefill(engine, n, c, rng) for _ in range(2)),
+                       measure_decode(engine, b, ctx, grid.decode_steps, rng))
+            finally:
+                torch.set_num_threads(threads)
+            one_thread = {"prefill": one[0] / many[0], "decode": one[1] / many[1]}
+            progress.done(f"1 thread: prefill x{one_thread['prefill']:.2f}, decode x{one_thread['decode']:.2f}")
         handoff_points: dict[str, list[tuple[int, float]]] = {}
         skipped: dict[str, str] = {}
         if transports:
@@ -304,7 +326,7 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
         engine=engine_flags, machine=_machine(engine), versions=_versions(),
         prefill_points=tuple(prefill_points), prefill=prefill_fit,
         decode_points=tuple(decode_points), decode=decode_fit,
-        handoff=handoff, handoff_skipped=skipped,
+        handoff=handoff, handoff_skipped=skipped, one_thread=one_thread,
         kv=KVCapacity(num_blocks=engine.num_kv_blocks, block_size=block_size,
                       block_bytes=engine.kv_blocks.layout.block_bytes),
         quick=quick, created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

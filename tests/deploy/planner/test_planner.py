@@ -3,6 +3,7 @@ the highest sustainable rate, unmeetable SLOs, bad input. Pure: no torch, no eng
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -119,6 +120,19 @@ def test_one_host_shares_the_cores() -> None:
     # two workers on the 2 profiled cores: one thread each, where the profile had two: every compute time doubles
     assert shared.tpot_p50_s > 1.9 * apart.tpot_p50_s
     assert shared.ttft_p50_s > apart.ttft_p50_s + PROFILE.prefill.seconds(1024) * 0.9
+
+
+def test_sharing_the_host_scales_by_the_measured_one_thread_cost() -> None:
+    from deploy.planner.planner import host_share_slowdown
+
+    measured = dataclasses.replace(PROFILE, one_thread={"prefill": 1.9, "decode": 1.4})  # 2 cores, 2 threads
+    assert [host_share_slowdown(measured, n, "prefill") for n in (1, 2, 4)] == [1.0, 1.9, pytest.approx(3.8)]
+    assert host_share_slowdown(measured, 2, "decode") == 1.4
+    assert host_share_slowdown(PROFILE, 2, "decode") == 2.0  # not measured: linear
+    big = dataclasses.replace(measured, machine={"cpu_count": 8, "num_threads": 8})
+    # 2 workers of 4 threads: a third of the way (in log threads) from 8 threads to 1
+    assert host_share_slowdown(big, 2, "prefill") == pytest.approx(1.9 ** (1 / 3))
+    assert host_share_slowdown(big, 1, "prefill") == 1.0
 
 
 @pytest.mark.parametrize("traffic, slo, match", [

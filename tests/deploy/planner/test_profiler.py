@@ -99,6 +99,9 @@ def test_splitserve_profile_quick_writes_a_profile_plan_reads(tiny_dir: Path, tm
     assert profile.model.name == str(tiny_dir) and profile.model.identity.startswith("sha256:")
     assert profile.engine["max_num_seqs"] == 128 and profile.machine["cpu_count"] >= 1
     assert data["versions"]["torch"] and data["machine"]["num_threads"] >= 1
+    # on more than one thread, the one-thread cost of each phase was measured too
+    assert set(profile.one_thread) == ({"prefill", "decode"} if data["machine"]["num_threads"] > 1 else set())
+    assert all(ratio > 0 for ratio in profile.one_thread.values())
     for p in profile.prefill_points:
         assert profile.prefill.seconds(p.num_new_tokens, p.num_cached_tokens) > 0
     # plan reads it: a loose SLO for the tiny model is met (exit 0); the flags name the tiny model's directory
