@@ -158,3 +158,20 @@ def test_validate_compares_a_bench_report_with_the_plan(profile_path: Path, tmp_
     synthetic_profile(model="llama-3.2-1b", identity="sha256:other").write(other)
     assert main(["plan", "--profile", str(other), "--validate", str(run_dir)]) == 2
     assert "was planned on a profile of smollm2-135m" in capsys.readouterr().err
+
+
+def test_validate_names_what_a_report_lacks(profile_path: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir)]) == 2
+    assert "plan.json: not found" in capsys.readouterr().err
+    assert main(["plan", "--profile", str(profile_path), *PLAN, "--json"]) == 0
+    (run_dir / "plan.json").write_text(capsys.readouterr().out)
+    (run_dir / "report.json").write_text(json.dumps({"schema": "aiperf/1"}))
+    assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir)]) == 2
+    assert "expected schema 'splitserve-bench/1'" in capsys.readouterr().err
+    (run_dir / "report.json").write_text(json.dumps({"schema": "splitserve-bench/1",
+                                                     "runs": [{"rate": 1.0, "ttft_s": {"p50": 0.5}}]}))
+    assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir)]) == 2
+    assert "runs[0] needs ttft_s and tpot_s with p50 and p90" in capsys.readouterr().err
