@@ -108,3 +108,24 @@ def test_splitserve_profile_quick_writes_a_profile_plan_reads(tiny_dir: Path, tm
     assert main(["plan", "--profile", str(out), "--isl", "128", "--osl", "16", "--rate", "1", "--ttft-slo", "30",
                  "--tpot-slo", "5", "--max-workers", "2"]) == 0
     assert f"--model {tiny_dir}" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # the real SmolLM2 (20 s on 2 quiet cores, 85 s loaded) and a real gRPC receiver process
+def test_splitserve_profile_quick_on_the_real_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deploy.cli import main
+
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", "smollm2-135m", "--quick", "--transports", "grpc", "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.model.name == "smollm2-135m" and profile.model.identity.startswith("sha256:")
+    assert len(profile.prefill_points) == 4 and len(profile.decode_points) == 4
+    # SmolLM2's float32 KV: 30 layers x K,V x 3 heads x 64 x 4 bytes = 46,080 bytes a token, 16-token blocks
+    assert profile.kv.block_bytes == 16 * 46_080 and profile.kv.block_size == 16
+    assert [p.num_bytes for p in profile.handoff["grpc"].points] == [256 * 46_080, 1024 * 46_080]
+    # the fitted prefill grows with the prompt, and a cached prefix makes a prompt cheaper than computing it all
+    assert profile.prefill.seconds(1024) > profile.prefill.seconds(256) > profile.prefill.seconds(32)
+    assert profile.prefill.seconds(256, 768) < profile.prefill.seconds(1024)
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(out), "--model", "smollm2-135m", "--isl", "256", "--osl", "64",
+                 "--ttft-slo", "5", "--tpot-slo", "0.5", "--max-workers", "4"]) == 0
+    assert "splitserve serve --model smollm2-135m" in capsys.readouterr().out
