@@ -37,6 +37,8 @@ TABLES_OF: dict[str, tuple[str, ...]] = {
     "splitserve scale": ("`splitserve scale`",),
     "splitserve build-kernels": ("`splitserve build-kernels`",),
     "splitserve generate": ("`splitserve generate`", ENGINE),
+    "splitserve profile": ("`splitserve profile`", ENGINE),
+    "splitserve plan": ("`splitserve plan`",),
     "python -m prefill_worker": ("`python -m prefill_worker`, `python -m decode_worker`", ENGINE),
     "python -m decode_worker": ("`python -m prefill_worker`, `python -m decode_worker`", ENGINE),
 }

@@ -1,0 +1,104 @@
+"""One layout of a plan against a real `splitserve serve` of it: AIPerf at a few Poisson rates, and the plan's
+prediction at each rate, metric by metric (`splitserve plan --validate`'s comparison).
+
+    python bench/plan_check.py --profile profile.json --layout 1P+1D --max-num-seqs 16 --rates 0.5,1 \
+        --isl 256 --osl 32 --ttft-slo 2 --tpot-slo 0.15 --out DIR [--num-requests 40] [--one-host]
+
+Writes DIR/plan.json (`plan --json` of that traffic and SLO, no rate: each layout's highest rate) and
+DIR/report.json (schema splitserve-bench/1, deploy/planner/validate.py: the served layout and one run per rate:
+AIPerf's TTFT and inter-token latency p50/p90, its goodput at both SLOs, its request throughput), then prints
+`splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
+`colocatedxN`. With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
+prediction scales compute times accordingly. AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and
+`--osl` output tokens with ignore_eos, streamed, each run from its own `--random-seed` (a warm-up of 4 requests
+first, from another): a run that repeated an earlier one's prompts would hit the prefix cache. AIPerf is not a
+splitserve dependency (see bench/serve_process.py for its venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.serve_process import Serve, aiperf, metric  # noqa: E402
+from deploy.planner.planner import SLO, Layout, PlanOptions, Traffic, plan  # noqa: E402
+from deploy.planner.profile import load_profile  # noqa: E402
+from deploy.planner.render import plan_json, serve_flags  # noqa: E402
+from deploy.planner.validate import compare_run_dir, format_comparisons  # noqa: E402
+
+
+def parse_layout(text: str, max_num_seqs: int) -> Layout:
+    if match := re.fullmatch(r"(\d+)P\+(\d+)D", text):
+        return Layout(num_prefill=int(match[1]), num_decode=int(match[2]), max_num_seqs=max_num_seqs,
+                      transport="grpc")
+    if match := re.fullmatch(r"colocatedx(\d+)", text):
+        return Layout(num_colocated=int(match[1]), max_num_seqs=max_num_seqs)
+    raise SystemExit(f"--layout: NP+MD or colocatedxN, got {text!r}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True)
+    p.add_argument("--layout", required=True)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--rates", default="0.5,1")
+    p.add_argument("--isl", type=int, default=256)
+    p.add_argument("--osl", type=int, default=32)
+    p.add_argument("--ttft-slo", type=float, default=2.0)
+    p.add_argument("--tpot-slo", type=float, default=0.15)
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--one-host", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = load_profile(args.profile)
+    layout = parse_layout(args.layout, args.max_num_seqs)
+    traffic = Traffic(isl=args.isl, osl=args.osl)
+    slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+    options = PlanOptions(max_workers=max(2, layout.num_workers), one_host=args.one_host)
+    (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
+    flags = serve_flags(profile, layout)[2:]  # Serve gives --model itself
+    workload = ["--endpoint-type", "completions", "--streaming", "--use-server-token-count",
+                "--synthetic-input-tokens-mean", str(args.isl), "--synthetic-input-tokens-stddev", "0",
+                "--output-tokens-mean", str(args.osl), "--output-tokens-stddev", "0",
+                "--extra-inputs", "ignore_eos:true", "--request-timeout-seconds", "600",
+                "--goodput", f"time_to_first_token:{args.ttft_slo * 1000:.0f} "
+                             f"inter_token_latency:{args.tpot_slo * 1000:.0f}"]
+    runs = []
+    server = Serve(flags, model=profile.model.name, stderr_path=str(out / "serve.log"))
+    try:
+        # Every run its own prompts (AIPerf's seed): a run repeating an earlier one's would hit the prefix cache.
+        aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed", "1000"])
+        for i, rate in enumerate(float(r) for r in args.rates.split(",") if r):
+            summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
+                                          str(args.num_requests), "--random-seed", str(7 + i)])
+            (out / f"aiperf-{rate:g}.json").write_text(json.dumps(summary, indent=1))
+            runs.append({
+                "rate": rate, "num_requests": int(metric(summary, "request_count") or args.num_requests),
+                "ttft_s": {q: metric(summary, "time_to_first_token", q) / 1e3 for q in ("p50", "p90")},
+                "tpot_s": {q: metric(summary, "inter_token_latency", q) / 1e3 for q in ("p50", "p90")},
+                "goodput_rps": metric(summary, "goodput"),
+                "throughput_rps": metric(summary, "request_throughput"),
+            })
+            print(f"rate {rate}: {json.dumps(runs[-1])}", flush=True)
+    finally:
+        server.stop()
+    layout_json = {"num_colocated": layout.num_colocated, "num_prefill": layout.num_prefill,
+                   "num_decode": layout.num_decode, "max_num_seqs": layout.max_num_seqs,
+                   "prefill_threshold_tokens": layout.prefill_threshold_tokens, "transport": layout.transport}
+    (out / "report.json").write_text(json.dumps({"schema": "splitserve-bench/1", "layout": layout_json,
+                                                 "serve_flags": flags, "runs": runs}, indent=1))
+    comparisons, summary = compare_run_dir(profile, out, options)
+    print(format_comparisons(comparisons, summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""`splitserve profile` and `splitserve plan`: flags -> the profiler or the planner -> files and tables.
+
+    splitserve profile --model M [engine flags] --out profile.json [--quick] [--transports grpc,inproc]
+    splitserve plan --profile profile.json --isl 1024 --osl 256 --ttft-slo 2 --tpot-slo 0.15 [--rate 2.5] ...
+    splitserve plan --profile profile.json --validate DIR
+
+Exit status: 0; 1 when `plan` finds no layout meeting the SLO (the closest is printed, with what binds); 2 for bad
+input (a profile from another model than --model, a negative rate, an SLO below the profile's floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from engine.engine_args import add_engine_args
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("profile", help="measure one worker of each role on this machine for `splitserve plan`")
+    p.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    p.add_argument("--quick", action="store_true", help="a coarse profile: fewer, shorter points (minutes on 2 cores)")
+    p.add_argument("--transports", default="grpc,inproc",
+                   help="KV transports whose handoffs to time, comma-separated ('' for none)")
+    add_engine_args(p)
+    p.set_defaults(func=run_profile_command)
+
+    q = subparsers.add_parser("plan", help="size the pools for a traffic mix and an SLO from a profile")
+    q.add_argument("--profile", required=True, help="a profile `splitserve profile` wrote")
+    q.add_argument("--model", default=None,
+                   help="the model to plan for: must be the profile's (its --model or its weights' identity)")
+    q.add_argument("--isl", type=int, default=None, help="prompt tokens per request")
+    q.add_argument("--osl", type=int, default=None, help="output tokens per request")
+    q.add_argument("--prefix-hit", type=float, default=0.0, help="fraction of each prompt found in the prefix cache")
+    q.add_argument("--rate", type=float, default=None,
+                   help="requests/s (Poisson); omitted: each layout's highest rate within the SLO")
+    q.add_argument("--ttft-slo", type=float, default=None, help="seconds: the TTFT p90 to meet")
+    q.add_argument("--tpot-slo", type=float, default=None, help="seconds: the TPOT p90 to meet")
+    q.add_argument("--max-workers", type=int, default=16, help="workers at most, all pools together")
+    q.add_argument("--one-host", action="store_true",
+                   help="every worker on the profiled machine, sharing its cores as `serve` splits them")
+    q.add_argument("--kv-transport", default=None,
+                   help="the KV transport of disaggregated layouts (default: grpc, if the profile measured it)")
+    q.add_argument("--top", type=int, default=10, help="layouts the table shows")
+    q.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    q.add_argument("--values-out", default=None, help="write the best disaggregated layout as Helm values (YAML)")
+    q.add_argument("--validate", default=None, metavar="DIR",
+                   help="compare DIR/report.json (a bench run) with DIR/plan.json (`plan --json`'s output)")
+    q.set_defaults(func=run_plan_command)
+
+
+def run_profile_command(args: argparse.Namespace) -> int:
+    from engine.engine_args import engine_config_from_args
+
+    config = engine_config_from_args(args)  # a bad engine flag fails here, before any measuring
+    transports = [t for t in args.transports.split(",") if t]
+    from kv_transfer.registry import TRANSPORTS
+
+    unknown = [t for t in transports if t not in TRANSPORTS]
+    if unknown:
+        raise ValueError(f"--transports: unknown {', '.join(unknown)} (known: {', '.join(TRANSPORTS)})")
+    from deploy.planner.profiler import run_profile  # torch loads here
+
+    profile = run_profile(config, quick=args.quick, transports=transports, seed=args.seed or 0)
+    profile.write(args.out)
+    print(f"splitserve: profile of {profile.model.name} ({profile.model.identity}) written to {args.out} in "
+          f"{profile.wall_s:.0f} s: prefill {len(profile.prefill_points)} points, decode {len(profile.decode_points)}, "
+          f"handoffs over {', '.join(profile.handoff) or 'no transport'}"
+          + (f" (skipped: {'; '.join(f'{k}: {v}' for k, v in profile.handoff_skipped.items())})"
+             if profile.handoff_skipped else ""), file=sys.stderr)
+    return 0
+
+
+def check_model(profile_model: tuple[str, str], wanted: str | None) -> None:
+    """The plan knows its model by the profile: --model, when given, must name the same (the --model the profile
+    ran with, or its weights' identity, e.g. sha256:...); a ValueError otherwise."""
+    name, identity = profile_model
+    if wanted is not None and wanted not in (name, identity):
+        raise ValueError(f"the profile is of {name} ({identity}), not {wanted}: profile {wanted} first "
+                         f"(`splitserve profile --model {wanted} --out ...`)")
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    from deploy.planner.planner import SLO, PlanOptions, Traffic, plan
+    from deploy.planner.profile import load_profile
+    from deploy.planner.render import format_table, helm_values, plan_json, serve_command, to_yaml
+
+    profile = load_profile(args.profile)
+    check_model((profile.model.name, profile.model.identity), args.model)
+    options = PlanOptions(max_workers=args.max_workers, one_host=args.one_host, transport=args.kv_transport)
+    if args.validate is not None:
+        from deploy.planner.validate import compare_run_dir, format_comparisons
+
+        comparisons, summary = compare_run_dir(profile, args.validate, options)
+        if args.json:
+            print(json.dumps({"summary": summary, "comparisons": [
+                {**dataclasses.asdict(c), "error": c.error} for c in comparisons]}, indent=1))
+        else:
+            print(format_comparisons(comparisons, summary))
+        return 0
+    missing = [flag for flag, value in (("--isl", args.isl), ("--osl", args.osl), ("--ttft-slo", args.ttft_slo),
+                                        ("--tpot-slo", args.tpot_slo)) if value is None]
+    if missing:
+        raise ValueError(f"plan needs {', '.join(missing)} (or --validate DIR)")
+    traffic = Traffic(isl=args.isl, osl=args.osl, prefix_hit=args.prefix_hit, rate=args.rate)
+    slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+    result = plan(profile, traffic, slo, options)
+    if args.json:
+        print(json.dumps(plan_json(profile, result, top=args.top), indent=1))
+    else:
+        rate = f"{traffic.rate} req/s" if traffic.rate is not None else "the highest rate within the SLO"
+        print(f"{profile.model.name} on {profile.machine.get('device_name')} ({profile.cpu_count} cores); "
+              f"isl {traffic.isl}, osl {traffic.osl}, prefix hit {traffic.prefix_hit}, {rate}; SLO TTFT p90 <= "
+              f"{slo.ttft_s} s, TPOT p90 <= {slo.tpot_s} s")
+        print(format_table(result, top=args.top))
+        print()
+        if result.met:
+            print(f"best: {result.best.layout.label}\n  {serve_command(profile, result.best.layout)}")
+        else:
+            print(f"splitserve: {result.problem}")
+    if args.values_out is not None:
+        values, note = helm_values(profile, result)
+        if not values:
+            raise ValueError(f"--values-out: {note}")
+        header = f"# splitserve plan: {note}\n" if note else "# splitserve plan\n"
+        with open(args.values_out, "w", encoding="utf-8") as out:
+            out.write(header + to_yaml(values) + "\n")
+        if note:
+            print(f"splitserve: {note}", file=sys.stderr)
+    return 0 if result.met else 1

@@ -1,0 +1,256 @@
+"""A worker's measured profile (`splitserve profile` writes it, `splitserve plan` reads it): the curves the planner
+prices a layout with, their points, and what they were measured on. Torch-free; reading checks every field.
+
+profile.json (schema "splitserve-profile/1"):
+
+    model      {name: the --model given, identity: the KV hash namespace's model (a digest of the weights, with
+                +quantization), num_layers, num_kv_heads, head_dim}
+    engine     the engine flags it ran with (dtype, kv_cache_dtype, block_size, max_num_seqs, ...)
+    machine    {cpu_count, num_threads: torch's intra-op threads, device, device_name, platform}
+    versions   {splitserve, python, torch, grpcio}
+    prefill    {points: [{num_new_tokens, num_cached_tokens, seconds}], fit: PrefillFit}
+    decode     {points: [{batch_size, context_len, seconds}], fit: DecodeFit}      seconds: one decode step
+    handoff    {transports: {name: {points: [{num_bytes, seconds}], fit: HandoffFit}}, skipped: {name: why}}
+    kv         {num_blocks, block_size, block_bytes, capacity_tokens}
+    one_thread {prefill, decode}: how many times slower one point of each ran on 1 thread than on num_threads
+               (absent when the profile ran on 1; `plan --one-host` scales by them)
+    quick, created, wall_s
+
+The fitted curves (all coefficients >= 0, fitted in relative error by fit.py):
+
+    prefill(n new, c cached) = intercept_s + per_token_s * n + per_token_context_s * n * (c + n / 2)
+    decode step(B seqs, ctx tokens each) = intercept_s + per_seq_s * B + per_seq_token_s * B * ctx
+    handoff(bytes) = intercept_s + per_byte_s * bytes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "splitserve-profile/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillFit:
+    intercept_s: float
+    per_token_s: float
+    per_token_context_s: float
+
+    @classmethod
+    def of(cls, intercept_s: float, per_token_s: float, per_token_context_s: float) -> PrefillFit:
+        return cls(intercept_s=intercept_s, per_token_s=per_token_s, per_token_context_s=per_token_context_s)
+
+    @staticmethod
+    def features(num_new_tokens: float, num_cached_tokens: float) -> tuple[float, float, float]:
+        return 1.0, num_new_tokens, num_new_tokens * (num_cached_tokens + num_new_tokens / 2)
+
+    def seconds(self, num_new_tokens: float, num_cached_tokens: float = 0.0) -> float:
+        """One prompt's prefill, alone on the worker: `num_new_tokens` computed after `num_cached_tokens` hit."""
+        one, n, nc = self.features(num_new_tokens, num_cached_tokens)
+        return self.intercept_s * one + self.per_token_s * n + self.per_token_context_s * nc
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeFit:
+    intercept_s: float
+    per_seq_s: float
+    per_seq_token_s: float
+
+    @classmethod
+    def of(cls, intercept_s: float, per_seq_s: float, per_seq_token_s: float) -> DecodeFit:
+        return cls(intercept_s=intercept_s, per_seq_s=per_seq_s, per_seq_token_s=per_seq_token_s)
+
+    @staticmethod
+    def features(batch_size: float, context_len: float) -> tuple[float, float, float]:
+        return 1.0, batch_size, batch_size * context_len
+
+    def seconds(self, batch_size: float, context_len: float) -> float:
+        """One decode step of `batch_size` sequences of `context_len` tokens each."""
+        one, b, bc = self.features(batch_size, context_len)
+        return self.intercept_s * one + self.per_seq_s * b + self.per_seq_token_s * bc
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffFit:
+    intercept_s: float
+    per_byte_s: float
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.intercept_s + self.per_byte_s * num_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillPoint:
+    num_new_tokens: int
+    num_cached_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodePoint:
+    batch_size: int
+    context_len: int
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffPoint:
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportProfile:
+    points: tuple[HandoffPoint, ...]
+    fit: HandoffFit
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCapacity:
+    num_blocks: int
+    block_size: int
+    block_bytes: int  # one block, every layer, K and V
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.block_bytes / self.block_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelIdentity:
+    name: str  # the --model it was measured with
+    identity: str  # the KV hash namespace's model: a digest of the weights (+quantization), or --model-id
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    model: ModelIdentity
+    engine: dict[str, Any]
+    machine: dict[str, Any]
+    versions: dict[str, Any]
+    prefill_points: tuple[PrefillPoint, ...]
+    prefill: PrefillFit
+    decode_points: tuple[DecodePoint, ...]
+    decode: DecodeFit
+    handoff: dict[str, TransportProfile]
+    kv: KVCapacity
+    handoff_skipped: dict[str, str] = field(default_factory=dict)
+    # phase ("prefill", "decode") -> its time on 1 thread over its time on num_threads (measured on one point)
+    one_thread: dict[str, float] = field(default_factory=dict)
+    quick: bool = False
+    created: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.engine.get("max_num_seqs", 256))
+
+    @property
+    def max_model_len(self) -> int | None:
+        value = self.engine.get("max_model_len")
+        return None if value is None else int(value)
+
+    @property
+    def cpu_count(self) -> int:
+        return int(self.machine.get("cpu_count") or 1)
+
+    @property
+    def num_threads(self) -> int:
+        return int(self.machine.get("num_threads") or self.cpu_count)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "created": self.created,
+            "quick": self.quick,
+            "wall_s": self.wall_s,
+            "model": dataclasses.asdict(self.model),
+            "engine": self.engine,
+            "machine": self.machine,
+            "versions": self.versions,
+            "prefill": {"points": [dataclasses.asdict(p) for p in self.prefill_points],
+                        "fit": dataclasses.asdict(self.prefill)},
+            "decode": {"points": [dataclasses.asdict(p) for p in self.decode_points],
+                       "fit": dataclasses.asdict(self.decode)},
+            "handoff": {"transports": {name: {"points": [dataclasses.asdict(p) for p in t.points],
+                                              "fit": dataclasses.asdict(t.fit)}
+                                       for name, t in self.handoff.items()},
+                        "skipped": self.handoff_skipped},
+            "kv": {**dataclasses.asdict(self.kv), "capacity_tokens": self.kv.capacity_tokens},
+            "one_thread": self.one_thread,
+        }
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+
+
+def _build(cls: type, values: Any, where: str) -> Any:
+    """`cls(**values)` with every field present and numeric fields non-negative; a ValueError names `where`."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: expected an object, got {type(values).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    for name in names:
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{where}.{name}: expected a number >= 0, got {value!r}")
+    return cls(**{n: values[n] for n in names})
+
+
+def profile_from_json(data: Any, *, source: str = "profile") -> Profile:
+    """A Profile from profile.json's contents; ValueError naming the bad field."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{source}: not a splitserve profile (schema {found!r}, expected {SCHEMA!r})")
+    try:
+        model = data["model"]
+        if not isinstance(model, dict) or not model.get("name") or not model.get("identity"):
+            raise ValueError(f"{source}: model needs its name and identity")
+        transports = data["handoff"]["transports"]
+        return Profile(
+            model=ModelIdentity(name=str(model["name"]), identity=str(model["identity"])),
+            engine=dict(data["engine"]), machine=dict(data["machine"]), versions=dict(data.get("versions", {})),
+            prefill_points=tuple(_build(PrefillPoint, p, f"{source}: prefill.points[{i}]")
+                                 for i, p in enumerate(data["prefill"]["points"])),
+            prefill=_build(PrefillFit, data["prefill"]["fit"], f"{source}: prefill.fit"),
+            decode_points=tuple(_build(DecodePoint, p, f"{source}: decode.points[{i}]")
+                                for i, p in enumerate(data["decode"]["points"])),
+            decode=_build(DecodeFit, data["decode"]["fit"], f"{source}: decode.fit"),
+            handoff={name: TransportProfile(
+                points=tuple(_build(HandoffPoint, p, f"{source}: handoff.{name}.points[{i}]")
+                             for i, p in enumerate(t["points"])),
+                fit=_build(HandoffFit, t["fit"], f"{source}: handoff.{name}.fit")) for name, t in transports.items()},
+            handoff_skipped=dict(data["handoff"].get("skipped", {})),
+            kv=_build(KVCapacity, {k: data["kv"][k] for k in ("num_blocks", "block_size", "block_bytes")},
+                      f"{source}: kv"),
+            one_thread={str(k): float(v) for k, v in data.get("one_thread", {}).items()},
+            quick=bool(data.get("quick", False)), created=str(data.get("created", "")),
+            wall_s=float(data.get("wall_s", 0.0)),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and check profile.json; FileNotFoundError or ValueError with the path in the message."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    profile = profile_from_json(data, source=str(path))
+    if any(not ratio > 0 for ratio in profile.one_thread.values()):
+        raise ValueError(f"{path}: one_thread: ratios must be positive, got {profile.one_thread}")
+    if profile.kv.block_size <= 0 or profile.kv.num_blocks <= 0:
+        raise ValueError(f"{path}: kv: a KV cache of {profile.kv.num_blocks} blocks of {profile.kv.block_size} tokens")
+    return profile
