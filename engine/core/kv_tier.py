@@ -10,17 +10,17 @@ and block hashes only, no torch; the runtime turns a block into bytes and back (
     a lookup misses the device ─▶ `h in tier` (index or queue) ─▶ read(h): the bytes, checked, or None
 
 An entry on disk is one file, named by its block hash, under a subdirectory named by the namespace's root hash
-(model identity with its quantization, block size, KV dtype: kv_transfer/block_hash.py):
+(model identity with its quantization, block size, KV dtype: kv_transfer/block_hash.py), in a slot of its own per
+worker (the first one no live worker holds a lock on: `DirectoryStore`):
 
-    <dir>/<namespace root hex>/<block hash hex>.kv     magic "SSKVBLK1" | namespace root (16) | block hash (16) |
-                                                       payload bytes (u64 LE) | CRC-32C of the payload (u32 LE) |
-                                                       payload
+    <dir>/<namespace root hex>/<slot>/<block hash hex>.kv     magic "SSKVBLK1" | namespace root (16) |
+                                                              block hash (16) | payload bytes (u64 LE) |
+                                                              CRC-32C of the payload (u32 LE) | payload
 
-A restarted worker finds its entries by listing its namespace's subdirectory (least recently written first); a
-worker of another namespace has its own subdirectory, which this one never reads, counts or deletes. One worker
-per subdirectory: a lock file refuses a second one at start-up. A file is checked when it is read (its header
-names this namespace and this hash, the payload has the block's size and its CRC-32C); one that fails is deleted
-and its block recomputed, never served. A write that fails (a full disk, an I/O error) drops that block from the
+A restarted worker finds its entries by listing its slot (least recently written first); a worker of another
+namespace has its own subdirectory, which this one never reads, counts or deletes. A file is checked when it is
+read (its header names this namespace and this hash, the payload has the block's size and its CRC-32C); one that
+fails is deleted and its block recomputed, never served. A write that fails (a full disk, an I/O error) drops that block from the
 tier; nothing waits on it.
 
 `removed` (taken by `take_removed`) lists the hashes that left the tier (LRU eviction, a dropped or failed write,
@@ -301,26 +301,33 @@ class _BadEntry(Exception):
 
 # -- stores ------------------------------------------------------------------------------------------------------
 class DirectoryStore:
-    """Entries as files `<hash hex>.kv` in `<path>/<namespace root hex>/`, held by one worker (a lock file).
-    Raises KVTierError at construction for a directory it cannot create, read or write, or one another live
-    worker holds."""
+    """Entries as files `<hash hex>.kv` in a slot of `<path>/<namespace root hex>/`: the first of `0/`, `1/`, ...
+    whose lock file no live process holds. So the workers of one machine (`serve`'s, all given the same flags) each
+    take a slot of their own, and a restarted worker takes a free one, its own when it alone restarted (any slot of
+    the namespace holds valid blocks). Raises KVTierError at construction for a directory it cannot create, read or
+    write, or when every slot is held."""
 
     def __init__(self, path: str | Path, namespace: BlockHashNamespace,
-                 write_file: Callable[[Path, bytes], None] | None = None) -> None:
-        self.path = Path(path) / namespace.root.hex()
+                 write_file: Callable[[Path, bytes], None] | None = None, max_slots: int = 64) -> None:
+        base = Path(path) / namespace.root.hex()
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / "namespace.txt").write_text(
+            base.mkdir(parents=True, exist_ok=True)
+            (base / "namespace.txt").write_text(
                 f"model={namespace.model}\nblock_size={namespace.block_size}\nkv_dtype={namespace.kv_dtype}\n")
-            self._lock_file = open(self.path / "lock", "a+")  # noqa: SIM115 - held for the store's life
+            for slot in range(max_slots):
+                self.path = base / str(slot)
+                self.path.mkdir(exist_ok=True)
+                self._lock_file = open(self.path / "lock", "a+")  # noqa: SIM115 - held for the store's life
+                try:
+                    fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    self._lock_file.close()
+            else:
+                raise KVTierError(f"--kv-offload-dir {path}: all {max_slots} slots of {base} are held by live "
+                                  "workers")
         except OSError as exc:
             raise KVTierError(f"--kv-offload-dir {path}: cannot use it ({exc})") from None
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock_file.close()
-            raise KVTierError(f"--kv-offload-dir {path}: another worker of this model uses {self.path} (one worker "
-                              "per directory: give each its own)") from None
         # The fault hook: tests replace it to fail a write as a full disk would.
         self._write_file = write_file or _write_file
 

@@ -189,12 +189,19 @@ def test_unusable_dir_is_a_start_up_error(tiny_checkpoint, tmp_path: Path) -> No
         _engine(tiny_checkpoint, not_a_dir / "tier")
 
 
-def test_a_second_worker_on_the_same_dir_is_refused(tiny_checkpoint, tmp_path: Path) -> None:
+def test_two_live_workers_on_one_dir_keep_their_own_entries(tiny_checkpoint, tmp_path: Path, reference) -> None:
+    """`serve` gives its workers on one machine the same flags: each takes a slot of the directory."""
     engine = _engine(tiny_checkpoint, tmp_path)
-    with pytest.raises(KVTierError, match="another worker"):
-        _engine(tiny_checkpoint, tmp_path)
+    _run(engine, "turn-1", HISTORY)
+    other = _engine(tiny_checkpoint, tmp_path)
+    assert other.kv_tier is not None and engine.kv_tier is not None
     engine.close()
-    _engine(tiny_checkpoint, tmp_path).close()  # free again once the first one closed
+    assert len(other.kv_tier.tier) == 0  # the first one's blocks are in its own slot
+    other.close()
+    again = _engine(tiny_checkpoint, tmp_path)  # restarted: the first free slot, the first worker's
+    assert len(again.kv_tier.tier) == NUM_COMPUTED_BLOCKS
+    assert _run(again, "turn-2", HISTORY + reference[0] + NEXT_TURN) == reference[1]
+    again.close()
 
 
 def test_host_memory_tier_is_refused_on_cpu(tiny_checkpoint) -> None:
@@ -218,3 +225,29 @@ def test_offload_flags() -> None:
     assert engine_config_from_args(parser.parse_args([])).kv_offload_dir is None
     with pytest.raises(ValueError, match="--kv-offload-dir and --kv-offload-size go together"):
         engine_config_from_args(parser.parse_args(["--kv-offload-dir", "/tmp/kv"]))
+
+
+@pytest.mark.slow
+def test_smollm2_returning_turn_from_disk_matches_recompute(smollm2_checkpoint, tmp_path: Path) -> None:
+    """The real model: a 320-token history evicted by two other prompts, then its next turn, with the tier and
+    without; the same greedy tokens, the history's blocks loaded (not computed) with it."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    rng = random.Random(3)
+    history, others = rng.choices(range(100, 40_000), k=320), [rng.choices(range(100, 40_000), k=400) for _ in "ab"]
+    answers = {}
+    for tier in (False, True):
+        config = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=40, max_model_len=640,
+                              **(dict(kv_offload_dir=str(tmp_path), kv_offload_size_bytes=1 << 30) if tier else {}))
+        engine = LLMEngine(config, smollm2_checkpoint)
+        first = _run(engine, "turn-1", history)
+        for i, other in enumerate(others):
+            _run(engine, f"other-{i}", other)
+        second = _run(engine, "turn-2", history + first + [28, 198])
+        answers[tier] = (first, second)
+        hits = engine.stats().prefix_cache_hits_by_tier
+        assert hits.get("disk", 0) == (320 // 16 * 16 if tier else 0) and hits["device"] == 0
+        assert_no_blocks_held(engine)
+        engine.close()
+    assert answers[True] == answers[False]

@@ -44,7 +44,7 @@ def test_lru_keeps_the_most_recently_used_within_its_bound(tmp_path: Path) -> No
     assert tier.hashes() == [h(2), h(0), h(3)]
     assert tier.take_removed() == [h(1)]
     assert tier.read(h(1)) is None
-    assert sorted(p.name for p in (tmp_path / NS.root.hex()).glob("*.kv")) == sorted(
+    assert sorted(p.name for p in (tmp_path / NS.root.hex() / "0").glob("*.kv")) == sorted(
         f"{h(i).hex()}.kv" for i in (0, 2, 3))
     assert (tier.stats.num_written, tier.stats.num_evicted, tier.stats.size_bytes) == (4, 1, 3 * ENTRY)
     tier.close()
@@ -77,7 +77,7 @@ def test_an_entry_failing_its_check_is_dropped(tmp_path: Path) -> None:
     for i in range(3):
         tier.offer(h(i), payload(i))
     tier.flush(5)
-    directory = tmp_path / NS.root.hex()
+    directory = tmp_path / NS.root.hex() / "0"
     damaged = bytearray((directory / f"{h(0).hex()}.kv").read_bytes())
     damaged[-1] ^= 1
     (directory / f"{h(0).hex()}.kv").write_bytes(damaged)
@@ -96,8 +96,9 @@ def test_another_namespace_in_a_header_fails_the_check(tmp_path: Path) -> None:
     writer = tier_over(DirectoryStore(tmp_path, other), namespace=other)
     writer.offer(h(0), payload(0))
     writer.close()
-    (tmp_path / NS.root.hex()).mkdir()
-    (tmp_path / other.root.hex() / f"{h(0).hex()}.kv").rename(tmp_path / NS.root.hex() / f"{h(0).hex()}.kv")
+    moved = tmp_path / NS.root.hex() / "0" / f"{h(0).hex()}.kv"
+    moved.parent.mkdir(parents=True)
+    (tmp_path / other.root.hex() / "0" / f"{h(0).hex()}.kv").rename(moved)
 
     tier = tier_over(DirectoryStore(tmp_path, NS))
     assert h(0) in tier  # found by name; its header says otherwise
@@ -112,15 +113,15 @@ def test_a_restart_finds_its_entries_oldest_first_within_a_smaller_bound(tmp_pat
         tier.flush(5)
         time.sleep(0.01)  # distinct modification times
     tier.close()
-    (tmp_path / NS.root.hex() / f".{h(9).hex()}.tmp").write_bytes(b"a write cut short")
+    (tmp_path / NS.root.hex() / "0" / f".{h(9).hex()}.tmp").write_bytes(b"a write cut short")
 
     again = tier_over(DirectoryStore(tmp_path, NS), num_entries=2)  # the bound shrank: the oldest two go
 
     assert again.hashes() == [h(2), h(3)]
     assert again.take_removed() == []  # never announced by this incarnation
     assert again.read(h(3)) == payload(3)
-    assert not list((tmp_path / NS.root.hex()).glob("*.tmp"))
-    assert len(list((tmp_path / NS.root.hex()).glob("*.kv"))) == 2
+    assert not list((tmp_path / NS.root.hex() / "0").glob("*.tmp"))
+    assert len(list((tmp_path / NS.root.hex() / "0").glob("*.kv"))) == 2
     again.close()
 
 
@@ -136,13 +137,18 @@ def test_a_failed_write_is_dropped_and_listed_removed(tmp_path: Path) -> None:
     tier.close()
 
 
-def test_one_worker_per_directory(tmp_path: Path) -> None:
-    store = DirectoryStore(tmp_path, NS)
-    with pytest.raises(KVTierError, match="another worker"):
-        DirectoryStore(tmp_path, NS)
-    DirectoryStore(tmp_path, BlockHashNamespace(model="other", block_size=4, kv_dtype="float32")).close()
-    store.close()
-    DirectoryStore(tmp_path, NS).close()
+def test_each_live_worker_takes_a_slot_of_its_own(tmp_path: Path) -> None:
+    first, second = DirectoryStore(tmp_path, NS), DirectoryStore(tmp_path, NS)
+    assert (first.path.name, second.path.name) == ("0", "1")
+    other = DirectoryStore(tmp_path, BlockHashNamespace(model="other", block_size=4, kv_dtype="float32"))
+    assert other.path.name == "0" and other.path.parent != first.path.parent
+    first.close()  # a worker that stops (or dies) frees its slot for the next start
+    again = DirectoryStore(tmp_path, NS)
+    assert again.path == first.path
+    with pytest.raises(KVTierError, match="all 2 slots .* are held"):
+        DirectoryStore(tmp_path, NS, max_slots=2)
+    for store in (second, other, again):
+        store.close()
 
 
 def test_size_must_be_positive_and_blocks_whole() -> None:
