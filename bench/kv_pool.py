@@ -114,11 +114,14 @@ def returning_chats(args: argparse.Namespace, checkpoint: Checkpoint, root: Path
                 assert engine.kv_tier.tier.flush(60)
                 if not args.warm_page_cache:
                     drop_page_cache(root / "returning")
+            loaded_before = engine.stats().prefix_cache_hits_by_tier.get("disk", 0)
             answers[name], seconds = run_to_end(engine, f"c{c}-2", history + first + turn, args.max_tokens)
             ttft[name].append(seconds)
+            if engine.kv_tier is not None:
+                num_loaded = engine.stats().prefix_cache_hits_by_tier["disk"] - loaded_before
         assert answers["no tier"] == answers["disk tier"], "the returning turn's tokens differ with the tier"
-        print(f"conversation {c}: returning-turn TTFT " + ", ".join(f"{n} {ttft[n][-1]:.3f}s" for n in engines),
-              flush=True)
+        print(f"conversation {c}: returning-turn TTFT " + ", ".join(f"{n} {ttft[n][-1]:.3f}s" for n in engines)
+              + f" ({num_loaded} of its {len(history + first + turn)} tokens loaded from disk)", flush=True)
     stats = engines["disk tier"].stats()
     print(f"disk tier: {stats.prefix_cache_hits_by_tier}, {stats.kv_offload}")
     for name in engines:

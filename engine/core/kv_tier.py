@@ -4,7 +4,7 @@ and block hashes only, no torch; the runtime turns a block into bytes and back (
 
     engine thread                                       writer thread
     ─────────────                                       ─────────────
-    block pool evicts h ─▶ offer(h, bytes) ─▶ queue (bounded: full ⇒ the block is dropped, the step never waits)
+    block pool evicts h ─▶ offer(h, bytes) ─▶ queue (bounded, 256 MiB: full ⇒ the block is dropped, never waited for)
                                                  └────▶ CRC-32C, header, write `<h>.kv.tmp`, rename to `<h>.kv`,
                                                         index it, evict the least recently used past the bound
     a lookup misses the device ─▶ `h in tier` (index or queue) ─▶ read(h): the bytes, checked, or None
@@ -52,7 +52,10 @@ MAGIC = b"SSKVBLK1"
 _HEADER = struct.Struct(f"<8s{HASH_SIZE_BYTES}s{HASH_SIZE_BYTES}sQI")
 HEADER_BYTES = _HEADER.size
 SUFFIX = ".kv"
-DEFAULT_MAX_QUEUED_BLOCKS = 64
+# The write queue's bound, in bytes of blocks copied and not written yet: a burst of evictions (one prompt chunk's
+# allocation evicts up to max_num_batched_tokens / block_size blocks at once: 128 of SmolLM2's 720 KiB blocks in
+# one step) fits, and a full queue drops what comes after.
+DEFAULT_MAX_QUEUED_BYTES = 256 << 20
 
 
 class KVTierError(ValueError):
@@ -95,7 +98,7 @@ class KVTier:
     """One tier: an LRU of block entries up to `size_bytes`, written by a background thread. See the module doc."""
 
     def __init__(self, store: BlockStore, *, namespace: BlockHashNamespace, size_bytes: int, block_nbytes: int,
-                 max_queued_blocks: int = DEFAULT_MAX_QUEUED_BLOCKS, name: str = "kv-tier") -> None:
+                 max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES, name: str = "kv-tier") -> None:
         if size_bytes <= 0:
             raise KVTierError(f"a KV tier needs a positive size, got {size_bytes} bytes")
         self._store = store
@@ -108,8 +111,9 @@ class KVTier:
         self._pending: dict[BlockHash, bytes | memoryview] = {}  # offered, not written yet
         self._removed: list[BlockHash] = []
         # A block to write; an Event to set once what was queued before it is written (flush); None: stop.
+        self.max_queued_blocks = max(1, min(max_queued_bytes, size_bytes) // block_nbytes)
         self._queue: queue.Queue[tuple[BlockHash, bytes | memoryview] | threading.Event | None] = queue.Queue(
-            max_queued_blocks)
+            self.max_queued_blocks)
         self._closed = False
         for block_hash, num_bytes in store.scan():
             self._index[block_hash] = num_bytes

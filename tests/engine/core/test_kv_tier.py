@@ -58,7 +58,7 @@ def test_a_full_queue_drops_the_block_and_never_waits() -> None:
             gate.wait(10)
             return super().put(block_hash, entry)
 
-    tier = tier_over(SlowStore(), num_entries=10, max_queued_blocks=2)
+    tier = tier_over(SlowStore(), num_entries=10, max_queued_bytes=2 * BLOCK)
     started = time.monotonic()
     results = [tier.offer(h(i), payload(i)) for i in range(6)]  # one being written, two queued, three dropped
     assert time.monotonic() - started < 1.0
