@@ -7,6 +7,10 @@ decode phase: a fresh prompt, a prompt chunk, a prefix hit, a recompute and a de
 When the pool runs dry, the most recently admitted running request is preempted (recompute preemption): its blocks
 go back and it returns to the front of the waiting queue with its tokens intact.
 
+A tier below the device cache (engine/core/kv_tier.py) adds loadable blocks to a prefix hit: at admission they
+are allocated like new blocks, loaded from the tier by the KV cache manager and counted computed, using none of
+the token budget; a block that fails its check ends the run, and the step computes from there.
+
 Disaggregation adds two side doors, both outside the step loop:
 - `hold`: a prefill worker's `remote_decode` request that produced its first token (and did not stop) leaves the
   queues but keeps its blocks, now owned by the KV handoff, until `release_held`.

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.core.kv_tier import KVTierError
 from kv_transfer.kv_events import BlockRemoved, BlockStored
@@ -43,10 +44,22 @@ def _run(engine, request_id: str, prompt: list[int]) -> list[int]:  # noqa: ANN0
     return finals(drain(engine))[request_id].token_ids
 
 
-def _returning_chat(engine) -> tuple[list[int], list[int]]:  # noqa: ANN001
+def _kv_of_cached(engine, hashes) -> dict[bytes, list]:  # noqa: ANN001
+    """The KV (and int8 scales) of each block the device prefix cache holds under one of `hashes`, copied."""
+    kv = {}
+    for block_hash in hashes:
+        block = engine.block_pool.get_cached_block(block_hash)
+        if block is not None:
+            kv[block_hash] = [t[:, :, block.block_id].clone() for t in (engine.runner.kv_cache, engine.runner.kv_scales)
+                              if t is not None]
+    return kv
+
+
+def _returning_chat(engine, after_first=lambda first: None) -> tuple[list[int], list[int]]:  # noqa: ANN001
     """The history's answer, then the returning turn's (history, its answer, the next turn), after other traffic
     evicted the history from the device cache."""
     first = _run(engine, "turn-1", HISTORY)
+    after_first(first)
     for i, other in enumerate(OTHERS):
         _run(engine, f"other-{i}", other)
     history_hashes = engine.make_request("probe", HISTORY, greedy()).block_hashes
@@ -64,11 +77,25 @@ def reference(tiny_checkpoint) -> tuple[list[int], list[int]]:  # noqa: ANN001
     return tokens
 
 
-def test_returning_turn_loads_the_evicted_history_from_disk(tiny_checkpoint, tmp_path: Path, reference) -> None:
-    engine = _engine(tiny_checkpoint, tmp_path)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_returning_turn_loads_the_evicted_history_from_disk(tiny_checkpoint, tmp_path: Path,
+                                                           kv_cache_dtype: str) -> None:
+    """An int8 cache's blocks travel with their scales."""
+    expected = _returning_chat(_engine(tiny_checkpoint, kv_cache_dtype=kv_cache_dtype))
+    engine = _engine(tiny_checkpoint, tmp_path, kv_cache_dtype=kv_cache_dtype)
     counter = BlockRefCounter(engine)
+    computed = {}
 
-    assert _returning_chat(engine) == reference
+    def remember_history_kv(first: list[int]) -> None:
+        computed.update(_kv_of_cached(engine, engine.make_request("p", HISTORY + first, greedy()).block_hashes))
+
+    assert _returning_chat(engine, remember_history_kv) == expected
+
+    assert len(computed) == NUM_COMPUTED_BLOCKS
+    loaded = _kv_of_cached(engine, computed)
+    assert loaded.keys() == computed.keys()
+    for block_hash, tensors in computed.items():  # bit for bit, the values and an int8 cache's scales
+        assert all(torch.equal(a, b) for a, b in zip(tensors, loaded[block_hash], strict=True))
 
     stats = engine.stats()
     assert stats.prefix_cache_hits_by_tier == {"device": 0, "disk": NUM_COMPUTED_BLOCKS * BLOCK_SIZE}
