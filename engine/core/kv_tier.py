@@ -20,8 +20,8 @@ worker (the first one no live worker holds a lock on: `DirectoryStore`):
 A restarted worker finds its entries by listing its slot (least recently written first); a worker of another
 namespace has its own subdirectory, which this one never reads, counts or deletes. A file is checked when it is
 read (its header names this namespace and this hash, the payload has the block's size and its CRC-32C); one that
-fails is deleted and its block recomputed, never served. A write that fails (a full disk, an I/O error) drops that block from the
-tier; nothing waits on it.
+fails is deleted and its block recomputed, never served. A write that fails (a full disk, an I/O error) drops that
+block from the tier; nothing waits on it.
 
 `removed` (taken by `take_removed`) lists the hashes that left the tier (LRU eviction, a dropped or failed write,
 a failed check), so that the engine can tell the prefix index (engine/core/kv_tier_events.py).
