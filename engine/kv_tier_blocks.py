@@ -13,6 +13,7 @@ cannot hold yet (tensor parallelism: other ranks hold the other heads; a draft m
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -64,11 +65,18 @@ class TierBlocks:
             parts.append(_bytes_view(self._kv_scales[:, :, block_id].to("cpu", copy=True).contiguous()))
         return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
-    def write_back(self, blocks: list[tuple[int, BlockHash]]) -> int:
-        """Queue every given device block (id, hash) the tier lacks, waiting for room: a shutdown keeping its cache
-        for the next start. Returns how many were queued."""
-        return sum(self.tier.offer(block_hash, self._snapshot(block_id), wait=True)
-                   for block_id, block_hash in blocks if block_hash not in self.tier)
+    def write_back(self, blocks: list[tuple[int, BlockHash]], timeout_s: float = 10.0) -> int:
+        """Queue the given device blocks (id, hash) the tier lacks, waiting for room, for `timeout_s` at most: a
+        shutdown keeping its cache for the next start. Returns how many were queued."""
+        deadline = time.monotonic() + timeout_s
+        num_queued = 0
+        for block_id, block_hash in blocks:
+            wait_s = deadline - time.monotonic()
+            if wait_s <= 0:
+                break
+            if block_hash not in self.tier:
+                num_queued += self.tier.offer(block_hash, self._snapshot(block_id), wait_s=wait_s)
+        return num_queued
 
     def close(self) -> None:
         self.tier.close()

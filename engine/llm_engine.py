@@ -114,15 +114,26 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the processes the engine runs beside its own (its tensor-parallel ranks; none at TP 1) and its KV
-        tier, after writing the blocks its device prefix cache holds down to it (a restart on the same
-        --kv-offload-dir finds them): it cannot step afterwards. Idempotent; at TP > 1 the ranks also stop when
-        the engine is collected or its process ends."""
-        if self.kv_tier is not None:
-            cached = [(block.block_id, block_hash) for block_hash in self.block_pool.cached_block_hashes()
-                      if (block := self.block_pool.get_cached_block(block_hash)) is not None]
-            self.kv_tier.write_back(cached)
-            self.kv_tier.close()
+        tier (`close_kv_tier`): it cannot step afterwards. Idempotent; at TP > 1 the ranks also stop when the
+        engine is collected or its process ends."""
+        self.close_kv_tier()
         self._shutdown()
+
+    def close_kv_tier(self) -> None:
+        """Write the blocks the device prefix cache holds down to the KV offload tier, for 10 s at most (a restart
+        on the same --kv-offload-dir finds them), then stop its writer and free its slot of the directory; the
+        engine then runs without a tier. Call it on the engine's thread, or once it steps no more. Idempotent; a
+        no-op without a tier."""
+        tier = self.kv_tier
+        if tier is None:
+            return
+        cached = [(block.block_id, block_hash) for block_hash in self.block_pool.cached_block_hashes()
+                  if (block := self.block_pool.get_cached_block(block_hash)) is not None]
+        tier.write_back(cached, timeout_s=10.0)
+        tier.close()
+        self.kv_tier = self.kv_cache.tier = None
+        self.block_pool.on_evict = None
+        self._tier_events = None
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:

@@ -142,10 +142,10 @@ class KVTier:
         """Whether `offer` would queue this block now (not held yet, room in the queue): ask before copying it."""
         return not self._queue.full() and block_hash not in self
 
-    def offer(self, block_hash: BlockHash, payload: bytes | memoryview, *, wait: bool = False) -> bool:
-        """Queue a block's bytes for writing. Never blocks unless `wait` (a shutdown's write-back): False, not
-        queued, if the tier holds it already or the queue is full (the block is dropped from the tier). `payload`
-        must not change afterwards."""
+    def offer(self, block_hash: BlockHash, payload: bytes | memoryview, *, wait_s: float = 0.0) -> bool:
+        """Queue a block's bytes for writing. Never blocks unless `wait_s` > 0 (a shutdown's write-back waits that
+        long for room): False, not queued, if the tier holds it already or the queue is full (the block is dropped
+        from the tier). `payload` must not change afterwards."""
         if len(payload) != self.block_nbytes:
             raise ValueError(f"a block is {self.block_nbytes} bytes, got {len(payload)}")
         with self._lock:
@@ -153,7 +153,7 @@ class KVTier:
                 return False
             self._pending[block_hash] = payload  # before the writer can see it
         try:
-            self._queue.put((block_hash, payload), block=wait)
+            self._queue.put((block_hash, payload), block=wait_s > 0, timeout=wait_s if wait_s > 0 else None)
         except queue.Full:
             with self._lock:
                 del self._pending[block_hash]
