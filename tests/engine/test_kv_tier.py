@@ -278,3 +278,30 @@ def test_smollm2_returning_turn_from_disk_matches_recompute(smollm2_checkpoint, 
         assert_no_blocks_held(engine)
         engine.close()
     assert answers[True] == answers[False]
+
+
+def test_generate_keeps_its_prefix_cache_on_disk_between_runs(capsys, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from deploy.cli import main
+    from tests.engine.test_cli import TINY_FLAGS
+
+    argv = ["generate", "--model", str(tiny_model_dir), *TINY_FLAGS, "--kv-offload-dir", str(tmp_path),
+            "--kv-offload-size", "1MiB", "--temperature", "0", "--max-tokens", "8", "--json",
+            "--prompt", "The quick brown fox jumps over the lazy dog."]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert list(tmp_path.rglob("*.kv")), "the run's prefix cache was not written down at exit"
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize(("flags", "fragment"), [
+    (["--kv-offload-memory", "1GiB"], "--kv-offload-memory is a host-memory tier under a GPU's KV cache"),
+    (["--kv-offload-dir", "/proc/no-such-dir", "--kv-offload-size", "1GiB"], "--kv-offload-dir /proc/no-such-dir"),
+    (["--kv-offload-size", "1GiB"], "--kv-offload-dir and --kv-offload-size go together"),
+])
+def test_a_tier_that_cannot_start_is_one_error_line(capsys, tiny_model_dir: Path, flags, fragment: str) -> None:
+    from deploy.cli import main
+    from tests.engine.test_cli import TINY_FLAGS, _assert_one_line_error
+
+    rc = main(["generate", "--model", str(tiny_model_dir), *TINY_FLAGS, "--device", "cpu", *flags, "--prompt", "hi"])
+    _assert_one_line_error(capsys, rc, fragment)
