@@ -244,7 +244,7 @@ class KVTier:
         header = _HEADER.pack(MAGIC, self._root, block_hash, len(payload), block_checksum(payload))
         try:
             num_bytes = self._store.put(block_hash, header + bytes(payload))
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - an OSError (a full disk) or anything else: never the writer's end
             with self._lock:
                 self.stats.num_write_failures += 1
                 del self._pending[block_hash]
