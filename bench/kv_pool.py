@@ -3,6 +3,7 @@
 every configuration in one run, conversations alternating between them.
 
     python bench/kv_pool.py [--conversations 4] [--history-tokens 2000] [--max-tokens 16] [--threads N]
+    python bench/kv_pool.py --serve [...]      the returning chats through a real `splitserve serve`
 
     returning chats   a conversation's 2,000-token history is prefilled (turn 1, `--max-tokens` out); other
                       traffic (two other conversations' histories) then evicts every device block of it; the
@@ -21,6 +22,7 @@ turn's greedy tokens to be equal with and without the tier. The "busy holder" sc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -156,6 +158,70 @@ def restart(args: argparse.Namespace, checkpoint: Checkpoint, root: Path) -> dic
     return ttft
 
 
+def serve_returning_chats(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
+    """Returning chats through a real `splitserve serve` (one colocated worker), one per configuration in turn:
+    TTFT of the streamed returning turn as the client sees it, and the worker's hits by tier from /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from bench.serve_process import MODEL, Serve
+
+    max_model_len = args.history_tokens + args.max_tokens + TURN_TOKENS + 64
+    num_kv_blocks = -(-max_model_len // BLOCK_SIZE) + 8
+    ttft: dict[str, list[float]] = {"no tier": [], "disk tier": []}
+    answers: dict[str, list[str]] = {name: [] for name in ttft}
+    for name in ttft:
+        tier = [] if name == "no tier" else ["--kv-offload-dir", str(root / "serve"), "--kv-offload-size", "8GiB"]
+        server = Serve(["--colocated", "--num-kv-blocks", str(num_kv_blocks), "--max-model-len", str(max_model_len),
+                        "--block-size", str(BLOCK_SIZE), "--dtype", "float32", *tier])
+        try:
+            client = httpx.Client(base_url=server.url, timeout=600)
+            rng = random.Random(args.seed + 2)
+
+            def complete(prompt: list[int]) -> None:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0,
+                        "ignore_eos": True}
+                client.post("/v1/completions", json=body).raise_for_status()
+
+            for c in range(args.conversations):
+                history = tokens(rng, args.history_tokens)
+                others = [tokens(rng, args.history_tokens) for _ in range(2)]
+                turn = tokens(rng, TURN_TOKENS)
+                complete(history)
+                for other in others:
+                    complete(other)
+                time.sleep(2)  # the worker's tier writer catches up (both configurations wait alike)
+                if tier and not args.warm_page_cache:
+                    drop_page_cache(root / "serve")
+                started = time.perf_counter()
+                # The returning turn: the history and a new turn (the answer's ids are not in the API's reply; the
+                # history's 2,000 tokens are whole blocks, the same ones either way).
+                body = {"model": MODEL, "prompt": history + turn, "max_tokens": args.max_tokens,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True}
+                first_token_s, text = None, ""
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: {"):
+                            delta = json.loads(line[6:])["choices"][0]["text"]
+                            if first_token_s is None:
+                                first_token_s = time.perf_counter() - started
+                            text += delta
+                assert first_token_s is not None
+                ttft[name].append(first_token_s)
+                answers[name].append(text)
+                print(f"serve, {name}, conversation {c}: returning-turn TTFT {first_token_s:.3f}s", flush=True)
+            hits = {}
+            for family in text_string_to_metric_families(client.get("/metrics").text):
+                for sample in family.samples:
+                    if sample.name == "splitserve:prefix_cache_hits_total":
+                        hits[sample.labels["tier"]] = hits.get(sample.labels["tier"], 0) + sample.value
+            print(f"serve, {name}: prefix_cache_hits_total by tier {hits}", flush=True)
+        finally:
+            server.stop()
+    assert answers["no tier"] == answers["disk tier"], "the returning turns' texts differ with the tier"
+    return ttft
+
+
 def report(title: str, ttft: dict[str, list[float]]) -> None:
     (base, base_s), (tier, tier_s) = ttft.items()
     b, t = statistics.median(base_s), statistics.median(tier_s)
@@ -173,9 +239,15 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the tiers live (default: a temporary directory)")
     p.add_argument("--warm-page-cache", action="store_true", help="leave the tier's files in the page cache")
     p.add_argument("--skip-restart", action="store_true")
+    p.add_argument("--serve", action="store_true",
+                   help="returning chats through a real `splitserve serve` (one colocated worker) instead")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.serve:
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="kv-pool-") as tmp:
+            report("serve, returning chats", serve_returning_chats(args, Path(tmp)))
+        return
     checkpoint = load_checkpoint(str(resolve_model("smollm2-135m")), dtype=torch.float32)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kv-pool-") as tmp:
         root = Path(tmp)
