@@ -193,6 +193,7 @@ def serve_returning_chats(args: argparse.Namespace, root: Path) -> dict[str, lis
                 time.sleep(2)  # the worker's tier writer catches up (both configurations wait alike)
                 if tier and not args.warm_page_cache:
                     drop_page_cache(root / "serve")
+                stages_before = ttft_stages(client)
                 started = time.perf_counter()
                 # The returning turn: the history and a new turn (the answer's ids are not in the API's reply; the
                 # history's 2,000 tokens are whole blocks, the same ones either way).
@@ -209,7 +210,9 @@ def serve_returning_chats(args: argparse.Namespace, root: Path) -> dict[str, lis
                 assert first_token_s is not None
                 ttft[name].append(first_token_s)
                 answers[name].append(text)
-                print(f"serve, {name}, conversation {c}: returning-turn TTFT {first_token_s:.3f}s", flush=True)
+                stages = {k: v - stages_before.get(k, 0.0) for k, v in ttft_stages(client).items()}
+                print(f"serve, {name}, conversation {c}: returning-turn TTFT {first_token_s:.3f}s (the gateway's "
+                      "stages: " + ", ".join(f"{k} {v:.3f}s" for k, v in stages.items() if v) + ")", flush=True)
             hits = {}
             for family in text_string_to_metric_families(client.get("/metrics").text):
                 for sample in family.samples:
@@ -220,6 +223,20 @@ def serve_returning_chats(args: argparse.Namespace, root: Path) -> dict[str, lis
             server.stop()
     assert answers["no tier"] == answers["disk tier"], "the returning turns' texts differ with the tier"
     return ttft
+
+
+def ttft_stages(client) -> dict[str, float]:  # noqa: ANN001 - an httpx.Client on the gateway
+    """splitserve:ttft_stage_seconds_sum by stage, and the gateway's TTFT sum, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "splitserve:ttft_stage_seconds_sum":
+                sums[sample.labels["stage"]] = sums.get(sample.labels["stage"], 0.0) + sample.value
+            elif sample.name == "splitserve:time_to_first_token_seconds_sum":
+                sums["ttft"] = sums.get("ttft", 0.0) + sample.value
+    return sums
 
 
 def report(title: str, ttft: dict[str, list[float]]) -> None:
