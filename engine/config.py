@@ -38,6 +38,11 @@ class EngineConfig:
     # (CPU_KV_CACHE_MEMORY_BYTES), on cuda what gpu_memory_utilization leaves (engine/memory_profile.py).
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # A tier below the KV cache for the blocks its prefix cache evicts (engine/core/kv_tier.py): a directory and its
+    # size bound (given together), or cuda only, host memory of this size. None: no tier.
+    kv_offload_dir: str | None = None
+    kv_offload_size_bytes: int | None = None
+    kv_offload_memory_bytes: int | None = None
     # vLLM's flag: the fraction of the GPU's memory this engine may use (weights, activations, KV cache); cuda only.
     gpu_memory_utilization: float = 0.9
     seed: int | None = None  # for requests without their own seed
@@ -90,6 +95,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if (self.kv_offload_dir is None) != (self.kv_offload_size_bytes is None):
+            raise ValueError("--kv-offload-dir and --kv-offload-size go together: the directory and its size bound")
+        if self.kv_offload_dir is not None and not self.kv_offload_dir.strip():
+            raise ValueError("kv_offload_dir must be non-empty when given")
+        for name in ("kv_offload_size_bytes", "kv_offload_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_offload_memory_bytes is not None and self.device == "cpu":
+            raise ValueError("--kv-offload-memory is a host-memory tier under a GPU's KV cache; on cpu the KV cache "
+                             "is already in host memory (raise --kv-cache-memory, or use --kv-offload-dir)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:

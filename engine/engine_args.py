@@ -47,6 +47,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=parse_size_bytes, default=None,
         help="KV cache size, e.g. 2GiB (default: 2GiB on cpu; on cuda what --gpu-memory-utilization leaves)"
     )
+    g.add_argument("--kv-offload-dir", default=None, metavar="PATH",
+                   help="a disk tier below the KV cache: full blocks the prefix cache evicts are written here and "
+                        "loaded back instead of recomputed; a restarted worker finds them again (needs "
+                        "--kv-offload-size)")
+    g.add_argument("--kv-offload-size", type=parse_size_bytes, default=None,
+                   help="the disk tier's size bound, e.g. 20GiB (least recently used blocks go first)")
+    g.add_argument("--kv-offload-memory", type=parse_size_bytes, default=None,
+                   help="a host-memory tier below a GPU's KV cache, e.g. 8GiB (cuda only)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory this engine uses for weights, activations and KV cache "
                         f"(cuda only; default {d.gpu_memory_utilization}; each of several engines sharing a GPU "
@@ -108,6 +116,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory,
+        kv_offload_dir=args.kv_offload_dir,
+        kv_offload_size_bytes=args.kv_offload_size,
+        kv_offload_memory_bytes=args.kv_offload_memory,
         gpu_memory_utilization=(EngineConfig.gpu_memory_utilization if args.gpu_memory_utilization is None
                                 else args.gpu_memory_utilization),
         seed=args.seed,

@@ -4,6 +4,7 @@
     → the checkpoint (and a draft model's) → the KV cache's size: given, or what a profile forward leaves on cuda
     → the C++ kernels and the attention backend → the model on the device → the runner, its KV cache allocated
     → the decode step's CUDA graphs → the block-hash namespace → the speculator (a NullSpeculator when off)
+    → the KV offload tier, if any (its directory's entries of this namespace found again)
 
 `build_engine_parts` returns what an engine's step runs on, `EngineParts`; `LLMEngine` builds its control plane
 (block pool, scheduler, input and output processors) around them, sized by `num_kv_blocks`. At
@@ -28,6 +29,7 @@ from engine.distributed.sharding import local_model_config, tp_shape
 from engine.distributed.tp_sizes import TPShape
 from engine.kernels.registry import load_all
 from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
+from engine.kv_tier_blocks import TierBlocks, check_tier_config, make_tier
 from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
 from engine.loader.model_identity import model_identity
 from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
@@ -62,6 +64,9 @@ class EngineParts:
     cpu_kernels: list[KernelStatus]
     attention_backend_name: str
     cuda_graph_capture_seconds: float | None
+    # The tier below the KV cache (--kv-offload-dir, --kv-offload-memory; engine/kv_tier_blocks.py), its entries
+    # found again; None: no tier.
+    kv_tier: TierBlocks | None = None
     # Stops what the engine started beside itself: its tensor-parallel ranks (nothing at TP 1). Idempotent.
     shutdown: Callable[[], None] = field(default=lambda: None)
 
@@ -78,6 +83,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     if config.quantization != "none" and device.type == "cuda" and config.tensor_parallel_size > 1:
         raise ValueError(f"quantization {config.quantization} on cuda does not run at tensor_parallel_size > 1 yet "
                          "(the ranks keep quantized shards on the host); on cpu it does")
+    check_tier_config(config, device)  # --kv-offload-memory on cpu, a tier at TP > 1: before any load
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     dtype = TORCH_DTYPES[config.dtype]
@@ -137,11 +143,12 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
         model=model_name if config.quantization == "none" else f"{model_name}+{config.quantization}",
         block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
     speculator = _speculator(spec, runner, draft_checkpoint, config, max_model_len)
+    kv_tier = make_tier(config, device, runner.kv_cache, runner.kv_scales, hash_namespace)
     return EngineParts(
         config=config, device=device, model_config=mc, tokenizer=checkpoint.tokenizer, max_model_len=max_model_len,
         num_kv_blocks=num_kv_blocks, runner=runner, speculator=speculator, hash_namespace=hash_namespace,
         memory_profile=memory_profile, cpu_kernels=cpu_kernels, attention_backend_name=attention.name,
-        cuda_graph_capture_seconds=cuda_graph_capture_seconds, shutdown=shutdown,
+        cuda_graph_capture_seconds=cuda_graph_capture_seconds, kv_tier=kv_tier, shutdown=shutdown,
     )
 
 

@@ -53,10 +53,13 @@ def run(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     llm = LLM(**dataclasses.asdict(config))
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
-    else:
-        outputs = llm.generate(args.prompt, params)
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outputs = llm.generate(args.prompt, params)
+    finally:
+        llm.engine.close()  # with --kv-offload-dir, the prefix cache is written down for the next run
     for out in outputs:
         if args.json:
             print(json.dumps({"text": out.text, "token_ids": out.token_ids}))

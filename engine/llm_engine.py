@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_tier_events import TieredEvents
 from engine.core.request import Request, RequestStatus
 from engine.request.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -79,8 +80,16 @@ class LLMEngine:
         self._shutdown = parts.shutdown  # its tensor-parallel ranks' (engine/distributed/), if any
 
         self.block_pool = BlockPool(self.num_kv_blocks, enable_caching=config.enable_prefix_caching)
+        # The tier below the KV cache (--kv-offload-dir): evicted blocks go down, lookups that miss load them back,
+        # and the KV events speak for the device cache and the tier together (engine/core/kv_tier_events.py).
+        self.kv_tier = parts.kv_tier
+        self._tier_events: TieredEvents | None = None
+        if self.kv_tier is not None:
+            self.block_pool.on_evict = self.kv_tier.on_evict
+            self._tier_events = TieredEvents(self._holds, announced=self.kv_tier.tier.hashes())
         self.kv_cache = KVCacheManager(
-            self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            tier=self.kv_tier,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -106,9 +115,10 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # the step launched and not read yet (async scheduling)
 
     def close(self) -> None:
-        """Stop the processes the engine runs beside its own (its tensor-parallel ranks; none at TP 1): it cannot
-        step afterwards. Idempotent; at TP > 1 the ranks also stop when the engine is collected or its process
-        ends."""
+        """Stop the processes the engine runs beside its own (its tensor-parallel ranks; none at TP 1) and its KV
+        tier (`close_kv_tier`): it cannot step afterwards. Idempotent; at TP > 1 the ranks also stop when the
+        engine is collected or its process ends."""
+        self.close_kv_tier()
         self._shutdown()
 
     def rank_pids(self) -> list[int]:
@@ -139,6 +149,22 @@ class LLMEngine:
         it can. Answers from any thread, at once."""
         ranks = getattr(self.runner.model, "ranks", None)  # a TensorParallelModel's RankGroup
         return None if ranks is None else ranks.dead()
+
+    def close_kv_tier(self) -> None:
+        """Write the blocks the device prefix cache holds down to the KV offload tier, for 10 s at most (a restart
+        on the same --kv-offload-dir finds them), then stop its writer and free its slot of the directory; the
+        engine then runs without a tier. Call it on the engine's thread, or once it steps no more. Idempotent; a
+        no-op without a tier."""
+        tier = self.kv_tier
+        if tier is None:
+            return
+        cached = [(block.block_id, block_hash) for block_hash in self.block_pool.cached_block_hashes()
+                  if (block := self.block_pool.get_cached_block(block_hash)) is not None]
+        tier.write_back(cached, timeout_s=10.0)
+        tier.close()
+        self.kv_tier = self.kv_cache.tier = None
+        self.block_pool.on_evict = None
+        self._tier_events = None
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
@@ -357,13 +383,26 @@ class LLMEngine:
         calls it after every command): the block pool's events go to `kv_event_sink`, or are dropped, so that
         nothing accumulates."""
         events = self.block_pool.take_events()
+        if self._tier_events is not None:
+            assert self.kv_tier is not None
+            events = self._tier_events.merge(events, self.kv_tier.tier.take_removed())
         if events and self.kv_event_sink is not None:
             self.kv_event_sink(events)
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        """Every block hash the prefix cache holds now: after `publish_kv_events`, the snapshot a worker's prefix
-        index publisher sends in place of the events it may have missed."""
-        return self.block_pool.cached_block_hashes()
+        """Every block hash the prefix cache holds now, on the device or in its KV tier: after
+        `publish_kv_events`, the snapshot a worker's prefix index publisher sends in place of the events it may
+        have missed (the first one of a restarted worker announces its tier's blocks found again)."""
+        device = self.block_pool.cached_block_hashes()
+        if self._tier_events is None:
+            return device
+        on_device = set(device)
+        return [*device, *(h for h in self._tier_events.announced if h not in on_device)]
+
+    def _holds(self, block_hash: BlockHash) -> bool:
+        """Whether this engine can serve the block without computing it: on the device or in its tier."""
+        return self.block_pool.get_cached_block(block_hash) is not None or (
+            self.kv_tier is not None and block_hash in self.kv_tier)
 
     def stats(self, *, take_finished: bool = True) -> EngineStats:
         """Gauges now, counters since start; with `take_finished`, the finished-request stats since the previous
@@ -383,6 +422,8 @@ class LLMEngine:
             kv_cache_usage=self.block_pool.usage,
             prefix_cache_queries=self.kv_cache.prefix_queries_tokens,
             prefix_cache_hits=self.kv_cache.prefix_hits_tokens,
+            prefix_cache_hits_by_tier=self._prefix_cache_hits_by_tier(),
+            kv_offload=None if self.kv_tier is None else self.kv_tier.tier.stats_snapshot(),
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self.outputs.num_generation_tokens,
@@ -393,6 +434,13 @@ class LLMEngine:
             spec_decode_chosen_k=dict(sorted(spec.chosen_k.items())),
             finished=finished,
         )
+
+
+    def _prefix_cache_hits_by_tier(self) -> dict[str, int]:
+        hits = {"device": self.kv_cache.prefix_hits_tokens}
+        if self.kv_tier is not None:
+            hits[self.kv_tier.kind] = self.kv_cache.prefix_tier_hits_tokens
+        return hits
 
 
 def _by_request(produced: list[tuple[Request, int]]) -> list[tuple[Request, list[int]]]:

@@ -268,8 +268,22 @@ class KVNamespace(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class LoadStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_kv_transfers", "num_kv_transfer_failures", "incarnation", "cpu_kernels", "max_num_seqs", "kv_namespace", "prefix_index_up", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_chosen_k", "num_queued_prompt_tokens", "kv_transfers_rejected", "quantization", "ranks")
+    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_kv_transfers", "num_kv_transfer_failures", "incarnation", "cpu_kernels", "max_num_seqs", "kv_namespace", "prefix_index_up", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_chosen_k", "num_queued_prompt_tokens", "kv_transfers_rejected", "quantization", "prefix_cache_hits_by_tier", "kv_offload_bytes", "ranks")
     class KvTransfersRejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PrefixCacheHitsByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvOffloadBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +318,8 @@ class LoadStats(_message.Message):
     NUM_QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
@@ -333,8 +349,10 @@ class LoadStats(_message.Message):
     num_queued_prompt_tokens: int
     kv_transfers_rejected: _containers.ScalarMap[str, int]
     quantization: str
+    prefix_cache_hits_by_tier: _containers.ScalarMap[str, int]
+    kv_offload_bytes: _containers.ScalarMap[str, int]
     ranks: _containers.RepeatedCompositeFieldContainer[RankStats]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ..., prefix_cache_hits_by_tier: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ...) -> None: ...
 
 class RankStats(_message.Message):
     __slots__ = ("rank", "pid", "weight_bytes", "kv_cache_bytes")

@@ -68,7 +68,9 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
              tensor-parallel rank's weights and KV cache shard; rank "0" alone at TP 1)
              splitserve:cpu_kernels_info{worker,kernel,variant} (1: the C++ CPU kernel build the worker runs,
              variant "x86-64-v4" | "x86-64-v3" | ..., or "torch" where its torch ops run instead)
-    counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total (tokens),
+    counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total{worker,tier} (tokens; tier
+             device, or disk / host: the KV offload tier's), splitserve:kv_offload_bytes_total{worker,direction}
+             (write, read: the KV offload tier's),
              splitserve:kv_transfer_bytes_total, splitserve:num_preemptions_total,
              splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total,
              splitserve:kv_transfers_rejected_total{worker,reason} (KV pushes a decode worker refused before any
@@ -303,7 +305,6 @@ class WorkerLoadCollector(Collector):
         }
         counters = {
             "prefix_cache_queries": ("Prefix-cache queries, in tokens.", lambda s: s.prefix_cache_queries),
-            "prefix_cache_hits": ("Prefix-cache hits, in tokens.", lambda s: s.prefix_cache_hits),
             "kv_transfer_bytes": ("KV bytes sent (prefill) or received (decode).", lambda s: s.kv_transfer_bytes),
             "num_preemptions": ("Requests preempted.", lambda s: s.num_preemptions),
             "kv_transfers": ("KV transfers completed.", lambda s: s.num_kv_transfers),
@@ -335,6 +336,7 @@ class WorkerLoadCollector(Collector):
                     rejected.add_metric([snapshot.info.worker_id, reason], float(n))
         yield rejected
         yield from _spec_decode_families(snapshots)
+        yield from _tier_families(snapshots)
         hit_rate = GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_rate",
                                      "Prefix-cache hits / queries, in tokens, since the worker started.",
                                      labels=["worker"])
@@ -421,6 +423,29 @@ class PrefixIndexCollector(Collector):
             predictions.add_metric([outcome], float(n))
         yield predictions
         yield from self._lookup_seconds.collect()
+
+
+def _tier_families(snapshots: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
+    """Prefix-cache hits by tier (`device`, and a KV offload tier's `disk` or `host`) and the offload tier's bytes
+    by direction (`write`: device to tier, `read`: tier to device)."""
+    hits = CounterMetricFamily(f"{PREFIX}prefix_cache_hits",
+                               "Prompt tokens served without computing them, by tier (device: the prefix cache; "
+                               "disk, host: the KV offload tier).", labels=["worker", "tier"])
+    offload = CounterMetricFamily(f"{PREFIX}kv_offload_bytes", "KV bytes the worker's offload tier wrote and read.",
+                                  labels=["worker", "direction"])
+    for snapshot in snapshots:
+        stats = snapshot.stats
+        if stats is None:
+            continue
+        worker_id = snapshot.info.worker_id
+        hits.add_metric([worker_id, "device"], float(stats.prefix_cache_hits))
+        for tier, num_tokens in sorted(stats.prefix_cache_hits_by_tier.items()):
+            if tier != "device":
+                hits.add_metric([worker_id, tier], float(num_tokens))
+        for direction, num_bytes in sorted(stats.kv_offload_bytes.items()):
+            offload.add_metric([worker_id, direction], float(num_bytes))
+    yield hits
+    yield offload
 
 
 def _spec_decode_families(snapshots: Sequence[WorkerSnapshot]) -> Iterator[Metric]:

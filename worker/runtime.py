@@ -187,6 +187,7 @@ class WorkerRuntime:
         except Exception:  # noqa: BLE001 - stopping must go on
             logger.exception("worker %s: stopping its server failed", self.config.worker_id)
         self.loop.stop()
+        self.engine.close_kv_tier()  # --kv-offload-dir: the prefix cache kept for the next start, its slot freed
         self.kv_events.close()
         self.aio.stop()
 
@@ -286,6 +287,9 @@ class WorkerRuntime:
         stats.quantization = engine.config.quantization
         stats.ranks.extend(serving_pb2.RankStats(rank=r.rank, pid=r.pid, weight_bytes=r.weight_bytes,
                                                  kv_cache_bytes=r.kv_cache_bytes) for r in self._rank_stats)
+        stats.prefix_cache_hits_by_tier.update(now.prefix_cache_hits_by_tier)
+        if now.kv_offload is not None:  # its KV offload tier (--kv-offload-dir)
+            stats.kv_offload_bytes.update(write=now.kv_offload.bytes_written, read=now.kv_offload.bytes_read)
         stats.cpu_kernels.extend(
             serving_pb2.CpuKernel(kernel=k.kernel, variant=k.variant) for k in self.engine.cpu_kernels
         )

@@ -8,7 +8,8 @@ Free-list order is eviction order:
     [ never-used blocks, in id order ] [ freed blocks, least recently freed first ]
 
 A freed block keeps its hash and stays findable as prefix cache until `allocate` takes it from the front of the
-free list; only then is it evicted (its hash dropped, a `BlockRemoved` event emitted). `touch` revives a cached
+free list; only then is it evicted (its hash dropped, a `BlockRemoved` event emitted, and `on_evict` called with its
+id and hash while its KV is still intact: where a tier below takes a copy, engine/core/kv_tier.py). `touch` revives a cached
 free block for a prefix hit. Every block is freed exactly once per reference: a free of an unreferenced block
 raises instead of corrupting the pool.
 """
@@ -16,7 +17,7 @@ raises instead of corrupting the pool.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kv_transfer.block_hash import BlockHash
 from kv_transfer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -48,6 +49,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
+        # Called as a cached block is evicted, before `allocate` returns it to be overwritten. None: nobody asks.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------------------------
     @property
@@ -88,6 +91,8 @@ class BlockPool:
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 del self._cached[block.block_hash]
                 evicted.append(block.block_hash)
                 block.block_hash = None

@@ -2,18 +2,41 @@
 
 A request's block table is append-only while it runs: block i holds the KV of tokens [i*B, (i+1)*B). Blocks are
 returned to the pool exactly once, by `free`, when the request finishes, is aborted or is preempted.
+
+With a tier below the device cache (`tier`), a prompt's blocks are of three kinds, in order:
+
+    [ computed: device prefix hits ][ loadable: in the tier ][ missing: to compute ]
+      get_computed_blocks             num_loadable_blocks       the scheduler's tokens
+                                      → allocated as new blocks, then load_blocks copies them in (a copy that
+                                        fails its check ends the loaded run: the rest is computed)
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.request import Request
+from kv_transfer.block_hash import BlockHash
 from kv_transfer.layout import cdiv
 
 
+class LowerTier(Protocol):
+    """A store of blocks below the device cache, by hash (engine/kv_tier_blocks.py over engine/core/kv_tier.py)."""
+
+    def __contains__(self, block_hash: BlockHash) -> bool: ...
+
+    def load(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Copy the block's KV into device block `block_id`; False (nothing usable written) if it fails its check
+        or is gone."""
+        ...
+
+
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, *, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, block_pool: BlockPool, *, block_size: int, enable_prefix_caching: bool,
+                 tier: LowerTier | None = None) -> None:
         self.pool = block_pool
+        self.tier = tier if enable_prefix_caching else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[KVBlock]] = {}
@@ -23,6 +46,7 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # per request: how many of its blocks are already prefix cache
         self.prefix_queries_tokens = 0  # prompt tokens looked up
         self.prefix_hits_tokens = 0  # of which found in cache
+        self.prefix_tier_hits_tokens = 0  # of which loaded from the tier (not in prefix_hits_tokens)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of `request`, as blocks and a token count.
@@ -52,6 +76,37 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def num_loadable_blocks(self, request: Request, num_computed_blocks: int) -> int:
+        """How many blocks after the request's first `num_computed_blocks` (its device hits) the tier holds, in a
+        run, leaving at least one token to compute (as `get_computed_blocks`). 0 without a tier."""
+        if self.tier is None or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        num_loadable = 0
+        for block_hash in request.block_hashes[num_computed_blocks:max_hit_blocks]:
+            if block_hash not in self.tier:
+                break
+            num_loadable += 1
+        return num_loadable
+
+    def load_blocks(self, request: Request, start: int, num_blocks: int) -> int:
+        """Load blocks [start, start + num_blocks) of the request's table (allocated, not computed: the
+        loadable ones) from the tier, in order, stopping at the first that fails; register those loaded as prefix
+        cache. Returns how many were loaded (their tokens are computed; the rest the step computes)."""
+        assert self.tier is not None
+        table = self._tables[request.request_id]
+        num_loaded = 0
+        for block, block_hash in zip(table[start:start + num_blocks],
+                                     request.block_hashes[start:start + num_blocks], strict=True):
+            if not self.tier.load(block.block_id, block_hash):
+                break
+            num_loaded += 1
+        if num_loaded:
+            self.pool.cache_blocks(table[start:start + num_loaded], request.block_hashes[start:start + num_loaded])
+            self._num_cached[request.request_id] = start + num_loaded
+            self.prefix_tier_hits_tokens += num_loaded * self.block_size
+        return num_loaded
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None

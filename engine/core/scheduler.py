@@ -7,6 +7,10 @@ decode phase: a fresh prompt, a prompt chunk, a prefix hit, a recompute and a de
 When the pool runs dry, the most recently admitted running request is preempted (recompute preemption): its blocks
 go back and it returns to the front of the waiting queue with its tokens intact.
 
+A tier below the device cache (engine/core/kv_tier.py) adds loadable blocks to a prefix hit: at admission they
+are allocated like new blocks, loaded from the tier by the KV cache manager and counted computed, using none of
+the token budget; a block that fails its check ends the run, and the step computes from there.
+
 Disaggregation adds two side doors, both outside the step loop:
 - `hold`: a prefill worker's `remote_decode` request that produced its first token (and did not stop) leaves the
   queues but keeps its blocks, now owned by the KV handoff, until `release_held`.
@@ -298,15 +302,25 @@ class Scheduler:
         self.head_blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            num_loadable = 0
             if request.kv_in_place:  # its prompt KV came from a prefill worker: blocks in place, no lookup
                 hits, num_hit_tokens = [], request.num_computed_tokens
             else:
                 hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self._allocate_for_head(request, num_new, hits):
+                num_loadable = self.kv_cache.num_loadable_blocks(request, len(hits))
+            # Loadable blocks (in a tier below the device cache) take new blocks but none of the token budget.
+            num_loadable_tokens = num_loadable * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_hit_tokens - num_loadable_tokens, budget)
+            if not self._allocate_for_head(request, num_loadable_tokens + num_new, hits):
                 self.head_blocked = True
                 break
             self.waiting.popleft()
+            if num_loadable:
+                num_loaded = self.kv_cache.load_blocks(request, len(hits), num_loadable)
+                num_hit_tokens += num_loaded * self.kv_cache.block_size
+                if num_loaded < num_loadable:  # a copy failed its check: the step computes from there (its
+                    # blocks are allocated already, up to at least where it now ends)
+                    num_new = min(request.num_tokens - num_hit_tokens, budget)
             request.num_computed_tokens = num_hit_tokens
             if request.times.first_scheduled_s is None:
                 request.times.first_scheduled_s = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.kv_tier import TierStats
 from engine.core.request import Request
 
 
@@ -64,7 +65,11 @@ class EngineStats:
     kv_blocks_free: int = 0
     kv_cache_usage: float = 0.0  # fraction of blocks referenced by requests
     prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM counts tokens)
-    prefix_cache_hits: int = 0  # of which served from cache
+    prefix_cache_hits: int = 0  # of which served from the device cache
+    # Prompt tokens served without computing them, by tier: "device" (prefix_cache_hits), and the KV offload tier's
+    # ("disk" or "host") when there is one: vLLM's prefix_cache_hits with a tier label.
+    prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)
+    kv_offload: TierStats | None = None  # the KV offload tier's counters; None: no tier
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0

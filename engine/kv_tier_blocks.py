@@ -1,0 +1,143 @@
+"""The engine's KV tier below the device cache (`--kv-offload-dir`, `--kv-offload-memory`): the control-plane tier
+(engine/core/kv_tier.py) over the runner's KV tensors.
+
+    block pool evicts block b (hash h) ─▶ on_evict: copy kv_cache[:, :, b] (+ its int8 scales) to host bytes,
+                                          offer them to the tier (its writer thread does the rest)
+    scheduler admits a prompt ─▶ load(b, h): the tier's checked bytes ─▶ kv_cache[:, :, b]
+
+One block's bytes: its KV across every layer, [num_layers, 2, block_size, num_kv_heads, head_dim] in the cache's
+dtype, then for an int8 cache its scales [num_layers, 2, num_kv_heads] float32. Start-up refuses what a tier
+cannot hold yet (tensor parallelism: other ranks hold the other heads; a draft model's own KV).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.core.kv_tier import DirectoryStore, KVTier, KVTierError, MemoryStore
+from kv_transfer.block_hash import BlockHash, BlockHashNamespace
+
+logger = logging.getLogger(__name__)
+
+
+class TierBlocks:
+    """A `LowerTier` (engine/core/kv_cache_manager.py) over one KV cache, and the block pool's `on_evict`."""
+
+    def __init__(self, tier: KVTier, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, *,
+                 kind: str) -> None:
+        self.tier = tier
+        self.kind = kind  # "disk" or "host"
+        self._kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self._kv_scales = kv_scales  # int8 only: [num_layers, 2, num_blocks, num_kv_heads]
+        self._kv_shape = (*kv_cache.shape[:2], *kv_cache.shape[3:])
+        self._kv_nbytes = block_nbytes(kv_cache, kv_scales) - _scales_nbytes(kv_scales)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.tier
+
+    def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        """Copy an evicted block off the device cache, for the writer; skipped when the tier would not take it."""
+        if self.tier.wants(block_hash):
+            self.tier.offer(block_hash, self._snapshot(block_id))
+
+    def load(self, block_id: int, block_hash: BlockHash) -> bool:
+        payload = self.tier.read(block_hash)
+        if payload is None:
+            return False
+        view = memoryview(payload)
+        if view.readonly:
+            view = memoryview(bytearray(view))
+        kv = torch.frombuffer(view[:self._kv_nbytes], dtype=self._kv_cache.dtype).view(self._kv_shape)
+        self._kv_cache[:, :, block_id].copy_(kv)
+        if self._kv_scales is not None:
+            scales = torch.frombuffer(view[self._kv_nbytes:], dtype=self._kv_scales.dtype)
+            self._kv_scales[:, :, block_id].copy_(scales.view(*self._kv_scales.shape[:2], -1))
+        return True
+
+    def _snapshot(self, block_id: int) -> memoryview:
+        kv = self._kv_cache[:, :, block_id].to("cpu", copy=True).contiguous()
+        parts = [_bytes_view(kv)]
+        if self._kv_scales is not None:
+            parts.append(_bytes_view(self._kv_scales[:, :, block_id].to("cpu", copy=True).contiguous()))
+        return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+
+    def write_back(self, blocks: list[tuple[int, BlockHash]], timeout_s: float = 10.0) -> int:
+        """Queue the given device blocks (id, hash) the tier lacks, waiting for room, for `timeout_s` at most: a
+        shutdown keeping its cache for the next start. Returns how many were queued."""
+        deadline = time.monotonic() + timeout_s
+        num_queued = 0
+        for block_id, block_hash in blocks:
+            wait_s = deadline - time.monotonic()
+            if wait_s <= 0:
+                break
+            if block_hash not in self.tier:
+                num_queued += self.tier.offer(block_hash, self._snapshot(block_id), wait_s=wait_s)
+        return num_queued
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def block_nbytes(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
+    """The bytes of one block as the tier keeps it."""
+    num_blocks = kv_cache.shape[2]
+    return kv_cache.numel() // num_blocks * kv_cache.element_size() + _scales_nbytes(kv_scales)
+
+
+def _scales_nbytes(kv_scales: torch.Tensor | None) -> int:
+    if kv_scales is None:
+        return 0
+    return kv_scales.numel() // kv_scales.shape[2] * kv_scales.element_size()
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    # The tensor's bytes, flat, without another copy (a cpu tensor of its own: nobody writes it afterwards).
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def check_tier_config(config: EngineConfig, device: torch.device) -> None:
+    """ValueError for a tier this engine cannot run: called at start-up before anything loads."""
+    if config.kv_offload_dir is None and config.kv_offload_memory_bytes is None:
+        return
+    if config.kv_offload_memory_bytes is not None:
+        if device.type == "cpu":
+            raise ValueError("--kv-offload-memory is a host-memory tier under a GPU's KV cache; on cpu the KV cache "
+                             "is already in host memory (raise --kv-cache-memory, or use --kv-offload-dir)")
+        if config.kv_offload_dir is not None:
+            raise ValueError("--kv-offload-memory and --kv-offload-dir together are not built yet: give one")
+    if not config.enable_prefix_caching:
+        raise ValueError("a KV offload tier keeps blocks the prefix cache evicts: it needs --enable-prefix-caching")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("a KV offload tier does not run at --tensor-parallel-size > 1 yet (each rank holds its "
+                         "own heads of a block)")
+    spec = config.speculative_config
+    if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
+        raise ValueError("a KV offload tier does not keep a draft model's KV: not with draft_model speculation yet")
+
+
+def make_tier(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+              namespace: BlockHashNamespace) -> TierBlocks | None:
+    """The tier `config` asks for (checked by `check_tier_config`), started: a directory's entries of this
+    namespace found again. None without one. Raises KVTierError (a ValueError) for a directory it cannot use."""
+    check_tier_config(config, device)
+    if config.kv_offload_dir is None and config.kv_offload_memory_bytes is None:
+        return None
+    nbytes = block_nbytes(kv_cache, kv_scales)
+    if config.kv_offload_dir is not None:
+        assert config.kv_offload_size_bytes is not None  # EngineConfig checks it
+        store: DirectoryStore | MemoryStore = DirectoryStore(config.kv_offload_dir, namespace)
+        size, kind = config.kv_offload_size_bytes, "disk"
+    else:
+        assert config.kv_offload_memory_bytes is not None
+        store, size, kind = MemoryStore(), config.kv_offload_memory_bytes, "host"
+    if size < nbytes:
+        store.close()
+        raise KVTierError(f"the KV offload tier ({size} bytes) cannot hold one block ({nbytes} bytes)")
+    tier = KVTier(store, namespace=namespace, size_bytes=size, block_nbytes=nbytes, name=f"kv-tier-{kind}")
+    logger.info("KV offload tier (%s): %d blocks of %d bytes found, bound %.2f GiB", kind, len(tier), nbytes,
+                size / (1 << 30))
+    return TierBlocks(tier, kv_cache, kv_scales, kind=kind)
