@@ -101,9 +101,10 @@ def fit_max_tokens(
 def _check_in_vocab(
     token_ids: list[int] | None, tokenizer: Tokenizer, param: str, *, what: str | None = None
 ) -> None:
-    bad = next((token_id for token_id in token_ids or () if not 0 <= token_id < tokenizer.vocab_size), None)
+    vocab_size = tokenizer.vocab_size
+    bad = next((token_id for token_id in token_ids or () if not 0 <= token_id < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"{what or param} must be in [0, {tokenizer.vocab_size}), got {bad}", param)
+        raise bad_request(f"{what or param} must be in [0, {vocab_size}), got {bad}", param)
 
 
 def _text_of(message: ChatMessage, index: int) -> str:

@@ -98,6 +98,7 @@ class ByteLevelBPE:
         self._id_to_token: dict[int, str] = {token_id: token for token, token_id in self._vocab.items()}
         if id_to_token is not None:
             self._id_to_token.update(id_to_token)
+        self._vocab_size = max(self._id_to_token, default=-1) + 1  # fixed from here on
         # A merge whose result is not a token could never appear in an encoding: drop it rather than fail.
         self._ranks: dict[tuple[str, str], int] = {}
         for rank, pair in enumerate(merges):
@@ -119,7 +120,7 @@ class ByteLevelBPE:
     @property
     def vocab_size(self) -> int:
         """One past the largest id (ids may have gaps)."""
-        return max(self._id_to_token, default=-1) + 1
+        return self._vocab_size
 
     def token_to_id(self, token: str) -> int | None:
         return self._vocab.get(token)
