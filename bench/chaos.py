@@ -280,6 +280,7 @@ class ChaosReport:
     kv_transfer_failures: float = 0.0  # handoffs that failed (the cut ones among them), from /metrics
     faults: list[Injected] = field(default_factory=list)
     fault_errors: list[str] = field(default_factory=list)  # faults that could not be injected; a cluster not whole
+    faults_skipped: list[str] = field(default_factory=list)  # scheduled past the end (earlier ones ran late)
     leaked_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> KV blocks still used after the drain
     index_consistent: bool = False
     index_problems: list[str] = field(default_factory=list)
@@ -437,6 +438,9 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
         try:
             for k, name in enumerate(schedule(names, num_faults, rng), start=1):
                 time.sleep(max(0.0, started + k * config.interval_s - time.monotonic()))
+                if time.monotonic() - started >= config.duration_s:  # earlier faults ran late: the run is over
+                    report.faults_skipped.append(name)
+                    continue
                 try:
                     waited = cluster.wait_whole(config.whole_timeout_s)
                     at = time.monotonic()
@@ -490,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.loader.model_registry import resolve_model
 
     with tempfile.TemporaryDirectory(prefix="splitserve-chaos-") as work_dir:
-        report = run(str(resolve_model(args.model)), config, Path(work_dir))
+        report = run(str(resolve_model(args.model)), config, Path(work_dir), log=lambda line: print(line, flush=True))
     print(report.to_json())
     Path(args.out).write_text(report.to_json() + "\n")
     sys.exit(0 if report.ok() else 1)
