@@ -5,8 +5,8 @@
 1. A real `splitserve serve` of SmolLM2 (real Ray, real workers, real gRPC / torch KV handoffs) with 2 prefill and
    2 decode workers, the admin API, short health checks, and the prefix index in a Redis this script owns (the
    same `EmbeddedRedis` serve embeds, handed over with `--redis-url`, so that it can be restarted on its port).
-2. The undisturbed answers: each of `PROMPTS` (greedy, `ignore_eos`, `--max-tokens`) once, one after another, on
-   the cluster before any fault.
+2. The undisturbed answers: each of `PROMPTS` (greedy, `ignore_eos`, `max_tokens`) once, as many at a time as
+   the load has clients, on the cluster before any fault.
 3. A steady load of `--clients` streaming clients (tests/cluster/load.py's SteadyLoad, each request greedy on a
    seeded choice of `PROMPTS`), and a fault every `--interval` seconds from a seeded schedule (every kind once per
    round, in a seeded order; each victim chosen by the same generator), each injected once the cluster is whole
@@ -57,18 +57,15 @@ from tests.deploy.processes import ServeProcess, serve_argv  # noqa: E402
 from worker.runtime import FAULT_STEP_SLEEP_ENV  # noqa: E402
 
 ADMIN_TOKEN = "chaos-admin-token"
-# Each prompt three 16-token blocks or more (a KV handoff of two or more blocks can be cut), no two sharing a
-# first block (each is its own prefix in the index).
-PROMPTS = (
-    "The lighthouse keeper climbed the stairs at dusk and looked out over the grey water, where a small boat",
-    "List the planets of the solar system in order from the sun, with one surprising fact about each of them.",
-    "Write a short recipe for bread that needs only flour, water, salt and yeast, with the baking time and heat.",
-    "Explain to a ten year old child why the sky looks blue during the day and turns red and orange at sunset.",
-    "A train leaves the station at nine in the morning travelling at sixty miles per hour towards a city that",
-    "Describe the water cycle step by step: evaporation, condensation, precipitation and collection, in detail.",
-    "Once upon a time in a village at the edge of a great forest there lived an old woodcutter and his daughter",
-    "Give three reasons why regular exercise is good for the heart, the mind and sleep, with an example of each.",
-)
+# Every prompt three full 16-token blocks or more (SmolLM2's tokenizer), no two sharing a first block, and more of
+# them than a worker's KV cache (32 MiB: 45 blocks) holds at once: the decode workers keep missing their prefix
+# caches, so KV handoffs carry several blocks (one can be cut half-way) and index entries come and go all along.
+_TOPICS = ("lighthouses", "volcanoes", "bread", "rainbows", "trains", "rivers", "bees", "glaciers", "comets",
+           "violins", "deserts", "coral reefs", "windmills", "owls", "tides", "mushrooms", "bridges", "thunder",
+           "penguins", "clocks", "maple trees", "submarines", "chess", "silk")
+_TAIL = ("Answer in plain words for a curious reader who knows nothing about it yet: say what it is, how it works "
+         "or how it came to be, one thing that most people get wrong about it, and why it matters today.")
+PROMPTS = tuple(f"Question {i + 1} is about {topic}. {_TAIL}" for i, topic in enumerate(_TOPICS))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +80,7 @@ class ChaosConfig:
     stop_s: float = 20.0  # how long a SIGSTOPped worker stays stopped
     request_timeout_s: float = 60.0  # serve's --request-timeout; a request past it + 30 s is hung
     kv_transfer_timeout_s: float = 10.0
-    step_sleep_s: float = 0.01  # every engine step paced, so that streams are long enough to be cut mid-way
+    step_sleep_s: float = 0.02  # every engine step paced, so that streams are long enough to be cut mid-way
     whole_timeout_s: float = 180.0  # a fault waits at most this long for the cluster to be whole again
 
 
@@ -224,7 +221,7 @@ class CutKVTransfer:
             time.sleep(0.05)
         if cluster.cut_file.exists():
             cluster.cut_file.unlink(missing_ok=True)
-            return "no handoff of 2+ blocks within 20 s: nothing cut"
+            raise RuntimeError("no KV handoff of two or more blocks within 20 s: nothing cut")
         return "cut a KV handoff half-way"
 
 
@@ -360,15 +357,20 @@ def index_problems(cluster: Cluster, timeout_s: float = 30.0) -> list[str]:
         time.sleep(0.5)
 
 
-def _expected_answers(url: str, model: str, max_tokens: int) -> dict[str, str]:
-    """Each prompt's undisturbed greedy text, one request at a time, on the cluster before any fault."""
+def _expected_answers(url: str, model: str, max_tokens: int, num_clients: int) -> dict[str, str]:
+    """Each prompt's undisturbed greedy text, `num_clients` requests at a time (as the load runs them), on the
+    cluster before any fault."""
     import asyncio
 
     async def answers() -> dict[str, str]:
+        limit = asyncio.Semaphore(num_clients)
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async def one(prompt: str) -> Outcome:
+                async with limit:
+                    return await _one(client, model, prompt, max_tokens)
+
             found = {}
-            for prompt in PROMPTS:
-                o = await _one(client, model, prompt, max_tokens)
+            for prompt, o in zip(PROMPTS, await asyncio.gather(*(one(p) for p in PROMPTS)), strict=True):
                 assert o.completed and o.num_tokens == max_tokens, f"undisturbed run failed: {o}"
                 found[prompt] = o.text
             return found
@@ -413,7 +415,7 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
     auth = ClusterAuth(secret=secrets.token_hex(16))
     cut_file = work_dir / "kv-cut"
     argv = serve_argv(model, "--prefill-workers", "2", "--decode-workers", "2", "--admin-token", ADMIN_TOKEN,
-                      "--redis-url", redis.url, "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+                      "--redis-url", redis.url, "--max-model-len", "256", "--kv-cache-memory", "32MiB",
                       "--kv-transport", config.transport, "--kv-transfer-timeout", str(config.kv_transfer_timeout_s),
                       "--request-timeout", str(config.request_timeout_s), "--drain-timeout", "30",
                       "--disagg-prefill-threshold", "0",  # every prompt through a prefill worker: KV handoffs
@@ -427,7 +429,7 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
         cluster = Cluster(url, serve, redis, cut_file, auth, {"prefill": 2, "decode": 2})
         cluster.wait_whole(config.whole_timeout_s)
         model_id = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        expected = _expected_answers(url, model_id, config.max_tokens)
+        expected = _expected_answers(url, model_id, config.max_tokens, config.num_clients)
         log(f"chaos: serving on {url}; undisturbed answers of {len(expected)} prompts known")
         deadline_s = config.request_timeout_s + 30
         load = SteadyLoad(url, model_id, num_clients=config.num_clients, max_tokens=config.max_tokens,
