@@ -58,3 +58,53 @@ def test_the_schedule_has_every_fault_once_per_round_in_a_seeded_order() -> None
         assert sorted(order[start:start + 6]) == sorted(names)
     assert order == chaos.schedule(names, 19, random.Random(0))
     assert order != chaos.schedule(names, 19, random.Random(1))
+
+
+class FakeCluster:
+    """What leaked_blocks and index_problems read: the pools, each worker's GetLoad, the index's listing."""
+
+    def __init__(self, pools: list[dict], loads: dict[str, dict], index: list[dict]) -> None:
+        self.url = "http://fake"
+        self._pools, self._loads, self.index = pools, loads, index
+
+    def pools(self) -> list[dict]:
+        return self._pools
+
+    def load(self, endpoint: str):  # type: ignore[no-untyped-def]
+        from protos import serving_pb2
+
+        return serving_pb2.LoadStats(**self._loads[endpoint])
+
+
+def _fake(monkeypatch, index: list[dict], used: int = 0, queries: int = 5) -> FakeCluster:  # type: ignore[no-untyped-def]
+    pools = [{"worker_id": w, "endpoint": w, "incarnation": 7} for w in ("prefill-0", "decode-0")]
+    loads = {w["endpoint"]: {"kv_blocks_used": used, "prefix_cache_queries": queries} for w in pools}
+    cluster = FakeCluster(pools, loads, index)
+
+    class Response:
+        def json(self) -> dict:
+            return {"up": True, "workers": cluster.index}
+
+    monkeypatch.setattr(chaos.httpx, "get", lambda *a, **k: Response())
+    return cluster
+
+
+def _entry(worker_id: str, incarnation: int = 7, num_blocks: int = 3, live: bool = True) -> dict:
+    return {"worker_id": worker_id, "incarnation": incarnation, "num_blocks": num_blocks, "live": live}
+
+
+def test_the_index_must_hold_exactly_the_pools_current_incarnations(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    good = [_entry("prefill-0"), _entry("decode-0")]
+    assert chaos.index_problems(_fake(monkeypatch, good), timeout_s=0) == []
+    stale = [*good, _entry("prefill-0", incarnation=3, live=False)]  # a restarted worker's old entries
+    assert chaos.index_problems(_fake(monkeypatch, stale), timeout_s=0) == [f"stale entry {stale[2]}"]
+    gone = [*good, _entry("decode-9")]  # a worker no longer in the pools
+    assert chaos.index_problems(_fake(monkeypatch, gone), timeout_s=0) == [f"stale entry {gone[2]}"]
+    missing = chaos.index_problems(_fake(monkeypatch, good[:1]), timeout_s=0)  # decode-0 served, not resynced
+    assert missing == ["decode-0 (incarnation 7) served but has no index entry"]
+    assert chaos.index_problems(_fake(monkeypatch, good[:1], queries=0), timeout_s=0) == []  # it served nothing
+
+
+def test_blocks_still_used_after_the_drain_are_leaked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert chaos.leaked_blocks(_fake(monkeypatch, [], used=0), timeout_s=0) == {"prefill-0": 0, "decode-0": 0}
+    assert chaos.leaked_blocks(_fake(monkeypatch, [], used=2), timeout_s=0) == {"prefill-0": 2, "decode-0": 2}
