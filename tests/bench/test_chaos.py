@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from bench import chaos
 from tests.cluster.load import Outcome
 
@@ -76,7 +78,7 @@ class FakeCluster:
         return serving_pb2.LoadStats(**self._loads[endpoint])
 
 
-def _fake(monkeypatch, index: list[dict], used: int = 0, queries: int = 5) -> FakeCluster:  # type: ignore[no-untyped-def]
+def _fake(monkeypatch: pytest.MonkeyPatch, index: list[dict], used: int = 0, queries: int = 5) -> FakeCluster:
     pools = [{"worker_id": w, "endpoint": w, "incarnation": 7} for w in ("prefill-0", "decode-0")]
     loads = {w["endpoint"]: {"kv_blocks_used": used, "prefix_cache_queries": queries} for w in pools}
     cluster = FakeCluster(pools, loads, index)
@@ -93,7 +95,7 @@ def _entry(worker_id: str, incarnation: int = 7, num_blocks: int = 3, live: bool
     return {"worker_id": worker_id, "incarnation": incarnation, "num_blocks": num_blocks, "live": live}
 
 
-def test_the_index_must_hold_exactly_the_pools_current_incarnations(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_index_must_hold_exactly_the_pools_current_incarnations(monkeypatch: pytest.MonkeyPatch) -> None:
     good = [_entry("prefill-0"), _entry("decode-0")]
     assert chaos.index_problems(_fake(monkeypatch, good), timeout_s=0) == []
     stale = [*good, _entry("prefill-0", incarnation=3, live=False)]  # a restarted worker's old entries
@@ -105,6 +107,6 @@ def test_the_index_must_hold_exactly_the_pools_current_incarnations(monkeypatch)
     assert chaos.index_problems(_fake(monkeypatch, good[:1], queries=0), timeout_s=0) == []  # it served nothing
 
 
-def test_blocks_still_used_after_the_drain_are_leaked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_blocks_still_used_after_the_drain_are_leaked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chaos.leaked_blocks(_fake(monkeypatch, [], used=0), timeout_s=0) == {"prefill-0": 0, "decode-0": 0}
     assert chaos.leaked_blocks(_fake(monkeypatch, [], used=2), timeout_s=0) == {"prefill-0": 2, "decode-0": 2}
