@@ -137,7 +137,9 @@ class Cluster:
 
 class Fault(Protocol):
     """One kind of fault. `inject` does it (blocking until it is over: a SIGSTOP lasts its time, a scale-up and
-    -down both complete) and says what it did, naming its victim; victims are chosen with `rng` only."""
+    -down both complete) and says what it did, naming its victim; victims are chosen with `rng` only. A host
+    partition (issue 36 item 2, with tests/multihost/'s namespaces) is one more: `name = "partition_host"`, an
+    `inject` that cuts a seeded host's link, sleeps 15 s and heals it, added to `make_faults`."""
 
     name: str
 
