@@ -275,8 +275,9 @@ class ChaosReport:
     hung: int = 0
     correct_fraction: float = 0.0
     migrations: float = 0.0
+    retries: dict[str, float] = field(default_factory=dict)  # dispatches retried before any token, by reason
     restarts: dict[str, float] = field(default_factory=dict)  # "role/reason" -> count
-    kv_transfer_failures: float = 0.0  # handoffs that failed (the cut ones among them), from /metrics
+    kv_transfer_failures: float = 0.0  # the current workers' failed handoffs (/metrics: per incarnation)
     faults: list[Injected] = field(default_factory=list)
     fault_errors: list[str] = field(default_factory=list)  # faults that could not be injected; a cluster not whole
     faults_skipped: list[str] = field(default_factory=list)  # scheduled past the end (earlier ones ran late)
@@ -469,6 +470,8 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
         report.index_problems = index_problems(cluster)
         report.index_consistent = not report.index_problems
         report.migrations = sum(cluster.metric("splitserve:request_migrations_total").values())
+        report.retries = {dict(k).get("reason", ""): v
+                          for k, v in cluster.metric("splitserve:request_retries_total").items() if v}
         report.restarts = {f"{dict(k)['role']}/{dict(k)['reason']}": v
                            for k, v in cluster.metric("splitserve:worker_restarts_total").items() if v}
         report.kv_transfer_failures = sum(cluster.metric("splitserve:kv_transfer_failures_total").values())
