@@ -10,10 +10,10 @@
 3. A steady load of `--clients` streaming clients (tests/cluster/load.py's SteadyLoad, each request greedy on a
    seeded choice of `PROMPTS`), and a fault every `--interval` seconds from a seeded schedule (every kind once per
    round, in a seeded order; each victim chosen by the same generator), each injected once the cluster is whole
-   again (every worker serving and healthy). The fault kinds are `FAULTS`: each a small class with a `name` and
-   an `inject(cluster, rng)` that returns what it did (a host partition from tests/multihost/ plugs in as one
-   more).
-4. Every response is checked: a completed stream must carry the undisturbed text, token for token; the others must
+   again (every worker serving and healthy). The fault kinds are those of `make_faults`: each a small class with a
+   `name` and an `inject(cluster, rng)` that returns what it did (a host partition from tests/multihost/ plugs in
+   as one more).
+4. Every response is checked: a completed stream must carry the undisturbed text and its token count; the others must
    be clean errors (429/503 with Retry-After, or an SSE error event); a request not ended within its deadline
    (`--request-timeout` + 30 s) is hung. After the run: a final drain, then every worker's KV blocks (GetLoad over
    the cluster's gRPC) must be free, and the prefix index must hold exactly the pools' current incarnations.
@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -74,7 +75,7 @@ class ChaosConfig:
     interval_s: float = 30.0
     seed: int = 0
     transport: str = "grpc"
-    faults: tuple[str, ...] = ()  # fault names (FAULTS); empty: all
+    faults: tuple[str, ...] = ()  # fault names (make_faults); empty: all
     num_clients: int = 3
     max_tokens: int = 16
     stop_s: float = 20.0  # how long a SIGSTOPped worker stays stopped
@@ -389,7 +390,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _prompt(seed: int) -> object:
+def _prompt(seed: int) -> Callable[[int, int], str]:
     """The load's prompt choice: client `c`'s `n`-th request, the same for every run of one seed."""
     return lambda c, n: random.Random(f"{seed}-{c}-{n}").choice(PROMPTS)
 
@@ -436,7 +437,7 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
         log(f"chaos: serving on {url}; undisturbed answers of {len(expected)} prompts known")
         deadline_s = config.request_timeout_s + 30
         load = SteadyLoad(url, model_id, num_clients=config.num_clients, max_tokens=config.max_tokens,
-                          prompt=_prompt(config.seed), timeout_s=deadline_s + 30,  # type: ignore[arg-type]
+                          prompt=_prompt(config.seed), timeout_s=deadline_s + 30,
                           deadline_s=deadline_s).start()
         started = time.monotonic()
         num_faults = int((config.duration_s - 1e-6) // config.interval_s)
