@@ -49,6 +49,9 @@ FAULT_KV_CUTS_ENV = "SPLITSERVE_FAULT_KV_CUTS"
 # And while the file this names exists, a handoff of two or more blocks stalls half-way (StallHalfWay), so that a
 # test can kill the worker mid-handoff.
 FAULT_KV_STALL_ENV = "SPLITSERVE_FAULT_KV_STALL_FILE"
+# And at runtime: each time the file this names exists when a handoff of two or more blocks starts, that handoff is
+# cut half-way and the file removed (one cut per file created: bench/chaos.py's "cut a KV transfer" fault).
+FAULT_KV_CUT_FILE_ENV = "SPLITSERVE_FAULT_KV_CUT_FILE"
 
 
 class HeldBlocks(WireBlocks):
@@ -235,10 +238,17 @@ class PrefillWorker(RuntimeWorker):
 
     def _take_cut(self) -> bool:
         with self._cuts_lock:
-            if self._cuts_left <= 0:
-                return False
-            self._cuts_left -= 1
-            return True
+            if self._cuts_left > 0:
+                self._cuts_left -= 1
+                return True
+        cut_file = os.environ.get(FAULT_KV_CUT_FILE_ENV)
+        if cut_file:
+            try:
+                os.unlink(cut_file)  # whichever worker removes it takes the cut
+                return True
+            except FileNotFoundError:
+                pass
+        return False
 
 
 class PrefillServicer(WorkerServicer):

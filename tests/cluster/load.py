@@ -1,7 +1,8 @@
 """Load against a running gateway: a burst of concurrent streamed completions (the overload tests), a steady load
-of a few clients that keep sending until stopped (the scaling tests), and one greedy stream read chunk by chunk
-(the migration tests). Every request's HTTP status, whether its stream ended properly, when it got its first
-token."""
+of a few clients that keep sending until stopped (the scaling tests, bench/chaos.py), and one greedy stream read
+chunk by chunk (the migration tests). Every request's HTTP status, whether its stream ended properly, when it got
+its first token, its prompt and text (so that a caller can check the answer), and whether it hung past a deadline.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class Outcome:
     error: str = ""
     retry_after: str | None = None  # the Retry-After header of a response that was not a 200
     elapsed_s: float = 0.0  # sent -> response and stream read to their end
+    prompt: str = ""
+    text: str = ""  # the streamed text, every chunk's
+    hung: bool = False  # still not ended at the caller's deadline (SteadyLoad's deadline_s): given up on
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Outcome:
@@ -36,8 +40,8 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
                 error = (await response.aread()).decode(errors="replace")[:300]
                 return Outcome(status=response.status_code, completed=False, num_tokens=0, ttft_s=None, error=error,
                                retry_after=response.headers.get("retry-after"),
-                               elapsed_s=time.perf_counter() - started_s)
-            ttft_s, num_tokens, finished, done = None, 0, False, False
+                               elapsed_s=time.perf_counter() - started_s, prompt=prompt)
+            ttft_s, num_tokens, finished, done, text = None, 0, False, False, ""
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -48,7 +52,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return Outcome(status=200, completed=False, num_tokens=num_tokens, ttft_s=ttft_s,
-                                   error=str(chunk["error"])[:300])
+                                   error=str(chunk["error"])[:300], prompt=prompt, text=text)
                 if chunk.get("usage"):  # the last chunk: the tokens generated, however the text was chunked
                     num_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk["choices"]:
@@ -56,11 +60,24 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
                 choice = chunk["choices"][0]
                 if choice.get("text") and ttft_s is None:
                     ttft_s = time.perf_counter() - started_s
+                text += choice.get("text") or ""
                 finished = finished or choice.get("finish_reason") is not None
             return Outcome(status=200, completed=finished and done, num_tokens=num_tokens, ttft_s=ttft_s,
-                           elapsed_s=time.perf_counter() - started_s)
+                           elapsed_s=time.perf_counter() - started_s, prompt=prompt, text=text)
     except httpx.HTTPError as exc:
-        return Outcome(status=0, completed=False, num_tokens=0, ttft_s=None, error=repr(exc)[:300])
+        return Outcome(status=0, completed=False, num_tokens=0, ttft_s=None, error=repr(exc)[:300], prompt=prompt)
+
+
+async def _within(deadline_s: float | None, client: httpx.AsyncClient, model: str, prompt: str,
+                  max_tokens: int) -> Outcome:
+    """`_one`, given up on (an Outcome with `hung`) when it has not ended `deadline_s` after it was sent."""
+    if deadline_s is None:
+        return await _one(client, model, prompt, max_tokens)
+    try:
+        return await asyncio.wait_for(_one(client, model, prompt, max_tokens), deadline_s)
+    except TimeoutError:
+        return Outcome(status=0, completed=False, num_tokens=0, ttft_s=None, error=f"not ended in {deadline_s} s",
+                       prompt=prompt, hung=True, elapsed_s=deadline_s)
 
 
 async def _burst(url: str, model: str, num_requests: int, max_tokens: int, timeout_s: float) -> list[Outcome]:
@@ -77,12 +94,15 @@ def burst(url: str, model: str, *, num_requests: int, max_tokens: int = 16, time
 
 class SteadyLoad:
     """`num_clients` clients, each sending streamed greedy completions one after another until `stop()`, on a
-    thread of its own. Each client's prompts are its own (`prompt(client, n)`), so they share no prefix."""
+    thread of its own. Each client's prompts are `prompt(client, n)` (the scaling tests' share no prefix).
+    `deadline_s`: a request not ended that long after it was sent is given up on and counted `hung`."""
 
     def __init__(self, url: str, model: str, *, num_clients: int, max_tokens: int,
-                 prompt: Callable[[int, int], str], timeout_s: float = 120.0) -> None:
+                 prompt: Callable[[int, int], str], timeout_s: float = 120.0,
+                 deadline_s: float | None = None) -> None:
         self._url, self._model, self._num_clients = url, model, num_clients
         self._max_tokens, self._prompt, self._timeout_s = max_tokens, prompt, timeout_s
+        self._deadline_s = deadline_s
         self.outcomes: list[Outcome] = []
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="steady-load", daemon=True)
@@ -94,7 +114,7 @@ class SteadyLoad:
     def stop(self) -> list[Outcome]:
         """Let every client finish its current request; every outcome so far."""
         self._stopping.set()
-        self._thread.join(self._timeout_s + 10)
+        self._thread.join(max(self._timeout_s, self._deadline_s or 0) + 10)
         assert not self._thread.is_alive(), "the load's clients did not finish"
         return list(self.outcomes)
 
@@ -112,7 +132,8 @@ class SteadyLoad:
     async def _client(self, client: httpx.AsyncClient, index: int) -> None:
         n = 0
         while not self._stopping.is_set():
-            self.outcomes.append(await _one(client, self._model, self._prompt(index, n), self._max_tokens))
+            self.outcomes.append(await _within(self._deadline_s, client, self._model, self._prompt(index, n),
+                                               self._max_tokens))
             n += 1
 
 

@@ -1,0 +1,196 @@
+"""bench/chaos.py's cluster handle and its faults: what a fault sees of the running cluster (`Cluster`: the admin
+API, each worker's GetLoad, /metrics, the Redis the run owns, the KV-cut trigger file) and the fault kinds.
+
+A fault is a small class with a `name` and an `inject(cluster, rng)` (the `Fault` protocol); `make_faults` lists
+them. A host partition (issue 36 item 2, with tests/multihost/'s namespaces) plugs in as one more.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from deploy.redis_server import EmbeddedRedis
+from protos import serving_pb2, serving_pb2_grpc
+from protos.cluster_auth import ClusterAuth, sync_channel
+from tests.deploy.processes import ServeProcess
+
+ADMIN_TOKEN = "chaos-admin-token"
+
+
+class Cluster:
+    """The running cluster as the faults and the checks see it: the gateway's URL, the admin API, the Redis this
+    script owns, the KV-cut trigger file, the cluster secret (for GetLoad on the workers)."""
+
+    def __init__(self, url: str, serve: ServeProcess, redis: EmbeddedRedis, cut_file: Path, auth: ClusterAuth,
+                 sizes: dict[str, int]) -> None:
+        self.url, self.serve, self.redis, self.cut_file, self.auth = url, serve, redis, cut_file, auth
+        self.sizes = dict(sizes)  # role -> workers wanted
+        self.headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def pools(self) -> list[dict]:
+        response = httpx.get(f"{self.url}/admin/pools", headers=self.headers, timeout=30)
+        response.raise_for_status()
+        return response.json()["workers"]
+
+    def scale(self, **sizes: int) -> list[dict]:
+        response = httpx.post(f"{self.url}/admin/scale", headers=self.headers, json=sizes, timeout=600)
+        response.raise_for_status()
+        self.sizes.update(sizes)
+        return response.json()["workers"]
+
+    def load(self, endpoint: str) -> serving_pb2.LoadStats:
+        with sync_channel(endpoint, self.auth) as channel:
+            return serving_pb2_grpc.WorkerStub(channel).GetLoad(serving_pb2.LoadRequest(), timeout=10)
+
+    def metric(self, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name == name}
+
+    def is_whole(self) -> bool:
+        """Every pool at its size, every worker serving and answering its health checks."""
+        try:
+            workers = self.pools()
+        except httpx.HTTPError:
+            return False
+        roles = Counter(w["role"] for w in workers if w["state"] == "serving" and w["load"] and w["load"]["healthy"])
+        return len(workers) == sum(self.sizes.values()) and all(roles[r] == n for r, n in self.sizes.items())
+
+    def wait_whole(self, timeout_s: float) -> float:
+        """Seconds until the cluster was whole; raises TimeoutError."""
+        started = time.monotonic()
+        while not self.is_whole():
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"the cluster was not whole within {timeout_s} s: {self.pools()}")
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+
+class Fault(Protocol):
+    """One kind of fault. `inject` does it (blocking until it is over: a SIGSTOP lasts its time, a scale-up and
+    -down both complete) and says what it did, naming its victim; victims are chosen with `rng` only. A host
+    partition (issue 36 item 2, with tests/multihost/'s namespaces) is one more: `name = "partition_host"`, an
+    `inject` that cuts a seeded host's link, sleeps 15 s and heals it, added to `make_faults`."""
+
+    name: str
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str: ...
+
+
+def _serving(cluster: Cluster, role: str | None = None) -> list[dict]:
+    return sorted((w for w in cluster.pools() if w["state"] == "serving" and (role is None or w["role"] == role)),
+                  key=lambda w: w["worker_id"])
+
+
+class KillPrefill:
+    name = "kill_prefill"
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str:
+        victim = rng.choice(_serving(cluster, "prefill"))
+        os.kill(victim["pid"], signal.SIGKILL)
+        return f"SIGKILL {victim['worker_id']} (pid {victim['pid']})"
+
+
+class KillDecodeMidStream:
+    """SIGKILL a decode worker while it runs a stream (the first seen busy within 10 s; else a seeded one)."""
+
+    name = "kill_decode_mid_stream"
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str:
+        decode = _serving(cluster, "decode")
+        victim, deadline = rng.choice(decode), time.monotonic() + 10
+        while time.monotonic() < deadline:
+            busy = [w for w in rng.sample(decode, len(decode)) if cluster.load(w["endpoint"]).num_requests_running]
+            if busy:
+                victim = busy[0]
+                break
+            time.sleep(0.05)
+        running = cluster.load(victim["endpoint"]).num_requests_running
+        os.kill(victim["pid"], signal.SIGKILL)
+        return f"SIGKILL {victim['worker_id']} (pid {victim['pid']}) running {running} streams"
+
+
+class StopWorker:
+    """SIGSTOP a worker (either role), SIGCONT it `stop_s` later (unless the controller replaced it meanwhile)."""
+
+    name = "sigstop_worker"
+
+    def __init__(self, stop_s: float) -> None:
+        self.stop_s = stop_s
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str:
+        victim = rng.choice(_serving(cluster))
+        os.kill(victim["pid"], signal.SIGSTOP)
+        time.sleep(self.stop_s)
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+            after = "SIGCONT"
+        except ProcessLookupError:
+            after = "gone before SIGCONT"
+        return f"SIGSTOP {victim['worker_id']} (pid {victim['pid']}) {self.stop_s:g} s, {after}"
+
+
+class RestartRedis:
+    """Stop the prefix index's Redis and start it again empty, on the same port with the same password."""
+
+    name = "restart_redis"
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str:
+        cluster.redis.stop()
+        time.sleep(1.0)
+        cluster.redis.start()
+        return f"restarted Redis on port {cluster.redis.port}"
+
+
+class CutKVTransfer:
+    """Cut the next KV handoff of two or more blocks half-way (prefill_worker's SPLITSERVE_FAULT_KV_CUT_FILE)."""
+
+    name = "cut_kv_transfer"
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str:
+        cluster.cut_file.touch()
+        deadline = time.monotonic() + 20
+        while cluster.cut_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if cluster.cut_file.exists():
+            cluster.cut_file.unlink(missing_ok=True)
+            raise RuntimeError("no KV handoff of two or more blocks within 20 s: nothing cut")
+        return "cut a KV handoff half-way"
+
+
+class ScalePool:
+    """Scale a seeded pool up by one, then back down (its new worker serves, then drains away)."""
+
+    name = "scale_up_down"
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str:
+        role = rng.choice(sorted(cluster.sizes))
+        size = cluster.sizes[role]
+        cluster.scale(**{role: size + 1})
+        cluster.scale(**{role: size})
+        return f"scaled {role} {size} -> {size + 1} -> {size}"
+
+
+def make_faults(*, stop_s: float) -> dict[str, Fault]:
+    """Every fault kind bench/chaos.py injects, by name (`stop_s`: how long a SIGSTOPped worker stays stopped)."""
+    faults: list[Fault] = [KillPrefill(), KillDecodeMidStream(), StopWorker(stop_s), RestartRedis(),
+                           CutKVTransfer(), ScalePool()]
+    return {f.name: f for f in faults}
+
+
+def schedule(names: list[str], num_faults: int, rng: random.Random) -> list[str]:
+    """`num_faults` fault names: rounds of every name once, each round in a seeded order."""
+    order: list[str] = []
+    while len(order) < num_faults:
+        order += rng.sample(names, len(names))
+    return order[:num_faults]
