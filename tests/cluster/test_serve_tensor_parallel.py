@@ -69,7 +69,8 @@ def test_pools_of_different_tensor_parallel_sizes_serve_and_a_dead_rank_restarts
         deadline = time.monotonic() + 180
         while True:
             now = _pools(serve.url).get("prefill")
-            if now and now["state"] == "serving" and now["incarnation"] != prefill["incarnation"]:
+            if (now and now["state"] == "serving" and now["incarnation"] != prefill["incarnation"]
+                    and now["load"] is not None and now["load"]["healthy"]):  # and the gateway has polled it
                 break
             assert time.monotonic() < deadline, f"the prefill worker was not restarted: {now}"
             time.sleep(0.5)

@@ -110,8 +110,11 @@ def cluster(request, smollm2_gguf: str, tmp_path_factory: pytest.TempPathFactory
         hosts.wait_serving(timeout_s=240)
         yield hosts
     finally:
-        for name in hosts.pods:
-            hosts.stop(name, timeout_s=30)
+        # As tests/helm/test_pods_as_processes.py stops its pods: the gateway, then the pools and the head at once
+        # (a pool node drains for up to 30 s on SIGTERM: in parallel, not one after another), Redis last.
+        hosts.stop_all(["gateway"])
+        hosts.stop_all([name for name in hosts.pods if name not in ("gateway", "redis")])
+        hosts.stop_all(["redis"])
         hosts.leftovers(timeout_s=5)
         network.close()
 
