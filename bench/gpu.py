@@ -90,7 +90,7 @@ from bench.gpu_floors import (
 )
 from bench.gpu_hf import hf_model, measure_hf_generate
 from bench.gpu_quantized import QUANTIZATIONS, bench_quantized, check_method, gguf_dummy_weights
-from bench.gpu_report import summary
+from bench.gpu_report import async_vs_sync, summary
 from bench.kernel_count import count_step_kernels
 from engine.config import EngineConfig
 from engine.device import TORCH_DTYPES, resolve_device, resolve_dtype
@@ -446,18 +446,6 @@ def bench_shape_quantized(shape: str, device: torch.device, dtype_name: str, ban
         free=lambda: free(device))
     result["shape_s"] = time.perf_counter() - t0
     save()
-
-
-def async_vs_sync(decode: list[dict]) -> list[dict]:
-    """Per batch measured both ways: the steady-state step with async scheduling and without, and their ratio."""
-    rows = []
-    for on in (d for d in decode if d.get("async_scheduling")):
-        off = next((d for d in decode if d["batch"] == on["batch"] and d.get("async_scheduling") is False), None)
-        if off is not None:
-            rows.append({"batch": on["batch"], "on_steady_step_ms": on["steady_step_ms"],
-                         "off_steady_step_ms": off["steady_step_ms"],
-                         "off_over_on": off["steady_step_ms"] / on["steady_step_ms"]})
-    return rows
 
 
 def _bench_decode(engine: LLMEngine, shape: str, w_bytes: int, kv_token_bytes: int, bandwidth: float,

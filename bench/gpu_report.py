@@ -71,3 +71,15 @@ def quantized_table(shape: str, q: dict) -> str:
                      f"{r['step_ratio']:.3f} | {r['none_tokens_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_s_ratio']:.3f} | {target} |")
     return "\n".join(lines)
+
+
+def async_vs_sync(decode: list[dict]) -> list[dict]:
+    """Per batch measured both ways: the steady-state step with async scheduling and without, and their ratio."""
+    rows = []
+    for on in (d for d in decode if d.get("async_scheduling")):
+        off = next((d for d in decode if d["batch"] == on["batch"] and d.get("async_scheduling") is False), None)
+        if off is not None:
+            rows.append({"batch": on["batch"], "on_steady_step_ms": on["steady_step_ms"],
+                         "off_steady_step_ms": off["steady_step_ms"],
+                         "off_over_on": off["steady_step_ms"] / on["steady_step_ms"]})
+    return rows
