@@ -284,3 +284,14 @@ def quantized_linear_torch(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
         assert weight.scales is not None
         return F.linear(x, weight.data.float()) * weight.scales
     return dequantize_activations_q8(*quantize_activations_q8(x)) @ weight.dequantize().T
+
+
+def linear_output(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The uninitialised [M, N] output, in x's dtype on x's device, of a quantized GEMM kernel x [M, K] @ W.T, after
+    checking what every such kernel takes: x 2-D with contiguous rows, float32 / bfloat16 / float16, K inputs, on the
+    weight's device."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"x: [M, K] with contiguous rows, got {tuple(x.shape)}"
+    assert x.shape[1] == weight.in_features, f"x has {x.shape[1]} inputs, the weight {weight.in_features}"
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"unsupported dtype {x.dtype}"
+    assert x.device == weight.data.device, f"x on {x.device}, the weight on {weight.data.device}"
+    return torch.empty(x.shape[0], weight.out_features, dtype=x.dtype, device=x.device)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight
+from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight, linear_output
 
 # tl.constexpr codes of the formats (QuantFormat.code, the C++ side's numbers)
 FMT_Q4_0, FMT_Q4_1, FMT_Q8_0 = QuantFormat.Q4_0.code, QuantFormat.Q4_1.code, QuantFormat.Q8_0.code
@@ -125,12 +125,8 @@ def gguf_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     `QuantizedWeight` on x's device."""
     fmt = weight.format
     assert fmt.is_gguf, f"gguf_linear takes Q4_0/Q4_1/Q8_0 weights, got {fmt.label}"
-    assert x.dim() == 2 and x.stride(1) == 1, f"x: [M, K] with contiguous rows, got {tuple(x.shape)}"
-    assert x.shape[1] == weight.in_features, f"x has {x.shape[1]} inputs, the weight {weight.in_features}"
-    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"unsupported dtype {x.dtype}"
-    assert x.device == weight.data.device, f"x on {x.device}, the weight on {weight.data.device}"
-    num_tokens, out_features = x.shape[0], weight.out_features
-    y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    y = linear_output(x, weight)
+    num_tokens, out_features = y.shape
     if num_tokens == 0:
         return y
     block_m, block_n, num_warps = launch_shape(num_tokens, fp32=x.dtype == torch.float32)

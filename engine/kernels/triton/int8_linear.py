@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight
+from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight, linear_output
 
 
 @triton.jit
@@ -72,12 +72,8 @@ def int8_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x [M, K] (float32, bfloat16 or float16, rows contiguous) @ W.T -> [M, N] in x's dtype, W an INT8
     `QuantizedWeight` on x's device."""
     assert weight.format is QuantFormat.INT8 and weight.scales is not None, f"got {weight.format.label}"
-    assert x.dim() == 2 and x.stride(1) == 1, f"x: [M, K] with contiguous rows, got {tuple(x.shape)}"
-    assert x.shape[1] == weight.in_features, f"x has {x.shape[1]} inputs, the weight {weight.in_features}"
-    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"unsupported dtype {x.dtype}"
-    assert x.device == weight.data.device, f"x on {x.device}, the weight on {weight.data.device}"
-    num_tokens, out_features = x.shape[0], weight.out_features
-    y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    y = linear_output(x, weight)
+    num_tokens, out_features = y.shape
     if num_tokens == 0:
         return y
     block_m, block_n, block_k, num_warps = launch_shape(num_tokens)
