@@ -1,7 +1,8 @@
 """A child rank's life (ranks 1..N-1 of a tensor-parallel engine), in its own spawned process:
 
     watch rank 0 (its death ends this process at once) → join the group → take the weight shard → build the model
-    and the KV cache shard → report ready → loop: Forward / Logits from rank 0 → Shutdown: exit 0
+    and the KV cache shard (on cpu moved to shared memory and handed to rank 0 with Ready, so that a worker's KV
+    handoffs reach this rank's heads) → report ready → loop: Forward / Logits from rank 0 → Shutdown: exit 0
 
 Any failure (a collective that fails because a rank died, a broken pipe, an error in the forward) ends the process
 with a non-zero exit code; rank 0 sees it and fails its engine. Nothing here schedules or samples: a child only
