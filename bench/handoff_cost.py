@@ -7,7 +7,7 @@ The KV is the dummy shape's (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64), 
 on cuda and float32 on cpu (`--dtype` to change): 1,000 tokens are 63 blocks, 23.2 MB of bf16 (46.5 MB of float32).
 Both ends are the workers' own: the sender reads the blocks out of a paged cache through the prefill worker's
 `HeldBlocks` (block ids scattered over the cache, as a busy block pool hands them out), and the receiver writes them
-into another through the decode worker's `Reservation`, opened by a `DecodeKVSink`. The receiver runs in its own
+into another through the decode worker's `Reservation`, opened by a `ReservationSink`. The receiver runs in its own
 process, on a grpc.aio server with a migration thread pool and the workers' channel options, as a decode worker's
 (malloc tuned as every worker's); `inproc` is in the sender's process by definition, and the reference: a copy
 and a check, no wire. `torch` on cuda needs a second GPU (NCCL between two devices); it is skipped on one.
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import crc32c  # noqa: E402
 import torch  # noqa: E402
 
-from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState  # noqa: E402
+from kv_transfer.reservation import ReservationSink, Reservation, ReservationState  # noqa: E402
 from engine.loader.dummy_shapes import DUMMY_SHAPES  # noqa: E402
 from kv_transfer.layout import KVHandoff, KVLayout  # noqa: E402
 from kv_transfer.registry import TRANSPORTS, make_receiver, make_sender  # noqa: E402
@@ -91,8 +91,8 @@ def blocks_crc(kv_cache: torch.Tensor, block_ids: list[int]) -> int:
 # ── the receiver: a decode worker's sink, reserving the same blocks for every handoff ───────────────────────
 
 
-class ReservingSink(DecodeKVSink):
-    """A DecodeKVSink that reserves its handoff's blocks as the handoff opens (a decode worker reserves them before
+class ReservingSink(ReservationSink):
+    """A ReservationSink that reserves its handoff's blocks as the handoff opens (a decode worker reserves them before
     it calls the prefill worker; here nobody calls), always the same scattered block ids. Committed reservations
     are let go at once, as if their request had run."""
 

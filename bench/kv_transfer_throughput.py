@@ -61,7 +61,7 @@ TIMEOUT_S = 120.0
 
 class _CopySink:
     """The benchmark's decode side: a paged cache laid out as the decode worker's (every layer in one tensor), into
-    which each block is written with the same single strided copy `decode_worker.reservation` makes."""
+    which each block is written with the same single strided copy `kv_transfer.reservation` makes."""
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         self.layout = layout

@@ -32,18 +32,18 @@ from concurrent.futures import Future
 import grpc
 import grpc.aio
 
-from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
+from kv_transfer.reservation import Reservation, ReservationState
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
 from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
 from kv_transfer.handoff_failure import REASON_KEY, REASONS
-from kv_transfer.registry import make_receiver
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
 from worker.config import WorkerConfig
 from worker.convert import output_to_response
 from worker.engine_loop import EngineLoopClosed
+from worker.peer_fetch import NOTHING
 from worker.runtime import CALLER_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
@@ -76,19 +76,13 @@ class DecodeWorker(RuntimeWorker):
             raise ValueError(f"DecodeWorker needs role 'decode' or 'colocated', got {config.role!r}")
         self.config = config
         self.runtime = WorkerRuntime(config, checkpoint)
-        self.sink = DecodeKVSink(self.runtime.layout, self.runtime.device)
-        self.receiver = None
-        if config.role == "decode":  # a colocated worker receives no KV
-            self.receiver = make_receiver(config.kv_transport, self.sink)
-            self.receiver.attach(self.runtime.server, self.runtime.endpoint)
+        self.sink = self.runtime.sink  # its KVReceiver's: handoffs (role decode) and peer fetches
         serving_pb2_grpc.add_WorkerServicer_to_server(DecodeServicer(self), self.runtime.server)
         self._prefill_stubs: dict[str, serving_pb2_grpc.WorkerStub] = {}
         self._prefill_channels: list[grpc.aio.Channel] = []
 
     def stop(self) -> None:
         self.runtime.stop(before_loop_stops=self._close_channels)
-        if self.receiver is not None:
-            self.receiver.close()
 
     # -- one request -----------------------------------------------------------------------------------------
     async def generate(
@@ -110,6 +104,7 @@ class DecodeWorker(RuntimeWorker):
         outputs = runtime.outputs(request_id, num_choices)
         timings = serving_pb2.StageTimings(router_queue_s=request.router_queue_s)
         reservation: Reservation | None = None
+        fetched = NOTHING  # blocks fetched from a peer for a prefill here, staged until the request ends
         finished = False
         released = False  # let go of before its status went out (a failure before its first token)
         num_left = num_choices
@@ -137,6 +132,9 @@ class DecodeWorker(RuntimeWorker):
                     first = False
                     yield early
             else:
+                if request.HasField("peer_fetch"):  # the prompt's head cached on a peer, cheaper fetched than computed
+                    fetched = await runtime.peer.fetch(req, request.peer_fetch)
+                    timings.peer_fetch_s, timings.peer_fetch_bytes = fetched.seconds, fetched.num_bytes
                 try:
                     await runtime.call(lambda e: e.enqueue(req))
                 except ValueError as exc:
@@ -147,7 +145,7 @@ class DecodeWorker(RuntimeWorker):
                 if first:
                     first = False
                     if not request.prefill_endpoint:  # colocated: both prefill stages ran here
-                        timings.prefill_queue_s = _queue_s(req)
+                        timings.prefill_queue_s = max(_queue_s(req) - fetched.seconds, 0.0)
                         timings.prefill_s = max(_first_token_s(req) - _queue_s(req), 0.0)
                     msg.timings.CopyFrom(timings)
                 if prompt_logprobs and out.index == 0:
@@ -168,6 +166,7 @@ class DecodeWorker(RuntimeWorker):
             released = True  # and nothing more of this attempt may touch the id, which the retry may hold by now
             await context.abort(exc.code, str(exc), exc.trailing_metadata)
         finally:
+            runtime.peer.release(fetched)
             if not released:
                 runtime.unlisten(request_id, num_choices)
                 if not finished:
@@ -240,6 +239,8 @@ class DecodeWorker(RuntimeWorker):
         timings.prefill_s = reply.timings.prefill_s
         timings.kv_transfer_s = reply.timings.kv_transfer_s
         timings.kv_transfer_bytes = reply.timings.kv_transfer_bytes
+        timings.peer_fetch_s = reply.timings.peer_fetch_s
+        timings.peer_fetch_bytes = reply.timings.peer_fetch_bytes
         if reply.error:  # the prompt ran but its KV never arrived: this pair failed, not the request
             raise GenerateFailed(grpc.StatusCode.ABORTED, reply.error,
                                  handoff_failure=reply.error_reason if reply.error_reason in REASONS else "")
@@ -333,11 +334,3 @@ class DecodeServicer(WorkerServicer):
 
     async def Prefill(self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not serve Prefill")
-
-    async def GetLoad(
-        self, request: serving_pb2.LoadRequest, context: grpc.aio.ServicerContext
-    ) -> serving_pb2.LoadStats:
-        stats = await super().GetLoad(request, context)
-        if self.worker.receiver is not None:
-            stats.kv_transfers_rejected.update(self.worker.receiver.rejections())
-        return stats

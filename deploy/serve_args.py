@@ -54,6 +54,11 @@ GATEWAY_FLAGS = (
     ConfigFlag("--disagg-prefill-threshold", "disagg_prefill_threshold_tokens",
                "tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled there, "
                "with no KV handoff (0: always disaggregate)", type=int),
+    ConfigFlag("--kv-peer-fetch", "kv_peer_fetch",
+               "with a prefix index: the worker running a prompt fetches the prompt's cached head from the worker "
+               "holding it when the measured link and prefill rates price that below computing it, whatever the "
+               "routing policy; --no-kv-peer-fetch: always compute",
+               action=argparse.BooleanOptionalAction),
 )
 # Security's flags of one field each; --api-key, --rate-limit-*, --ssl-* make a field of several (or of the
 # environment) in gateway_config_from_args.

@@ -22,9 +22,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.core.block_pool import BlockPool
+from engine.core.block_pool import BlockPool, KVBlock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_tier_events import TieredEvents
 from engine.core.request import Request, RequestStatus
@@ -34,6 +35,7 @@ from engine.core.stats import EngineStats, RequestStats
 from engine.engine_builder import build_engine_parts, kv_layout
 from engine.input_processor import InputProcessor
 from engine.kv_blocks import KVBlocks
+from engine.kv_peer_blocks import PeerBlocks, TierChain
 from engine.launched_step import LaunchedStep
 from engine.loader.checkpoint import Checkpoint
 from engine.model_runner import ModelRunner
@@ -44,6 +46,9 @@ from engine.spec_decode.speculator import NullSpeculator
 from kv_transfer.block_hash import BlockHash
 from kv_transfer.kv_events import KVEvent
 from kv_transfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 KVEventSink = Callable[[Sequence[KVEvent]], None]
 
@@ -87,9 +92,14 @@ class LLMEngine:
         if self.kv_tier is not None:
             self.block_pool.on_evict = self.kv_tier.on_evict
             self._tier_events = TieredEvents(self._holds, announced=self.kv_tier.tier.hashes())
+        # Blocks fetched from a peer worker for a prompt about to be admitted (engine/kv_peer_blocks.py), looked up
+        # before the offload tier; and the device blocks peers fetch from this one, pinned while they are sent.
+        self.peer_blocks = PeerBlocks(self.runner.kv_cache, self.runner.kv_scales)
+        self._tiers = TierChain([self.peer_blocks, *([self.kv_tier] if self.kv_tier is not None else [])])
+        self._pinned: dict[str, list[KVBlock]] = {}
         self.kv_cache = KVCacheManager(
             self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            tier=self.kv_tier,
+            tier=self._tiers,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -162,7 +172,10 @@ class LLMEngine:
                   if (block := self.block_pool.get_cached_block(block_hash)) is not None]
         tier.write_back(cached, timeout_s=10.0)
         tier.close()
-        self.kv_tier = self.kv_cache.tier = None
+        self.kv_tier = None
+        self._tiers = self._tiers.without(tier)
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier = self._tiers
         self.block_pool.on_evict = None
         self._tier_events = None
 
@@ -233,6 +246,45 @@ class LLMEngine:
         released = self.scheduler.release_held(request_id)
         self.publish_kv_events()
         return released
+
+    # -- peer fetch: the holder pins and sends, the fetcher stages (worker/peer_fetch.py) -------------------------
+    def pin_cached_blocks(self, pin_id: str, block_hashes: Sequence[BlockHash]) -> list[int] | None:
+        """Pin the device blocks holding `block_hashes` (every one must be in the device prefix cache, else None and
+        nothing pinned) so that no allocation evicts them while a peer reads them; their ids, in order. Undo with
+        `unpin_blocks(pin_id)`."""
+        if pin_id in self._pinned:
+            raise ValueError(f"blocks are pinned under {pin_id!r} already")
+        blocks = [self.block_pool.get_cached_block(h) for h in block_hashes]
+        if not blocks or any(block is None for block in blocks):
+            return None
+        found = [block for block in blocks if block is not None]
+        self.block_pool.touch(found)
+        self._pinned[pin_id] = found
+        return [block.block_id for block in found]
+
+    def unpin_blocks(self, pin_id: str) -> bool:
+        """Release what `pin_cached_blocks(pin_id)` pinned (the blocks stay prefix cache); False if nothing was."""
+        blocks = self._pinned.pop(pin_id, None)
+        if blocks is None:
+            return False
+        self.block_pool.free(reversed(blocks))
+        return True
+
+    def num_leading_blocks_held(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of `block_hashes`, from the first, this engine can serve without computing them: on the
+        device, in its offload tier, or staged from a peer."""
+        for index, block_hash in enumerate(block_hashes):
+            if not (self._holds(block_hash) or block_hash in self.peer_blocks):
+                return index
+        return len(block_hashes)
+
+    def stage_peer_blocks(self, block_hashes: Sequence[BlockHash], kv: torch.Tensor,
+                          scales: torch.Tensor | None) -> None:
+        """Blocks fetched from a peer, loadable by the next admission of a prompt they begin (PeerBlocks.stage)."""
+        self.peer_blocks.stage(block_hashes, kv, scales)
+
+    def unstage_peer_blocks(self, block_hashes: Sequence[BlockHash]) -> None:
+        self.peer_blocks.unstage(block_hashes)
 
     def reserve_remote(self, request: Request) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
@@ -438,8 +490,8 @@ class LLMEngine:
 
     def _prefix_cache_hits_by_tier(self) -> dict[str, int]:
         hits = {"device": self.kv_cache.prefix_hits_tokens}
-        if self.kv_tier is not None:
-            hits[self.kv_tier.kind] = self.kv_cache.prefix_tier_hits_tokens
+        for kind, num_blocks in self._tiers.blocks_loaded.items():
+            hits[kind] = num_blocks * self.config.block_size
         return hits
 
 

@@ -34,11 +34,11 @@ from engine.request.wire import logprobs_to_proto, sampling_params_from_proto, s
 from kv_transfer.base import TransferResult
 from kv_transfer.handoff_failure import reason_of
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
-from kv_transfer.registry import make_sender
 from kv_transfer.tp_plan import WirePlan, wire_plan
 from kv_transfer.tp_slices import WireBlocks, rank_caches
 from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
+from worker.peer_fetch import NOTHING, Fetched
 from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
@@ -116,15 +116,13 @@ class PrefillWorker(RuntimeWorker):
             raise ValueError(f"PrefillWorker needs role 'prefill', got {config.role!r}")
         self.config = config
         self.runtime = WorkerRuntime(config, checkpoint)
-        self.sender = make_sender(config.kv_transport, worker_id=config.worker_id, device=self.runtime.device,
-                                  auth=config.auth)
+        self.sender = self.runtime.sender()
         self._cuts_left = int(os.environ.get(FAULT_KV_CUTS_ENV, "0") or 0)
         self._cuts_lock = threading.Lock()
         serving_pb2_grpc.add_WorkerServicer_to_server(PrefillServicer(self), self.runtime.server)
 
     def stop(self) -> None:
-        self.runtime.stop()
-        self.sender.close()
+        self.runtime.stop()  # and its sender
 
     async def prefill(
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -142,7 +140,10 @@ class PrefillWorker(RuntimeWorker):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         outputs = runtime.outputs(request_id)
         done = False
+        fetched = NOTHING
         try:
+            # The router found the prompt's head cached on a peer and priced fetching it below computing it.
+            fetched = await runtime.peer.fetch(req, gen.peer_fetch) if gen.HasField("peer_fetch") else NOTHING
             try:
                 await runtime.call(lambda e: e.enqueue(req))
             except ValueError as exc:
@@ -151,7 +152,7 @@ class PrefillWorker(RuntimeWorker):
             out = await outputs.get()
             while not out.finished:  # a prefill's only output is its first token, which finishes it here
                 out = await outputs.get()
-            reply = self._reply(request_id, out)
+            reply = self._reply(request_id, out, fetched)
             if out.finish_reason != "prefilled":  # ended on its first token, or failed: nothing to hand off
                 done = True
                 return reply
@@ -172,19 +173,23 @@ class PrefillWorker(RuntimeWorker):
             reply.timings.kv_transfer_bytes = result.num_bytes
             return reply
         finally:
+            runtime.peer.release(fetched)
             runtime.loop.unlisten(request_id)
             if not done:  # the decode worker gave up (its client left, or it timed out): abort, held blocks too
                 runtime.loop.submit(lambda e: e.abort_request([request_id]))
 
     @staticmethod
-    def _reply(request_id: str, out: RequestOutput) -> serving_pb2.PrefillResponse:
+    def _reply(request_id: str, out: RequestOutput, fetched: Fetched = NOTHING) -> serving_pb2.PrefillResponse:
         stats = out.stats
         reply = serving_pb2.PrefillResponse(
             request_id=request_id,
             num_cached_tokens=stats.num_cached_tokens if stats else 0,
             timings=serving_pb2.StageTimings(
-                prefill_queue_s=stats.queue_time_s if stats else 0.0,
+                # A peer fetch ran between the request's arrival and its queueing: its own stage, not queue time.
+                prefill_queue_s=max(stats.queue_time_s - fetched.seconds, 0.0) if stats else 0.0,
                 prefill_s=(stats.ttft_s - stats.queue_time_s) if stats else 0.0,
+                peer_fetch_s=fetched.seconds,
+                peer_fetch_bytes=fetched.num_bytes,
             ),
         )
         if out.token_ids:

@@ -68,18 +68,54 @@ class StructuredOutputs(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_endpoint", "router_queue_s")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_endpoint", "router_queue_s", "peer_fetch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     prefill_endpoint: str
     router_queue_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., router_queue_s: _Optional[float] = ...) -> None: ...
+    peer_fetch: PeerFetch
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ...) -> None: ...
+
+class PeerFetch(_message.Message):
+    __slots__ = ("endpoint", "worker_id", "num_blocks")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    worker_id: str
+    num_blocks: int
+    def __init__(self, endpoint: _Optional[str] = ..., worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("fetch_id", "block_hashes", "first_block", "receiver_endpoint", "receiver_worker_id")
+    FETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    fetch_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    first_block: int
+    receiver_endpoint: str
+    receiver_worker_id: str
+    def __init__(self, fetch_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., receiver_endpoint: _Optional[str] = ..., receiver_worker_id: _Optional[str] = ...) -> None: ...
+
+class FetchBlocksResponse(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes", "seconds")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -120,20 +156,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("router_queue_s", "decode_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes")
+    __slots__ = ("router_queue_s", "decode_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "peer_fetch_s", "peer_fetch_bytes")
     ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     router_queue_s: float
     decode_queue_s: float
     prefill_queue_s: float
     prefill_s: float
     kv_transfer_s: float
     kv_transfer_bytes: int
-    def __init__(self, router_queue_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    peer_fetch_s: float
+    peer_fetch_bytes: int
+    def __init__(self, router_queue_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., peer_fetch_s: _Optional[float] = ..., peer_fetch_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text_delta", "logprobs", "finish_reason", "stop_reason", "error", "usage", "timings", "index", "prompt_logprobs")
@@ -268,7 +308,7 @@ class KVNamespace(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class LoadStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_kv_transfers", "num_kv_transfer_failures", "incarnation", "cpu_kernels", "max_num_seqs", "kv_namespace", "prefix_index_up", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_chosen_k", "num_queued_prompt_tokens", "kv_transfers_rejected", "quantization", "prefix_cache_hits_by_tier", "kv_offload_bytes", "ranks")
+    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_kv_transfers", "num_kv_transfer_failures", "incarnation", "cpu_kernels", "max_num_seqs", "kv_namespace", "prefix_index_up", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_chosen_k", "num_queued_prompt_tokens", "kv_transfers_rejected", "quantization", "prefix_cache_hits_by_tier", "kv_offload_bytes", "ranks", "kv_peer_fetch_blocks", "kv_peer_fetch_bytes", "kv_peer_fetch_seconds", "kv_peer_fetch_failures", "kv_block_bytes")
     class KvTransfersRejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +324,13 @@ class LoadStats(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class KvOffloadBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvPeerFetchFailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +368,11 @@ class LoadStats(_message.Message):
     PREFIX_CACHE_HITS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     KV_OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    KV_PEER_FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_PEER_FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PEER_FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_PEER_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_requests_running: int
@@ -352,7 +404,12 @@ class LoadStats(_message.Message):
     prefix_cache_hits_by_tier: _containers.ScalarMap[str, int]
     kv_offload_bytes: _containers.ScalarMap[str, int]
     ranks: _containers.RepeatedCompositeFieldContainer[RankStats]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ..., prefix_cache_hits_by_tier: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ...) -> None: ...
+    kv_peer_fetch_blocks: int
+    kv_peer_fetch_bytes: int
+    kv_peer_fetch_seconds: float
+    kv_peer_fetch_failures: _containers.ScalarMap[str, int]
+    kv_block_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ..., prefix_cache_hits_by_tier: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., kv_peer_fetch_blocks: _Optional[int] = ..., kv_peer_fetch_bytes: _Optional[int] = ..., kv_peer_fetch_seconds: _Optional[float] = ..., kv_peer_fetch_failures: _Optional[_Mapping[str, int]] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
 
 class RankStats(_message.Message):
     __slots__ = ("rank", "pid", "weight_bytes", "kv_cache_bytes")

@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=protos_dot_serving__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_serving__pb2.LoadStats.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_unary(
+                '/splitserve.serving.v1.Worker/FetchBlocks',
+                request_serializer=protos_dot_serving__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_serving__pb2.FetchBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -96,6 +101,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Any worker -> the worker holding a cached prefix (any role): send those blocks to me.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +135,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_serving__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_serving__pb2.LoadStats.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=protos_dot_serving__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=protos_dot_serving__pb2.FetchBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +277,33 @@ class Worker:
             '/splitserve.serving.v1.Worker/GetLoad',
             protos_dot_serving__pb2.LoadRequest.SerializeToString,
             protos_dot_serving__pb2.LoadStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.serving.v1.Worker/FetchBlocks',
+            protos_dot_serving__pb2.FetchBlocksRequest.SerializeToString,
+            protos_dot_serving__pb2.FetchBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,7 +125,7 @@ def create_app(
                             on_resize=lambda pool, direction: metrics.autoscaler_decisions.labels(
                                 pool=pool, direction=direction).inc())
     dispatcher = Dispatcher(config=config, registry=registry, admission=admission, prefix_index=prefix_index,
-                            on_route=metrics.count_route)
+                            on_route=metrics.count_route, on_peer_fetch=metrics.count_peer_fetch)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

@@ -76,6 +76,10 @@ class GatewayConfig:
     # docs/benchmarks.md, "Conditional disaggregation", says how the default was chosen).
     routing_policy: str = checked(one_of(ROUTING_POLICIES), default="prefix-aware")
     disagg_prefill_threshold_tokens: int = checked(AT_LEAST_ZERO, default=32)
+    # Peer fetch (router/peer_fetch.py, worker/peer_fetch.py): with a prefix index, whatever the policy, the worker
+    # that runs a prompt fetches its cached head from the worker holding it when that is priced cheaper than
+    # computing it.
+    kv_peer_fetch: bool = True
     # The autoscaling signals' sliding window (router/pool_signals.py): TTFT and TPOT percentiles cover the
     # requests measured in the last this many seconds.
     signal_window_s: float = checked(POSITIVE, default=60.0)

@@ -41,6 +41,7 @@ from router.admission import Admission, AdmissionRefused, Ticket
 from router.config import RouterConfig
 from router.errors import ApiError
 from router.metrics import RequestTracker
+from router.peer_fetch import PeerFetchPlan, PeerFetchRates, price_peer_fetch
 from router.prefix_routing import PrefixIndex, PrefixLookup
 from router.routing import NoWorkerError, Route, WorkerLoad, num_blocks_needed, plan_route
 from router.worker_registry import WorkerRegistry
@@ -140,6 +141,7 @@ class GenerationStream:
         self._closed = False
         self.ticket: Ticket | None = None  # the admission ticket, given back on close
         self.on_finished: list[Callable[[GenerationStream], None]] = []  # called once, on a successful finish
+        self.first_timings: serving_pb2.StageTimings | None = None  # the first message's stage timings
 
     @property
     def worker_id(self) -> str:
@@ -158,6 +160,8 @@ class GenerationStream:
         message = await self._read_call(count_rpc_failure=False, first=True)
         if message is not None:
             self._buffered.append(message)
+            if message.HasField("timings"):
+                self.first_timings = message.timings
 
     def first_failure(self) -> ApiError | None:
         """After `read_first`: the error when the stream failed before producing anything."""
@@ -268,12 +272,18 @@ class Dispatcher:
     def __init__(
         self, *, config: RouterConfig, registry: WorkerRegistry, admission: Admission,
         prefix_index: PrefixIndex | None = None, on_route: Callable[[Route], None] | None = None,
+        on_peer_fetch: Callable[[PeerFetchPlan], None] | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
         self._admission = admission
-        self._prefix_index = prefix_index if config.routing_policy == "prefix-aware" else None
+        # The index scores workers (prefix-aware) and names the holders peer fetch fetches from (any policy).
+        self._routes_by_prefix = config.routing_policy == "prefix-aware"
+        use_index = self._routes_by_prefix or config.kv_peer_fetch
+        self._prefix_index = prefix_index if use_index else None
         self._on_route = on_route or (lambda route: None)
+        self._peer_rates = PeerFetchRates()
+        self._on_peer_fetch = on_peer_fetch or (lambda plan: None)
         self._turns = itertools.count()  # round-robin's turn; per gateway, as any round-robin balancer's
 
     async def open(self, job: GenerationJob, tracker: RequestTracker) -> GenerationStream:
@@ -326,11 +336,13 @@ class Dispatcher:
                     raise api_error from last_error
                 tracker.failed("no_worker")
                 raise ApiError(status_code=503, message=f"no worker can take the request: {error}") from error
-            stream = self._start(job, route, tracker, num_blocks, num_prior_tokens)
-            if self._prefix_index is not None:
+            peer = self._price_peer_fetch(lookup, route, loads, job)
+            stream = self._start(job, route, tracker, num_blocks, num_prior_tokens, peer)
+            if self._prefix_index is not None and self._routes_by_prefix:
                 self._prefix_index.record(lookup, route)
                 if not num_prior_tokens:  # a resumed request's usage does not count its whole prompt
                     stream.on_finished.append(self._prediction_checker(lookup, route))
+            stream.on_finished.append(self._rate_recorder(route, peer))
             try:
                 await stream.read_first()
             except grpc.aio.AioRpcError as error:
@@ -361,7 +373,8 @@ class Dispatcher:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _start(
-        self, job: GenerationJob, route: Route, tracker: RequestTracker, num_blocks: int, num_prior_tokens: int
+        self, job: GenerationJob, route: Route, tracker: RequestTracker, num_blocks: int, num_prior_tokens: int,
+        peer: PeerFetchPlan | None = None,
     ) -> GenerationStream:
         request = serving_pb2.GenerateRequest(
             request_id=job.request_id,
@@ -370,6 +383,9 @@ class Dispatcher:
             prefill_endpoint=route.prefill.endpoint if route.prefill is not None else "",
             router_queue_s=tracker.dispatched(),
         )
+        if peer is not None and peer.fetch:
+            request.peer_fetch.CopyFrom(serving_pb2.PeerFetch(
+                endpoint=peer.holder.endpoint, worker_id=peer.holder.worker_id, num_blocks=peer.num_blocks))
         self._registry.note_dispatch(route.target.worker_id, num_blocks)
         if route.prefill is not None:
             self._registry.note_dispatch(route.prefill.worker_id, num_blocks)
@@ -383,6 +399,40 @@ class Dispatcher:
 
     def mark_unhealthy(self, worker_id: str, reason: str) -> None:
         self._registry.mark_unhealthy(worker_id, reason)
+
+    def _price_peer_fetch(self, lookup: PrefixLookup | None, route: Route, loads: Sequence[WorkerLoad],
+                          job: GenerationJob) -> PeerFetchPlan | None:
+        """Fetch or compute the prompt's head that another worker holds (router/peer_fetch.py); None when peer
+        fetch is off, there is no index, or no other worker holds more of the prompt. Both prices go to a debug
+        line and the metrics."""
+        if lookup is None or not self._config.kv_peer_fetch:
+            return None
+        fetcher = route.prefill_worker
+        plan = price_peer_fetch(lookup.overlap, fetcher, loads, num_prompt_tokens=len(job.prompt_token_ids),
+                                block_size=self._config.block_size, rates=self._peer_rates)
+        if plan is None:
+            return None
+        logger.debug("%s: blocks %d to %d of its prompt are on %s: fetch %.1f ms, recompute %.1f ms on %s: %s",
+                     job.request_id, plan.first_block, plan.num_blocks - 1, plan.holder.worker_id,
+                     plan.fetch_s * 1e3, plan.recompute_s * 1e3, fetcher.worker_id,
+                     "fetch" if plan.fetch else "recompute")
+        self._on_peer_fetch(plan)
+        return plan
+
+    def _rate_recorder(self, route: Route, peer: PeerFetchPlan | None) -> Callable[[GenerationStream], None]:
+        """After a request: the prefill rate of the worker that ran its prompt, and its peer fetch's link rate."""
+        def record(stream: GenerationStream) -> None:
+            timings = stream.first_timings
+            if timings is None:
+                return
+            fetcher_id = route.prefill_worker.worker_id
+            computed = stream.num_prompt_tokens - stream.num_cached_tokens
+            if stream.usage is not None and not stream.num_prior_tokens:
+                self._peer_rates.observe_prefill(fetcher_id, computed, timings.prefill_s)
+            if peer is not None and peer.fetch:
+                self._peer_rates.observe_fetch(peer.holder.worker_id, fetcher_id, timings.peer_fetch_bytes,
+                                               timings.peer_fetch_s)
+        return record
 
     async def _lookup(self, token_ids: Sequence[int]) -> PrefixLookup | None:
         if self._prefix_index is None:

@@ -5,8 +5,9 @@ Measured here, per request (router clock):
     splitserve:inter_token_latency_seconds      histogram  between token messages of one stream
     splitserve:e2e_request_latency_seconds      histogram  arrival -> last message
     splitserve:ttft_stage_seconds{stage}        histogram  the TTFT breakdown, one label value per stage:
-        router_queue (this router: arrival -> dispatched), decode_queue, prefill_queue, prefill, kv_transfer
-        (from the StageTimings of the stream's first message; kv_transfer only when KV bytes moved)
+        router_queue (this router: arrival -> dispatched), decode_queue, prefill_queue, peer_fetch, prefill,
+        kv_transfer (from the StageTimings of the stream's first message; kv_transfer only when KV bytes moved,
+        peer_fetch only when the prompt's head was fetched from a peer)
     splitserve:kv_transfer_seconds              histogram  per request, when KV moved (= the kv_transfer stage)
     splitserve:request_success_total{finished_reason}  counter  stop | length | abort (client went away, or
                                                           the worker aborted it)
@@ -44,6 +45,15 @@ Admission (router/admission.py):
     splitserve:admission_queue_time_seconds     histogram  arrival in the queue -> dispatched (0 when not queued)
     splitserve:admission_rejections_total{reason}  counter queue_full (429) | queue_timeout (503)
 
+Peer fetch (router/peer_fetch.py; worker/peer_fetch.py):
+    splitserve:kv_peer_fetch_decisions_total{decision}  counter  fetch | recompute: a prompt whose head another
+                                                     worker holds, by the cheaper path as priced
+    splitserve:kv_peer_fetch_estimate_seconds{path}  histogram  both prices of each such decision (fetch, recompute)
+    splitserve:kv_peer_fetch_blocks_total{worker}, kv_peer_fetch_bytes_total{worker}  counters  what the worker
+                                                     fetched from peers
+    splitserve:kv_peer_fetch_failures_total{worker,reason}  counter  fetches that ended in a recompute: gone |
+                                                     timeout | unavailable | refused | transfer
+
 Routing and the prefix index (router/prefix_routing.py):
     splitserve:requests_by_prefill_path_total{path}  counter  remote (a prefill worker ran the prompt and its KV
                                                      moved) | local (the decode worker prefilled it: conditional
@@ -69,7 +79,7 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
              splitserve:cpu_kernels_info{worker,kernel,variant} (1: the C++ CPU kernel build the worker runs,
              variant "x86-64-v4" | "x86-64-v3" | ..., or "torch" where its torch ops run instead)
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total{worker,tier} (tokens; tier
-             device, or disk / host: the KV offload tier's), splitserve:kv_offload_bytes_total{worker,direction}
+             device, or disk / host: the KV offload tier's, or peer: fetched from another worker), splitserve:kv_offload_bytes_total{worker,direction}
              (write, read: the KV offload tier's),
              splitserve:kv_transfer_bytes_total, splitserve:num_preemptions_total,
              splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total,
@@ -97,13 +107,14 @@ from protos import serving_pb2
 from router.pool_signals import LatencyWindow
 
 if TYPE_CHECKING:
+    from router.peer_fetch import PeerFetchPlan
     from router.prefix_index_client import PrefixIndexClient
     from router.routing import Route
     from router.worker_registry import WorkerSnapshot
 
 PREFIX = "splitserve:"
 PREFILL_PATHS = ("remote", "local", "colocated")
-STAGES = ("router_queue", "decode_queue", "prefill_queue", "prefill", "kv_transfer")
+STAGES = ("router_queue", "decode_queue", "prefill_queue", "peer_fetch", "prefill", "kv_transfer")
 
 # vLLM's buckets, so dashboards built for vLLM read these the same way.
 _TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -190,6 +201,15 @@ class RouterMetrics:
         self.api_key_rejections = Counter(
             f"{PREFIX}api_key_rejections", "Requests refused by API key checks, by reason.", ["reason"],
             registry=registry)
+        self.kv_peer_fetch_decisions = Counter(
+            f"{PREFIX}kv_peer_fetch_decisions", "Prompts whose head another worker holds, by the cheaper path: "
+            "fetch it from that worker, or recompute it.", ["decision"], registry=registry)
+        self.kv_peer_fetch_estimate = Histogram(
+            f"{PREFIX}kv_peer_fetch_estimate_seconds", "Both priced paths of each peer fetch decision.", ["path"],
+            buckets=_STAGE_BUCKETS_S, registry=registry)
+        for path in ("fetch", "recompute"):
+            self.kv_peer_fetch_decisions.labels(decision=path)
+            self.kv_peer_fetch_estimate.labels(path=path)
         registry.register(WorkerLoadCollector(snapshots))
         registry.register(RestartCollector(roles, restart_counts or (lambda: ())))
 
@@ -202,6 +222,11 @@ class RouterMetrics:
         else:
             path = "colocated" if route.target.role == "colocated" else "local"
         self.prefill_path.labels(path=path).inc()
+
+    def count_peer_fetch(self, plan: PeerFetchPlan) -> None:
+        self.kv_peer_fetch_decisions.labels(decision="fetch" if plan.fetch else "recompute").inc()
+        self.kv_peer_fetch_estimate.labels(path="fetch").observe(plan.fetch_s)
+        self.kv_peer_fetch_estimate.labels(path="recompute").observe(plan.recompute_s)
 
     def tracker(self, arrival_s: float) -> RequestTracker:
         return RequestTracker(self, arrival_s)
@@ -282,6 +307,8 @@ class RequestTracker:
         stage.labels(stage="router_queue").observe(self.router_queue_s)
         stage.labels(stage="decode_queue").observe(timings.decode_queue_s)
         stage.labels(stage="prefill_queue").observe(timings.prefill_queue_s)
+        if timings.peer_fetch_bytes > 0:
+            stage.labels(stage="peer_fetch").observe(timings.peer_fetch_s)
         stage.labels(stage="prefill").observe(timings.prefill_s)
         if timings.kv_transfer_bytes > 0:  # a request that ended on its first token moved no KV
             stage.labels(stage="kv_transfer").observe(timings.kv_transfer_s)
@@ -433,6 +460,13 @@ def _tier_families(snapshots: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
                                "disk, host: the KV offload tier).", labels=["worker", "tier"])
     offload = CounterMetricFamily(f"{PREFIX}kv_offload_bytes", "KV bytes the worker's offload tier wrote and read.",
                                   labels=["worker", "direction"])
+    fetched = CounterMetricFamily(f"{PREFIX}kv_peer_fetch_blocks", "KV blocks the worker fetched from peers.",
+                                  labels=["worker"])
+    fetched_bytes = CounterMetricFamily(f"{PREFIX}kv_peer_fetch_bytes", "KV bytes the worker fetched from peers.",
+                                        labels=["worker"])
+    fetch_failures = CounterMetricFamily(f"{PREFIX}kv_peer_fetch_failures",
+                                         "Peer fetches that failed (the blocks were computed instead), by reason.",
+                                         labels=["worker", "reason"])
     for snapshot in snapshots:
         stats = snapshot.stats
         if stats is None:
@@ -444,8 +478,11 @@ def _tier_families(snapshots: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
                 hits.add_metric([worker_id, tier], float(num_tokens))
         for direction, num_bytes in sorted(stats.kv_offload_bytes.items()):
             offload.add_metric([worker_id, direction], float(num_bytes))
-    yield hits
-    yield offload
+        fetched.add_metric([worker_id], float(stats.kv_peer_fetch_blocks))
+        fetched_bytes.add_metric([worker_id], float(stats.kv_peer_fetch_bytes))
+        for reason, count in sorted(stats.kv_peer_fetch_failures.items()):
+            fetch_failures.add_metric([worker_id, reason], float(count))
+    yield from (hits, offload, fetched, fetched_bytes, fetch_failures)
 
 
 def _spec_decode_families(snapshots: Sequence[WorkerSnapshot]) -> Iterator[Metric]:

@@ -46,7 +46,10 @@ from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
 from engine.outputs import RequestOutput
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
+from kv_transfer.base import KVSender
 from kv_transfer.prefix_index import PublisherId
+from kv_transfer.registry import make_receiver, make_sender
+from kv_transfer.reservation import ReservationSink
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import CALLER_KEEPALIVE, SERVER_KEEPALIVE, add_port, server_interceptors
 from worker.config import WorkerConfig
@@ -54,6 +57,7 @@ from worker.engine_loop import EngineLoop, EngineLoopClosed
 from worker.event_loop_thread import EventLoopThread
 from worker.kv_event_publisher import NullPublisher, RedisKVEventPublisher
 from worker.malloc_tuning import tune_malloc
+from worker.peer_fetch import PeerFetcher
 from worker.request_gate import RequestGate
 
 logger = logging.getLogger(__name__)
@@ -146,10 +150,26 @@ class WorkerRuntime:
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.advertise_host or config.host}:{port}"
         self.layout = self.engine.kv_blocks.layout
+        # Receiving KV: a decode worker's handoffs, and every role's peer fetches; sending: a prefill worker's
+        # handoffs, and every role's blocks a peer fetches (worker/peer_fetch.py). The sender is made on first use.
+        self.sink = ReservationSink(self.layout, self.device)
+        self.receiver = make_receiver(config.kv_transport, self.sink)
+        self.receiver.attach(self.server, self.endpoint)
+        self._sender: KVSender | None = None
+        self._sender_lock = threading.Lock()
+        self.peer = PeerFetcher(self, self.sink, self.sender)
         self._rank_stats = self.engine.rank_stats()  # fixed for the engine's life
         self.gate = RequestGate()
         self._started = False
         self._stopped = False
+
+    def sender(self) -> KVSender:
+        """This worker's KV sender (`--kv-transport`), made on first use. Thread-safe."""
+        with self._sender_lock:
+            if self._sender is None:
+                self._sender = make_sender(self.config.kv_transport, worker_id=self.config.worker_id,
+                                           device=self.device, auth=self.config.auth)
+            return self._sender
 
     async def _make_server(self) -> grpc.aio.Server:  # on the loop: the server belongs to it
         migration = ThreadPoolExecutor(max_workers=_MIGRATION_THREADS, thread_name_prefix=f"{self.config.worker_id}-kv")
@@ -184,8 +204,13 @@ class WorkerRuntime:
             self.aio.run(self.server.stop(grace_s), timeout_s=grace_s + 5.0)
             if before_loop_stops is not None:
                 self.aio.run(before_loop_stops(), timeout_s=5.0)  # type: ignore[arg-type]
+            self.aio.run(self.peer.close(), timeout_s=5.0)
         except Exception:  # noqa: BLE001 - stopping must go on
             logger.exception("worker %s: stopping its server failed", self.config.worker_id)
+        self.receiver.close()
+        with self._sender_lock:
+            if self._sender is not None:
+                self._sender.close()
         self.loop.stop()
         self.engine.close_kv_tier()  # --kv-offload-dir: the prefix cache kept for the next start, its slot freed
         self.kv_events.close()
@@ -293,6 +318,13 @@ class WorkerRuntime:
         stats.cpu_kernels.extend(
             serving_pb2.CpuKernel(kernel=k.kernel, variant=k.variant) for k in self.engine.cpu_kernels
         )
+        stats.kv_transfers_rejected.update(self.receiver.rejections())
+        stats.kv_block_bytes = self.layout.block_bytes
+        fetched_blocks, fetched_bytes, fetch_seconds, fetch_failures = self.peer.stats()
+        stats.kv_peer_fetch_blocks = fetched_blocks
+        stats.kv_peer_fetch_bytes = fetched_bytes
+        stats.kv_peer_fetch_seconds = fetch_seconds
+        stats.kv_peer_fetch_failures.update(fetch_failures)
         with self.transfers.lock:
             stats.kv_transfer_bytes = self.transfers.num_bytes
             stats.kv_transfer_seconds = self.transfers.seconds
@@ -333,6 +365,11 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> serving_pb2.AbortResponse:
         return serving_pb2.AbortResponse(found=await self.runtime.abort(request.request_id))
+
+    async def FetchBlocks(self, request: serving_pb2.FetchBlocksRequest,
+                          context: grpc.aio.ServicerContext) -> serving_pb2.FetchBlocksResponse:
+        # Not behind the drain gate: like a KV handoff, a draining worker still serves what it holds.
+        return await self.runtime.peer.serve(request, context)
 
 
 def chosen_k_counts(stats: EngineStats, spec: SpeculativeConfig | dict | None) -> list[int]:

@@ -43,7 +43,7 @@ def test_colocated_worker_serves_a_returning_chat_from_its_disk_tier(smollm2_che
     fresh.add_request("r", returning, GREEDY)
     expected = [o for _ in range(100) for o in fresh.step() if o.finished]
     assert second == expected[0].token_ids
-    assert dict(load.prefix_cache_hits_by_tier) == {"device": 0, "disk": 160}
+    assert dict(load.prefix_cache_hits_by_tier) == {"device": 0, "disk": 160, "peer": 0}
     block_bytes = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2: 30 layers, K and V, 16 tokens, 3 KV heads of 64, float32
     assert load.kv_offload_bytes["read"] == 10 * block_bytes
     assert load.kv_offload_bytes["write"] >= 10 * block_bytes

@@ -32,7 +32,7 @@ def gguf_checkpoint(smollm2_gguf: str):  # noqa: ANN201
 def test_a_gguf_prefill_pool_feeds_a_float_decode_pool(smollm2_checkpoint, gguf_checkpoint) -> None:
     import torch
 
-    from decode_worker.reservation import DecodeKVSink
+    from kv_transfer.reservation import ReservationSink
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from tests.engine.kv_harness import hand_off_prompt, steps_until_finished, transfer_link
@@ -41,7 +41,7 @@ def test_a_gguf_prefill_pool_feeds_a_float_decode_pool(smollm2_checkpoint, gguf_
     # What the mixed pair must give: a gguf engine prefills, a `none` engine decodes from that very KV.
     offline_prefill = LLMEngine(EngineConfig(quantization="gguf", **ENGINE), gguf_checkpoint)
     offline_decode = LLMEngine(EngineConfig(**ENGINE), smollm2_checkpoint)
-    sink = DecodeKVSink(offline_decode.kv_blocks.layout, torch.device("cpu"))
+    sink = ReservationSink(offline_decode.kv_blocks.layout, torch.device("cpu"))
     with transfer_link("grpc", sink, torch.device("cpu")) as (sender, endpoint):
         _, first = hand_off_prompt(offline_prefill, offline_decode, sender, sink, endpoint, "ref", prompt_ids, PARAMS)
     offline_decode.commit_remote("ref", first, None)

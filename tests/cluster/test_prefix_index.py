@@ -74,9 +74,10 @@ class Cluster:
         return [WorkerInfo(worker_id=w.worker_id, role=w.role, endpoint=w.endpoint, incarnation=w.incarnation)
                 for w in self.workers]
 
-    def gateway(self, threshold: int = 0, policy: str = "prefix-aware") -> RouterServer:
+    def gateway(self, threshold: int = 0, policy: str = "prefix-aware", peer_fetch: bool = True) -> RouterServer:
         config = RouterConfig(served_model_names=(MODEL,), max_model_len=1024, block_size=BLOCK,
-                              routing_policy=policy, disagg_prefill_threshold_tokens=threshold)
+                              routing_policy=policy, disagg_prefill_threshold_tokens=threshold,
+                              kv_peer_fetch=peer_fetch)
         registry = WorkerRegistry(self.infos, refresh_interval_s=0.3, load_timeout_s=5.0)
         index = PrefixIndex(PrefixIndexClient(self.redis.url, ping_interval_s=0.2), namespace=registry.hash_namespace,
                             live_workers=registry.incarnations)
@@ -208,13 +209,44 @@ def test_each_family_is_prefilled_where_its_prefix_is_cached_and_the_index_lists
 
 
 def test_round_robin_spreads_the_same_family_and_recomputes_it(cluster) -> None:
-    url = cluster.gateway(policy="round-robin").url
+    url = cluster.gateway(policy="round-robin", peer_fetch=False).url
     family = ("You are a friendly guide to a botanical garden: describe plants, their seasons and where in the "
               "garden to find them. A question, asked ")
     bodies = [complete(url, family + word) for word in ("once.", "twice.", "thrice.", "again.")]
     # Turns alternate between the two prefill workers: each computes the family once, then finds it cached.
     assert [cached_tokens(b) > 0 for b in bodies] == [False, False, True, True]
     assert all(pool_hashes(w) & set(_hashes(cluster, family)) for w in cluster.prefill)
+
+
+def _peer_hits(cluster: Cluster) -> dict[str, int]:
+    loads = [stub(w).GetLoad(serving_pb2.LoadRequest(), timeout=10) for w in cluster.prefill]
+    return {load.worker_id: load.prefix_cache_hits_by_tier["peer"] for load in loads}
+
+
+def test_round_robin_with_peer_fetch_fetches_the_family_instead_of_recomputing_it(cluster) -> None:
+    """The same turns as above, peer fetch on (the default): the second turn lands on the other prefill worker,
+    which fetches the family's blocks from a worker holding them (the first prefill worker, or the decode worker
+    that received them) instead of computing them, and answers exactly as a recompute does."""
+    url = cluster.gateway(policy="round-robin").url
+    family = ("You are a friendly guide to a city zoo: describe its animals, their feeding times and where in the "
+              "zoo to find them. A question, asked ")
+    before_hits = _peer_hits(cluster)
+    before = metric(url, "splitserve:kv_peer_fetch_decisions_total")
+    bodies = []
+    for word in ("once.", "twice.", "thrice."):
+        bodies.append(complete(url, family + word))
+        wait_index_matches_pools(cluster)  # the index has heard of the turn's blocks before the next one routes
+    assert [cached_tokens(b) > 0 for b in bodies] == [False, True, True]
+    after = metric(url, "splitserve:kv_peer_fetch_decisions_total")
+    assert after[(("decision", "fetch"),)] - before.get((("decision", "fetch"),), 0) == 1, after
+    full_blocks = len(cluster.checkpoint.tokenizer.encode(family)) // BLOCK
+    fetched = {wid: n - before_hits[wid] for wid, n in _peer_hits(cluster).items()}
+    assert sorted(fetched.values()) == [0, full_blocks * BLOCK], fetched  # the second turn's worker, its family
+    assert metric(url, "splitserve:kv_peer_fetch_blocks_total")  # the gateway exports the workers' counters
+    # Greedy: the fetched KV gives the tokens the computed one gives.
+    recomputed = complete(cluster.gateway(policy="round-robin", peer_fetch=False).url, family + "twice.")
+    assert bodies[1]["choices"][0]["text"] == recomputed["choices"][0]["text"]
+    wait_blocks_free(*cluster.workers)
 
 
 def _hashes(cluster: Cluster, text: str) -> list[bytes]:

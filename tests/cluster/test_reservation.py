@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.reservation import Reservation, ReservationState
+from kv_transfer.reservation import Reservation, ReservationState
 from kv_transfer.base import tensor_checksum
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVTransferError
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from decode_worker.reservation import DecodeKVSink, Reservation
+from kv_transfer.reservation import ReservationSink, Reservation
 from engine import SamplingParams
 from kv_transfer.base import TransferFault
 from kv_transfer.layout import KVHandoff
@@ -93,7 +93,7 @@ def agreement(reference: list, quantized: list) -> tuple[list[int], float]:
     return num_agreeing, max_diff
 
 
-def hand_off_prompt(prefill, decode, sender, sink: DecodeKVSink, endpoint: str, request_id: str, prompt: str,
+def hand_off_prompt(prefill, decode, sender, sink: ReservationSink, endpoint: str, request_id: str, prompt: str,
                     params: SamplingParams, *, corrupt_last_byte: bool = False) -> tuple[Reservation, int]:
     """Prefill `prompt` on `prefill` (held for a remote decode), reserve its blocks on `decode`, send them with
     `sender` to the receiver at `endpoint` (which writes into `sink`), release the prefill's hold. Returns the
@@ -127,7 +127,7 @@ def hand_off_prompt(prefill, decode, sender, sink: DecodeKVSink, endpoint: str, 
 
 
 @contextmanager
-def transfer_link(transport: str, sink: DecodeKVSink, device: torch.device) -> Iterator[tuple[object, str]]:
+def transfer_link(transport: str, sink: ReservationSink, device: torch.device) -> Iterator[tuple[object, str]]:
     """A receiver of `transport` writing into `sink`, served on a loopback gRPC server, and a sender to it:
     yields (sender, endpoint); closes both and stops the server after."""
     from kv_transfer.registry import make_sender

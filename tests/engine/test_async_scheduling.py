@@ -149,11 +149,11 @@ def test_a_handoff_between_async_engines_decodes_what_the_colocated_engine_decod
     transport → decode engine, all three async: the colocated engine's tokens, every block back."""
     import torch
 
-    from decode_worker.reservation import DecodeKVSink, ReservationState
+    from kv_transfer.reservation import ReservationSink, ReservationState
     from tests.engine.kv_harness import hand_off_prompt, steps_until_finished, transfer_link
 
     colocated, prefill, decode = (make_engine(tiny_checkpoint, async_scheduling=True) for _ in range(3))
-    sink = DecodeKVSink(decode.kv_blocks.layout, torch.device("cpu"))
+    sink = ReservationSink(decode.kv_blocks.layout, torch.device("cpu"))
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
     with transfer_link("inproc", sink, torch.device("cpu")) as (sender, endpoint):
         for i, prompt in enumerate(PROMPTS[:2]):

@@ -91,7 +91,7 @@ def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_che
     takes directly; grpc: over loopback, as between hosts); the decode engine, replaying its CUDA graphs,
     gives the colocated engine's tokens (greedy, or seeded random: the decode engine's device generator starts past
     the prefill engine's draw), and every block of all three engines comes back."""
-    from decode_worker.reservation import DecodeKVSink, ReservationState
+    from kv_transfer.reservation import ReservationSink, ReservationState
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
@@ -102,7 +102,7 @@ def test_a_handoff_on_one_gpu_decodes_what_the_colocated_engine_decodes(tiny_che
     assert (decode.runner.graphs is not None) == graphs
     layout = decode.kv_blocks.layout
     cuda = torch.device("cuda")
-    sink = DecodeKVSink(layout, cuda)
+    sink = ReservationSink(layout, cuda)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     if sampling == "seeded":
         params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)

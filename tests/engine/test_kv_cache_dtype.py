@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from decode_worker.reservation import DecodeKVSink, Reservation, ReservationState
+from kv_transfer.reservation import ReservationSink, Reservation, ReservationState
 from deploy.cli import build_parser, main
 from deploy.serve_args import controller_config_from_args
 from engine import SamplingParams
@@ -184,7 +184,7 @@ def test_int8_handoff_decodes_what_the_colocated_engine_decodes(tiny_checkpoint,
     layout = decode.kv_blocks.layout  # what a worker over the engine names in its handoffs
     assert layout.kv_cache_dtype == "int8"
     assert layout == prefill.kv_blocks.layout != make_engine(tiny_checkpoint).kv_blocks.layout
-    sink = DecodeKVSink(layout, torch.device("cpu"))
+    sink = ReservationSink(layout, torch.device("cpu"))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with transfer_link(transport, sink, torch.device("cpu")) as (sender, endpoint):
 

@@ -73,7 +73,7 @@ def reference(tiny_checkpoint) -> tuple[list[int], list[int]]:  # noqa: ANN001
     """The returning chat's tokens without a tier (its history recomputed)."""
     engine = _engine(tiny_checkpoint)
     tokens = _returning_chat(engine)
-    assert engine.stats().prefix_cache_hits_by_tier == {"device": 0}
+    assert engine.stats().prefix_cache_hits_by_tier == {"device": 0, "peer": 0}
     return tokens
 
 
@@ -98,7 +98,7 @@ def test_returning_turn_loads_the_evicted_history_from_disk(tiny_checkpoint, tmp
         assert all(torch.equal(a, b) for a, b in zip(tensors, loaded[block_hash], strict=True))
 
     stats = engine.stats()
-    assert stats.prefix_cache_hits_by_tier == {"device": 0, "disk": NUM_COMPUTED_BLOCKS * BLOCK_SIZE}
+    assert stats.prefix_cache_hits_by_tier == {"device": 0, "peer": 0, "disk": NUM_COMPUTED_BLOCKS * BLOCK_SIZE}
     assert stats.kv_offload is not None and stats.kv_offload.num_loaded == NUM_COMPUTED_BLOCKS
     assert_no_blocks_held(engine)
     counter.assert_balanced()

@@ -25,7 +25,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("engine.attention", "engine.model", "engine.kv_cache_dtype", "engine.cuda_graphs", "engine.loader")),
     ("sampling", ("engine.structured", "engine.sampling")),
     ("runner", ("engine.model_runner", "engine.launched_step", "engine.memory_profile", "engine.spec_decode",
-                "engine.input_processor", "engine.distributed", "engine.kv_tier_blocks")),
+                "engine.input_processor", "engine.distributed", "engine.kv_tier_blocks",
+                "engine.kv_peer_blocks")),
     ("engine", ("engine.llm_engine", "engine.engine_builder", "engine.llm", "engine.engine_args")),
     ("entry points", ("engine.generate_command", "engine")),
 )

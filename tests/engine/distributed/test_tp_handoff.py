@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.reservation import DecodeKVSink, ReservationState
+from kv_transfer.reservation import ReservationSink, ReservationState
 from engine import SamplingParams
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayoutMismatch
 from tests.engine.kv_harness import hand_off_prompt, steps_until_finished, transfer_link
@@ -42,7 +42,7 @@ def engines(tiny_checkpoint):  # noqa: ANN001, ANN201
 def _hand_off_and_decode(prefill, decode, transport: str, request_id: str) -> tuple[list[int], int, int]:  # noqa: ANN001
     """The decode engine's tokens, the bytes the handoff moved and the blocks it moved (those the decode engine's
     prefix cache did not hold already)."""
-    sink = DecodeKVSink(decode.kv_blocks.layout, torch.device("cpu"))
+    sink = ReservationSink(decode.kv_blocks.layout, torch.device("cpu"))
     with transfer_link(transport, sink, torch.device("cpu")) as (sender, endpoint):
         moved: list[int] = []
         send = sender.send
@@ -102,7 +102,7 @@ def test_the_wire_blocks_of_a_handoff_name_their_ranks() -> None:
 def test_a_corrupted_slice_fails_the_handoff_and_every_block_comes_back(engines) -> None:
     made, _ = engines
     prefill, decode = made[2], made[1]
-    sink = DecodeKVSink(decode.kv_blocks.layout, torch.device("cpu"))
+    sink = ReservationSink(decode.kv_blocks.layout, torch.device("cpu"))
     with transfer_link("grpc", sink, torch.device("cpu")) as (sender, endpoint):
         with pytest.raises(KVChecksumError):  # the last wire block: rank 1's head of the last block
             hand_off_prompt(prefill, decode, sender, sink, endpoint, "bad", PROMPT, PARAMS, corrupt_last_byte=True)
@@ -114,7 +114,7 @@ def test_a_corrupted_slice_fails_the_handoff_and_every_block_comes_back(engines)
 def test_a_receiver_of_another_size_than_planned_is_refused_before_any_byte(engines) -> None:
     made, _ = engines
     decode = made[2]
-    sink = DecodeKVSink(decode.kv_blocks.layout, torch.device("cpu"))
+    sink = ReservationSink(decode.kv_blocks.layout, torch.device("cpu"))
     handoff = KVHandoff(request_id="r", transfer_id="t", num_tokens=10, layout=made[1].kv_blocks.layout,
                         receiver_tensor_parallel_size=1)  # planned for a TP 1 receiver
     with pytest.raises(KVLayoutMismatch, match="tensor_parallel_size: ours 2, peer's 1"):

@@ -1,4 +1,6 @@
-"""The decode side of a KV handoff: blocks reserved for one request, and the sink that finds them.
+"""The receiving side of a KV handoff: blocks reserved for one request, and the sink that finds them. A decode
+worker reserves blocks of its paged cache for a prompt a prefill worker computes; any worker fetching a cached
+prefix from a peer (worker/peer_fetch.py) reserves a staging buffer the same way.
 
 A reservation's states (its lock makes each transition atomic with respect to block writes):
 
@@ -38,7 +40,7 @@ class ReservationState(enum.Enum):
 
 
 class Reservation:
-    """A KVDestination over reserved blocks of the decode worker's paged cache."""
+    """A KVDestination over reserved blocks of the receiving worker's paged cache (or of a staging buffer)."""
 
     def __init__(
         self, request_id: str, num_tokens: int, block_ids: list[int], kv_cache: torch.Tensor, layout: KVLayout,
@@ -137,8 +139,9 @@ class Reservation:
     cancel = fail
 
 
-class DecodeKVSink:
-    """The KVSink of a decode worker: a handoff is accepted only for a request that reserved blocks for it."""
+class ReservationSink:
+    """The KVSink of a receiving worker: a handoff is accepted only for a request (or a peer fetch) that reserved
+    blocks for it."""
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         self.layout = layout
@@ -159,7 +162,7 @@ class DecodeKVSink:
         with self._lock:
             reservation = self._reservations.get(handoff.request_id)
         if reservation is None:
-            raise KVRefused(f"no blocks are reserved for request {handoff.request_id} on this decode worker",
+            raise KVRefused(f"no blocks are reserved for request {handoff.request_id} on this worker",
                             reason="unknown_transfer")
         reservation.open(handoff)
         return reservation
