@@ -24,6 +24,7 @@ the worker as a belt-and-braces, in the background.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import logging
 import itertools
@@ -341,7 +342,7 @@ class Dispatcher:
             if self._prefix_index is not None and self._routes_by_prefix:
                 self._prefix_index.record(lookup, route)
                 if not num_prior_tokens:  # a resumed request's usage does not count its whole prompt
-                    stream.on_finished.append(self._prediction_checker(lookup, route))
+                    stream.on_finished.append(self._prediction_checker(_with_fetch(lookup, peer), route))
             stream.on_finished.append(self._rate_recorder(route, peer))
             try:
                 await stream.read_first()
@@ -458,3 +459,10 @@ async def _quietly(abort: Awaitable[serving_pb2.AbortResponse], request_id: str)
         await abort
     except grpc.aio.AioRpcError as error:
         logger.debug("Abort(%s) failed: %s", request_id, error.code().name)
+
+
+def _with_fetch(lookup: PrefixLookup | None, peer: PeerFetchPlan | None) -> PrefixLookup | None:
+    """The lookup as the prefill worker's prefix hit will show it: with the blocks a peer fetch brings it."""
+    if lookup is None or peer is None or not peer.fetch:
+        return lookup
+    return dataclasses.replace(lookup, overlap={**lookup.overlap, peer.fetcher_id: peer.num_blocks})

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import secrets
 import threading
 import time
@@ -55,6 +56,11 @@ if TYPE_CHECKING:
     from worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
+
+# Fault injection for the tests (like prefill_worker's SPLITSERVE_FAULT_KV_STALL_FILE): while the file this names
+# exists, a holder's send of two blocks or more stalls before its second half, after writing "stalled <fetch id>"
+# into the file, so that a test can kill the holder mid-fetch.
+FAULT_STALL_ENV = "SPLITSERVE_FAULT_PEER_FETCH_STALL_FILE"
 
 # Why a fetch failed (kv_peer_fetch_failures_total{reason}).
 FAILURE_REASONS = ("gone", "timeout", "unavailable", "refused", "transfer")
@@ -104,7 +110,10 @@ class PeerFetcher:
         that fails is counted and fetches nothing."""
         runtime = self.runtime
         layout = runtime.layout
-        if not plan.endpoint or plan.endpoint == runtime.endpoint or layout.tensor_parallel_size != 1:
+        if not plan.endpoint or plan.endpoint == runtime.endpoint:
+            return NOTHING
+        if layout.tensor_parallel_size != 1:
+            self._failed(req, plan, "refused", "a worker at tensor_parallel_size > 1 does not fetch yet")
             return NOTHING
         # Never the prompt's last token: the step that computes it samples the first output token.
         num_blocks = min(plan.num_blocks, (req.num_tokens - 1) // layout.block_size, len(req.block_hashes))
@@ -238,8 +247,12 @@ class PeerFetcher:
                 source_worker_id=runtime.config.worker_id, transport=runtime.config.kv_transport,
                 first_block=request.first_block, receiver_tensor_parallel_size=1)
             blocks = runtime.engine.kv_blocks
-            source = WireBlocks(rank_caches(layout, blocks.ranks or ((blocks.kv_cache, blocks.kv_scales),)),
-                                [0] * request.first_block + block_ids, handoff.wire, sender=True)
+            source: WireBlocks | _StallHalfWay = WireBlocks(
+                rank_caches(layout, blocks.ranks or ((blocks.kv_cache, blocks.kv_scales),)),
+                [0] * request.first_block + block_ids, handoff.wire, sender=True)
+            stall_path = os.environ.get(FAULT_STALL_ENV)
+            if stall_path and len(handoff.wire_indices) >= 2 and os.path.exists(stall_path):
+                source = _StallHalfWay(source, handoff, stall_path)
             return self._sender().send(handoff, source, endpoint=request.receiver_endpoint,
                                        timeout_s=runtime.config.kv_transfer_timeout_s)
         finally:
@@ -247,3 +260,26 @@ class PeerFetcher:
                 runtime.loop.submit(lambda e: e.unpin_blocks(request.fetch_id))
             except EngineLoopClosed:
                 pass  # stopping: the pool goes with the engine
+
+
+class _StallHalfWay:
+    """A holder's source that stops before its second half while the file `path` exists (FAULT_STALL_ENV)."""
+
+    def __init__(self, source: WireBlocks, handoff: KVHandoff, path: str) -> None:
+        self.source = source
+        self.layout = handoff.wire_layout
+        self.stall_at = handoff.first_wire_block + len(handoff.wire_indices) // 2
+        self.fetch_id = handoff.transfer_id
+        self.path = path
+
+    def read_block(self, index: int) -> torch.Tensor:
+        if index == self.stall_at:
+            try:  # never creates the file: a test that removed it already must not find it back
+                marker = os.open(self.path, os.O_WRONLY | os.O_TRUNC)
+                os.write(marker, f"stalled {self.fetch_id}\n".encode())
+                os.close(marker)
+            except FileNotFoundError:
+                pass
+            while os.path.exists(self.path):
+                time.sleep(0.05)
+        return self.source.read_block(index)

@@ -157,3 +157,43 @@ def test_a_fetch_that_stalls_times_out_and_the_holder_unpins(cluster, monkeypatc
     assert load(holder).kv_blocks_used == 10  # pinned while its send still runs
     # and unpinned when it ends (it fails: the fetch was cancelled)
     wait_blocks_free(holder, prefill, decode, timeout_s=20)
+
+
+def test_a_holder_killed_mid_fetch_ends_in_a_recompute(cluster, smollm2_gguf, tmp_path) -> None:
+    """A holder in a process of its own stalls half-way through its send (a fault file), and is SIGKILLed there:
+    the fetcher's call fails at once, it computes the prompt itself, and nothing leaks on the fetching side."""
+    import sys
+    import threading
+
+    from tests.deploy.processes import WORKER_READY, ServeProcess
+    from worker.peer_fetch import FAULT_STALL_ENV
+
+    _, prefill, decode, _, expected = cluster
+    stall = tmp_path / "stall"
+    argv = [sys.executable, "-m", "decode_worker", "--role", "colocated", "--model", smollm2_gguf,
+            "--num-kv-blocks", "48", "--max-model-len", "512", "--block-size", "16", "--num-threads", "1"]
+    holder = ServeProcess(argv, stderr_path=tmp_path / "holder.stderr", ready=WORKER_READY,
+                          env={FAULT_STALL_ENV: str(stall)})
+    try:
+        endpoint = holder.wait_ready(300)
+        remote = type("Remote", (), {"endpoint": endpoint})()  # what `stub` needs of a worker
+        assert generate(remote, "warm-remote", PROMPT).token_ids == expected
+        _reset_caches(prefill)
+        failures_before = sum(_failures(prefill).values())
+        stall.touch()
+        result: list[StreamResult] = []
+        fetching = threading.Thread(target=lambda: result.append(generate(
+            decode, "holder-killed", PROMPT, prefill_endpoint=prefill.endpoint, peer=(endpoint, 10))))
+        fetching.start()
+        deadline = time.monotonic() + 60
+        while "stalled" not in stall.read_text():
+            assert time.monotonic() < deadline, holder.output()
+            time.sleep(0.05)
+        holder.close()  # SIGKILL, mid-send
+        fetching.join(60)
+        assert result and result[0].token_ids == expected
+        assert sum(_failures(prefill).values()) == failures_before + 1
+        assert load(prefill).prefix_cache_hits_by_tier["peer"] == 160  # still only the first test's fetch
+        wait_blocks_free(prefill, decode)
+    finally:
+        holder.close()
