@@ -89,17 +89,22 @@ def test_a_prefill_worker_fetches_the_cached_head_instead_of_computing_it(cluste
     wait_blocks_free(holder, prefill, decode)
 
 
-def test_a_colocated_worker_fetches_for_its_own_prefill(cluster) -> None:
-    holder, _, _, colocated, expected = cluster
-    _reset_caches(colocated)
-    result = generate(colocated, "local", PROMPT, peer=(holder.endpoint, 10))
+@pytest.mark.parametrize("role", ["colocated", "decode"])
+def test_a_worker_prefilling_locally_fetches_for_its_own_prefill(cluster, role) -> None:
+    """A colocated worker, and a decode worker prefilling a prompt itself (the gateway's local prefill: no
+    prefill endpoint in the request)."""
+    holder, _, decode, colocated, expected = cluster
+    worker = colocated if role == "colocated" else decode
+    _reset_caches(worker)
+    before = load(worker).prefix_cache_hits_by_tier["peer"]
+    result = generate(worker, f"local-{role}", PROMPT, peer=(holder.endpoint, 10))
     assert result.token_ids == expected
     assert result.messages[0].timings.peer_fetch_bytes == 10 * BLOCK_BYTES
-    assert load(colocated).prefix_cache_hits_by_tier["peer"] >= 160
+    assert load(worker).prefix_cache_hits_by_tier["peer"] - before == 160
     # Its own cache now holds the head: a second request fetches nothing more.
-    again = generate(colocated, "local-again", PROMPT, peer=(holder.endpoint, 10))
+    again = generate(worker, f"local-{role}-again", PROMPT, peer=(holder.endpoint, 10))
     assert again.token_ids == expected and again.messages[0].timings.peer_fetch_bytes == 0
-    wait_blocks_free(holder, colocated)
+    wait_blocks_free(holder, worker)
 
 
 def _failures(worker) -> dict[str, int]:
