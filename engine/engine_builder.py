@@ -174,11 +174,6 @@ def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     """ValueError for what does not run at tensor_parallel_size > 1 yet."""
     if config.tensor_parallel_size == 1:
         return
-    spec = config.speculative_config
-    if isinstance(spec, SpeculativeConfig) and spec.method == "layer_skip":
-        raise ValueError(f"speculative method {spec.method!r} does not run at tensor_parallel_size > 1 yet "
-                         "(its drafter runs the target's first layers outside the ranks' lockstep); ngram does, and "
-                         "draft_model (its draft model at TP 1 on rank 0)")
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         raise ValueError("tensor_parallel_size > 1 on cuda needs --num-kv-blocks or --kv-cache-memory for now "
                          "(the memory profile runs on one rank)")

@@ -110,10 +110,15 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
             kv_scales.share_memory_()
     conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes,
                     kv_cache=kv_cache if shared else None, kv_scales=kv_scales if shared else None))
+    drafts: dict[int, LlamaModel] = {}  # a layer-skip draft's cut of the model, by its number of layers
     with torch.inference_mode():
         while True:
             message = step_message.decode(conn.recv_bytes(), device)
-            if isinstance(message, step_message.Forward):
+            if isinstance(message, step_message.Forward) and message.num_layers:
+                k = message.num_layers
+                draft = drafts.get(k) or drafts.setdefault(k, model.first_layers(k))
+                draft.forward(message.input_ids, message.positions, kv_caches[:k], message.meta)
+            elif isinstance(message, step_message.Forward):
                 model.forward(message.input_ids, message.positions, kv_caches, message.meta)
             elif isinstance(message, step_message.Logits):
                 model.compute_logits(message.hidden)

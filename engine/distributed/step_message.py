@@ -1,7 +1,9 @@
 """What rank 0 sends its children, one message a call, over each child's pipe: bytes, so no tensor goes through
 shared memory on the step's path.
 
-    Forward(input_ids, positions, meta)   run the model's forward over your shard (its KV writes included)
+    Forward(input_ids, positions, meta, num_layers)   run the model's forward over your shard (its KV writes
+                                           included); num_layers > 0: its first num_layers layers only, then the
+                                           final norm (a layer-skip draft's forward)
     Logits(hidden)                         compute your slice of the logits of these rows (rank 0 gathers them)
     Shutdown()                             leave the loop and exit 0
 
@@ -26,6 +28,7 @@ class Forward:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
+    num_layers: int = 0  # 0: every layer; k > 0: the first k (a layer-skip draft)
 
 
 @dataclass(frozen=True)

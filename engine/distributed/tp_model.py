@@ -66,8 +66,10 @@ class TensorParallelModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._in_step(step_message.Logits(hidden), lambda: self.local.compute_logits(hidden))
 
-    def first_layers(self, num_layers: int) -> LlamaModel:
-        raise ValueError("a layer-skip draft does not run at tensor_parallel_size > 1 yet")
+    def first_layers(self, num_layers: int) -> _FirstLayers:
+        """A layer-skip draft over every rank: each forward runs every rank's first `num_layers` layers (their
+        all-reduces meeting as in the whole model's), the logits as the whole model's."""
+        return _FirstLayers(self, self.local.first_layers(num_layers), num_layers)
 
     def _in_step(self, message: step_message.StepMessage, run: Callable[[], T]) -> T:
         self.ranks.check()
@@ -92,6 +94,32 @@ class TensorParallelModel:
     def close(self) -> None:
         """Stop the children (idempotent); the model cannot run afterwards."""
         self._finalizer()
+
+
+class _FirstLayers:
+    """`TensorParallelModel.first_layers`: the model interface a drafter uses (`forward`, `compute_logits`)."""
+
+    def __init__(self, whole: TensorParallelModel, local: LlamaModel, num_layers: int) -> None:
+        self.whole = whole
+        self.local = local  # rank 0's shard, cut
+        self.num_layers = num_layers
+        self.config = whole.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.whole._in_step(step_message.Forward(input_ids, positions, meta, self.num_layers),
+                                   lambda: self.local.forward(input_ids, positions, kv_caches, meta))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.whole.compute_logits(hidden)  # the same final norm and head as the whole model's
 
 
 def launch_tensor_parallel(

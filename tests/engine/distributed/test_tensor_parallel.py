@@ -2,7 +2,7 @@
 
 Over the tiny model (4 query / 2 KV heads: TP 2 splits both, TP 4 replicates the KV heads and pads the
 vocabulary): chunked prefill, prefix-cache hits, preemption, n > 1 (seeded sampling: the same draws need the same
-logits), an int8 KV cache, ngram speculation and prompt logprobs give TP 1's tokens, with every logits row within
+logits), an int8 KV cache, ngram, draft-model and layer-skip speculation and prompt logprobs give TP 1's tokens, with every logits row within
 1e-3 and every block back in the pool; `LLM` and the flag take the size; each rank holds its share of the weights;
 what does not run is refused before any rank starts; a killed rank fails the engine's requests with an error naming
 it (no hang, blocks back), and the ranks die with the engine's process. The llama-3.2-1b shape (32 / 8 heads) runs at
@@ -214,13 +214,25 @@ def test_llm_and_the_generate_flag_take_the_size(tiny_model_dir: Path) -> None:
     assert outputs[2] == outputs[1]
 
 
+def test_a_layer_skip_draft_runs_every_ranks_first_layers_and_matches_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
+    """layer_skip at TP 2: the draft is every rank's first layer (its all-reduces meeting as the whole model's,
+    its KV the target's own), then the gathered head. Greedy: TP 1's tokens and the same drafts accepted, every
+    block back."""
+    spec = {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3, "policy": "fixed"}
+    pair = Pair(tiny_checkpoint, 2, **{**ENGINE, "max_num_batched_tokens": 64}, speculative_config=spec)
+    try:
+        pair.check({f"r{i}": (p, greedy(10)) for i, p in enumerate(PROMPTS)})
+        one, n = pair.tp1.stats(), pair.tpn.stats()
+        assert n.spec_decode_num_draft_tokens == one.spec_decode_num_draft_tokens > 0
+        assert n.spec_decode_num_accepted_tokens == one.spec_decode_num_accepted_tokens
+    finally:
+        pair.close()
+
+
 def test_what_does_not_run_is_refused_before_any_rank_starts(tiny_checkpoint) -> None:  # noqa: ANN001
     running = set(multiprocessing.active_children())
     with pytest.raises(TensorParallelSizeError, match="4 query heads and 2 KV heads"):
         make_engine(tiny_checkpoint, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="'layer_skip' does not run at tensor_parallel_size > 1 yet"):
-        make_engine(tiny_checkpoint, tensor_parallel_size=2,
-                    speculative_config={"method": "layer_skip", "num_layers": 1})
     assert set(multiprocessing.active_children()) == running
 
 
