@@ -44,7 +44,7 @@ from engine.outputs import RemoteReservation, RequestOutput
 from engine.request.logprobs import TokenLogprobs
 from engine.spec_decode.speculator import NullSpeculator
 from kv_transfer.block_hash import BlockHash
-from kv_transfer.kv_events import KVEvent
+from kv_transfer.kv_events import DEVICE, KVEvent
 from kv_transfer.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ class LLMEngine:
         self._tier_events: TieredEvents | None = None
         if self.kv_tier is not None:
             self.block_pool.on_evict = self.kv_tier.on_evict
-            self._tier_events = TieredEvents(self._holds, announced=self.kv_tier.tier.hashes())
+            self._tier_events = TieredEvents(self._on_device, self.kv_tier.__contains__, tier=self.kv_tier.kind,
+                                             announced=self.kv_tier.tier.hashes())
         # Blocks fetched from a peer worker for a prompt about to be admitted (engine/kv_peer_blocks.py), looked up
         # before the offload tier; and the device blocks peers fetch from this one, pinned while they are sent.
         self.peer_blocks = PeerBlocks(self.runner.kv_cache, self.runner.kv_scales)
@@ -451,10 +452,22 @@ class LLMEngine:
         on_device = set(device)
         return [*device, *(h for h in self._tier_events.announced if h not in on_device)]
 
+    def cached_blocks(self) -> dict[str, list[BlockHash]]:
+        """`cached_block_hashes` by tier, as the KV events last announced them: "device", then the KV tier's kind
+        ("disk" | "host") for the blocks only the tier holds. The snapshot a prefix index publisher sends."""
+        device = self.block_pool.cached_block_hashes()
+        if self._tier_events is None:
+            return {DEVICE: device}
+        on_device = set(device)
+        below = [h for h in self._tier_events.announced if h not in on_device]
+        return {DEVICE: device, self._tier_events.tier: below}
+
+    def _on_device(self, block_hash: BlockHash) -> bool:
+        return self.block_pool.get_cached_block(block_hash) is not None
+
     def _holds(self, block_hash: BlockHash) -> bool:
         """Whether this engine can serve the block without computing it: on the device or in its tier."""
-        return self.block_pool.get_cached_block(block_hash) is not None or (
-            self.kv_tier is not None and block_hash in self.kv_tier)
+        return self._on_device(block_hash) or (self.kv_tier is not None and block_hash in self.kv_tier)
 
     def stats(self, *, take_finished: bool = True) -> EngineStats:
         """Gauges now, counters since start; with `take_finished`, the finished-request stats since the previous

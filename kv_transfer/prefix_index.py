@@ -11,6 +11,10 @@ Key schema (standalone Redis; every key of one namespace starts with the same pr
     P:meta               HASH  model, block_size, kv_dtype                     what the namespace is, for operators
     P:workers            HASH  worker_id -> "incarnation role seq"             publishers, the last batch applied
     P:w:<worker_id>      SET   block hashes (hex) the worker holds             for purges and stats
+    P:wt:<worker_id>     HASH  block hash (hex) -> tier                        the worker's blocks that are below its
+                                                                               device ("disk" | "host"); a held block
+                                                                               not listed is on the device
+    P:wtn:<worker_id>    HASH  tier -> number of blocks                        P:wt's sizes per tier, for stats
     P:b:<hash>           HASH  worker_id -> incarnation                        the holders of one block
     P:pv:<hash>          HASH  worker_id -> incarnation, key TTL ~seconds      provisional: a routing decision that
                                                                                events have not confirmed yet
@@ -29,14 +33,24 @@ On "gap" (or after Redis was unreachable) the worker republishes a full snapshot
 A block's holders and a worker's set are one fact written twice; the script keeps them in step. Block keys carry a
 TTL (`BLOCK_TTL_S`, refreshed on every store) only as a safety net against entries nobody purges.
 
+Tiers (kv_transfer/kv_events.py): "held" is the union of the worker's device cache and its KV offload tier, as it
+always was: P:b, P:w and a lookup's leading-blocks count mean the same with or without tiers. Where each held block
+is lives beside it, per worker: a store with a tier other than "device" sets the block's field in P:wt, a store on
+the device (or a removal) deletes it, and P:wtn counts P:wt's fields per tier in the same script. So a block the
+device evicts into its tier is stored again with the tier's name, and one loaded back is stored again on the device.
+The keys are additive: a reader that knows nothing of tiers (an older gateway) sees the union as before, and an
+index written by workers that send no tiers has every block on the device. Provisional entries are on the device
+(the worker a request went to computes or loads its blocks there).
+
 A lookup (`LOOKUP`) takes a request's chained block hashes and answers, in one round trip, per worker the number
-of leading blocks it holds: the walk stops at the first block no remaining worker holds, and a worker drops out
-at the first block it lacks. An entry counts only if its incarnation is the worker's registered one, so a
-restarted worker's old entries never count even before they are purged. Provisional entries count like confirmed
-ones: two requests sharing a prefix that arrive before any event still go to the same worker, from any gateway.
+of leading blocks it holds, and the tiers those blocks are on (runs in chain order: `HeldPrefix`): the walk stops
+at the first block no remaining worker holds, and a worker drops out at the first block it lacks. An entry counts
+only if its incarnation is the worker's registered one, so a restarted worker's old entries never count even before
+they are purged. Provisional entries count like confirmed ones: two requests sharing a prefix that arrive before
+any event still go to the same worker, from any gateway.
 
 Purges: a worker's new incarnation purges its old entries (its first batch is a reset); the controller purges a
-worker it declares dead (`purge_worker`); AllBlocksCleared empties the worker's entries.
+worker it declares dead (`purge_worker`); AllBlocksCleared empties the worker's entries (its tiers' keys with them).
 
 The scripts walk keys they compute (not passed in KEYS), so the index wants a standalone Redis (or one Redis
 Cluster slot per namespace), not a sharded cluster.
@@ -49,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace
-from kv_transfer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kv_transfer.kv_events import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 KEY_VERSION = "v1"
 BLOCK_TTL_S = 24 * 3600  # safety net only: entries are removed by events and purges
@@ -58,7 +72,8 @@ PROVISIONAL_TTL_S = 10.0  # a routing decision's entries live this long unless e
 # Batch answers of APPLY.
 OK, GAP, STALE = "ok", "gap", "stale"
 
-# Op markers inside a batch's argument list: the hashes after a marker are stored / removed; CLEAR empties.
+# Op markers inside a batch's argument list: the hashes after a marker are stored (on the device; "+<tier>": on that
+# tier) / removed; CLEAR empties. Hashes are hex, so no marker is ever a hash.
 _STORED, _REMOVED, _CLEAR = "+", "-", "!"
 
 
@@ -72,6 +87,14 @@ def workers_key(prefix: str) -> str:
 
 def worker_blocks_key(prefix: str, worker_id: str) -> str:
     return f"{prefix}:w:{worker_id}"
+
+
+def worker_tiers_key(prefix: str, worker_id: str) -> str:
+    return f"{prefix}:wt:{worker_id}"
+
+
+def worker_tier_counts_key(prefix: str, worker_id: str) -> str:
+    return f"{prefix}:wtn:{worker_id}"
 
 
 def block_key(prefix: str, block_hash: BlockHash) -> str:
@@ -113,7 +136,7 @@ def encode_ops(events: Iterable[KVEvent]) -> list[str]:
         if isinstance(event, AllBlocksCleared):
             ops.append(_CLEAR)
         elif isinstance(event, BlockStored):
-            ops.append(_STORED)
+            ops.append(_STORED if event.tier == DEVICE else _STORED + event.tier)
             ops.extend(h.hex() for h in event.block_hashes)
         elif isinstance(event, BlockRemoved):
             ops.append(_REMOVED)
@@ -133,13 +156,59 @@ def lookup_args(prefix: str, block_hashes: Sequence[BlockHash]) -> list[str]:
     return [prefix, *(h.hex() for h in block_hashes)]
 
 
-def parse_lookup(reply: Sequence[bytes | str | int]) -> dict[tuple[str, int], int]:
-    """LOOKUP's flat reply [worker_id, incarnation, num_blocks, ...] as {(worker_id, incarnation): num_blocks}."""
-    out: dict[tuple[str, int], int] = {}
-    for i in range(0, len(reply), 3):
-        worker_id = reply[i].decode() if isinstance(reply[i], bytes) else str(reply[i])
-        out[(worker_id, int(reply[i + 1]))] = int(reply[i + 2])
+@dataclass(frozen=True)
+class HeldPrefix:
+    """One worker's leading blocks of a looked-up prompt and the tiers they are on: `runs` in chain order, (tier,
+    number of blocks), no two neighbours on the same tier.
+
+        block    0       1       2       3     4     5
+        tier     device  device  device  disk  disk  device     runs = (("device", 3), ("disk", 2), ("device", 1))
+        device_reach(0) = 3, device_reach(3) = 3 (block 3 is not on the device), device_reach(5) = 6
+    """
+
+    runs: tuple[tuple[str, int], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """The leading blocks held, on any tier (the lookup's overlap)."""
+        return sum(n for _, n in self.runs)
+
+    def by_tier(self) -> dict[str, int]:
+        """How many of the leading blocks are on each tier."""
+        out: dict[str, int] = {}
+        for tier, n in self.runs:
+            out[tier] = out.get(tier, 0) + n
+        return out
+
+    def device_reach(self, start: int) -> int:
+        """The end of the run of device blocks from block `start`: blocks [start, end) are all on the device (end =
+        start when block `start` is not on the device, or not held)."""
+        first = 0
+        for tier, n in self.runs:
+            if start < first + n:
+                return first + n if tier == DEVICE else start  # runs alternate: the next one is not the device
+            first += n
+        return start
+
+
+def parse_held(reply: Sequence) -> dict[tuple[str, int], HeldPrefix]:
+    """LOOKUP's reply [worker_id, incarnation, num_blocks, [tier, blocks, tier, blocks, ...]] repeated, as
+    {(worker_id, incarnation): its leading blocks by tier}."""
+    out: dict[tuple[str, int], HeldPrefix] = {}
+    for i in range(0, len(reply), 4):
+        flat = reply[i + 3]
+        runs = tuple((_text(flat[j]), int(flat[j + 1])) for j in range(0, len(flat), 2))
+        out[(_text(reply[i]), int(reply[i + 1]))] = HeldPrefix(runs)
     return out
+
+
+def parse_lookup(reply: Sequence) -> dict[tuple[str, int], int]:
+    """LOOKUP's reply as {(worker_id, incarnation): leading blocks held, on any tier}."""
+    return {key: int(reply[i + 2]) for i, key in zip(range(0, len(reply), 4), parse_held(reply), strict=True)}
+
+
+def _text(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def parse_workers(reply: dict[bytes | str, bytes | str]) -> dict[str, tuple[int, str, int]]:
@@ -153,7 +222,7 @@ def parse_workers(reply: dict[bytes | str, bytes | str]) -> dict[str, tuple[int,
     return out
 
 
-# Purges one worker's entries: its blocks' holder fields, its block set, its registration.
+# Purges one worker's entries: its blocks' holder fields, its block set and tiers (its registration: the caller).
 _PURGE_FN = """
 local function purge(prefix, wid)
   local wkey = prefix .. ':w:' .. wid
@@ -161,7 +230,7 @@ local function purge(prefix, wid)
   for _, h in ipairs(hashes) do
     redis.call('HDEL', prefix .. ':b:' .. h, wid)
   end
-  redis.call('DEL', wkey)
+  redis.call('DEL', wkey, prefix .. ':wt:' .. wid, prefix .. ':wtn:' .. wid)
   return #hashes
 end
 """
@@ -171,7 +240,20 @@ APPLY = _PURGE_FN + """
 local prefix, wid = ARGV[1], ARGV[2]
 local inc_s, role, seq_s, reset, ttl = ARGV[3], ARGV[4], ARGV[5], ARGV[6] == '1', tonumber(ARGV[7])
 local inc, seq = tonumber(inc_s), tonumber(seq_s)  -- compared as numbers (exact below 2^53), stored as given
-local wkey = prefix .. ':w:' .. wid
+local wkey, tkey, nkey = prefix .. ':w:' .. wid, prefix .. ':wt:' .. wid, prefix .. ':wtn:' .. wid
+-- Block h is now on `tier` (false: on the device, or gone): P:wt and its counts in P:wtn follow.
+local function set_tier(h, tier)
+  local old = redis.call('HGET', tkey, h)
+  if old == tier then return end
+  if old then
+    redis.call('HDEL', tkey, h)
+    redis.call('HINCRBY', nkey, old, -1)
+  end
+  if tier then
+    redis.call('HSET', tkey, h, tier)
+    redis.call('HINCRBY', nkey, tier, 1)
+  end
+end
 local cur = redis.call('HGET', prefix .. ':workers', wid)
 if cur then
   local cur_inc, cur_seq = string.match(cur, '^(%d+) %S+ (%d+)$')
@@ -189,21 +271,26 @@ if cur then
 elseif not reset then
   return 'gap'
 end
-local mode = '+'
+local mode, tier = '+', false
 for i = 8, #ARGV do
   local a = ARGV[i]
-  if a == '+' or a == '-' then
-    mode = a
-  elseif a == '!' then
+  local op = string.sub(a, 1, 1)
+  if op == '+' then
+    mode, tier = '+', #a > 1 and string.sub(a, 2) or false
+  elseif op == '-' then
+    mode = '-'
+  elseif op == '!' then
     purge(prefix, wid)
   elseif mode == '+' then
     local bkey = prefix .. ':b:' .. a
     redis.call('HSET', bkey, wid, inc_s)
     redis.call('EXPIRE', bkey, ttl)
     redis.call('SADD', wkey, a)
+    set_tier(a, tier)
   else
     redis.call('HDEL', prefix .. ':b:' .. a, wid)
     redis.call('SREM', wkey, a)
+    set_tier(a, false)
   end
 end
 redis.call('HSET', prefix .. ':workers', wid, inc_s .. ' ' .. role .. ' ' .. seq_s)
@@ -217,7 +304,8 @@ redis.call('HDEL', ARGV[1] .. ':workers', ARGV[2])
 return n
 """
 
-# ARGV: prefix, hashes... (chain order). Returns a flat list: worker_id, incarnation, leading blocks held.
+# ARGV: prefix, hashes... (chain order). Returns, per worker: worker_id, incarnation, leading blocks held, and
+# {tier, blocks, tier, blocks, ...}: those blocks' tiers as runs in chain order (provisional entries: the device).
 LOOKUP = """
 local prefix = ARGV[1]
 local registered = {}
@@ -225,9 +313,9 @@ local flat = redis.call('HGETALL', prefix .. ':workers')
 for i = 1, #flat, 2 do
   registered[flat[i]] = tonumber(string.match(flat[i + 1], '^(%d+)'))
 end
-local alive, counts, order = nil, {}, {}
+local alive, counts, order, runs = nil, {}, {}, {}
 for i = 2, #ARGV do
-  local now = {}
+  local now, tiers = {}, {}
   local found = false
   for _, kind in ipairs({':b:', ':pv:'}) do
     local holders = redis.call('HGETALL', prefix .. kind .. ARGV[i])
@@ -236,14 +324,25 @@ for i = 2, #ARGV do
       local known = registered[wid] == inc or (kind == ':pv:' and registered[wid] == nil)
       if known and (alive == nil or alive[wid]) and not now[wid] then
         now[wid] = inc
+        tiers[wid] = (kind == ':b:' and redis.call('HGET', prefix .. ':wt:' .. wid, ARGV[i])) or 'device'
         found = true
       end
     end
   end
   if not found then break end
   for wid, inc in pairs(now) do
-    if counts[wid] == nil then table.insert(order, wid) end
+    if counts[wid] == nil then
+      table.insert(order, wid)
+      runs[wid] = {}
+    end
     counts[wid] = {inc, i - 1}
+    local r = runs[wid]
+    if #r > 0 and r[#r - 1] == tiers[wid] then
+      r[#r] = r[#r] + 1
+    else
+      table.insert(r, tiers[wid])
+      table.insert(r, 1)
+    end
   end
   alive = now
 end
@@ -252,6 +351,7 @@ for _, wid in ipairs(order) do
   table.insert(out, wid)
   table.insert(out, counts[wid][1])
   table.insert(out, counts[wid][2])
+  table.insert(out, runs[wid])
 end
 return out
 """

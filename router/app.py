@@ -8,6 +8,7 @@
                                                  autoscaling signals among it: router/pool_signals.py)
     POST /admin/scale, GET /admin/pools          the admin API (router/admin.py), only with an admin token
     GET  /v1/prefix_index                        the Redis prefix index: its state, blocks indexed per worker
+                                                 and per tier (device, disk, host)
 
 With API keys (router/api_keys.py), /v1/* (and /metrics with --metrics-require-key) need a bearer key; /health
 stays open. While the admission queue is full, a generation request gets its 429 before its body is read
@@ -270,7 +271,8 @@ def create_app(
 
     @app.get("/v1/prefix_index")
     async def prefix_index_stats() -> JSONResponse:
-        """The prefix index as operators see it: up or down, and blocks indexed per worker and incarnation."""
+        """The prefix index as operators see it: up or down, and blocks indexed per worker and incarnation, in all
+        (`num_blocks`: held, on any tier) and per tier (`num_blocks_by_tier`: "device", "disk", "host")."""
         namespace = registry.hash_namespace()
         body: dict[str, object] = {"enabled": prefix_index is not None, "routing_policy": config.routing_policy,
                                    "up": bool(prefix_index is not None and prefix_index.client.up),
@@ -287,13 +289,16 @@ def create_app(
             return JSONResponse(body, status_code=503)
         live = registry.incarnations()
         body["workers"] = [{"worker_id": s.worker_id, "incarnation": s.incarnation, "role": s.role,
-                            "num_blocks": s.num_blocks, "batches_applied": s.seq,
+                            "num_blocks": s.num_blocks, "num_blocks_by_tier": s.num_blocks_by_tier,
+                            "batches_applied": s.seq,
                             "live": live.get(s.worker_id) == s.incarnation} for s in stats]
         return JSONResponse(body)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         await registry.poll_loads()  # so a scrape right after a workload shows the current block counts
+        if prefix_index is not None:  # the index's blocks per worker and tier (PrefixIndexCollector)
+            await prefix_index.client.refresh_stats(registry.hash_namespace())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -327,7 +327,8 @@ class Dispatcher:
             try:
                 route = plan_route(
                     self._config.mode, loads, num_blocks=num_blocks, policy=self._config.routing_policy,
-                    prefix_overlap_blocks=lookup.overlap if lookup is not None else None, turn=turn,
+                    prefix_overlap_blocks=lookup.overlap if lookup is not None else None,
+                    prefix_tier_blocks=lookup.lower_tier_blocks if lookup is not None else None, turn=turn,
                     num_prompt_tokens=len(job.prompt_token_ids), block_size=self._config.block_size,
                     local_prefill_threshold_tokens=self._config.disagg_prefill_threshold_tokens)
             except NoWorkerError as error:
@@ -410,7 +411,8 @@ class Dispatcher:
             return None
         fetcher = route.prefill_worker
         plan = price_peer_fetch(lookup.overlap, fetcher, loads, num_prompt_tokens=len(job.prompt_token_ids),
-                                block_size=self._config.block_size, rates=self._peer_rates)
+                                block_size=self._config.block_size, rates=self._peer_rates,
+                                device_reach=lookup.device_reach)
         if plan is None:
             return None
         logger.debug("%s: blocks %d to %d of its prompt are on %s: fetch %.1f ms, recompute %.1f ms on %s: %s",

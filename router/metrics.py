@@ -63,6 +63,9 @@ Routing and the prefix index (router/prefix_routing.py):
     splitserve:prefix_index_lookup_seconds      histogram  one lookup's round trip
     splitserve:prefix_index_predictions_total{outcome}  counter  match | mismatch: the index's overlap for the
                                                      worker that prefilled, against the prefix hit it reported
+    splitserve:prefix_index_blocks{worker,tier}  gauge     blocks the index lists for the worker's registered
+                                                     incarnation, by the tier they are on: device | disk | host
+                                                     (read from Redis at scrape time; absent while it is down)
     splitserve:prefix_cache_hit_rate{worker}    gauge      the worker's prefix-cache hits / queries (tokens)
 
 From the cluster controller (`restart_counts`), label values for every pool in the mode:
@@ -423,7 +426,8 @@ class RestartCollector(Collector):
 
 
 class PrefixIndexCollector(Collector):
-    """The prefix index client's state and counters, read at scrape time."""
+    """The prefix index client's state and counters, read at scrape time, and the blocks per worker and tier its
+    last `worker_stats` found (the /metrics handler refreshes them before rendering: `refresh_stats`)."""
 
     def __init__(self, client: PrefixIndexClient) -> None:
         self._client = client
@@ -449,6 +453,13 @@ class PrefixIndexCollector(Collector):
         for outcome, n in sorted(counters.predictions.items()):
             predictions.add_metric([outcome], float(n))
         yield predictions
+        blocks = GaugeMetricFamily(f"{PREFIX}prefix_index_blocks",
+                                   "Blocks the prefix index lists per worker, by the tier they are on (device, and "
+                                   "a KV offload tier's disk or host).", labels=["worker", "tier"])
+        for stats in self._client.last_worker_stats:
+            for tier, n in stats.num_blocks_by_tier.items():
+                blocks.add_metric([stats.worker_id, tier], float(n))
+        yield blocks
         yield from self._lookup_seconds.collect()
 
 

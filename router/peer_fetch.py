@@ -8,16 +8,17 @@ live worker holding most of it (worker/peer_fetch.py) rather than compute it? Pr
                   over prefill seconds); before any, PRIOR_PREFILL_TOKENS_S
 
 and fetched when fetch_s < recompute_s. Whatever the routing policy chose, the fetch only saves its recompute: the
-holder is any live worker of any role holding more of the prompt than the fetcher (the prefix index's overlaps),
-the most blocks first, then the least queued. A holder whose blocks turn out gone refuses, and the fetcher computes
-them (the index can be a poll behind).
+holder is any live worker of any role holding more of the prompt than the fetcher (the prefix index's overlaps) on
+its device (a holder sends device blocks only: those it keeps in a lower tier do not count), the most blocks first,
+then the least queued. A holder whose blocks turn out gone refuses, and the fetcher computes them (the index can be
+a poll behind).
 
 No I/O: `PeerFetchRates` keeps the measurements (moving averages), `price_peer_fetch` decides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.routing import WorkerLoad
@@ -78,20 +79,26 @@ def _update(table: dict, key: object, value: float) -> None:
 
 def price_peer_fetch(
     overlap: Mapping[str, int], fetcher: WorkerLoad, loads: Sequence[WorkerLoad], *, num_prompt_tokens: int,
-    block_size: int, rates: PeerFetchRates,
+    block_size: int, rates: PeerFetchRates, device_reach: Callable[[str, int], int] | None = None,
 ) -> PeerFetchPlan | None:
     """The priced fetch for `fetcher` (the worker that will run the prompt), or None when no live worker holds more
-    of the prompt than it does (or no block size in bytes is known yet)."""
+    of the prompt than it does (or no block size in bytes is known yet). `overlap` counts the fetcher's own blocks
+    on any tier (it loads its tier's itself); `device_reach(worker_id, first_block)`: the end of the worker's run
+    of device blocks from `first_block` (`PrefixLookup.device_reach`), what a holder can send (without it, the
+    overlap)."""
     max_blocks = max((num_prompt_tokens - 1) // block_size, 0)
     own = min(max(overlap.get(fetcher.worker_id, 0), 0), max_blocks)
+
+    def sendable(worker_id: str) -> int:
+        held = device_reach(worker_id, own) if device_reach is not None else overlap.get(worker_id, 0)
+        return min(held, max_blocks)
+
     holders = [load for load in loads
-               if load.healthy and load.worker_id != fetcher.worker_id and min(overlap.get(load.worker_id, 0),
-                                                                                max_blocks) > own]
+               if load.healthy and load.worker_id != fetcher.worker_id and sendable(load.worker_id) > own]
     if not holders:
         return None
-    holder = min(holders, key=lambda load: (-min(overlap[load.worker_id], max_blocks), load.num_queued,
-                                            load.worker_id))
-    num_blocks = min(overlap[holder.worker_id], max_blocks)
+    holder = min(holders, key=lambda load: (-sendable(load.worker_id), load.num_queued, load.worker_id))
+    num_blocks = sendable(holder.worker_id)
     block_bytes = holder.kv_block_bytes or fetcher.kv_block_bytes
     if not block_bytes:
         return None

@@ -3,8 +3,11 @@ up in one round trip, record a routing decision as provisional entries, read sta
 
     client = PrefixIndexClient(redis_url)      no I/O
     await client.start()                       a background task pings Redis every `ping_interval_s` (`up`)
-    await client.lookup(namespace, hashes)     {(worker_id, incarnation): leading blocks held}, None while down
+    await client.lookup(namespace, hashes)     {(worker_id, incarnation): leading blocks held, by tier}, None
+                                               while down
     await client.record(namespace, worker, hashes)     provisional entries, short TTL
+    await client.worker_stats(namespace)       blocks indexed per worker and tier (/v1/prefix_index), kept as
+                                               `last_worker_stats` for /metrics (`refresh_stats` never raises)
     await client.close()
 
 The index is an optimisation: every call here is bounded by `timeout_s` and never raises into routing; while
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer import prefix_index as pi
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace
+from kv_transfer.kv_events import DEVICE
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,8 @@ class WorkerIndexStats:
     incarnation: int
     role: str
     seq: int
-    num_blocks: int
+    num_blocks: int  # held, on any tier
+    num_blocks_by_tier: dict[str, int] = field(default_factory=dict)  # "device" and each lower tier; sums to it
 
 
 class PrefixIndexClient:
@@ -60,6 +65,7 @@ class PrefixIndexClient:
         self._on_state = on_state or (lambda up: None)
         self.up = False
         self.counters = IndexCounters()
+        self.last_worker_stats: list[WorkerIndexStats] = []  # the last `worker_stats` answer ([] after a failure)
         self._task: asyncio.Task[None] | None = None
         self.redis_url = redis_url
 
@@ -100,9 +106,9 @@ class PrefixIndexClient:
 
     # -- calls -----------------------------------------------------------------------------------------------
     async def lookup(self, namespace: BlockHashNamespace,
-                     block_hashes: Sequence[BlockHash]) -> dict[tuple[str, int], int] | None:
-        """Per (worker, incarnation), the leading blocks of `block_hashes` it holds (confirmed or provisional);
-        None while the index is down or the call fails."""
+                     block_hashes: Sequence[BlockHash]) -> dict[tuple[str, int], pi.HeldPrefix] | None:
+        """Per (worker, incarnation), the leading blocks of `block_hashes` it holds (confirmed or provisional) and
+        the tiers they are on; None while the index is down or the call fails."""
         if not self.up:
             self.counters.lookups["down"] += 1
             return None
@@ -118,7 +124,7 @@ class PrefixIndexClient:
             return None
         self.counters.lookups["ok"] += 1
         self.counters.lookup_seconds.append(time.perf_counter() - start_s)
-        return pi.parse_lookup(reply)
+        return pi.parse_held(reply)
 
     async def record(self, namespace: BlockHashNamespace, worker_id: str, incarnation: int,
                      block_hashes: Sequence[BlockHash], ttl_s: float = pi.PROVISIONAL_TTL_S) -> None:
@@ -132,15 +138,40 @@ class PrefixIndexClient:
             self._set_up(False, exc)
 
     async def worker_stats(self, namespace: BlockHashNamespace) -> list[WorkerIndexStats]:
-        """Blocks indexed per worker and incarnation (raises when Redis is unreachable)."""
+        """Blocks indexed per worker and incarnation, and per tier (raises when Redis is unreachable). Kept as
+        `last_worker_stats`."""
         prefix = pi.key_prefix(namespace)
         workers = pi.parse_workers(await self._redis.hgetall(pi.workers_key(prefix)))
         async with self._redis.pipeline(transaction=False) as pipe:
             for worker_id in workers:
                 pipe.scard(pi.worker_blocks_key(prefix, worker_id))
-            sizes = await pipe.execute()
-        return [WorkerIndexStats(worker_id=wid, incarnation=inc, role=role, seq=seq, num_blocks=int(n))
-                for (wid, (inc, role, seq)), n in zip(workers.items(), sizes, strict=True)]
+                pipe.hgetall(pi.worker_tier_counts_key(prefix, worker_id))
+            replies = await pipe.execute()
+        stats = []
+        for i, (wid, (inc, role, seq)) in enumerate(workers.items()):
+            num_blocks = int(replies[2 * i])
+            below = {_text(tier): int(n) for tier, n in replies[2 * i + 1].items() if int(n) > 0}
+            by_tier = {DEVICE: num_blocks - sum(below.values()), **dict(sorted(below.items()))}
+            stats.append(WorkerIndexStats(worker_id=wid, incarnation=inc, role=role, seq=seq, num_blocks=num_blocks,
+                                          num_blocks_by_tier=by_tier))
+        self.last_worker_stats = stats
+        return stats
+
+    async def refresh_stats(self, namespace: BlockHashNamespace | None) -> None:
+        """`worker_stats` for a scrape, bounded by the client's timeout: never raises; nothing known ([]) while
+        Redis is down or no namespace is known yet."""
+        if namespace is None or not self.up:
+            self.last_worker_stats = []
+            return
+        try:
+            await asyncio.wait_for(self.worker_stats(namespace), self._timeout_s)
+        except self._errors as exc:
+            self.last_worker_stats = []
+            self._set_up(False, exc)
 
     async def purge(self, namespace: BlockHashNamespace, worker_id: str) -> int:
         return int(await self._purge(args=[pi.key_prefix(namespace), worker_id]))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

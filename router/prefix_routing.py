@@ -1,8 +1,9 @@
 """What the dispatcher asks of the prefix index: a prompt's overlaps per live worker, and recording where it went.
 
     lookup = await prefix.lookup(token_ids)       hash the prompt's full blocks in the workers' namespace, one
-                                                  Redis round trip; overlaps of live (worker, incarnation) only;
-                                                  None when there is no index, no namespace yet, or Redis is down
+                                                  Redis round trip; overlaps of live (worker, incarnation) only,
+                                                  with the tiers the blocks are on; None when there is no index,
+                                                  no namespace yet, or Redis is down
     prefix.record(lookup, route)                  provisional entries for the worker that will prefill (and the
                                                   decode worker, which receives the prompt's blocks), off the
                                                   request path
@@ -18,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace, hash_token_blocks
+from kv_transfer.kv_events import DEVICE
+from kv_transfer.prefix_index import HeldPrefix
 from router.prefix_index_client import PrefixIndexClient
 from router.routing import Route
 
@@ -29,9 +32,34 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class PrefixLookup:
+    """A prompt's overlaps. `overlap` counts a worker's leading blocks held on any tier (what "held" always meant);
+    `held` says where those blocks are (a worker missing from it has them all on the device)."""
+
     namespace: BlockHashNamespace
     block_hashes: list[BlockHash]
     overlap: dict[str, int]  # live worker id -> leading blocks of the prompt it holds
+    held: dict[str, HeldPrefix] = field(default_factory=dict)  # live worker id -> those blocks by tier
+
+    @property
+    def overlap_by_tier(self) -> dict[str, dict[str, int]]:
+        """Live worker id -> {tier: how many of its leading blocks are on it}."""
+        return {wid: self.held[wid].by_tier() if wid in self.held else {DEVICE: n} for wid, n in self.overlap.items()}
+
+    @property
+    def lower_tier_blocks(self) -> dict[str, dict[str, int]]:
+        """Live worker id -> {tier below the device: its leading blocks on it}, workers with any only (routing's
+        price of a hit by tier: router/routing.py)."""
+        out = {wid: {t: n for t, n in tiers.items() if t != DEVICE} for wid, tiers in self.overlap_by_tier.items()}
+        return {wid: tiers for wid, tiers in out.items() if tiers}
+
+    def device_reach(self, worker_id: str, start: int) -> int:
+        """The end of the run of the worker's leading blocks on its device from block `start` (`HeldPrefix`): what
+        it can send a peer from there (a holder serves device blocks only)."""
+        held = self.held.get(worker_id)
+        if held is None:
+            n = self.overlap.get(worker_id, 0)
+            return n if start < n else start
+        return held.device_reach(start)
 
 
 def predicted_cached_tokens(overlap_blocks: int, num_prompt_tokens: int, block_size: int) -> int:
@@ -64,8 +92,9 @@ class PrefixIndex:
         if found is None:
             return None
         live = self._live_workers()
-        overlap = {wid: n for (wid, inc), n in found.items() if live.get(wid) == inc}
-        return PrefixLookup(namespace=namespace, block_hashes=hashes, overlap=overlap)
+        held = {wid: prefix for (wid, inc), prefix in found.items() if live.get(wid) == inc}
+        return PrefixLookup(namespace=namespace, block_hashes=hashes,
+                            overlap={wid: prefix.num_blocks for wid, prefix in held.items()}, held=held)
 
     def record(self, lookup: PrefixLookup | None, route: Route) -> None:
         """Provisional entries for where the prompt's blocks will be, written in the background."""

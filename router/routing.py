@@ -2,14 +2,17 @@
 overlaps) to the workers one request goes to.
 
 No I/O, no clocks: the worker registry supplies `WorkerLoad` snapshots, the Redis prefix index supplies overlaps
-(worker id -> leading blocks of this prompt it holds), and these functions choose. Ties are broken by worker id, so
+(worker id -> leading blocks of this prompt it holds, and how many of those are on a tier below its device), and
+these functions choose. Ties are broken by worker id, so
 a choice is reproducible.
 
     policy          prefill (or colocated) worker                     decode worker
     prefix-aware    least cost: blocks to compute (prompt blocks      least cost: blocks it lacks (to receive or
-                    minus its cached prefix) + penalty x queued,      compute) + num_blocks x queued, then most
-                    penalty = the least blocks to compute anywhere    free blocks: load first, the overlap breaks
-                    (a queue of requests routed as well as this one)  near-ties (decode steps are shared)
+                    minus its cached prefix) + its cached blocks      compute) + num_blocks x queued, then most
+                    below the device x TIER_LOAD_COST[tier] +         free blocks: load first, the overlap breaks
+                    penalty x queued, penalty = the least such cost   near-ties (decode steps are shared)
+                    anywhere (a queue of requests routed as well as
+                    this one)
     least-loaded    fewest queued, then most free blocks              fewest queued, then most free blocks
     round-robin     the n-th candidate by id, n = a counter the caller advances per request
 
@@ -31,6 +34,17 @@ from kv_transfer.layout import cdiv
 from protos.worker_info import ROLES  # noqa: F401 - the one definition, re-exported for the router
 
 POLICIES = ("prefix-aware", "least-loaded", "round-robin")
+
+# The prefill cost of a prompt block a worker holds below its device, in computed blocks: it is loaded, not computed.
+# Disk: the KV offload tier's returning-chats bench (docs/benchmarks.md, "KV offload tier") loads a block from a
+# cold disk in well under a tenth of its compute on CPU; priced at 1/4 because a GPU computes a block many times
+# faster than a CPU while the disk reads it no faster, so the CPU ratio flatters the disk. Host: a copy over PCIe
+# into a GPU's cache, not measured yet; priced below the disk. A tier not listed is priced as computing the block.
+TIER_LOAD_COST = {"host": 0.1, "disk": 0.25}
+
+
+def tier_load_cost(tier: str) -> float:
+    return TIER_LOAD_COST.get(tier, 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,31 +122,42 @@ def pick_prefill_worker(
     *,
     num_blocks: int,
     prefix_overlap_blocks: Mapping[str, int] | None = None,
-    load_penalty_blocks: int | None = None,
+    prefix_tier_blocks: Mapping[str, Mapping[str, int]] | None = None,
+    load_penalty_blocks: float | None = None,
     role: str = "prefill",
 ) -> WorkerLoad:
     """The prefill worker with the least cost, in blocks to compute:
 
-        cost = (num_blocks - cached prefix blocks) + load_penalty_blocks * num_queued
+        cost = (num_blocks - cached prefix blocks) + sum over lower tiers of (its cached blocks there x
+               TIER_LOAD_COST[tier]) + load_penalty_blocks * num_queued
 
-    `prefix_overlap_blocks` (worker id -> leading blocks of this prompt its prefix cache holds) comes from the
-    prefix index; without it every worker has the same compute cost and the least loaded wins.
+    `prefix_overlap_blocks` (worker id -> leading blocks of this prompt it holds, on any tier) comes from the prefix
+    index; without it every worker has the same compute cost and the least loaded wins. `prefix_tier_blocks`
+    (worker id -> {tier below the device: how many of those leading blocks are there}) prices a hit by tier; a
+    worker missing from it holds its blocks on the device, which cost nothing.
     `load_penalty_blocks` prices one queued request. By default, what this request costs where it costs least
     (at least one block): a worker's queue is taken to hold requests as well routed as this one. A request whose
     prefix is cached on a busy worker then stays there until the worker's queue costs more than computing the
     prompt elsewhere, instead of leaving it as soon as its queue is one request longer.
     """
     overlap = prefix_overlap_blocks or {}
+    tier_blocks = prefix_tier_blocks or {}
     candidates = _candidates(loads, role=role, num_blocks=num_blocks)
 
-    def to_compute(load: WorkerLoad) -> int:
-        return num_blocks - min(max(overlap.get(load.worker_id, 0), 0), num_blocks)
+    def to_compute(load: WorkerLoad) -> float:
+        held = min(max(overlap.get(load.worker_id, 0), 0), num_blocks)
+        loading, num_below = 0.0, 0
+        for tier, n in tier_blocks.get(load.worker_id, {}).items():
+            n = min(max(n, 0), held - num_below)  # never more below the device than held
+            num_below += n
+            loading += n * tier_load_cost(tier)
+        return num_blocks - held + loading
 
     penalty = load_penalty_blocks
     if penalty is None:
-        penalty = max(1, min(to_compute(load) for load in candidates))
+        penalty = max(1.0, min(to_compute(load) for load in candidates))
 
-    def cost(load: WorkerLoad) -> tuple[int, int, int, str]:
+    def cost(load: WorkerLoad) -> tuple[float, int, int, str]:
         return (to_compute(load) + penalty * load.num_queued, load.num_queued, -load.kv_blocks_free, load.worker_id)
 
     return min(candidates, key=cost)
@@ -152,6 +177,7 @@ def plan_route(
     num_blocks: int,
     policy: str = "prefix-aware",
     prefix_overlap_blocks: Mapping[str, int] | None = None,
+    prefix_tier_blocks: Mapping[str, Mapping[str, int]] | None = None,
     turn: int = 0,
     num_prompt_tokens: int | None = None,
     block_size: int = 16,
@@ -159,18 +185,20 @@ def plan_route(
 ) -> Route:
     """The route for one request in `mode` ("disaggregated" | "colocated") under `policy`. NoWorkerError when
     there is none. `turn` advances round-robin; `num_prompt_tokens` (with `block_size`) decides a local prefill
-    on the decode worker when at most `local_prefill_threshold_tokens` of the prompt are not cached there."""
+    on the decode worker when at most `local_prefill_threshold_tokens` of the prompt are not cached there.
+    `prefix_tier_blocks` prices the prefill (or colocated) worker's hits by tier (`pick_prefill_worker`)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
     overlap = prefix_overlap_blocks if policy == "prefix-aware" else None
+    tiers = prefix_tier_blocks if policy == "prefix-aware" else None
 
-    def pick(role: str, pick_by_cost: Callable[..., WorkerLoad]) -> WorkerLoad:
+    def pick(role: str, pick_by_cost: Callable[..., WorkerLoad], **priced: object) -> WorkerLoad:
         if policy == "round-robin":
             return pick_round_robin(loads, num_blocks=num_blocks, turn=turn, role=role)
-        return pick_by_cost(loads, num_blocks=num_blocks, prefix_overlap_blocks=overlap, role=role)
+        return pick_by_cost(loads, num_blocks=num_blocks, prefix_overlap_blocks=overlap, role=role, **priced)
 
     if mode == "colocated":
-        return Route(target=pick("colocated", pick_prefill_worker))
+        return Route(target=pick("colocated", pick_prefill_worker, prefix_tier_blocks=tiers))
     if mode != "disaggregated":
         raise ValueError(f"unknown routing mode {mode!r}")
     decode = pick("decode", pick_decode_worker)
@@ -178,7 +206,7 @@ def plan_route(
         cached_tokens = min((overlap or {}).get(decode.worker_id, 0) * block_size, num_prompt_tokens)
         if num_prompt_tokens - cached_tokens <= local_prefill_threshold_tokens:
             return Route(target=decode)
-    return Route(target=decode, prefill=pick("prefill", pick_prefill_worker))
+    return Route(target=decode, prefill=pick("prefill", pick_prefill_worker, prefix_tier_blocks=tiers))
 
 
 def _candidates(

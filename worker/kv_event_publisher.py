@@ -18,7 +18,9 @@ Lifecycle and resynchronisation:
     close()                 the thread ends after what is queued (bounded by its timeout)
 
 A snapshot is taken on the engine thread between steps (`offer_snapshot`), so it comes after every batch of
-events already queued and before any later one, in the same queue: nothing is lost or applied twice.
+events already queued and before any later one, in the same queue: nothing is lost or applied twice. It lists the
+cached blocks by tier (`LLMEngine.cached_blocks`: "device", and a KV offload tier's kind), sent as one
+`BlockStored` per tier, so the index knows where each block is from the first batch on.
 
 `NullPublisher` (no index configured) drops events, so that nothing accumulates in a worker without Redis.
 """
@@ -29,12 +31,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kv_transfer import prefix_index as pi
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace
-from kv_transfer.kv_events import BlockStored, KVEvent
+from kv_transfer.kv_events import DEVICE, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class NullPublisher:
     def publish(self, events: Sequence[KVEvent]) -> None:
         pass
 
-    def offer_snapshot(self, block_hashes: Sequence[BlockHash]) -> None:
+    def offer_snapshot(self, blocks: Mapping[str, Sequence[BlockHash]] | Sequence[BlockHash]) -> None:
         pass
 
     def start(self) -> None:
@@ -61,8 +63,14 @@ class NullPublisher:
 
 @dataclass(frozen=True)
 class _Snapshot:
-    block_hashes: tuple[BlockHash, ...]
+    events: tuple[BlockStored, ...]  # one per tier
     num_dropped_before: int  # batches dropped (queue full) before it was taken: later drops need another one
+
+
+def snapshot_events(blocks: Mapping[str, Sequence[BlockHash]] | Sequence[BlockHash]) -> tuple[BlockStored, ...]:
+    """A snapshot's batch: one `BlockStored` per tier that holds blocks (a plain sequence: all on the device)."""
+    by_tier = blocks if isinstance(blocks, Mapping) else {DEVICE: blocks}
+    return tuple(BlockStored(block_hashes=tuple(hashes), tier=tier) for tier, hashes in by_tier.items() if hashes)
 
 
 @dataclass
@@ -76,7 +84,7 @@ class PublisherStats:
 
 class RedisKVEventPublisher:
     """Publishes one worker's KV events to the Redis prefix index. `request_snapshot()` must make the engine
-    thread call `offer_snapshot(cached block hashes)` soon (between steps); it is called from this thread."""
+    thread call `offer_snapshot(cached blocks by tier)` soon (between steps); it is called from this thread."""
 
     def __init__(
         self,
@@ -115,8 +123,9 @@ class RedisKVEventPublisher:
         if events:
             self._put(tuple(events))
 
-    def offer_snapshot(self, block_hashes: Sequence[BlockHash]) -> None:
-        self._queue.put(_Snapshot(tuple(block_hashes), self._num_overflows))  # never dropped
+    def offer_snapshot(self, blocks: Mapping[str, Sequence[BlockHash]] | Sequence[BlockHash]) -> None:
+        """`blocks`: tier -> the hashes cached on it (a plain sequence: all on the device)."""
+        self._queue.put(_Snapshot(snapshot_events(blocks), self._num_overflows))  # never dropped
 
     def _put(self, item: tuple[KVEvent, ...]) -> None:
         if self._queue.qsize() >= _MAX_QUEUED_BATCHES:  # the index is far behind: resynchronise instead
@@ -154,7 +163,7 @@ class RedisKVEventPublisher:
                 self._needs_snapshot = True
             if isinstance(item, _Snapshot):
                 self._send(pi.EventBatch(publisher=self._publisher, seq=self._next_seq(), reset=True,
-                                         events=(BlockStored(block_hashes=item.block_hashes),)),
+                                         events=item.events),
                            snapshot_dropped_before=item.num_dropped_before)
             elif self._needs_snapshot:
                 self.stats.num_dropped += 1  # the snapshot on its way covers it

@@ -224,7 +224,7 @@ class WorkerRuntime:
 
         def snapshot(engine: LLMEngine) -> None:  # on the engine thread: after every event already published
             engine.publish_kv_events()
-            publisher.offer_snapshot(engine.cached_block_hashes())
+            publisher.offer_snapshot(engine.cached_blocks())
 
         def request_snapshot() -> None:
             try:

@@ -158,6 +158,7 @@ def test_restart_on_the_same_dir_finds_and_announces_its_blocks(tiny_checkpoint,
     engine = _engine(tiny_checkpoint, tmp_path)  # a new incarnation
     history_hashes = engine.make_request("probe", HISTORY, greedy()).block_hashes
     assert set(history_hashes) <= set(engine.cached_block_hashes())  # the publisher's first snapshot lists them
+    assert set(history_hashes) <= set(engine.cached_blocks()["disk"])  # under the tier they are on
     events = []
     engine.kv_event_sink = events.extend
 
@@ -165,8 +166,11 @@ def test_restart_on_the_same_dir_finds_and_announces_its_blocks(tiny_checkpoint,
 
     assert second == reference[1]
     assert engine.stats().prefix_cache_hits_by_tier["disk"] == NUM_COMPUTED_BLOCKS * BLOCK_SIZE
-    stored = {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
-    assert not stored & set(history_hashes), "blocks loaded from the tier were announced twice"
+    stored = [(h, e.tier) for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+    loaded = [(h, tier) for h, tier in stored if h in set(history_hashes)]
+    # Loaded from the tier: announced once more, as moved onto the device (held all along).
+    assert sorted(loaded) == sorted((h, "device") for h in history_hashes[:NUM_COMPUTED_BLOCKS])
+    assert not any(isinstance(e, BlockRemoved) and set(e.block_hashes) & set(history_hashes) for e in events)
     assert_no_blocks_held(engine)
     engine.close()
 
@@ -197,6 +201,9 @@ def test_evicting_into_the_tier_keeps_blocks_announced(tiny_checkpoint, tmp_path
     engine.publish_kv_events()
     removed = {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
     assert not removed & history_hashes, "a block written to the tier was announced as gone"
+    on_disk = {h for e in events if isinstance(e, BlockStored) and e.tier == "disk" for h in e.block_hashes}
+    evicted = history_hashes - set(engine.block_pool.cached_block_hashes())
+    assert evicted and evicted <= on_disk, "a block evicted into the tier was not announced under it"
 
     for i, other in enumerate(OTHERS[1:]):  # the tier's LRU then drops the history: now it is gone
         _run(engine, f"other-{i + 1}", other)

@@ -144,3 +144,76 @@ def test_the_controller_purges_a_dead_worker_in_every_namespace(redis_db) -> Non
     assert held(redis_db, "p0") == set()
     assert redis_db.scard(pi.worker_blocks_key(other_prefix, "p0")) == 0
     assert lookup(redis_db, HASHES) == {("p1", 1): 2}
+
+
+# -- tiers ------------------------------------------------------------------------------------------------------
+
+
+def held_by_tier(r, hashes):
+    return pi.parse_held(r.eval(pi.LOOKUP, 0, *pi.lookup_args(PREFIX, hashes)))
+
+
+def tiers(r, worker_id):
+    """P:wt (the worker's blocks below its device) and P:wtn (their counts), decoded."""
+    below = {bytes.fromhex(h.decode()): t.decode()
+             for h, t in r.hgetall(pi.worker_tiers_key(PREFIX, worker_id)).items()}
+    counts = {t.decode(): int(n) for t, n in r.hgetall(pi.worker_tier_counts_key(PREFIX, worker_id)).items()}
+    return below, {t: n for t, n in counts.items() if n}
+
+
+def test_a_block_moving_to_a_lower_tier_stays_held_under_that_tier(redis_db) -> None:
+    apply(redis_db, "p0", 1, 1, [BlockStored(block_hashes=tuple(HASHES[:6]))], reset=True)
+    assert tiers(redis_db, "p0") == ({}, {})
+    assert held_by_tier(redis_db, HASHES) == {("p0", 1): pi.HeldPrefix((("device", 6),))}
+    # The device evicts blocks 3-5 into its disk tier: stored again, under "disk"; the union is unchanged.
+    apply(redis_db, "p0", 1, 2, [BlockStored(block_hashes=tuple(HASHES[3:6]), tier="disk")])
+    assert held(redis_db, "p0") == set(HASHES[:6])
+    assert tiers(redis_db, "p0") == (dict.fromkeys(HASHES[3:6], "disk"), {"disk": 3})
+    assert lookup(redis_db, HASHES) == {("p0", 1): 6}  # leading blocks held: the same meaning as before
+    found = held_by_tier(redis_db, HASHES)[("p0", 1)]
+    assert found.runs == (("device", 3), ("disk", 3)) and found.by_tier() == {"device": 3, "disk": 3}
+    # Block 4 is loaded back onto the device; block 5 leaves the tier too (removed: held nowhere).
+    apply(redis_db, "p0", 1, 3, [BlockStored(block_hashes=(HASHES[4],)), BlockRemoved(block_hashes=(HASHES[5],))])
+    assert tiers(redis_db, "p0") == ({HASHES[3]: "disk"}, {"disk": 1})
+    found = held_by_tier(redis_db, HASHES)[("p0", 1)]
+    assert found.runs == (("device", 3), ("disk", 1), ("device", 1)) and found.num_blocks == 5
+    assert [found.device_reach(start) for start in range(6)] == [3, 3, 3, 3, 5, 5]
+    # A store under the same tier twice counts once.
+    apply(redis_db, "p0", 1, 4, [BlockStored(block_hashes=(HASHES[3], HASHES[0]), tier="disk")])
+    assert tiers(redis_db, "p0") == ({HASHES[0]: "disk", HASHES[3]: "disk"}, {"disk": 2})
+
+
+def test_tiers_go_with_clears_resets_and_purges(redis_db) -> None:
+    snapshot = [BlockStored(block_hashes=tuple(HASHES[:2])), BlockStored(block_hashes=tuple(HASHES[2:5]), tier="disk")]
+    apply(redis_db, "p0", 1, 1, snapshot, reset=True)
+    apply(redis_db, "p1", 1, 1, snapshot, reset=True)
+    assert tiers(redis_db, "p0") == (dict.fromkeys(HASHES[2:5], "disk"), {"disk": 3})
+    apply(redis_db, "p0", 1, 2, [AllBlocksCleared(), BlockStored(block_hashes=(HASHES[0],), tier="host")])
+    assert tiers(redis_db, "p0") == ({HASHES[0]: "host"}, {"host": 1})
+    apply(redis_db, "p0", 1, 9, [BlockStored(block_hashes=tuple(HASHES[:3]))], reset=True)  # a snapshot
+    assert tiers(redis_db, "p0") == ({}, {})
+    apply(redis_db, "p0", 2, 1, [BlockStored(block_hashes=(HASHES[1],), tier="disk")], reset=True)  # restarted
+    assert tiers(redis_db, "p0") == ({HASHES[1]: "disk"}, {"disk": 1})
+    redis_db.eval(pi.PURGE, 0, PREFIX, "p1")
+    assert tiers(redis_db, "p1") == ({}, {})
+    assert redis_db.exists(pi.worker_tiers_key(PREFIX, "p1"), pi.worker_tier_counts_key(PREFIX, "p1")) == 0
+
+
+def test_lookup_reports_each_workers_tiers_and_provisional_entries_on_the_device(redis_db) -> None:
+    apply(redis_db, "p0", 1, 1, [BlockStored(block_hashes=tuple(HASHES[:2]), tier="disk"),
+                                 BlockStored(block_hashes=tuple(HASHES[2:4]))], reset=True)
+    apply(redis_db, "p1", 1, 1, [BlockStored(block_hashes=tuple(HASHES[:5]))], reset=True)
+    redis_db.eval(pi.PROVISIONAL, 0, *pi.provisional_args(PREFIX, "p0", 1, HASHES[4:6]))
+    redis_db.eval(pi.PROVISIONAL, 0, *pi.provisional_args(PREFIX, "p2", 3, HASHES[:1]))  # not registered yet
+    assert held_by_tier(redis_db, HASHES) == {
+        ("p0", 1): pi.HeldPrefix((("disk", 2), ("device", 4))),
+        ("p1", 1): pi.HeldPrefix((("device", 5),)),
+        ("p2", 3): pi.HeldPrefix((("device", 1),)),
+    }
+    assert lookup(redis_db, HASHES) == {("p0", 1): 6, ("p1", 1): 5, ("p2", 3): 1}
+
+
+def test_encoded_ops_name_a_lower_tier_on_the_store_marker() -> None:
+    events = [BlockStored(block_hashes=(HASHES[0],)), BlockStored(block_hashes=(HASHES[1],), tier="disk"),
+              BlockRemoved(block_hashes=(HASHES[2],))]
+    assert pi.encode_ops(events) == ["+", HASHES[0].hex(), "+disk", HASHES[1].hex(), "-", HASHES[2].hex()]

@@ -22,12 +22,15 @@ PROMPT = list(range(100, 130))  # 30 tokens: 7 full blocks
 HASHES = hash_token_blocks(NS, PROMPT)
 
 
-def publish(url: str, worker_id: str, incarnation: int, hashes, role: str = "prefill") -> None:
+def publish(url: str, worker_id: str, incarnation: int, hashes, role: str = "prefill", *,
+            disk=()) -> None:
+    """A reset batch: `hashes` on the worker's device, `disk` on its disk tier."""
     import redis
 
     with redis.Redis.from_url(url) as r:
+        events = (BlockStored(block_hashes=tuple(hashes)), BlockStored(block_hashes=tuple(disk), tier="disk"))
         batch = pi.EventBatch(publisher=pi.PublisherId(worker_id=worker_id, incarnation=incarnation, role=role),
-                              seq=1, reset=True, events=(BlockStored(block_hashes=tuple(hashes)),))
+                              seq=1, reset=True, events=events)
         assert r.eval(pi.APPLY, 0, *pi.apply_args(pi.key_prefix(NS), batch)) == b"ok"
 
 
@@ -70,6 +73,50 @@ def test_lookup_counts_live_incarnations_only(url) -> None:
             assert lookup is not None and lookup.block_hashes == HASHES
             assert lookup.overlap == {"p0": 5, "d0": 3}
             assert index.client.counters.lookups == {"ok": 1, "error": 0, "down": 0}
+        finally:
+            await index.close()
+
+    run(main())
+
+
+def test_lookup_and_stats_know_where_each_workers_blocks_are(url) -> None:
+    """p0 holds the prompt's 7 blocks, 0-2 on its device and 3-6 on disk; p1 holds 5 on its device; p9 is not live.
+    The lookup keeps "held" as before and adds the tiers; routing prices p0's disk blocks; the stats and the
+    metrics collector list blocks per worker and tier."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.metrics import PrefixIndexCollector
+
+    publish(url, "p0", 1, HASHES[:3], disk=HASHES[3:7])
+    publish(url, "p1", 1, HASHES[:5] + hash_token_blocks(NS, [1] * 8))  # and 2 blocks of another prompt
+    publish(url, "p9", 1, HASHES[:7], disk=HASHES[:1])
+
+    async def main() -> None:
+        index = PrefixIndex(PrefixIndexClient(url), namespace=lambda: NS, live_workers=lambda: {"p0": 1, "p1": 1})
+        await index.client.start()
+        try:
+            lookup = await index.lookup(PROMPT)
+            assert lookup is not None and lookup.overlap == {"p0": 7, "p1": 5}
+            assert lookup.overlap_by_tier == {"p0": {"device": 3, "disk": 4}, "p1": {"device": 5}}
+            assert lookup.lower_tier_blocks == {"p0": {"disk": 4}}
+            assert (lookup.device_reach("p0", 0), lookup.device_reach("p0", 3), lookup.device_reach("p1", 2)) == (
+                3, 3, 5)
+            loads = [load("p0", "colocated"), load("p1", "colocated")]
+            # By overlap alone p0 (1 block to compute) beats p1 (3); priced by tier, p0 costs 1 + 4 x 0.25 = 2 < 3.
+            assert plan_route("colocated", loads, num_blocks=8, prefix_overlap_blocks=lookup.overlap,
+                              prefix_tier_blocks=lookup.lower_tier_blocks).target.worker_id == "p0"
+            stats = {s.worker_id: s.num_blocks_by_tier for s in await index.client.worker_stats(NS)}
+            assert stats == {"p0": {"device": 3, "disk": 4}, "p1": {"device": 7}, "p9": {"device": 6, "disk": 1}}
+            registry = CollectorRegistry()
+            registry.register(PrefixIndexCollector(index.client))
+            text = generate_latest(registry).decode()
+            assert 'splitserve:prefix_index_blocks{tier="disk",worker="p0"} 4.0' in text
+            assert 'splitserve:prefix_index_blocks{tier="device",worker="p1"} 7.0' in text
+            await index.client.refresh_stats(None)  # no namespace known: nothing listed
+            assert "splitserve:prefix_index_blocks{" not in generate_latest(registry).decode()
+            await index.client.refresh_stats(NS)
+            assert 'splitserve:prefix_index_blocks{tier="device",worker="p0"} 3.0' in generate_latest(
+                registry).decode()
         finally:
             await index.close()
 

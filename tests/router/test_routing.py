@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.routing import (
+    TIER_LOAD_COST,
     NoWorkerError,
     WorkerLoad,
     num_blocks_needed,
@@ -78,6 +79,49 @@ def test_prefill_prefix_overlap_against_load() -> None:
                                load_penalty_blocks=2).worker_id == "p0"
     # Without overlaps every worker computes everything: the penalty is the whole request, the least loaded wins.
     assert pick_prefill_worker(loads, num_blocks=10).worker_id == "p1"
+
+
+def test_prefill_prices_a_hit_below_the_device_as_a_fraction_of_a_computed_block() -> None:
+    loads = [load("p0", "prefill"), load("p1", "prefill")]
+    # Both hold the prompt's 8 leading blocks of 10; p0 keeps 4 of them on disk: 2 + 4 x 0.25 = 3 against 2.
+    overlap = {"p0": 8, "p1": 8}
+    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks=overlap).worker_id == "p0"  # tie: by id
+    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks=overlap,
+                               prefix_tier_blocks={"p0": {"disk": 4}}).worker_id == "p1"
+    # A disk hit still beats computing: p0 holds all 10 on disk (2.5), p1 holds 6 on its device (4).
+    assert TIER_LOAD_COST["disk"] == 0.25
+    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 10, "p1": 6},
+                               prefix_tier_blocks={"p0": {"disk": 10}}).worker_id == "p0"
+    # Host memory is cheaper than disk: 10 x 0.1 = 1 against 10 x 0.25 = 2.5.
+    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 10, "p1": 10},
+                               prefix_tier_blocks={"p0": {"disk": 10}, "p1": {"host": 10}}).worker_id == "p1"
+    # A queued request is priced at the least priced cost anywhere (2.5 here): p0's 2.5 + 2 x 2.5 = 7.5 loses to p1's
+    # 6 computed blocks (priced as if on the device, 0 + 2 x 1 = 2, it would stay on p0); one queued stays (5 < 6).
+    busy = [load("p0", "prefill", running=2), load("p1", "prefill")]
+    assert pick_prefill_worker(busy, num_blocks=10, prefix_overlap_blocks={"p0": 10, "p1": 4},
+                               prefix_tier_blocks={"p0": {"disk": 10}}).worker_id == "p1"
+    busy = [load("p0", "prefill", running=1), load("p1", "prefill")]
+    assert pick_prefill_worker(busy, num_blocks=10, prefix_overlap_blocks={"p0": 10, "p1": 4},
+                               prefix_tier_blocks={"p0": {"disk": 10}}).worker_id == "p0"
+    # Tier counts are clipped to what is held; a tier the router does not know costs as much as computing.
+    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 4, "p1": 3},
+                               prefix_tier_blocks={"p0": {"disk": 99}}).worker_id == "p0"  # 6 + 1 < 7
+    assert pick_prefill_worker(loads, num_blocks=10, prefix_overlap_blocks={"p0": 4, "p1": 3},
+                               prefix_tier_blocks={"p0": {"tape": 4}}).worker_id == "p1"  # 6 + 4 > 7
+
+
+def test_plan_route_passes_tiers_to_the_worker_that_runs_the_prompt() -> None:
+    loads = [load("p0", "prefill"), load("p1", "prefill"), load("d", "decode"), load("c0", "colocated"),
+             load("c1", "colocated")]
+    overlap = {"p0": 8, "p1": 8, "c0": 8, "c1": 8}
+    tiers = {"p0": {"disk": 8}, "c0": {"disk": 8}}
+    route = plan_route("disaggregated", loads, num_blocks=10, prefix_overlap_blocks=overlap, prefix_tier_blocks=tiers)
+    assert route.prefill is not None and route.prefill.worker_id == "p1"
+    assert plan_route("colocated", loads, num_blocks=10, prefix_overlap_blocks=overlap,
+                      prefix_tier_blocks=tiers).target.worker_id == "c1"
+    # Not under another policy: least-loaded ties by id.
+    assert plan_route("colocated", loads, num_blocks=10, policy="least-loaded", prefix_overlap_blocks=overlap,
+                      prefix_tier_blocks=tiers).target.worker_id == "c0"
 
 
 def test_plan_route_modes() -> None:

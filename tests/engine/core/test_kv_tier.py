@@ -160,21 +160,24 @@ def test_size_must_be_positive_and_blocks_whole() -> None:
     tier.close()
 
 
-def test_union_events_hide_moves_between_device_and_tier() -> None:
+def test_union_events_announce_moves_between_device_and_tier_as_stores_under_the_tier() -> None:
     device: set[bytes] = set()
-    tier: set[bytes] = {h(9)}  # found again at start: announced by the first snapshot
-    events = TieredEvents(lambda x: x in device or x in tier, announced=tier)
+    tier: set[bytes] = {h(9)}  # found again at start: announced by the first snapshot, under the tier
+    events = TieredEvents(device.__contains__, tier.__contains__, tier="disk", announced=tier)
+    assert events.announced == {h(9): "disk"}
 
     device |= {h(0), h(1)}
     assert events.merge([BlockStored(block_hashes=(h(0), h(1)))], []) == [BlockStored(block_hashes=(h(0), h(1)))]
     device -= {h(0), h(1)}
-    tier |= {h(0)}  # the device evicts both; the tier takes 0, its queue drops 1
-    assert events.merge([BlockRemoved(block_hashes=(h(0), h(1)))], []) == [BlockRemoved(block_hashes=(h(1),))]
-    device |= {h(0), h(9)}  # loaded back from the tier: nothing new for the index
-    assert events.merge([BlockStored(block_hashes=(h(0), h(9)))], []) == []
-    tier -= {h(0), h(9)}  # the tier's LRU drops them while the device holds them
+    tier |= {h(0)}  # the device evicts both; the tier takes 0 (held, now on disk), its queue drops 1 (gone)
+    assert events.merge([BlockRemoved(block_hashes=(h(0), h(1)))], []) == [
+        BlockRemoved(block_hashes=(h(1),)), BlockStored(block_hashes=(h(0),), tier="disk")]
+    device |= {h(0), h(9)}  # loaded back from the tier: held as before, on the device now
+    assert events.merge([BlockStored(block_hashes=(h(0), h(9)))], []) == [
+        BlockStored(block_hashes=(h(0), h(9)), tier="device")]
+    tier -= {h(0), h(9)}  # the tier's LRU drops them while the device holds them: nothing changes for the index
     assert events.merge([], [h(0), h(9)]) == []
     device -= {h(0)}
     assert events.merge([BlockRemoved(block_hashes=(h(0),))], []) == [BlockRemoved(block_hashes=(h(0),))]
-    assert events.announced == {h(9)}
-    assert events.merge([AllBlocksCleared()], []) == [AllBlocksCleared()] and events.announced == set()
+    assert events.announced == {h(9): "device"}
+    assert events.merge([AllBlocksCleared()], []) == [AllBlocksCleared()] and events.announced == {}
