@@ -33,7 +33,7 @@ from deploy.bench.workload import WORKLOADS
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="drive AIPerf against an OpenAI server; report.json, report.html, plots")
-    p.add_argument("--url", required=True, help="the server's base URL (http://host:port)")
+    p.add_argument("--url", required=True, help="the server's base URL (http://host:port; host:port means http)")
     p.add_argument("--workload", default="random", metavar="{" + ",".join(WORKLOADS) + ",FILE.jsonl}",
                    help="the requests' shape (deploy/bench/workload.py)")
     load = p.add_mutually_exclusive_group()
@@ -119,7 +119,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              num_prefixes=args.num_prefixes, turns=args.turns, endpoint=args.endpoint)
     plots.require_matplotlib()
     aiperf = find_aiperf(args.aiperf)
-    url = args.url.rstrip("/")
+    url = args.url.rstrip("/") if "://" in args.url else f"http://{args.url.rstrip('/')}"  # as AIPerf reads it
     model = args.model or served_model(url)
     tokenizer, env = aiperf_tokenizer(model, args.tokenizer)
     out = Path(args.out)

@@ -1,7 +1,8 @@
 """`splitserve bench` end to end: real AIPerf against a real `splitserve serve` of SmolLM2 (one prefill and one
 decode worker, KV over gRPC), two Poisson rates of a few requests each. The report holds each point's run with
 the gateway's TTFT stages counting exactly that run's requests (not the warm-up's), `plan --validate` reads it,
-and report.html renders in real headless Chromium: every image loads, the tables hold report.json's numbers.
+and report.html renders in real headless Chromium: every image loads, the tables hold report.json's numbers. Then
+multi-turn chat at a concurrency, on the same serve.
 
 AIPerf and Chromium are not Python dependencies: deploy/setup.sh installs them (.venv-aiperf; apt's chromium and
 chromium-driver). Where they are missing these tests skip, saying which.
@@ -30,25 +31,32 @@ NUM_REQUESTS = 4
 
 
 @pytest.fixture(scope="module")
-def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of a serve of SmolLM2 (1P+1D over gRPC) for the module's bench runs."""
     from deploy.bench.aiperf_driver import find_aiperf
 
     try:
         find_aiperf()
     except FileNotFoundError as exc:
         pytest.skip(f"AIPerf is not installed (deploy/setup.sh installs it): {exc}")
-    tmp = tmp_path_factory.mktemp("bench")
-    out = tmp / "report"
+    tmp = tmp_path_factory.mktemp("serve")
     with serving(serve_argv("smollm2-135m", "--prefill-workers", "1", "--decode-workers", "1",
-                            "--max-model-len", "2048"),
-                 stderr_path=tmp / "serve.txt") as serve:
-        done = subprocess.run(
-            [sys.executable, "-m", "deploy.cli", "bench", "--url", serve.url, "--rate", str(RATES[0]), "--sweep",
-             ",".join(map(str, RATES[1:])), "--num-requests", str(NUM_REQUESTS), "--isl", "48", "--osl", "6",
-             "--ttft-slo", "5", "--tpot-slo", "1", "--warmup", "1", "--out", str(out)],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=480)
-        assert done.returncode == 0, done.stderr[-4000:]
-    yield out
+                            "--max-model-len", "2048"), stderr_path=tmp / "serve.txt") as serve:
+        yield serve.url
+
+
+def run_bench(url: str, out: Path, *flags: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "--url", url, *flags, "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def bench_dir(served: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "report"
+    run_bench(served, out, "--rate", str(RATES[0]), "--sweep", ",".join(map(str, RATES[1:])), "--num-requests",
+              str(NUM_REQUESTS), "--isl", "48", "--osl", "6", "--ttft-slo", "5", "--tpot-slo", "1", "--warmup", "1")
+    return out
 
 
 def test_each_point_is_a_run_with_the_gateways_stages(bench_dir: Path) -> None:
@@ -88,6 +96,20 @@ def test_plan_validate_reads_the_report(bench_dir: Path, tmp_path: Path,
     assert {(c["rate"], c["metric"]) for c in comparisons} == {
         (rate, metric) for rate in RATES
         for metric in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "goodput")}
+
+
+def test_chat_at_a_concurrency(served: str, tmp_path: Path) -> None:
+    """AIPerf's multi-turn conversations on the chat endpoint, kept 2 in flight: 2 conversations of 2 turns."""
+    run_bench(served, tmp_path, "--workload", "chat", "--turns", "2", "--concurrency", "2", "--num-requests", "4",
+              "--isl", "48", "--osl", "4", "--warmup", "0")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["workload"] == {"kind": "chat", "isl": 48, "osl": 4, "turns": 2, "endpoint": "chat"}
+    (run,) = report["runs"]
+    assert run["concurrency"] == 2 and run["rate"] is None and "--concurrency" in run["aiperf_command"]
+    assert run["num_requests"] == 4 and run["num_errors"] == 0 and run["osl_mean"] == 4
+    assert run["isl_mean"] > 48  # the chat template's tokens, and the second turns' history
+    assert run["stages"]["prefill"]["count"] == 4
+    assert report["plots"] == ["throughput_latency.png", "ttft_itl.png", "stages.png"]  # no SLO: no goodput plot
 
 
 def _value(report: dict[str, Any], key: str) -> Any:
