@@ -112,6 +112,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     mode, points = load_points(args.rate, args.concurrency, args.sweep)
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     for flag, value in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo)):
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
@@ -152,9 +154,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
             cmd, artifacts = command(flags, f"{mode}-{point:g}")
             before = stages.scrape(url)
             summary = run_aiperf(cmd, env=env, artifact_dir=artifacts)
-            deltas = stages.stage_deltas(before, stages.scrape(url))
-            run = report.run_from_summary(summary, mode=mode, point=point, seed=args.seed + i, command=cmd,
-                                          stages=deltas)
+            try:
+                deltas = stages.stage_deltas(before, stages.scrape(url))
+            except ValueError as exc:  # the run's numbers stand; only its stage breakdown is lost
+                print(f"splitserve bench: {mode} {point:g}: no TTFT stages: {exc}", file=sys.stderr)
+                deltas = {}
+            try:
+                run = report.run_from_summary(summary, mode=mode, point=point, seed=args.seed + i, command=cmd,
+                                              stages=deltas)
+            except ValueError as exc:
+                raise AIPerfError(f"{mode} {point:g}: {exc} (its log: {artifacts / 'aiperf.log'})") from None
             report.add_run(result, run, summary)
             _write_json(out / "report.json", result)  # a sweep cut short keeps the points it ran
             print(f"splitserve bench: {mode} {point:g}: {_line(run)}", file=sys.stderr, flush=True)

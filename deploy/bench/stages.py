@@ -25,9 +25,12 @@ class Histogram:
     sum_s: float
 
     def minus(self, before: Histogram) -> Histogram:
-        """This histogram less an earlier scrape of the same series (same bounds; a ValueError otherwise)."""
+        """This histogram less an earlier scrape of the same series; a ValueError when it is not a later scrape of
+        the same process (other bounds, or a count that went down: the server restarted in between)."""
         if [le for le, _ in self.buckets] != [le for le, _ in before.buckets]:
             raise ValueError("the histogram's buckets changed between the scrapes (the server restarted?)")
+        if self.count < before.count:
+            raise ValueError("the histogram's count went down between the scrapes (the server restarted?)")
         return Histogram(buckets=tuple((le, a - b) for (le, a), (_, b) in zip(self.buckets, before.buckets)),
                          count=self.count - before.count, sum_s=self.sum_s - before.sum_s)
 

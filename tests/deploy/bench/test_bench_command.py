@@ -25,6 +25,7 @@ def bench(tmp_path: Path, *flags: str) -> list[str]:
     (["--rate", "1", "--sweep", "2,x"], "--sweep: comma-separated numbers"),
     (["--rate", "1", "--num-requests", "0"], "--num-requests must be at least 1"),
     (["--rate", "1", "--ttft-slo", "-1"], "--ttft-slo must be positive"),
+    (["--rate", "1", "--warmup", "-1"], "--warmup must be >= 0"),
     (["--rate", "1", "--workload", "poisson"], "--workload: one of random, shared-prefix, chat or a FILE.jsonl"),
     (["--rate", "1", "--workload", "missing.jsonl"], "--workload missing.jsonl: no such file"),
     (["--rate", "1", "--aiperf", "/nonexistent/aiperf"], "--aiperf /nonexistent/aiperf: not an executable file"),

@@ -56,11 +56,14 @@ def test_a_server_without_the_stage_metric_has_no_stages() -> None:
     assert stages.scrape("http://127.0.0.1:1") == {}  # nothing listens: no stages, no error
 
 
-def test_a_histogram_whose_buckets_changed_is_refused() -> None:
+def test_a_histogram_of_another_process_is_refused() -> None:
     a = stages.Histogram(buckets=((0.1, 1.0), (float("inf"), 1.0)), count=1.0, sum_s=0.05)
     b = stages.Histogram(buckets=((0.2, 1.0), (float("inf"), 1.0)), count=1.0, sum_s=0.05)
     with pytest.raises(ValueError, match="buckets changed"):
         a.minus(b)
+    restarted = stages.Histogram(buckets=((0.1, 0.0), (float("inf"), 0.0)), count=0.0, sum_s=0.0)
+    with pytest.raises(ValueError, match="count went down"):
+        restarted.minus(a)
 
 
 def test_a_run_holds_aiperfs_numbers_in_seconds() -> None:
