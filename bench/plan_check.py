@@ -5,8 +5,8 @@ prediction at each rate, metric by metric (`splitserve plan --validate`'s compar
         --isl 256 --osl 32 --ttft-slo 2 --tpot-slo 0.15 --out DIR [--num-requests 40] [--one-host]
 
 Writes DIR/plan.json (`plan --json` of that traffic and SLO, no rate: each layout's highest rate) and
-DIR/report.json (schema splitserve-bench/1, deploy/planner/validate.py: the served layout and one run per rate:
-AIPerf's TTFT and inter-token latency p50/p90, its goodput at both SLOs, its request throughput), then prints
+DIR/report.json (schema splitserve-bench/1, deploy/planner/validate.py: the served layout and one run per rate,
+as `splitserve bench` writes them: deploy/bench/report.py), then prints
 `splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
 `colocatedxN`. With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
 prediction scales compute times accordingly. AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and
@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.serve_process import Serve, aiperf, metric  # noqa: E402
+from bench.serve_process import Serve, aiperf  # noqa: E402
+from deploy.bench.report import run_from_summary  # noqa: E402
 from deploy.planner.planner import SLO, Layout, PlanOptions, Traffic, plan  # noqa: E402
 from deploy.planner.profile import load_profile  # noqa: E402
 from deploy.planner.render import plan_json, serve_flags  # noqa: E402
@@ -80,13 +81,7 @@ def main() -> int:
             summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
                                           str(args.num_requests), "--random-seed", str(7 + i)])
             (out / f"aiperf-{rate:g}.json").write_text(json.dumps(summary, indent=1))
-            runs.append({
-                "rate": rate, "num_requests": int(metric(summary, "request_count") or args.num_requests),
-                "ttft_s": {q: metric(summary, "time_to_first_token", q) / 1e3 for q in ("p50", "p90")},
-                "tpot_s": {q: metric(summary, "inter_token_latency", q) / 1e3 for q in ("p50", "p90")},
-                "goodput_rps": metric(summary, "goodput"),
-                "throughput_rps": metric(summary, "request_throughput"),
-            })
+            runs.append(run_from_summary(summary, mode="rate", point=rate, seed=7 + i, command=[], stages=None))
             print(f"rate {rate}: {json.dumps(runs[-1])}", flush=True)
     finally:
         server.stop()

@@ -4,14 +4,13 @@
     summary = aiperf(url, ["--request-rate", "4"], artifacts=...)    AIPerf's summary JSON (profile_export_aiperf.json)
     server.stop()
 
-AIPerf (NVIDIA's load generator, on PyPI) stays out of splitserve's dependencies: install it in a venv of its own,
-`python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf`. Offline it needs a local tokenizer:
-`../shared/tools/bench-tokenizer.sh` saves ours; `aiperf()` runs it when the saved copy is missing.
+AIPerf (NVIDIA's load generator, on PyPI) stays out of splitserve's dependencies: `splitserve bench`'s driver
+(deploy/bench/aiperf_driver.py) finds it ($AIPERF, the checkout's .venv-aiperf that deploy/setup.sh makes, or PATH)
+and saves the model's tokenizer where AIPerf reads it offline (deploy/bench/tokenizer.py); `aiperf()` reuses both.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,8 +20,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
-TOKENIZER_DIR = Path(os.environ.get("BENCH_TOKENIZER_DIR", "/tmp/bench-tokenizer"))
-AIPERF = os.environ.get("AIPERF", "/tmp/aiperf-venv/bin/aiperf")
 
 
 class Serve:
@@ -51,23 +48,16 @@ class Serve:
             self.proc.wait(10)
 
 
-def ensure_tokenizer() -> None:
-    if not (TOKENIZER_DIR / "hf").exists():
-        subprocess.run(["bash", str(REPO.parent / "shared/tools/bench-tokenizer.sh"), sys.executable, MODEL],
-                       cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-
-
 def aiperf(url: str, flags: list[str], *, model: str = MODEL) -> dict:
     """One `aiperf profile` run against `url`; its summary JSON. `flags`: the workload and the load."""
-    ensure_tokenizer()
+    from deploy.bench.aiperf_driver import aiperf_command, find_aiperf, run_aiperf
+    from deploy.bench.tokenizer import aiperf_tokenizer
+
+    tokenizer, env = aiperf_tokenizer(model)
     with tempfile.TemporaryDirectory() as out:
-        command = [AIPERF, "profile", "--tokenizer", f"local/{MODEL}", "--model", model, "--url", url,
-                   "--artifact-dir", out, "--ui-type", "none", *flags]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(TOKENIZER_DIR / "hf")}
-        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if done.returncode:
-            raise RuntimeError(f"aiperf failed ({done.returncode}): {done.stderr[-2000:]}")
-        return json.loads((Path(out) / "profile_export_aiperf.json").read_text())
+        command = aiperf_command(find_aiperf(), url=url, model=model, tokenizer=tokenizer, artifact_dir=Path(out),
+                                 flags=flags)
+        return run_aiperf(command, env=env, artifact_dir=Path(out))
 
 
 def metric(summary: dict, name: str, stat: str = "avg") -> float:

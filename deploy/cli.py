@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     from deploy import gateway_command, head_command, scale_command, serve_command
+    from deploy.bench import command as bench_command
     from deploy.planner import commands as planner_commands
     from engine import generate_command
     from engine.kernels import build_command
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale_command.add_parser(sub)
     build_command.add_parser(sub)
     planner_commands.add_parsers(sub)  # profile, plan
+    bench_command.add_parser(sub)
     apply_env_defaults(sub.choices["build-kernels"])  # SPLITSERVE_DRY_RUN=1, SPLITSERVE_ALL_VARIANTS=1
     return parser
 

@@ -39,6 +39,7 @@ TABLES_OF: dict[str, tuple[str, ...]] = {
     "splitserve generate": ("`splitserve generate`", ENGINE),
     "splitserve profile": ("`splitserve profile`", ENGINE),
     "splitserve plan": ("`splitserve plan`",),
+    "splitserve bench": ("`splitserve bench`",),
     "python -m prefill_worker": ("`python -m prefill_worker`, `python -m decode_worker`", ENGINE),
     "python -m decode_worker": ("`python -m prefill_worker`, `python -m decode_worker`", ENGINE),
 }

@@ -5,7 +5,8 @@ DIR holds two files:
 
     plan.json     what `splitserve plan ... --json` printed (schema "splitserve-plan/1"): its `best` layout and
                   its traffic are what is checked
-    report.json   the measured runs (schema "splitserve-bench/1"), one per rate of a sweep:
+    report.json   the measured runs (schema "splitserve-bench/1", as `splitserve bench` writes it with more fields
+                  than these, which are ignored: deploy/bench/report.py), one per rate of a sweep:
 
         {"schema": "splitserve-bench/1",
          "layout": {...}                      optional: a layout as plan.json writes one; default plan.json's best
