@@ -19,7 +19,6 @@ import functools
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 
@@ -39,6 +38,7 @@ from kv_transfer.tp_slices import WireBlocks, rank_caches
 from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
 from worker.peer_fetch import NOTHING, Fetched
+from worker.stall_fault import StallHalfWay
 from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
@@ -82,31 +82,6 @@ class CutHalfWay:
     def read_block(self, index: int) -> torch.Tensor:
         if index >= self.cut_at:
             raise KVTransferError(f"{FAULT_KV_CUTS_ENV}: handoff cut after {self.cut_at} blocks")
-        return self.source.read_block(index)
-
-
-class StallHalfWay:
-    """A KVBlockSource that stops before the second half of its blocks while the file `path` exists: it writes
-    "stalled <transfer id>" into the file, then waits until the file is removed (the test kills the worker
-    meanwhile, or lets the handoff go on)."""
-
-    def __init__(self, source: HeldBlocks | CutHalfWay, handoff: KVHandoff, path: str) -> None:
-        self.source = source
-        self.layout = handoff.wire_layout
-        self.stall_at = handoff.first_wire_block + len(handoff.wire_indices) // 2
-        self.transfer_id = handoff.transfer_id
-        self.path = path
-
-    def read_block(self, index: int) -> torch.Tensor:
-        if index == self.stall_at:
-            try:  # never creates the file: a test that removed it already must not find it back
-                marker = os.open(self.path, os.O_WRONLY | os.O_TRUNC)
-                os.write(marker, f"stalled {self.transfer_id}\n".encode())
-                os.close(marker)
-            except FileNotFoundError:
-                pass
-            while os.path.exists(self.path):
-                time.sleep(0.05)
         return self.source.read_block(index)
 
 

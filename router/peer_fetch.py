@@ -3,7 +3,8 @@ live worker holding most of it (worker/peer_fetch.py) rather than compute it? Pr
 
     fetch_s     = blocks to move x bytes a block / the link's rate (holder -> fetcher), measured from the fetches
                   that link made (each request's first message reports its fetch's bytes and seconds); before the
-                  link's first fetch, the holder's measured KV transfer rate (its handoffs), else PRIOR_LINK_BYTES_S
+                  link's first fetch, PRIOR_LINK_BYTES_S (not the holder's handoff rate: handoffs of short prompts
+                  are mostly fixed cost, and would price a long head's fetch far above what it costs)
     recompute_s = those blocks' tokens / the fetcher's prefill rate, measured from its requests (computed tokens
                   over prefill seconds); before any, PRIOR_PREFILL_TOKENS_S
 
@@ -23,9 +24,10 @@ from dataclasses import dataclass
 
 from router.routing import WorkerLoad
 
-# Before any measurement: a gRPC handoff between two CPU workers on one host moves ~1 GB/s; SmolLM2 prefills ~600
-# tokens/s on 2 CPU cores. Both priors favour fetching only for what a measurement would confirm within a request
-# or two; each is replaced by the first measurement of its link or worker.
+# Before any measurement: a gRPC handoff of a long prompt between two CPU workers on one host moves ~1 GB/s
+# (docs/benchmarks.md: 94 MB in 53 ms), so half that; a prefill of SmolLM2 runs ~1,000-1,600 tokens/s on this
+# project's 2-core machines, a GPU's far faster, so 2,000. Each is replaced by the first measurement of its link or
+# worker (a moving average from then on).
 PRIOR_LINK_BYTES_S = 500e6
 PRIOR_PREFILL_TOKENS_S = 2_000.0
 _EWMA = 0.3  # weight of the newest measurement
@@ -63,10 +65,7 @@ class PeerFetchRates:
             _update(self._prefill, worker_id, num_tokens / seconds)
 
     def link_bytes_s(self, holder: WorkerLoad, fetcher_id: str) -> float:
-        measured = self._links.get((holder.worker_id, fetcher_id))
-        if measured is not None:
-            return measured
-        return holder.kv_transfer_bytes_s or PRIOR_LINK_BYTES_S
+        return self._links.get((holder.worker_id, fetcher_id), PRIOR_LINK_BYTES_S)
 
     def prefill_tokens_s(self, worker_id: str) -> float:
         return self._prefill.get(worker_id, PRIOR_PREFILL_TOKENS_S)

@@ -63,7 +63,6 @@ class WorkerLoad:
     max_num_seqs: int = 0  # requests one engine step runs; 0: not reported
     incarnation: int = 0  # index entries of another incarnation are not this worker's
     kv_block_bytes: int = 0  # one KV block's bytes (peer fetch prices a fetch with it); 0: not reported
-    kv_transfer_bytes_s: float = 0.0  # its KV transfers' measured rate; 0: none measured yet
 
     @property
     def num_queued(self) -> int:

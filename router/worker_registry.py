@@ -291,6 +291,4 @@ def _load_of(worker: _Worker) -> WorkerLoad:
         max_num_seqs=stats.max_num_seqs,
         incarnation=stats.incarnation,
         kv_block_bytes=stats.kv_block_bytes,
-        kv_transfer_bytes_s=(stats.kv_transfer_bytes / stats.kv_transfer_seconds
-                             if stats.kv_transfer_seconds > 0 else 0.0),
     )

@@ -51,6 +51,7 @@ from kv_transfer.tp_slices import WireBlocks, rank_caches
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
 from worker.engine_loop import EngineLoopClosed
+from worker.stall_fault import StallHalfWay
 
 if TYPE_CHECKING:
     from worker.runtime import WorkerRuntime
@@ -247,12 +248,12 @@ class PeerFetcher:
                 source_worker_id=runtime.config.worker_id, transport=runtime.config.kv_transport,
                 first_block=request.first_block, receiver_tensor_parallel_size=1)
             blocks = runtime.engine.kv_blocks
-            source: WireBlocks | _StallHalfWay = WireBlocks(
+            source: WireBlocks | StallHalfWay = WireBlocks(
                 rank_caches(layout, blocks.ranks or ((blocks.kv_cache, blocks.kv_scales),)),
                 [0] * request.first_block + block_ids, handoff.wire, sender=True)
             stall_path = os.environ.get(FAULT_STALL_ENV)
             if stall_path and len(handoff.wire_indices) >= 2 and os.path.exists(stall_path):
-                source = _StallHalfWay(source, handoff, stall_path)
+                source = StallHalfWay(source, handoff, stall_path)
             return self._sender().send(handoff, source, endpoint=request.receiver_endpoint,
                                        timeout_s=runtime.config.kv_transfer_timeout_s)
         finally:
@@ -261,25 +262,3 @@ class PeerFetcher:
             except EngineLoopClosed:
                 pass  # stopping: the pool goes with the engine
 
-
-class _StallHalfWay:
-    """A holder's source that stops before its second half while the file `path` exists (FAULT_STALL_ENV)."""
-
-    def __init__(self, source: WireBlocks, handoff: KVHandoff, path: str) -> None:
-        self.source = source
-        self.layout = handoff.wire_layout
-        self.stall_at = handoff.first_wire_block + len(handoff.wire_indices) // 2
-        self.fetch_id = handoff.transfer_id
-        self.path = path
-
-    def read_block(self, index: int) -> torch.Tensor:
-        if index == self.stall_at:
-            try:  # never creates the file: a test that removed it already must not find it back
-                marker = os.open(self.path, os.O_WRONLY | os.O_TRUNC)
-                os.write(marker, f"stalled {self.fetch_id}\n".encode())
-                os.close(marker)
-            except FileNotFoundError:
-                pass
-            while os.path.exists(self.path):
-                time.sleep(0.05)
-        return self.source.read_block(index)

@@ -96,30 +96,22 @@ class TensorParallelModel:
         self._finalizer()
 
 
-class _FirstLayers:
-    """`TensorParallelModel.first_layers`: the model interface a drafter uses (`forward`, `compute_logits`)."""
+class _FirstLayers(TensorParallelModel):
+    """`TensorParallelModel.first_layers`: the model interface a drafter uses (`forward`, `compute_logits`) over the
+    whole model's ranks; it owns none of them (closing the whole model stops them)."""
 
     def __init__(self, whole: TensorParallelModel, local: LlamaModel, num_layers: int) -> None:
-        self.whole = whole
-        self.local = local  # rank 0's shard, cut
+        self.local = local  # rank 0's shard, cut (its final norm and head are the whole model's)
+        self.ranks, self.shape, self.config = whole.ranks, whole.shape, whole.config
         self.num_layers = num_layers
-        self.config = whole.config
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.local.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.local.device
+    def close(self) -> None:
+        pass
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.whole._in_step(step_message.Forward(input_ids, positions, meta, self.num_layers),
-                                   lambda: self.local.forward(input_ids, positions, kv_caches, meta))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.whole.compute_logits(hidden)  # the same final norm and head as the whole model's
+        return self._in_step(step_message.Forward(input_ids, positions, meta, self.num_layers),
+                             lambda: self.local.forward(input_ids, positions, kv_caches, meta))
 
 
 def launch_tensor_parallel(

@@ -50,10 +50,10 @@ def test_never_the_prompts_last_token_nor_a_fetcher_that_holds_as_much() -> None
 
 
 def test_measured_rates_replace_the_priors_and_can_make_a_recompute_cheaper() -> None:
-    p0, p1 = load("p0"), load("p1", kv_transfer_bytes_s=50e6)
+    p0, p1 = load("p0"), load("p1")
     rates = PeerFetchRates()
-    # Before the link's own measurement: the holder's measured handoff rate.
-    assert price({"p1": 20}, p0, [p0, p1], rates).fetch_s == pytest.approx(20 * BLOCK_BYTES / 50e6)
+    rates.observe_fetch("p1", "p9", 1, 1.0)  # another link's measurement is not this one's
+    assert price({"p1": 20}, p0, [p0, p1], rates).fetch_s == pytest.approx(20 * BLOCK_BYTES / PRIOR_LINK_BYTES_S)
     rates.observe_fetch("p1", "p0", 10 * BLOCK_BYTES, 1.0)  # a slow link: 3.7 MB/s
     rates.observe_prefill("p0", 20_000, 1.0)  # a fast prefill: 20k tokens/s
     plan = price({"p1": 20}, p0, [p0, p1], rates)
