@@ -145,7 +145,7 @@ class NetnsCluster(Cluster):
 
     def host_of(self, worker: dict) -> str:
         network = self.pods.network
-        return next(h for h in network.hosts if network.ip(h) == worker["node"])
+        return next((h for h in network.hosts if network.ip(h) == worker["node"]), worker["node"])
 
     def cut(self, host: str) -> None:
         self.pods.network.cut(host)

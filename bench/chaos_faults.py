@@ -215,6 +215,28 @@ class ScalePool(_Anywhere):
 
     def inject(self, cluster: Cluster, rng: random.Random) -> str:
         role = rng.choice(sorted(cluster.sizes))
+        size = cluster.sizes[role]
+        cluster.scale(**{role: size + 1})
+        cluster.scale(**{role: size})
+        return f"scaled {role} {size} -> {size + 1} -> {size}"
+
+
+class PartitionHost:
+    """Cut a seeded host off (a prefill or a decode host: the host of a seeded serving worker of a seeded role) for
+    `partition_s`, then heal it. What it had in flight stalls; the gateway's keepalive fails its streams, which
+    migrate; the controller gives its workers up and restarts them where there is room (docs/multihost.md). Says
+    what became of the host's workers during the cut (kept, or given up and restarted on which host)."""
+
+    name = "partition_host"
+
+    def __init__(self, partition_s: float) -> None:
+        self.partition_s = partition_s
+
+    def unavailable(self, cluster: Cluster) -> str | None:
+        return cluster.partition_unavailable()
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str:
+        role = rng.choice(sorted(cluster.sizes))
         victim = rng.choice(_serving(cluster, role))
         host = cluster.host_of(victim)
         on_host = {w["worker_id"]: w["incarnation"] for w in _serving(cluster) if cluster.host_of(w) == host}
