@@ -114,20 +114,15 @@ class Cluster:
 class Fault(Protocol):
     """One kind of fault. `inject` does it (blocking until it is over: a SIGSTOP lasts its time, a scale-up and
     -down both complete, a partition is healed) and says what it did, naming its victim; victims are chosen with
-    `rng` only. `unavailable(cluster)`: why it cannot be injected on that cluster (None: it can)."""
+    `rng` only. `unavailable(cluster)`: why it cannot be injected on that cluster (None, the default for a fault
+    class that subclasses `Fault`: it can)."""
 
     name: str
 
-    def unavailable(self, cluster: Cluster) -> str | None: ...
-
-    def inject(self, cluster: Cluster, rng: random.Random) -> str: ...
-
-
-class _Anywhere:
-    """A fault that every cluster can take."""
-
     def unavailable(self, cluster: Cluster) -> str | None:
         return None
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str: ...
 
 
 def _serving(cluster: Cluster, role: str | None = None) -> list[dict]:
@@ -135,7 +130,7 @@ def _serving(cluster: Cluster, role: str | None = None) -> list[dict]:
                   key=lambda w: w["worker_id"])
 
 
-class KillPrefill(_Anywhere):
+class KillPrefill(Fault):
     name = "kill_prefill"
 
     def inject(self, cluster: Cluster, rng: random.Random) -> str:
@@ -144,7 +139,7 @@ class KillPrefill(_Anywhere):
         return f"SIGKILL {victim['worker_id']} (pid {victim['pid']})"
 
 
-class KillDecodeMidStream(_Anywhere):
+class KillDecodeMidStream(Fault):
     """SIGKILL a decode worker while it runs a stream (the first seen busy within 10 s; else a seeded one)."""
 
     name = "kill_decode_mid_stream"
@@ -163,7 +158,7 @@ class KillDecodeMidStream(_Anywhere):
         return f"SIGKILL {victim['worker_id']} (pid {victim['pid']}) running {running} streams"
 
 
-class StopWorker(_Anywhere):
+class StopWorker(Fault):
     """SIGSTOP a worker (either role), SIGCONT it `stop_s` later (unless the controller replaced it meanwhile)."""
 
     name = "sigstop_worker"
@@ -183,7 +178,7 @@ class StopWorker(_Anywhere):
         return f"SIGSTOP {victim['worker_id']} (pid {victim['pid']}) {self.stop_s:g} s, {after}"
 
 
-class RestartRedis(_Anywhere):
+class RestartRedis(Fault):
     """Stop the prefix index's Redis and start it again empty, on the same port with the same password."""
 
     name = "restart_redis"
@@ -192,7 +187,7 @@ class RestartRedis(_Anywhere):
         return cluster.restart_redis()
 
 
-class CutKVTransfer(_Anywhere):
+class CutKVTransfer(Fault):
     """Cut the next KV handoff of two or more blocks half-way (prefill_worker's SPLITSERVE_FAULT_KV_CUT_FILE)."""
 
     name = "cut_kv_transfer"
@@ -208,7 +203,7 @@ class CutKVTransfer(_Anywhere):
         return "cut a KV handoff half-way"
 
 
-class ScalePool(_Anywhere):
+class ScalePool(Fault):
     """Scale a seeded pool up by one, then back down (its new worker serves, then drains away)."""
 
     name = "scale_up_down"
@@ -221,7 +216,7 @@ class ScalePool(_Anywhere):
         return f"scaled {role} {size} -> {size + 1} -> {size}"
 
 
-class PartitionHost:
+class PartitionHost(Fault):
     """Cut a seeded host off (a prefill or a decode host: the host of a seeded serving worker of a seeded role) for
     `partition_s`, then heal it. What it had in flight stalls; the gateway's keepalive fails its streams, which
     migrate; the controller gives its workers up and restarts them where there is room (docs/multihost.md). Says
