@@ -1,25 +1,30 @@
 """A chaos run: a real 2 + 2 cluster under a steady load, a fault every `--interval` seconds, every answer checked.
 
     python bench/chaos.py [--duration 600] [--interval 30] [--seed 0] [--out chaos.json] [--transport grpc|torch]
+                          [--hosts auto|netns|loopback]
 
-1. A real `splitserve serve` of SmolLM2 (real Ray, real workers, real gRPC / torch KV handoffs) with 2 prefill and
-   2 decode workers, the admin API, short health checks, and the prefix index in a Redis this script owns (the
-   same `EmbeddedRedis` serve embeds, handed over with `--redis-url`, so that it can be restarted on its port).
+1. A real cluster of SmolLM2 (real Ray, real workers, real gRPC / torch KV handoffs) with 2 prefill and 2 decode
+   workers, the admin API, short health checks, and the prefix index in a real Redis (bench/chaos_clusters.py):
+   `--hosts netns`, the Helm chart's pods on hosts that are network namespaces (a head host, a Redis host, a host
+   per pool worker, a spare pool host for scale-ups), or `--hosts loopback`, one `splitserve serve` with every
+   process on this host; `auto` (the default) takes netns where namespaces can be made (root), and the JSON says
+   which ran and why.
 2. The undisturbed answers: each of `PROMPTS` (greedy, `ignore_eos`, `max_tokens`) once, as many at a time as
    the load has clients, on the cluster before any fault.
 3. A steady load of `--clients` streaming clients (tests/cluster/load.py's SteadyLoad, each request greedy on a
    seeded choice of `PROMPTS`), and a fault every `--interval` seconds from a seeded schedule (every kind once per
    round, in a seeded order; each victim chosen by the same generator), each injected once the cluster is whole
    again (every worker serving and healthy). The fault kinds are bench/chaos_faults.py's: each a small class with
-   a `name` and an `inject(cluster, rng)` that returns what it did (a host partition from tests/multihost/ plugs
-   in as one more).
+   a `name` and an `inject(cluster, rng)` that returns what it did. A fault the cluster cannot take (a host
+   partition on loopback) is not scheduled, and the JSON says so (`faults_unavailable`).
 4. Every response is checked: a completed stream must carry the undisturbed text and its token count; the others must
    be clean errors (429/503 with Retry-After, or an SSE error event); a request not ended within its deadline
    (`--request-timeout` + 30 s) is hung. After the run: a final drain, then every worker's KV blocks (GetLoad over
    the cluster's gRPC) must be free, and the prefix index must hold exactly the pools' current incarnations.
 
-Printed and written (`--out`) as JSON: requests sent, completed correct / wrong, clean errors by status, unclean
-errors, hung, migrations, restarts, faults injected, leaked blocks per worker, index consistency. Issue 36's
+Printed and written (`--out`) as JSON: the hosts it ran on, requests sent, completed correct / wrong, clean errors
+by status, unclean errors, hung, migrations, restarts, faults injected (and those unavailable), leaked blocks per
+worker, index consistency. Issue 36's
 target: >= 99% correct over 10 minutes with a fault every 30 s, 0 wrong, 0 hung, 0 leaked.
 
 Why not AIPerf / GuideLLM (the project's load generators): the point here is per-request correctness under faults,
@@ -33,8 +38,6 @@ import argparse
 import json
 import os
 import random
-import secrets
-import signal
 import sys
 import tempfile
 import time
@@ -47,13 +50,10 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.chaos_faults import ADMIN_TOKEN, Cluster, Fault, make_faults, schedule  # noqa: E402
-from deploy.redis_server import EmbeddedRedis  # noqa: E402
-from prefill_worker.worker import FAULT_KV_CUT_FILE_ENV  # noqa: E402
-from protos.cluster_auth import CLUSTER_SECRET_ENV, ClusterAuth  # noqa: E402
+from bench.chaos_clusters import choose_hosts  # noqa: E402
+from bench.chaos_clusters import start as start_cluster  # noqa: E402
+from bench.chaos_faults import PARTITION_S, Cluster, Fault, make_faults, schedule  # noqa: E402
 from tests.cluster.load import Outcome, SteadyLoad, _one  # noqa: E402
-from tests.deploy.processes import ServeProcess, serve_argv  # noqa: E402
-from worker.runtime import FAULT_STEP_SLEEP_ENV  # noqa: E402
 
 # Every prompt three full 16-token blocks or more (SmolLM2's tokenizer), no two sharing a first block, and more of
 # them than a worker's KV cache (32 MiB: 45 blocks) holds at once: the decode workers keep missing their prefix
@@ -71,11 +71,13 @@ class ChaosConfig:
     duration_s: float = 600.0  # of the load; faults start after one interval
     interval_s: float = 30.0
     seed: int = 0
+    hosts: str = "auto"  # "netns": the chart's pods on network namespaces; "loopback": one `splitserve serve`
     transport: str = "grpc"
     faults: tuple[str, ...] = ()  # fault names (make_faults); empty: all
     num_clients: int = 3
     max_tokens: int = 16
     stop_s: float = 20.0  # how long a SIGSTOPped worker stays stopped
+    partition_s: float = PARTITION_S  # how long a partitioned host stays cut off
     request_timeout_s: float = 60.0  # serve's --request-timeout; a request past it + 30 s is hung
     kv_transfer_timeout_s: float = 10.0
     step_sleep_s: float = 0.02  # every engine step paced, so that streams are long enough to be cut mid-way
@@ -94,6 +96,8 @@ class Injected:
 @dataclass
 class ChaosReport:
     config: dict
+    hosts: str = ""  # the cluster it ran on: "netns" or "loopback"
+    hosts_reason: str = ""  # why (--hosts auto: whether namespaces can be made here)
     requests_sent: int = 0
     completed_correct: int = 0
     completed_wrong: int = 0
@@ -105,9 +109,11 @@ class ChaosReport:
     retries: dict[str, float] = field(default_factory=dict)  # dispatches retried before any token, by reason
     restarts: dict[str, float] = field(default_factory=dict)  # "role/reason" -> count
     kv_transfer_failures: float = 0.0  # the current workers' failed handoffs (/metrics: per incarnation)
+    node_restarts: dict[str, int] = field(default_factory=dict)  # netns: pod -> restarts (its Ray node had exited)
     faults: list[Injected] = field(default_factory=list)
     fault_errors: list[str] = field(default_factory=list)  # faults that could not be injected; a cluster not whole
     faults_skipped: list[str] = field(default_factory=list)  # scheduled past the end (earlier ones ran late)
+    faults_unavailable: dict[str, str] = field(default_factory=dict)  # asked for, not scheduled: why (loopback hosts)
     leaked_blocks: dict[str, int] = field(default_factory=dict)  # worker id -> KV blocks still used after the drain
     index_consistent: bool = False
     index_problems: list[str] = field(default_factory=list)
@@ -168,7 +174,7 @@ def index_problems(cluster: Cluster, timeout_s: float = 30.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         problems: list[str] = []
-        body = httpx.get(f"{cluster.url}/v1/prefix_index", timeout=30).json()
+        body = httpx.get(f"{cluster.url}/v1/prefix_index", headers=cluster.api_headers, timeout=30).json()
         if not body.get("up"):
             problems.append(f"the index is down: {body}")
         else:
@@ -187,14 +193,15 @@ def index_problems(cluster: Cluster, timeout_s: float = 30.0) -> list[str]:
         time.sleep(0.5)
 
 
-def _expected_answers(url: str, model: str, max_tokens: int, num_clients: int) -> dict[str, str]:
+def _expected_answers(url: str, model: str, max_tokens: int, num_clients: int,
+                      headers: dict[str, str]) -> dict[str, str]:
     """Each prompt's undisturbed greedy text, `num_clients` requests at a time (as the load runs them), on the
     cluster before any fault."""
     import asyncio
 
     async def answers() -> dict[str, str]:
         limit = asyncio.Semaphore(num_clients)
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as client:
             async def one(prompt: str) -> Outcome:
                 async with limit:
                     return await _one(client, model, prompt, max_tokens)
@@ -208,65 +215,38 @@ def _expected_answers(url: str, model: str, max_tokens: int, num_clients: int) -
     return asyncio.run(answers())
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _prompt(seed: int) -> Callable[[int, int], str]:
     """The load's prompt choice: client `c`'s `n`-th request, the same for every run of one seed."""
     return lambda c, n: random.Random(f"{seed}-{c}-{n}").choice(PROMPTS)
 
 
-def _stop_serve(serve: ServeProcess) -> None:
-    if serve.proc.poll() is None:
-        serve.proc.send_signal(signal.SIGINT)
-        try:
-            serve.proc.wait(90)
-        except Exception:  # noqa: BLE001 - then killed below
-            pass
-    serve.close()
-
-
 def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosReport:  # type: ignore[no-untyped-def]
-    """The whole chaos run (see the module docstring) against `model` (a path or name serve takes); serve's stderr
-    and the KV-cut trigger go under `work_dir`. Everything it started is stopped when it returns or raises."""
-    faults: dict[str, Fault] = make_faults(stop_s=config.stop_s)
+    """The whole chaos run (see the module docstring) against `model` (a path or name serve takes) on the cluster
+    `config.hosts` chooses; logs and the KV-cut trigger go under `work_dir`. Everything it started is stopped when
+    it returns or raises."""
+    faults: dict[str, Fault] = make_faults(stop_s=config.stop_s, partition_s=config.partition_s)
     names = list(config.faults) or list(faults)
     unknown = set(names) - set(faults)
     if unknown:
         raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(faults)}")
+    hosts, why = choose_hosts(config.hosts)
     rng = random.Random(config.seed)
-    report = ChaosReport(config=asdict(config))
-    redis = EmbeddedRedis(port=_free_port(), password=secrets.token_hex(16)).start()
-    auth = ClusterAuth(secret=secrets.token_hex(16))
-    cut_file = work_dir / "kv-cut"
-    argv = serve_argv(model, "--prefill-workers", "2", "--decode-workers", "2", "--admin-token", ADMIN_TOKEN,
-                      "--redis-url", redis.url, "--max-model-len", "256", "--kv-cache-memory", "32MiB",
-                      "--kv-transport", config.transport, "--kv-transfer-timeout", str(config.kv_transfer_timeout_s),
-                      "--request-timeout", str(config.request_timeout_s), "--drain-timeout", "30",
-                      "--disagg-prefill-threshold", "0",  # every prompt through a prefill worker: KV handoffs
-                      "--health-check-interval", "0.5", "--health-check-timeout", "2",
-                      "--health-check-failure-threshold", "3")
-    env = {CLUSTER_SECRET_ENV: auth.secret, FAULT_KV_CUT_FILE_ENV: str(cut_file),
-           FAULT_STEP_SLEEP_ENV: str(config.step_sleep_s)}
-    serve = ServeProcess(argv, stderr_path=work_dir / "serve.stderr", env=env)
-    try:
-        url = serve.wait_ready(600)
-        cluster = Cluster(url, serve, redis, cut_file, auth, {"prefill": 2, "decode": 2})
+    report = ChaosReport(config=asdict(config), hosts=hosts, hosts_reason=why)
+    with start_cluster(hosts, model, config, work_dir, log) as cluster:
         cluster.wait_whole(config.whole_timeout_s)
-        model_id = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        expected = _expected_answers(url, model_id, config.max_tokens, config.num_clients)
-        log(f"chaos: serving on {url}; undisturbed answers of {len(expected)} prompts known")
+        # a fault this cluster cannot take is said so, not dropped silently; the schedule is of the others
+        report.faults_unavailable = {n: r for n in names if (r := faults[n].unavailable(cluster)) is not None}
+        names = [n for n in names if n not in report.faults_unavailable]
+        url = cluster.url
+        model_id = httpx.get(f"{url}/v1/models", headers=cluster.api_headers, timeout=30).json()["data"][0]["id"]
+        expected = _expected_answers(url, model_id, config.max_tokens, config.num_clients, cluster.api_headers)
+        log(f"chaos: serving on {url} ({hosts}: {why}); undisturbed answers of {len(expected)} prompts known")
         deadline_s = config.request_timeout_s + 30
         load = SteadyLoad(url, model_id, num_clients=config.num_clients, max_tokens=config.max_tokens,
-                          prompt=_prompt(config.seed), timeout_s=deadline_s + 30,
-                          deadline_s=deadline_s).start()
+                          prompt=_prompt(config.seed), timeout_s=deadline_s + 30, deadline_s=deadline_s,
+                          headers=cluster.api_headers).start()
         started = time.monotonic()
-        num_faults = int((config.duration_s - 1e-6) // config.interval_s)
+        num_faults = int((config.duration_s - 1e-6) // config.interval_s) if names else 0
         try:
             for k, name in enumerate(schedule(names, num_faults, rng), start=1):
                 time.sleep(max(0.0, started + k * config.interval_s - time.monotonic()))
@@ -302,13 +282,8 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
         report.restarts = {f"{dict(k)['role']}/{dict(k)['reason']}": v
                            for k, v in cluster.metric("splitserve:worker_restarts_total").items() if v}
         report.kv_transfer_failures = sum(cluster.metric("splitserve:kv_transfer_failures_total").values())
+        report.node_restarts = cluster.node_restarts()
         return report
-    except BaseException:
-        log(serve.output()[-4000:])
-        raise
-    finally:
-        _stop_serve(serve)
-        redis.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,18 +292,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--interval", type=float, default=30.0, help="seconds between faults")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="chaos.json", help="where the JSON report goes")
-    p.add_argument("--transport", choices=("grpc", "torch"), default="grpc", help="serve's --kv-transport")
+    p.add_argument("--hosts", choices=("auto", "netns", "loopback"), default="auto",
+                   help="the cluster: the Helm chart's pods on network namespaces (netns: needs root and iproute2), "
+                        "one `splitserve serve` on loopback, or netns where it can run (auto)")
+    p.add_argument("--transport", choices=("grpc", "torch"), default="grpc", help="the cluster's --kv-transport")
     p.add_argument("--faults", default="", help="comma-separated fault names (default: all): "
                    + ", ".join(make_faults(stop_s=0)))
     p.add_argument("--clients", type=int, default=3, help="concurrent streaming clients")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--work-dir", default="", help="where the processes' logs go, kept (default: a temporary "
+                   "directory, removed)")
     args = p.parse_args(argv)
-    config = ChaosConfig(duration_s=args.duration, interval_s=args.interval, seed=args.seed, transport=args.transport,
+    config = ChaosConfig(duration_s=args.duration, interval_s=args.interval, seed=args.seed, hosts=args.hosts,
+                         transport=args.transport,
                          faults=tuple(f for f in args.faults.split(",") if f), num_clients=args.clients)
     from engine.loader.model_registry import resolve_model
 
-    with tempfile.TemporaryDirectory(prefix="splitserve-chaos-") as work_dir:
-        report = run(str(resolve_model(args.model)), config, Path(work_dir), log=lambda line: print(line, flush=True))
+    with tempfile.TemporaryDirectory(prefix="splitserve-chaos-") as tmp:
+        work_dir = Path(args.work_dir or tmp)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        report = run(str(resolve_model(args.model)), config, work_dir, log=lambda line: print(line, flush=True))
     print(report.to_json())
     Path(args.out).write_text(report.to_json() + "\n")
     sys.exit(0 if report.ok() else 1)

@@ -1,8 +1,11 @@
 """bench/chaos.py's cluster handle and its faults: what a fault sees of the running cluster (`Cluster`: the admin
-API, each worker's GetLoad, /metrics, the Redis the run owns, the KV-cut trigger file) and the fault kinds.
+API, each worker's GetLoad, /metrics, the KV-cut trigger file, and what differs between the two clusters —
+restarting Redis, a worker's host, cutting a host off) and the fault kinds.
 
 A fault is a small class with a `name` and an `inject(cluster, rng)` (the `Fault` protocol); `make_faults` lists
-them. A host partition (issue 36 item 2, with tests/multihost/'s namespaces) plugs in as one more.
+them. Every fault but `partition_host` works on both clusters (bench/chaos_clusters.py): a loopback `splitserve
+serve`, and the Helm chart's pods on network namespaces (tests/multihost/), where a worker's pid is still this
+machine's (namespaces of the network only) and a host can be cut off.
 """
 
 from __future__ import annotations
@@ -17,23 +20,52 @@ from typing import Protocol
 
 import httpx
 
-from deploy.redis_server import EmbeddedRedis
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import ClusterAuth, sync_channel
-from tests.deploy.processes import ServeProcess
 
 ADMIN_TOKEN = "chaos-admin-token"
+PARTITION_S = 15.0  # how long a partitioned host stays cut off
 
 
 class Cluster:
-    """The running cluster as the faults and the checks see it: the gateway's URL, the admin API, the Redis this
-    script owns, the KV-cut trigger file, the cluster secret (for GetLoad on the workers)."""
+    """The running cluster as the faults and the checks see it: the gateway's URL (and the API key its requests
+    carry), the admin API, the KV-cut trigger file, the cluster secret (for GetLoad on the workers). A subclass
+    (bench/chaos_clusters.py) says how Redis restarts, which host a worker is on, and how a host is cut off."""
 
-    def __init__(self, url: str, serve: ServeProcess, redis: EmbeddedRedis, cut_file: Path, auth: ClusterAuth,
-                 sizes: dict[str, int]) -> None:
-        self.url, self.serve, self.redis, self.cut_file, self.auth = url, serve, redis, cut_file, auth
+    hosts = ""  # "loopback" or "netns"
+
+    def __init__(self, url: str, cut_file: Path, auth: ClusterAuth, sizes: dict[str, int], *,
+                 api_key: str | None = None) -> None:
+        self.url, self.cut_file, self.auth = url, cut_file, auth
         self.sizes = dict(sizes)  # role -> workers wanted
         self.headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        self.api_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    # -- what differs between the clusters ------------------------------------------------------------------------
+    def restart_redis(self) -> str:
+        """Stop the prefix index's Redis, start it again empty at the same address; says what it did."""
+        raise NotImplementedError
+
+    def partition_unavailable(self) -> str | None:
+        """Why no host can be cut off here (None: one can)."""
+        return "every worker runs on this one host (loopback): a partition needs --hosts netns"
+
+    def host_of(self, worker: dict) -> str:
+        """The host `worker` (a /admin/pools entry) runs on."""
+        raise NotImplementedError
+
+    def cut(self, host: str) -> None:
+        raise NotImplementedError
+
+    def heal(self, host: str) -> None:
+        raise NotImplementedError
+
+    def supervise(self) -> None:
+        """Called while waiting for the cluster to be whole: restart what a supervisor would (the kubelet)."""
+
+    def node_restarts(self) -> dict[str, int]:
+        """Each pod's restarts by its supervisor (netns: a Ray node that exited, started again); loopback: none."""
+        return {}
 
     def pools(self) -> list[dict]:
         response = httpx.get(f"{self.url}/admin/pools", headers=self.headers, timeout=30)
@@ -69,7 +101,10 @@ class Cluster:
     def wait_whole(self, timeout_s: float) -> float:
         """Seconds until the cluster was whole; raises TimeoutError."""
         started = time.monotonic()
-        while not self.is_whole():
+        while True:
+            self.supervise()
+            if self.is_whole():
+                break
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"the cluster was not whole within {timeout_s} s: {self.pools()}")
             time.sleep(0.5)
@@ -78,11 +113,14 @@ class Cluster:
 
 class Fault(Protocol):
     """One kind of fault. `inject` does it (blocking until it is over: a SIGSTOP lasts its time, a scale-up and
-    -down both complete) and says what it did, naming its victim; victims are chosen with `rng` only. A host
-    partition (issue 36 item 2, with tests/multihost/'s namespaces) is one more: `name = "partition_host"`, an
-    `inject` that cuts a seeded host's link, sleeps 15 s and heals it, added to `make_faults`."""
+    -down both complete, a partition is healed) and says what it did, naming its victim; victims are chosen with
+    `rng` only. `unavailable(cluster)`: why it cannot be injected on that cluster (None, the default for a fault
+    class that subclasses `Fault`: it can)."""
 
     name: str
+
+    def unavailable(self, cluster: Cluster) -> str | None:
+        return None
 
     def inject(self, cluster: Cluster, rng: random.Random) -> str: ...
 
@@ -92,7 +130,7 @@ def _serving(cluster: Cluster, role: str | None = None) -> list[dict]:
                   key=lambda w: w["worker_id"])
 
 
-class KillPrefill:
+class KillPrefill(Fault):
     name = "kill_prefill"
 
     def inject(self, cluster: Cluster, rng: random.Random) -> str:
@@ -101,7 +139,7 @@ class KillPrefill:
         return f"SIGKILL {victim['worker_id']} (pid {victim['pid']})"
 
 
-class KillDecodeMidStream:
+class KillDecodeMidStream(Fault):
     """SIGKILL a decode worker while it runs a stream (the first seen busy within 10 s; else a seeded one)."""
 
     name = "kill_decode_mid_stream"
@@ -120,7 +158,7 @@ class KillDecodeMidStream:
         return f"SIGKILL {victim['worker_id']} (pid {victim['pid']}) running {running} streams"
 
 
-class StopWorker:
+class StopWorker(Fault):
     """SIGSTOP a worker (either role), SIGCONT it `stop_s` later (unless the controller replaced it meanwhile)."""
 
     name = "sigstop_worker"
@@ -140,19 +178,16 @@ class StopWorker:
         return f"SIGSTOP {victim['worker_id']} (pid {victim['pid']}) {self.stop_s:g} s, {after}"
 
 
-class RestartRedis:
+class RestartRedis(Fault):
     """Stop the prefix index's Redis and start it again empty, on the same port with the same password."""
 
     name = "restart_redis"
 
     def inject(self, cluster: Cluster, rng: random.Random) -> str:
-        cluster.redis.stop()
-        time.sleep(1.0)
-        cluster.redis.start()
-        return f"restarted Redis on port {cluster.redis.port}"
+        return cluster.restart_redis()
 
 
-class CutKVTransfer:
+class CutKVTransfer(Fault):
     """Cut the next KV handoff of two or more blocks half-way (prefill_worker's SPLITSERVE_FAULT_KV_CUT_FILE)."""
 
     name = "cut_kv_transfer"
@@ -168,7 +203,7 @@ class CutKVTransfer:
         return "cut a KV handoff half-way"
 
 
-class ScalePool:
+class ScalePool(Fault):
     """Scale a seeded pool up by one, then back down (its new worker serves, then drains away)."""
 
     name = "scale_up_down"
@@ -181,10 +216,50 @@ class ScalePool:
         return f"scaled {role} {size} -> {size + 1} -> {size}"
 
 
-def make_faults(*, stop_s: float) -> dict[str, Fault]:
-    """Every fault kind bench/chaos.py injects, by name (`stop_s`: how long a SIGSTOPped worker stays stopped)."""
+class PartitionHost(Fault):
+    """Cut a seeded host off (a prefill or a decode host: the host of a seeded serving worker of a seeded role) for
+    `partition_s`, then heal it. What it had in flight stalls; the gateway's keepalive fails its streams, which
+    migrate; the controller gives its workers up and restarts them where there is room (docs/multihost.md). Says
+    what became of the host's workers during the cut (kept, or given up and restarted on which host)."""
+
+    name = "partition_host"
+
+    def __init__(self, partition_s: float) -> None:
+        self.partition_s = partition_s
+
+    def unavailable(self, cluster: Cluster) -> str | None:
+        return cluster.partition_unavailable()
+
+    def inject(self, cluster: Cluster, rng: random.Random) -> str:
+        role = rng.choice(sorted(cluster.sizes))
+        victim = rng.choice(_serving(cluster, role))
+        host = cluster.host_of(victim)
+        on_host = {w["worker_id"]: w["incarnation"] for w in _serving(cluster) if cluster.host_of(w) == host}
+        cluster.cut(host)
+        try:
+            time.sleep(self.partition_s)
+            # what the controller made of it while the host was away (the gateway, on the head host, answers)
+            now = {w["worker_id"]: w for w in cluster.pools()}
+        finally:
+            cluster.heal(host)
+        fates = ", ".join(f"worker {w} {_fate(cluster, now.get(w), i)}" for w, i in on_host.items())
+        return f"cut host {host} off for {self.partition_s:g} s, healed; during the cut: {fates}"
+
+
+def _fate(cluster: Cluster, now: dict | None, incarnation: str) -> str:
+    """What became of a worker of incarnation `incarnation`, listed as `now` (None: not listed)."""
+    if now is None:
+        return "gone from the pools"
+    if now["incarnation"] != incarnation:
+        return f"given up, restarted on host {cluster.host_of(now)}"
+    return "kept" if now["state"] == "serving" else f"kept, {now['state']}"
+
+
+def make_faults(*, stop_s: float, partition_s: float = PARTITION_S) -> dict[str, Fault]:
+    """Every fault kind bench/chaos.py injects, by name (`stop_s`: how long a SIGSTOPped worker stays stopped;
+    `partition_s`: how long a partitioned host stays cut off)."""
     faults: list[Fault] = [KillPrefill(), KillDecodeMidStream(), StopWorker(stop_s), RestartRedis(),
-                           CutKVTransfer(), ScalePool()]
+                           CutKVTransfer(), ScalePool(), PartitionHost(partition_s)]
     return {f.name: f for f in faults}
 
 

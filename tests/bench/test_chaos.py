@@ -1,4 +1,5 @@
-"""bench/chaos.py's bookkeeping without a cluster: how each response is judged, and the seeded fault schedule."""
+"""bench/chaos.py's bookkeeping without a cluster: how each response is judged, the seeded fault schedule, which
+faults a cluster can take, and what the host partition does and says."""
 
 from __future__ import annotations
 
@@ -53,17 +54,19 @@ def test_a_clean_run_is_ok_and_a_leak_or_a_stale_index_is_not() -> None:
 
 def test_the_schedule_has_every_fault_once_per_round_in_a_seeded_order() -> None:
     names = list(chaos.make_faults(stop_s=20))
-    assert len(names) == 6
+    assert len(names) == 7
     order = chaos.schedule(names, 19, random.Random(0))
     assert len(order) == 19
-    for start in range(0, 18, 6):
-        assert sorted(order[start:start + 6]) == sorted(names)
+    for start in range(0, 14, 7):
+        assert sorted(order[start:start + 7]) == sorted(names)
     assert order == chaos.schedule(names, 19, random.Random(0))
     assert order != chaos.schedule(names, 19, random.Random(1))
 
 
 class FakeCluster:
     """What leaked_blocks and index_problems read: the pools, each worker's GetLoad, the index's listing."""
+
+    api_headers: dict[str, str] = {}
 
     def __init__(self, pools: list[dict], loads: dict[str, dict], index: list[dict]) -> None:
         self.url = "http://fake"
@@ -110,3 +113,85 @@ def test_the_index_must_hold_exactly_the_pools_current_incarnations(monkeypatch:
 def test_blocks_still_used_after_the_drain_are_leaked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chaos.leaked_blocks(_fake(monkeypatch, [], used=0), timeout_s=0) == {"prefill-0": 0, "decode-0": 0}
     assert chaos.leaked_blocks(_fake(monkeypatch, [], used=2), timeout_s=0) == {"prefill-0": 2, "decode-0": 2}
+
+
+# -- which faults a cluster takes; the host partition --------------------------------------------------------------
+def test_only_the_partition_is_unavailable_on_loopback_and_it_says_why() -> None:
+    from bench.chaos_clusters import LoopbackCluster, NetnsCluster, choose_hosts
+
+    loopback = LoopbackCluster.__new__(LoopbackCluster)  # what `unavailable` reads needs no running cluster
+    netns = NetnsCluster.__new__(NetnsCluster)
+    faults = chaos.make_faults(stop_s=20)
+    assert {n: f.unavailable(loopback) for n, f in faults.items() if f.unavailable(loopback)} == {
+        "partition_host": "every worker runs on this one host (loopback): a partition needs --hosts netns"}
+    assert not any(f.unavailable(netns) for f in faults.values())
+    assert choose_hosts("loopback") == ("loopback", "asked for")
+    with pytest.raises(ValueError):
+        choose_hosts("k8s")
+
+
+class PartitionedCluster:
+    """The pools on three hosts; cut / heal recorded; while a host is cut, the controller restarts one of its
+    workers (a new incarnation, on the spare host)."""
+
+    sizes = {"prefill": 2, "decode": 2}
+
+    def __init__(self) -> None:
+        self.workers = [{"worker_id": w, "role": w.split("-")[0], "state": "serving", "incarnation": 1, "node": n}
+                        for w, n in (("prefill-0", "h1"), ("prefill-1", "h2"), ("decode-0", "h1"),
+                                     ("decode-1", "h3"))]
+        self.events: list[str] = []
+        self.cut_host: str | None = None
+
+    def pools(self) -> list[dict]:
+        if self.cut_host is not None:  # the controller gave the cut host's decode worker up meanwhile
+            return [w if not (w["node"] == self.cut_host and w["role"] == "decode")
+                    else w | {"incarnation": 2, "node": "spare"} for w in self.workers]
+        return self.workers
+
+    def host_of(self, worker: dict) -> str:
+        return worker["node"]
+
+    def cut(self, host: str) -> None:
+        self.events.append(f"cut {host}")
+        self.cut_host = host
+
+    def heal(self, host: str) -> None:
+        self.events.append(f"heal {host}")
+        self.cut_host = None
+
+
+def test_a_partition_cuts_a_seeded_workers_host_heals_it_and_says_what_became_of_its_workers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import chaos_faults
+
+    slept: list[float] = []
+    monkeypatch.setattr(chaos_faults.time, "sleep", slept.append)
+    fault = chaos_faults.PartitionHost(partition_s=15)
+    said = {}
+    for seed in range(12):  # seeded: the same victim for a seed, and every host of a pool worker in some seed
+        cluster = PartitionedCluster()
+        what = fault.inject(cluster, random.Random(seed))  # type: ignore[arg-type]
+        (host,) = {e.split()[1] for e in cluster.events}
+        assert cluster.events == [f"cut {host}", f"heal {host}"] and slept[-1] == 15
+        assert what == fault.inject(PartitionedCluster(), random.Random(seed))  # type: ignore[arg-type]
+        said[host] = what
+    assert said == {
+        "h1": "cut host h1 off for 15 s, healed; during the cut: worker decode-0 given up, restarted on host spare, "
+              "worker prefill-0 kept",
+        "h2": "cut host h2 off for 15 s, healed; during the cut: worker prefill-1 kept",
+        "h3": "cut host h3 off for 15 s, healed; during the cut: worker decode-1 given up, restarted on host spare",
+    }
+
+
+def test_a_partition_heals_the_host_even_when_the_wait_is_interrupted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import chaos_faults
+
+    def interrupted(_: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chaos_faults.time, "sleep", interrupted)
+    cluster = PartitionedCluster()
+    with pytest.raises(KeyboardInterrupt):
+        chaos_faults.PartitionHost(partition_s=15).inject(cluster, random.Random(0))  # type: ignore[arg-type]
+    assert [e.split()[0] for e in cluster.events] == ["cut", "heal"]

@@ -95,12 +95,14 @@ def burst(url: str, model: str, *, num_requests: int, max_tokens: int = 16, time
 class SteadyLoad:
     """`num_clients` clients, each sending streamed greedy completions one after another until `stop()`, on a
     thread of its own. Each client's prompts are `prompt(client, n)` (the scaling tests' share no prefix).
-    `deadline_s`: a request not ended that long after it was sent is given up on and counted `hung`."""
+    `deadline_s`: a request not ended that long after it was sent is given up on and counted `hung`. `headers`:
+    sent with every request (an API key's Authorization)."""
 
     def __init__(self, url: str, model: str, *, num_clients: int, max_tokens: int,
                  prompt: Callable[[int, int], str], timeout_s: float = 120.0,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None, headers: dict[str, str] | None = None) -> None:
         self._url, self._model, self._num_clients = url, model, num_clients
+        self._headers = headers or {}
         self._max_tokens, self._prompt, self._timeout_s = max_tokens, prompt, timeout_s
         self._deadline_s = deadline_s
         self.outcomes: list[Outcome] = []
@@ -126,7 +128,8 @@ class SteadyLoad:
 
     async def _run(self) -> None:
         limits = httpx.Limits(max_connections=self._num_clients + 2)
-        async with httpx.AsyncClient(base_url=self._url, timeout=self._timeout_s, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=self._url, timeout=self._timeout_s, limits=limits,
+                                     headers=self._headers) as client:
             await asyncio.gather(*(self._client(client, i) for i in range(self._num_clients)))
 
     async def _client(self, client: httpx.AsyncClient, index: int) -> None:

@@ -1,8 +1,12 @@
-"""A short chaos run (bench/chaos.py's `run`, not a copy of it): a real `splitserve serve` of SmolLM2 with 2 prefill
-+ 2 decode workers (real Ray, real gRPC KV handoffs, the prefix index in a real Redis) under a steady load of
-streaming clients, and four faults, one of each kind, in a seeded order: a decode worker SIGKILLed mid-stream, a
-worker SIGSTOPped for 8 s, a KV handoff cut half-way, Redis restarted empty. Every response is checked against
+"""A short chaos run (bench/chaos.py's `run`, not a copy of it): a real 2 + 2 cluster of SmolLM2 (real Ray, real gRPC
+KV handoffs, the prefix index in a real Redis) under a steady load of streaming clients, and five faults, one of
+each kind, in a seeded order: a decode worker SIGKILLed mid-stream, a worker SIGSTOPped for 8 s, a KV handoff cut
+half-way, Redis restarted empty, and a prefill or decode host cut off for 15 s. Every response is checked against
 the undisturbed greedy answer of its prompt.
+
+The cluster is the Helm chart's pods on network namespaces (bench/chaos_clusters.py, tests/multihost/) where they
+can be made (root, as in CI), so that the partition is a real one; elsewhere one `splitserve serve` on loopback,
+where the partition is reported unavailable (not scheduled) and the four other faults run.
 
 - no completed response differs from its prompt's undisturbed answer; no request hangs past its deadline; every
   request that did not complete ended cleanly (429/503 with Retry-After, or an SSE error event);
@@ -16,17 +20,27 @@ from __future__ import annotations
 import pytest
 
 from bench import chaos
+from bench.chaos_clusters import choose_hosts
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-FAULTS = ("kill_decode_mid_stream", "sigstop_worker", "cut_kv_transfer", "restart_redis")
+FAULTS = ("kill_decode_mid_stream", "sigstop_worker", "cut_kv_transfer", "restart_redis", "partition_host")
 
 
-def test_four_faults_under_load_lose_nothing_and_answer_nothing_wrong(smollm2_gguf: str, tmp_path) -> None:
-    config = chaos.ChaosConfig(duration_s=80, interval_s=16, seed=36, faults=FAULTS, num_clients=3, stop_s=8)
+def test_five_faults_under_load_lose_nothing_and_answer_nothing_wrong(smollm2_gguf: str, tmp_path) -> None:
+    hosts, _ = choose_hosts("auto")
+    config = chaos.ChaosConfig(duration_s=96, interval_s=16, seed=36, faults=FAULTS, num_clients=3, stop_s=8,
+                               hosts=hosts)
     report = chaos.run(smollm2_gguf, config, tmp_path)
     summary = report.to_json()
-    assert sorted(f.name for f in report.faults) == sorted(FAULTS), summary
+    assert report.hosts == hosts, summary
+    if hosts == "netns":
+        assert not report.faults_unavailable, summary
+        injected = FAULTS
+    else:  # said so, not dropped silently
+        assert list(report.faults_unavailable) == ["partition_host"], summary
+        injected = FAULTS[:-1]
+    assert sorted(f.name for f in report.faults) == sorted(injected), summary
     assert not report.fault_errors, summary
     assert report.completed_wrong == 0, summary
     assert report.hung == 0, summary

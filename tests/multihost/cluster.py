@@ -6,6 +6,8 @@ kubelet runs them), each pod on a host of a `HostNetwork` (tests/multihost/netwo
     prefill-i       one prefill pool pod each (`ray start --resources '{"splitserve_prefill": 1}'`)
     decode-i        one decode pool pod each
 
+    spare           (optional) one more pool node, with room for a worker of each pool: where a scale-up lands
+
 A pool Deployment of N replicas becomes N pods (`prefill-0`, `prefill-1`, ...), each on its own host. A Service's
 `name:port` becomes its pod's host IP and port; pods on one host (the head's) keep the port moves of
 `LocalCluster`, so that their Ray nodes do not collide. Workers bind 0.0.0.0 and advertise their host's IP, as on
@@ -15,6 +17,7 @@ Kubernetes (`--ray-address` makes `--worker-host 0.0.0.0` the default).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -25,20 +28,36 @@ from tests.multihost.network import HostNetwork
 HEAD_HOST = "head"
 REDIS_HOST = "redis"
 POOLS = ("prefill", "decode")
+SPARE_HOST = "spare"
 
 
 class MultiHostCluster(LocalCluster):
     transport = ""  # the cluster's --kv-transport (for the tests' bookkeeping)
 
     def __init__(self, objects: list[dict[str, Any]], *, release_prefix: str, tmp: Path, network: HostNetwork,
-                 replicas: dict[str, int], extra_env: dict[str, dict[str, str]] | None = None) -> None:
+                 replicas: dict[str, int], extra_env: dict[str, dict[str, str]] | None = None,
+                 spare: bool = False) -> None:
         """`extra_env`: environment entries added to a pod's (by pod name), e.g. a fault hook on the head, whose
-        controller hands SPLITSERVE_* settings on to every worker."""
+        controller hands SPLITSERVE_* settings on to every worker. `spare`: a pod `spare` on a host of its own, a
+        pool node with one unit of each pool's resource (the network needs `hosts(replicas, spare=True)`); the test
+        starts it when it wants the room (after the pools are placed, say)."""
         super().__init__(objects, release_prefix=release_prefix, tmp=tmp)
         self.network = network
         self.extra_env = extra_env or {}
         self.host_of: dict[str, str] = {}
         taken = {port for pod in self.pods.values() for port in pod.ports.values()}
+        if spare:
+            template = self.pods["prefill"]
+            room = json.dumps({f"splitserve_{pool}": 1 for pool in POOLS})
+            args = [f"--resources={room}" if a.startswith("--resources=") else a
+                    for a in template.container["args"]]
+            assert args != template.container["args"], template.container["args"]
+            (template.tmp.parent / SPARE_HOST).mkdir()
+            self.pods[SPARE_HOST] = dataclasses.replace(
+                template, name=SPARE_HOST, container=template.container | {"args": args},
+                tmp=template.tmp.parent / SPARE_HOST, log=template.log.with_name(f"{SPARE_HOST}.log"),
+                ports={p: free_port(taken=taken) for p in template.ports}, tree={})
+            self.host_of[SPARE_HOST] = SPARE_HOST
         for pool in POOLS:
             template = self.pods.pop(pool)
             for i in range(replicas[pool]):
@@ -58,9 +77,10 @@ class MultiHostCluster(LocalCluster):
             self.services[service] = f"{self.address(owner[port])}:{port}"
 
     @staticmethod
-    def hosts(replicas: dict[str, int]) -> list[str]:
-        """The hosts a cluster of these pool sizes needs: the head's, then one per pool pod."""
-        return [HEAD_HOST, REDIS_HOST, *(f"{pool}-{i}" for pool in POOLS for i in range(replicas[pool]))]
+    def hosts(replicas: dict[str, int], *, spare: bool = False) -> list[str]:
+        """The hosts a cluster of these pool sizes needs: the head's, Redis's, one per pool pod (and the spare)."""
+        return [HEAD_HOST, REDIS_HOST, *(f"{pool}-{i}" for pool in POOLS for i in range(replicas[pool])),
+                *([SPARE_HOST] if spare else [])]
 
     def exec_prefix(self, pod: Pod) -> list[str]:
         return self.network.exec_prefix(self.host_of[pod.name])
