@@ -6,6 +6,7 @@ tiers below the device cache that the KV cache manager looks them up in.
     scheduler admits the prompt ──▶ TierChain: peer blocks first, then the offload tier (--kv-offload-dir)
                                  ──▶ load(b, h): the staged block copied into device block b, a prefix hit of tier "peer"
     the request ends ──▶ engine.unstage_peer_blocks(hashes)
+    the copies in the device cache, once freed ──▶ the front of the free list (evicted before the worker's own)
 
 Staged blocks are no cache of their own: they are never announced to the prefix index (the blocks the admission
 copies into the device cache are, as any computed block), never evicted into a tier, and they go when the fetching
@@ -81,7 +82,11 @@ class PeerBlocks:
 
 
 class TierChain:
-    """The tiers below the device cache as one `LowerTier`, looked up in order; counts the blocks each loaded."""
+    """The tiers below the device cache as one `LowerTier`, looked up in order; counts the blocks each loaded.
+    `load` answers with the kind of the tier that loaded the block ("" when none did): a block loaded from a kind in
+    `evict_first_kinds` (a peer's, which that peer still holds) is evicted before this worker's own blocks."""
+
+    evict_first_kinds = frozenset({PeerBlocks.kind})
 
     def __init__(self, tiers: Sequence[LowerTier]) -> None:
         self.tiers = list(tiers)
@@ -90,13 +95,13 @@ class TierChain:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return any(block_hash in tier for tier in self.tiers)
 
-    def load(self, block_id: int, block_hash: BlockHash) -> bool:
+    def load(self, block_id: int, block_hash: BlockHash) -> str:
         for tier in self.tiers:
             if block_hash in tier and tier.load(block_id, block_hash):
                 kind = getattr(tier, "kind", "tier")
                 self.blocks_loaded[kind] = self.blocks_loaded.get(kind, 0) + 1
-                return True
-        return False
+                return kind
+        return ""
 
     def without(self, tier: LowerTier) -> TierChain:
         """The chain less `tier` (the offload tier, closed), its counts kept."""

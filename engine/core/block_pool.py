@@ -7,8 +7,9 @@ Free-list order is eviction order:
     front (evicted first)                                       back (evicted last)
     [ never-used blocks, in id order ] [ freed blocks, least recently freed first ]
 
-A freed block keeps its hash and stays findable as prefix cache until `allocate` takes it from the front of the
-free list; only then is it evicted (its hash dropped, a `BlockRemoved` event emitted, and `on_evict` called with its
+A block marked `evict_first` (a copy fetched from a peer, which the peer still holds) is freed to the front
+instead. A freed block keeps its hash and stays findable as prefix cache until `allocate` takes it from the front
+of the free list; only then is it evicted (its hash dropped, a `BlockRemoved` event emitted, and `on_evict` called with its
 id and hash while its KV is still intact: where a tier below takes a copy, engine/core/kv_tier.py). `touch` revives a cached
 free block for a prefix hit. Every block is freed exactly once per reference: a free of an unreferenced block
 raises instead of corrupting the pool.
@@ -24,12 +25,15 @@ from kv_transfer.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, K
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "evict_first")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        # A copy another worker also holds (fetched from a peer): when freed it goes to the front of the free list,
+        # so that this worker's cache keeps what only it holds and the cluster keeps more distinct prefixes.
+        self.evict_first = False
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -97,6 +101,7 @@ class BlockPool:
                 evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
+            block.evict_first = False
             out.append(block)
         if evicted:
             self._events.append(BlockRemoved(block_hashes=tuple(evicted)))
@@ -123,6 +128,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if block.evict_first:
+                    self._free.move_to_end(block.block_id, last=False)
 
     # -- prefix cache ----------------------------------------------------------------------------------------
     def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[BlockHash]) -> None:

@@ -99,8 +99,11 @@ class KVCacheManager:
         num_loaded = 0
         for block, block_hash in zip(table[start:start + num_blocks],
                                      request.block_hashes[start:start + num_blocks], strict=True):
-            if not self.tier.load(block.block_id, block_hash):
+            loaded = self.tier.load(block.block_id, block_hash)
+            if not loaded:
                 break
+            # A copy of a block a peer still holds (the tier says which kinds are): evicted before this worker's own.
+            block.evict_first = loaded in getattr(self.tier, "evict_first_kinds", ())
             num_loaded += 1
         if num_loaded:
             self.pool.cache_blocks(table[start:start + num_loaded], request.block_hashes[start:start + num_loaded])

@@ -89,20 +89,29 @@ def test_a_prefill_worker_fetches_the_cached_head_instead_of_computing_it(cluste
     wait_blocks_free(holder, prefill, decode)
 
 
-@pytest.mark.parametrize("role", ["colocated", "decode"])
-def test_a_worker_prefilling_locally_fetches_for_its_own_prefill(cluster, role) -> None:
+def _hashes(worker, prompt: list[int]) -> list[bytes]:
+    return worker.runtime.engine.make_request("probe", prompt, GREEDY).block_hashes
+
+
+@pytest.mark.parametrize(("role", "holder_role"), [("colocated", "colocated"), ("decode", "colocated"),
+                                                   ("colocated", "prefill"), ("colocated", "decode")])
+def test_a_worker_prefilling_locally_fetches_for_its_own_prefill(cluster, role, holder_role) -> None:
     """A colocated worker, and a decode worker prefilling a prompt itself (the gateway's local prefill: no
-    prefill endpoint in the request)."""
-    holder, _, decode, colocated, expected = cluster
+    prefill endpoint in the request), from a holder of each role."""
+    colocated_holder, prefill, decode, colocated, expected = cluster
     worker = colocated if role == "colocated" else decode
+    holder = {"colocated": colocated_holder, "prefill": prefill, "decode": decode}[holder_role]
+    if holder.runtime.loop.call(lambda e: e.num_leading_blocks_held(_hashes(holder, PROMPT)[:10])) < 10:
+        # Make it hold the prompt: a prefill worker runs it for the decode worker, which receives its blocks.
+        assert generate(decode, f"hold-{holder_role}", PROMPT, prefill_endpoint=prefill.endpoint).token_ids == expected
     _reset_caches(worker)
     before = load(worker).prefix_cache_hits_by_tier["peer"]
-    result = generate(worker, f"local-{role}", PROMPT, peer=(holder.endpoint, 10))
+    result = generate(worker, f"local-{role}-{holder_role}", PROMPT, peer=(holder.endpoint, 10))
     assert result.token_ids == expected
     assert result.messages[0].timings.peer_fetch_bytes == 10 * BLOCK_BYTES
     assert load(worker).prefix_cache_hits_by_tier["peer"] - before == 160
     # Its own cache now holds the head: a second request fetches nothing more.
-    again = generate(worker, f"local-{role}-again", PROMPT, peer=(holder.endpoint, 10))
+    again = generate(worker, f"local-{role}-{holder_role}-again", PROMPT, peer=(holder.endpoint, 10))
     assert again.token_ids == expected and again.messages[0].timings.peer_fetch_bytes == 0
     wait_blocks_free(holder, worker)
 

@@ -108,3 +108,25 @@ def test_peer_blocks_count_references_and_the_chain_counts_loads_by_tier() -> No
     assert b"a" * 16 in peer and b"b" * 16 not in peer
     peer.unstage([b"a" * 16])
     assert len(peer) == 0
+
+
+def test_copies_fetched_from_a_peer_are_evicted_before_the_workers_own_blocks(tiny_checkpoint) -> None:
+    """The peer still holds what was fetched from it: once freed, the copies go to the front of the free list, so
+    the fetcher's cache keeps the prefixes only it holds (and the cluster more distinct ones)."""
+    holder, fetcher = _engine(tiny_checkpoint), _engine(tiny_checkpoint)
+    _run(holder, "r", PROMPT)
+    own = random.Random(4).choices(range(3, 600), k=17)
+    _run(fetcher, "own", own)  # computed here: its 4 full blocks are the fetcher's own
+    hashes = fetcher.make_request("probe", PROMPT, greedy()).block_hashes[:NUM_FULL]
+    _fetch(holder, fetcher, hashes)
+    _run(fetcher, "r", PROMPT)
+    fetched = {fetcher.block_pool.get_cached_block(h).block_id for h in hashes}
+    own_ids = {fetcher.block_pool.get_cached_block(h).block_id
+               for h in fetcher.make_request("probe", own, greedy()).block_hashes}
+    free = fetcher.block_pool.free_block_ids()
+    assert set(free[:NUM_FULL]) == fetched  # first to go
+    assert all(free.index(b) > NUM_FULL for b in own_ids)
+    # A block reused for something else is an ordinary block again.
+    taken = fetcher.block_pool.allocate(1)
+    assert not taken[0].evict_first
+    fetcher.block_pool.free(taken)
