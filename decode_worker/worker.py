@@ -32,12 +32,12 @@ from concurrent.futures import Future
 import grpc
 import grpc.aio
 
-from kv_transfer.reservation import Reservation, ReservationState
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
 from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
 from kv_transfer.handoff_failure import REASON_KEY, REASONS
+from kv_transfer.reservation import Reservation, ReservationState
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
 from worker.config import WorkerConfig
