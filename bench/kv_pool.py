@@ -174,7 +174,6 @@ def serve_returning_chats(args: argparse.Namespace, root: Path) -> dict[str, lis
     """Returning chats through a real `splitserve serve` (one colocated worker), one per configuration in turn:
     TTFT of the streamed returning turn as the client sees it, and the worker's hits by tier from /metrics."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     from bench.serve_process import MODEL, Serve
 
@@ -225,11 +224,8 @@ def serve_returning_chats(args: argparse.Namespace, root: Path) -> dict[str, lis
                 stages = {k: v - stages_before.get(k, 0.0) for k, v in ttft_stages(client).items()}
                 print(f"serve, {name}, conversation {c}: returning-turn TTFT {first_token_s:.3f}s (the gateway's "
                       "stages: " + ", ".join(f"{k} {v:.3f}s" for k, v in stages.items() if v) + ")", flush=True)
-            hits = {}
-            for family in text_string_to_metric_families(client.get("/metrics").text):
-                for sample in family.samples:
-                    if sample.name == "splitserve:prefix_cache_hits_total":
-                        hits[sample.labels["tier"]] = hits.get(sample.labels["tier"], 0) + sample.value
+            prefix = "splitserve:prefix_cache_hits_total{tier="
+            hits = {k[len(prefix):-1]: v for k, v in metric_totals(client).items() if k.startswith(prefix)}
             print(f"serve, {name}: prefix_cache_hits_total by tier {hits}", flush=True)
         finally:
             server.stop()
@@ -237,17 +233,27 @@ def serve_returning_chats(args: argparse.Namespace, root: Path) -> dict[str, lis
     return ttft
 
 
-def ttft_stages(client) -> dict[str, float]:  # noqa: ANN001 - an httpx.Client on the gateway
-    """splitserve:ttft_stage_seconds_sum by stage, and the gateway's TTFT sum, from /metrics."""
+def metric_totals(client) -> dict[str, float]:  # noqa: ANN001 - an httpx.Client on the gateway
+    """Every sample of the gateway's /metrics summed over workers: under its name, and under `name{label=value}`
+    for each of its other labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    sums: dict[str, float] = {}
+    totals: dict[str, float] = {}
     for family in text_string_to_metric_families(client.get("/metrics").text):
         for sample in family.samples:
-            if sample.name == "splitserve:ttft_stage_seconds_sum":
-                sums[sample.labels["stage"]] = sums.get(sample.labels["stage"], 0.0) + sample.value
-            elif sample.name == "splitserve:time_to_first_token_seconds_sum":
-                sums["ttft"] = sums.get("ttft", 0.0) + sample.value
+            keys = [sample.name] + [f"{sample.name}{{{label}={value}}}" for label, value in sample.labels.items()
+                                    if label != "worker"]
+            for key in keys:
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def ttft_stages(client) -> dict[str, float]:  # noqa: ANN001 - an httpx.Client on the gateway
+    """splitserve:ttft_stage_seconds_sum by stage, and the gateway's TTFT sum ("ttft"), from /metrics."""
+    prefix = "splitserve:ttft_stage_seconds_sum{stage="
+    totals = metric_totals(client)
+    sums = {k[len(prefix):-1]: v for k, v in totals.items() if k.startswith(prefix)}
+    sums["ttft"] = totals.get("splitserve:time_to_first_token_seconds_sum", 0.0)
     return sums
 
 
@@ -255,21 +261,8 @@ def busy_holder(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """The busy-holder scenario (module docstring): per configuration, TTFT p50 / p90 (s), prefill tokens
     computed, peer fetch decisions and failures."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     from bench.serve_process import Serve, aiperf, metric
-
-    def scrape(url: str) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
-            for sample in family.samples:
-                if sample.name in ("splitserve:prefix_cache_queries_total", "splitserve:prefix_cache_hits_total",
-                                   "splitserve:kv_peer_fetch_blocks_total", "splitserve:kv_peer_fetch_failures_total"):
-                    key = sample.name + (f"{{{sample.labels['tier']}}}" if "tier" in sample.labels else "")
-                    totals[key] = totals.get(key, 0.0) + sample.value
-                elif sample.name == "splitserve:kv_peer_fetch_decisions_total":
-                    totals[f"decision {sample.labels['decision']}"] = sample.value
-        return totals
 
     workload = ["--endpoint-type", "completions", "--streaming", "--use-server-token-count",
                 "--num-prefix-prompts", str(args.families), "--prefix-prompt-length", str(args.prefix_tokens),
@@ -284,18 +277,19 @@ def busy_holder(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         try:
             summary = aiperf(server.url, [*workload, "--request-rate", str(args.rate),
                                           "--request-count", str(args.requests)])
-            totals = scrape(server.url)
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                totals = metric_totals(client)
         finally:
             server.stop()
-        hits = sum(v for k, v in totals.items() if k.startswith("splitserve:prefix_cache_hits_total"))
+        hits = totals.get("splitserve:prefix_cache_hits_total", 0.0)
         results[name] = {
             "ttft_p50_s": metric(summary, "time_to_first_token", "p50") / 1e3,
             "ttft_p90_s": metric(summary, "time_to_first_token", "p90") / 1e3,
             "requests": metric(summary, "request_count"),
             "computed_tokens": totals.get("splitserve:prefix_cache_queries_total", 0.0) - hits,
-            "peer_hit_tokens": totals.get("splitserve:prefix_cache_hits_total{peer}", 0.0),
-            "fetch_decisions": totals.get("decision fetch", 0.0),
-            "recompute_decisions": totals.get("decision recompute", 0.0),
+            "peer_hit_tokens": totals.get("splitserve:prefix_cache_hits_total{tier=peer}", 0.0),
+            "fetch_decisions": totals.get("splitserve:kv_peer_fetch_decisions_total{decision=fetch}", 0.0),
+            "recompute_decisions": totals.get("splitserve:kv_peer_fetch_decisions_total{decision=recompute}", 0.0),
             "fetch_failures": totals.get("splitserve:kv_peer_fetch_failures_total", 0.0),
         }
         print(f"busy holder, {name}: {json.dumps(results[name])}", flush=True)
