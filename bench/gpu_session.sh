@@ -74,6 +74,10 @@ NEW_TESTS=(tests/engine/structured/test_fill_ahead_gpu.py tests/engine/kernels/t
            tests/kv_transfer/test_grpc_staging.py tests/kv_transfer/test_inproc_digest.py tests/engine/test_gpu_engine.py
            tests/engine/kernels/test_decode_graphs.py)
 NEW_TRANSPORT_TESTS=(tests/kv_transfer/test_ipc_transport.py tests/kv_transfer/test_transport_conformance.py)
+# Issue 34's quantized kernels and engine on the GPU, issue 33's TP engine on CUDA (over gloo on one GPU)
+QUANT_TESTS=(tests/engine/kernels/test_triton_quantized_linear.py tests/engine/kernels/test_cuda_quantized_linear.py
+             tests/engine/kernels/test_weight_only_gemv.py tests/engine/test_gpu_quantization.py)
+TP_TESTS=(tests/engine/distributed/test_tensor_parallel_cuda.py)
 export SPLITSERVE_GPU_FIGURES=$OUT/gpu_figures.jsonl
 
 run_phase() {
@@ -105,14 +109,38 @@ run_phase() {
         phase newtests 100 $PY -m pytest -q -m gpu -p no:cacheprovider "${NEW_TESTS[@]}"
         phase newtests_transports 60 $PY -m pytest -q -m gpu -p no:cacheprovider "${NEW_TRANSPORT_TESTS[@]}" \
             -k "(cuda or on_a_gpu) and not dying" ;;
-    tests) phase tests 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/kv_transfer tests/bench \
+    quanttests) phase quanttests 120 $PY -m pytest -q -p no:cacheprovider "${QUANT_TESTS[@]}" ;;
+    gemvtests) phase gemvtests 60 $PY -m pytest -q -p no:cacheprovider tests/engine/kernels/test_weight_only_gemv.py ;;
+    tptests) phase tptests 90 $PY -m pytest -q -p no:cacheprovider "${TP_TESTS[@]}" ;;
+    quant_*)  # bench/gpu.py --quantization METHOD: bf16 and METHOD engines on the Llama-1B shape, batch 1 and 256
+        local method=${1#quant_}
+        if [ -n "$SMOKE" ]; then QUANT_ARGS=("${GPU_ARGS[@]}"); [ "$method" = fp8 ] && method=int8
+        else QUANT_ARGS=(--device cuda --shapes llama-3.2-1b --batches 1,256 --steps 20 --warmup-steps 3); fi
+        phase "quant_$method" 100 $PY bench/gpu.py "${QUANT_ARGS[@]}" --quantization "$method" --async-scheduling on \
+            --json "$OUT/gpu-$method.json" ;;
+    gemv)  # decode's GEMMs at 1 and 4 rows: bf16 cuBLAS, the quantized paths, the weight-only GEMV's tiles
+        if [ -n "$SMOKE" ]; then echo "=== gemv: SKIPPED (a GPU benchmark)"; return; fi
+        phase gemv 120 $PY bench/quantized_gemv.py --json "$OUT/gemv.json" ;;
+    hf)  # against HF generate at batch 32 on the SmolLM2 shape (issue 38's >= 50x)
+        local args=("${GPU_ARGS[@]}")
+        [ -z "$SMOKE" ] && args=(--device cuda --shapes smollm2-135m --batches 32 --steps 20 --warmup-steps 3)
+        phase hf 100 $PY bench/gpu.py "${args[@]}" --skip-prefill --async-scheduling on --kernel-count-batches '' \
+            --json "$OUT/gpu-hf.json" ;;
+    step256)  # the decode step with the kernel count's profiler run first (the default) and without, one process each
+        local args=("${GPU_ARGS[@]}")
+        [ -z "$SMOKE" ] && args=(--device cuda --shapes llama-3.2-1b --batches 1,256 --steps 20 --warmup-steps 3)
+        phase step256_counted 90 $PY bench/gpu.py "${args[@]}" --skip-hf --skip-prefill --async-scheduling both \
+            --json "$OUT/gpu-step-counted.json"
+        phase step256_uncounted 80 $PY bench/gpu.py "${args[@]}" --skip-hf --skip-prefill --async-scheduling both \
+            --kernel-count-batches '' --json "$OUT/gpu-step-uncounted.json" ;;
+    tests) phase tests 150 $PY -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests/engine tests/kv_transfer tests/bench \
         "${NEW_TESTS[@]/#/--ignore=}" "${NEW_TRANSPORT_TESTS[@]/#/--ignore=}" ;;
     *) echo "!!! unknown phase $1"; FAILED+=" $1" ;;
     esac
 }
 
 PHASES=("$@")
-[ ${#PHASES[@]} -eq 0 ] && PHASES=(env newtests gpu handoff handoff_before disagg structured tests)
+[ ${#PHASES[@]} -eq 0 ] && PHASES=(env quanttests tptests quant_fp8 quant_int8 step256 disagg handoff quant_gguf)
 for p in "${PHASES[@]}"; do run_phase "$p"; done
 echo "=== done $(date +%T); failed:${FAILED:- none}"
 [ -z "$FAILED" ]

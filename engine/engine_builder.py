@@ -84,6 +84,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
         raise ValueError(f"quantization {config.quantization} on cuda does not run at tensor_parallel_size > 1 yet "
                          "(the ranks keep quantized shards on the host); on cpu it does")
     check_tier_config(config, device)  # --kv-offload-memory on cpu, a tier at TP > 1: before any load
+    _check_tensor_parallel(config, device)  # likewise
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     dtype = TORCH_DTYPES[config.dtype]
@@ -97,7 +98,6 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     mc = checkpoint.config
     # The sizes the model takes: one clear error naming its heads before any rank starts (TensorParallelSizeError).
     shape = tp_shape(mc, config.tensor_parallel_size)
-    _check_tensor_parallel(config, device)
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {mc.max_position_embeddings}")
@@ -177,6 +177,9 @@ def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         raise ValueError("tensor_parallel_size > 1 on cuda needs --num-kv-blocks or --kv-cache-memory for now "
                          "(the memory profile runs on one rank)")
+    from engine.distributed.group import rank_devices
+
+    rank_devices(device, config.tensor_parallel_size)  # a GPU per rank under NCCL: refused before anything loads
 
 
 def _tensor_parallel_model(checkpoint: Checkpoint, shape: TPShape, attention: AttentionBackend,

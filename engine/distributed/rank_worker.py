@@ -85,6 +85,8 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
 
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
     conn.send(Hello(pid=os.getpid()))
     store = make_store(rank=spec.rank, world_size=spec.world_size, port=spec.store_port, timeout_s=spec.timeout_s)
     group = make_group(store, rank=spec.rank, world_size=spec.world_size, device=device, timeout_s=spec.timeout_s)

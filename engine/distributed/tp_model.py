@@ -23,6 +23,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed import step_message
+from engine.distributed.group import rank_devices
 from engine.distributed.rank_group import RankDiedError, RankGroup, start_store
 from engine.distributed.rank_worker import RankSpec, model_weight_bytes
 from engine.distributed.sharding import local_model_config, shard_all, shard_weights
@@ -125,10 +126,11 @@ def launch_tensor_parallel(
     cut from it in turn. Raises RankDiedError if a child fails to start."""
     world_size = shape.tp_size
     local_config = local_model_config(config, shape)
+    devices = rank_devices(device, world_size)
     store, port = start_store(world_size, STARTUP_TIMEOUT_S)
     specs = [
         RankSpec(rank=rank, world_size=world_size, store_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
-                 device=str(device), dtype=dtype_name, num_threads=num_threads, model_config=local_config,
+                 device=str(devices[rank]), dtype=dtype_name, num_threads=num_threads, model_config=local_config,
                  max_positions=max_model_len, num_kv_blocks=num_kv_blocks, block_size=block_size,
                  kv_cache_dtype=kv_cache_dtype, attention_backend=_backend_flag(attention, kv_cache_dtype))
         for rank in range(1, world_size)

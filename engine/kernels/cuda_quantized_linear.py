@@ -3,6 +3,8 @@
     Q4_0, Q4_1, Q8_0   triton/gguf_linear.py     the GGUF blocks as stored, dequantized inside the GEMM
     INT8               triton/int8_linear.py     int8 per output channel, weight-only
     FP8                fp8_linear.py             e4m3 weights and per-token e4m3 activations, torch._scaled_mm
+    INT8, FP8, ≤ 4 rows  triton/weight_only_gemv.py   decode's few rows: W streamed once, no tensor-core padding
+                                                      (fp8 weight-only there: x is not quantized)
 
 The CPU's counterpart is cpu_quantized_linear.quantized_linear; engine/model/linear.py picks by where the weight
 is. Nothing here syncs with the host, so a decode step's CUDA graph holds these launches.
@@ -25,7 +27,11 @@ def cuda_quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Ten
     x2 = x.reshape(-1, weight.in_features)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if weight.format is QuantFormat.FP8:
+    from engine.kernels.triton import weight_only_gemv as gemv
+
+    if gemv.takes(x2, weight):
+        y = gemv.weight_only_gemv(x2, weight)
+    elif weight.format is QuantFormat.FP8:
         from engine.kernels.fp8_linear import fp8_linear
 
         y = fp8_linear(x2, weight)

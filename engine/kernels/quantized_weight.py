@@ -260,7 +260,9 @@ def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     nearest even; |x / s| <= 448). x [T, K] -> (x̂ float8_e4m3fn [T, K], s float32 [T, 1]). The Triton kernel
     (triton/fp8_quantize.py) computes the same bits on a GPU."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [T, 1]
+    # Divided by a tensor on x's device, not by the Python number: on cuda torch turns a division by a host scalar
+    # into a multiplication by its reciprocal, one bit off the IEEE quotient (and the Triton kernel's) now and then.
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / xf.new_full((), FP8_MAX)  # [T, 1]
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 

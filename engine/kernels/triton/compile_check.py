@@ -41,7 +41,7 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
     from engine.kernels.triton import paged_decode_attention as decode
     from engine.kernels.triton import paged_prefill_attention as prefill
     from engine.kernels.triton import (fp8_quantize, gguf_linear, int8_linear, rms_norm, rotary, rotary_store_kv,
-                                       silu_and_mul, store_kv)
+                                       silu_and_mul, store_kv, weight_only_gemv)
 
     for dtype in dtypes:
         p = POINTER[dtype]
@@ -159,6 +159,15 @@ def variants(dtypes: list[str]) -> Iterator[Variant]:
                  **_ints("M", "N", "K", "stride_xm", "stride_ym")},
                 {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "IEEE": dtype == "fp32"},
                 num_warps=warps,
+            )
+        for weight_type in ("*i8", "*fp8e4nv"):
+            yield Variant(
+                f"weight_only_gemv {dtype} {weight_type[1:]}",
+                weight_only_gemv._weight_only_gemv_kernel,
+                {"x_ptr": p, "w_ptr": weight_type, "scale_ptr": "*fp32", "y_ptr": p,
+                 **_ints("N", "K", "stride_xm", "stride_ym")},
+                {"BLOCK_N": weight_only_gemv.BLOCK_N, "BLOCK_K": weight_only_gemv.BLOCK_K},
+                num_warps=weight_only_gemv.NUM_WARPS,
             )
 
 

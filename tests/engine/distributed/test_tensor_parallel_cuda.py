@@ -1,0 +1,86 @@
+"""A tensor-parallel engine's CUDA code path (issue 33): where each rank runs, and TP 2 against TP 1 on a GPU.
+
+The GPU machines lent here have one device and NCCL refuses two ranks on one GPU, so the gpu-marked tests run TP 2
+over gloo (`SPLITSERVE_TP_CUDA_BACKEND=gloo`: every rank on cuda:0, each collective through the host): the ranks'
+weights, KV shards, step messages and forwards on CUDA, the collectives' arithmetic the same as NCCL's would be up to
+summation order. With two GPUs or more the NCCL case runs TP 2 for real; with one it checks the refusal. The
+placement rule itself is pure and tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.distributed.group import CUDA_BACKEND_ENV, cuda_backend, rank_devices
+from tests.engine.distributed.test_tensor_parallel import ENGINE, Pair, prompt_ids
+from tests.engine.tiny_model import PROMPTS, greedy
+
+CUDA = dict(ENGINE, device="cuda", dtype="float32")
+
+
+def test_each_rank_gets_its_own_gpu_under_nccl_and_rank_0s_under_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CUDA_BACKEND_ENV, raising=False)
+    assert cuda_backend() == "nccl"
+    assert rank_devices(torch.device("cpu"), 3) == [torch.device("cpu")] * 3
+    assert rank_devices(torch.device("cuda"), 2, num_cuda_devices=2) == [torch.device("cuda", 0),
+                                                                         torch.device("cuda", 1)]
+    assert rank_devices(torch.device("cuda", 2), 2, num_cuda_devices=4) == [torch.device("cuda", 2),
+                                                                            torch.device("cuda", 3)]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 on cuda:0 needs cuda:0..cuda:1, but 1 CUDA"):
+        rank_devices(torch.device("cuda"), 2, num_cuda_devices=1)
+    with pytest.raises(ValueError, match=r"needs cuda:3..cuda:4, but 4 CUDA device"):
+        rank_devices(torch.device("cuda", 3), 2, num_cuda_devices=4)
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "GLOO")
+    assert rank_devices(torch.device("cuda", 1), 4, num_cuda_devices=2) == [torch.device("cuda", 1)] * 4
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "mpi")
+    with pytest.raises(ValueError, match="SPLITSERVE_TP_CUDA_BACKEND='mpi': expected nccl or gloo"):
+        cuda_backend()
+
+
+def test_tp_on_cuda_with_too_few_gpus_is_refused_before_anything_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU needed: the builder's check runs on the config, before a checkpoint is opened."""
+    from engine import engine_builder
+    from engine.config import EngineConfig
+
+    monkeypatch.delenv(CUDA_BACKEND_ENV, raising=False)
+    monkeypatch.setattr(engine_builder, "resolve_engine_config", lambda config: config)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = EngineConfig(model="/nonexistent/model", device="cuda", dtype="bfloat16", tensor_parallel_size=2,
+                          num_kv_blocks=64)
+    with pytest.raises(ValueError, match="NCCL refuses two ranks on one GPU"):
+        engine_builder.build_engine_parts(config)
+
+
+def _check_tp2_matches_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
+    pair = Pair(tiny_checkpoint, 2, **CUDA)
+    try:
+        model = pair.tpn.runner.model
+        assert model.local.device.type == "cuda"
+        first = pair.check({f"r{i}": (p, greedy(6)) for i, p in enumerate(PROMPTS)})  # chunked prefill: 6 a step
+        assert all(first.values())
+        before = pair.tpn.scheduler.num_preemptions
+        longer = {f"long{i}": (p, greedy(24)) for i, p in enumerate(PROMPTS)}
+        pair.check(longer)
+        assert pair.tpn.scheduler.num_preemptions > before  # 20 blocks of 4 tokens: the batch preempts itself
+        assert max(len(ids) for ids in prompt_ids(pair.tpn, longer).values()) > ENGINE["max_num_batched_tokens"]
+    finally:
+        pair.close()
+    assert not model.ranks.processes[0].is_alive()
+
+
+@pytest.mark.gpu
+def test_tp2_over_gloo_on_one_gpu_gives_tp1s_tokens(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")  # the child ranks are spawned with this environment
+    _check_tp2_matches_tp1(tiny_checkpoint)
+
+
+@pytest.mark.gpu
+def test_tp2_over_nccl_runs_with_two_gpus_and_is_refused_with_one(tiny_checkpoint,  # noqa: ANN001
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CUDA_BACKEND_ENV, raising=False)
+    if torch.cuda.device_count() >= 2:
+        _check_tp2_matches_tp1(tiny_checkpoint)
+        return
+    with pytest.raises(ValueError, match="but 1 CUDA device"):
+        Pair(tiny_checkpoint, 2, **CUDA)
