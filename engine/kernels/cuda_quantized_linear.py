@@ -3,8 +3,8 @@
     Q4_0, Q4_1, Q8_0   triton/gguf_linear.py     the GGUF blocks as stored, dequantized inside the GEMM
     INT8               triton/int8_linear.py     int8 per output channel, weight-only
     FP8                fp8_linear.py             e4m3 weights and per-token e4m3 activations, torch._scaled_mm
-    INT8, FP8, ≤ 4 rows  triton/weight_only_gemv.py   decode's few rows: W streamed once, no tensor-core padding
-                                                      (fp8 weight-only there: x is not quantized)
+    INT8, FP8, one row  triton/weight_only_gemv.py   decode at batch 1: W streamed, no tensor-core padding
+                                                     (fp8 weight-only there: x is not quantized)
 
 The CPU's counterpart is cpu_quantized_linear.quantized_linear; engine/model/linear.py picks by where the weight
 is. Nothing here syncs with the host, so a decode step's CUDA graph holds these launches.
