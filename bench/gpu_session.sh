@@ -118,6 +118,14 @@ run_phase() {
         else QUANT_ARGS=(--device cuda --shapes llama-3.2-1b --batches 1,256 --steps 20 --warmup-steps 3); fi
         phase "quant_$method" 100 $PY bench/gpu.py "${QUANT_ARGS[@]}" --quantization "$method" --async-scheduling on \
             --json "$OUT/gpu-$method.json" ;;
+    hosttier)  # issue 35: the host-memory tier's load time per block against recomputing it (the disk tier too)
+        if [ -n "$SMOKE" ]; then
+            phase hosttier 100 $PY bench/kv_tier_load.py --device "$DEVICE" --tier disk --shape smollm2-135m \
+                --prompt-tokens 64 --rounds 1 --json "$OUT/tier-disk.json"
+        else
+            phase hosttier 60 $PY bench/kv_tier_load.py --device cuda --tier host --json "$OUT/tier-host.json"
+            phase disktier 60 $PY bench/kv_tier_load.py --device cuda --tier disk --json "$OUT/tier-disk.json"
+        fi ;;
     gemv)  # decode's GEMMs at 1 and 4 rows: bf16 cuBLAS, the quantized paths, the weight-only GEMV's tiles
         if [ -n "$SMOKE" ]; then echo "=== gemv: SKIPPED (a GPU benchmark)"; return; fi
         phase gemv 120 $PY bench/quantized_gemv.py --json "$OUT/gemv.json" ;;
@@ -140,7 +148,9 @@ run_phase() {
 }
 
 PHASES=("$@")
-[ ${#PHASES[@]} -eq 0 ] && PHASES=(env quanttests tptests quant_fp8 quant_int8 step256 disagg handoff quant_gguf)
+# The next session's order: what has never run on a GPU first (35's host tier), then 38's figures not re-measured
+# on 2026-11-27 (structured outputs, the SmolLM2 batch-1 step), then the sweep.
+[ ${#PHASES[@]} -eq 0 ] && PHASES=(env hosttier structured gpu disagg handoff tests)
 for p in "${PHASES[@]}"; do run_phase "$p"; done
 echo "=== done $(date +%T); failed:${FAILED:- none}"
 [ -z "$FAILED" ]
