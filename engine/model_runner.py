@@ -31,7 +31,7 @@ from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logpr
 from engine.sampling.rejection_sampler import RejectionSampler, VerifyRequest
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import MIN_TEMPERATURE, SamplingRow
-from engine.structured.bitmask import PendingBitmask, TokenBitmask
+from engine.structured.bitmask import InFlightTokens, PendingBitmask, TokenBitmask
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphs
@@ -99,21 +99,34 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queue one step on the device; its `result()` is `execute`'s. A request that `takes_last_sample` gets,
         as its input token, the token the step launched before this one sampled for it."""
+        if self._last is not None:  # its sampling, if deferred, goes first (and its reused logits are read); an
+            self._last.finalize(quiet=True)  # error there fails its own readers, and this step if it takes its tokens
         items = step_order(out.scheduled)
+        in_flight = self._in_flight_tokens(items)
         if self.grammars is not None:  # on cuda the step's grammar bitmask fill starts now, beside the forward
-            self.grammars.start_fill(items)
+            self.grammars.start_fill(items, in_flight)
         feed = self._placeholder_feed(items)
         if self.graphs is not None and self._replayable(items):
-            launched = self._replay(items, feed)
+            launched = self._replay(items, feed, in_flight)
         else:
             input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
             if feed is not None:
                 feed(input_ids)
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
             prompt_logprobs = self._prompt_logprobs(items, hidden)
-            launched = self._sample(items, hidden, prompt_logprobs)
+            launched = self._sample(items, hidden, prompt_logprobs, in_flight)
         self._last = launched
         return launched
+
+    def _in_flight_tokens(self, items: list[ScheduledRequest]) -> InFlightTokens | None:
+        """For the structured requests of `items` whose last token the step before samples (async scheduling): what
+        reads those tokens on the host (their grammar must accept them before it masks this step); None: none."""
+        last = self._last
+        ids = [item.request.request_id for item in items
+               if item.takes_last_sample and item.request.sampling_params.structured_outputs is not None]
+        if not ids or last is None:
+            return None
+        return lambda: {request_id: last.token_of(request_id) for request_id in ids}
 
     def _placeholder_feed(self, items: list[ScheduledRequest]) -> Callable[[torch.Tensor], None] | None:
         """What writes the placeholders of `items` (in step order) into the step's flat input ids, from the last
@@ -168,7 +181,8 @@ class ModelRunner:
         )
 
     def _replay(
-        self, items: list[ScheduledRequest], feed: Callable[[torch.Tensor], None] | None
+        self, items: list[ScheduledRequest], feed: Callable[[torch.Tensor], None] | None,
+        in_flight: InFlightTokens | None,
     ) -> LaunchedStep:
         assert self.graphs is not None
         positions = [item.start for item in items]
@@ -185,7 +199,7 @@ class ModelRunner:
             return LaunchedStep.done(({}, {}, {}))
         if len(rows) < len(items):
             logits = logits[to_device(torch.tensor(rows, dtype=torch.int64), logits.device)]
-        return self._sample_logits([items[i] for i in rows], logits, {})
+        return self._sample_logits([items[i] for i in rows], logits, {}, in_flight)
 
     def _prompt_logprobs(
         self, items: list[ScheduledRequest], hidden: torch.Tensor
@@ -210,7 +224,7 @@ class ModelRunner:
 
     def _sample(
         self, items: list[ScheduledRequest], hidden: torch.Tensor,
-        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]], in_flight: InFlightTokens | None,
     ) -> LaunchedStep:
         logit_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
@@ -225,20 +239,25 @@ class ModelRunner:
         if len(logit_rows) < hidden.shape[0]:
             hidden = hidden[to_device(torch.tensor(logit_rows, dtype=torch.int64), hidden.device)]
         logits = self.model.compute_logits(hidden)  # [num_sample_positions summed, vocab]
-        return self._sample_logits(sampling, logits, prompt_logprobs)
+        return self._sample_logits(sampling, logits, prompt_logprobs, in_flight)
 
     def _sample_logits(
         self, sampling: list[ScheduledRequest], logits: torch.Tensor,
-        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]], in_flight: InFlightTokens | None = None,
     ) -> LaunchedStep:
         """Tokens for `sampling` (the step's requests that sample, in step order) from their logits rows: on the
-        device, unread, without drafts; verified on the host with them."""
+        device, unread, without drafts (launched once a bitmask still being filled is ready: `LaunchedStep.finalize`);
+        verified on the host with them."""
         if not sampling:
             return LaunchedStep.done(({}, {}, prompt_logprobs))
         if not any(item.spec_token_ids for item in sampling):
             rows = [self._sampling_row(item) for item in sampling]
-            sample = self.sampler.launch(logits, rows, self._grammar_bitmask(sampling))
-            return LaunchedStep(request_ids=[item.request.request_id for item in sampling], sample=sample,
+            bitmask = self._grammar_bitmask(sampling, in_flight)
+            request_ids = [item.request.request_id for item in sampling]
+            if isinstance(bitmask, PendingBitmask):
+                return LaunchedStep(request_ids=request_ids, prompt_logprobs=prompt_logprobs,
+                                    deferred=lambda: self.sampler.launch(logits, rows, bitmask))
+            return LaunchedStep(request_ids=request_ids, sample=self.sampler.launch(logits, rows, bitmask),
                                 prompt_logprobs=prompt_logprobs)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -257,13 +276,14 @@ class ModelRunner:
                 logprobs[item.request.request_id] = verified.logprobs
         return LaunchedStep.done((sampled, logprobs, prompt_logprobs))
 
-    def _grammar_bitmask(self, sampling: list[ScheduledRequest]) -> TokenBitmask | PendingBitmask | None:
+    def _grammar_bitmask(self, sampling: list[ScheduledRequest], in_flight: InFlightTokens | None
+                         ) -> TokenBitmask | PendingBitmask | None:
         """The grammar masks of the structured requests among `sampling` (one logits row each), or None."""
         structured = [i for i, item in enumerate(sampling) if item.request.sampling_params.structured_outputs]
         if not structured:
             return None
         assert self.grammars is not None, "a structured request reached an engine without grammar support"
-        return self.grammars.fill([sampling[i].request for i in structured], structured)
+        return self.grammars.fill([sampling[i].request for i in structured], structured, in_flight)
 
     def _check_drafts(
         self, logits: torch.Tensor, sampling: list[ScheduledRequest]

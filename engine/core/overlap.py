@@ -22,14 +22,15 @@ while step N+1 still writes into it is reused only after that write.
 
 The steps that do not overlap (step N's output is processed first, then N+1 is scheduled as without async):
 - a request of step N that continues needs N's token on the host to build its next step (`needs_host_tokens`):
-  a grammar (its matcher must take N's token before it can mask N+1), penalties and min_tokens (they read the
-  output tokens), n > 1 (the other choices fork off the first once its prompt is computed);
+  penalties and min_tokens (they read the output tokens), n > 1 (the other choices fork off the first once its
+  prompt is computed). A grammar does not: its matcher takes N's token when step N+1's bitmask is filled, and that
+  step's sampling waits for the fill (engine/structured/matchers.py, engine/launched_step.py), not its forward;
 - the running requests' next tokens would not fit in the free blocks: scheduling them could preempt a request
   whose step is in flight (its sampled token, a seeded draw, would be lost), so preemption happens only after N;
 - speculative decoding, in every step (the proposer drafts from the tokens, the rejection sampler's output varies
   in length): the engine runs it synchronously throughout.
-Steps that sync on the host by themselves (prompt logprobs, a grammar's bitmask, draft verification) still run, in
-order; they only gain no overlap.
+Steps that sync on the host by themselves (prompt logprobs, a grammar's bitmask filled in the step, draft
+verification) still run, in order; they only gain less overlap.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ def needs_host_tokens(request: Request) -> bool:
     while the step that samples it runs)."""
     params = request.sampling_params
     return (
-        params.structured_outputs is not None
-        or params.repetition_penalty != 1.0
+        params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
         or request.num_output_tokens < params.min_tokens

@@ -13,10 +13,15 @@ matchers.py, "Filling ahead"): the sampler calls `ready` on what it is given jus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+
+# Async scheduling: the tokens the step in flight samples for some structured requests, read on the host when called
+# (request id -> token); their grammars accept them before they mask the next step (engine/structured/matchers.py).
+InFlightTokens = Callable[[], dict[str, int]]
 
 
 @dataclass(frozen=True)

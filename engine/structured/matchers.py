@@ -26,6 +26,13 @@ hide, and measured slower there (docs/benchmarks.md, "Structured outputs"). Step
 
     step k:   start_fill ─▶ forward ─────────────▶ sampler: wait, mask, sample
               └─ fill thread: sync, fill ──┘
+
+Async scheduling (engine/core/overlap.py): step k+1 is launched before step k's tokens reach the host, so a
+structured request's output lacks its last token when k+1's mask is filled. The runner passes what reads those
+tokens (`InFlightTokens`): the fill (on its thread, or in the step) waits for them, and the matcher accepts each
+after the request's output, counted as accepted; when the output catches up, `sync` finds them already there. With
+the fill ahead, the runner defers k+1's sampling until the engine has processed step k (engine/launched_step.py),
+so the fill overlaps that; the fill thread reads each output only up to the length it had at `start_fill`.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import torch
 import xgrammar as xgr
 
 from engine.core.request import Request
-from engine.structured.bitmask import PendingBitmask, TokenBitmask
+from engine.structured.bitmask import InFlightTokens, PendingBitmask, TokenBitmask
 from engine.structured.compiler import GrammarCompilerCache
 from engine.structured.fill_ahead import FillAhead
 
@@ -91,10 +98,11 @@ class GrammarMatchers:
         """A bitmask of `num_rows` rows, everything allowed: [num_rows, ceil(vocab_size / 32)] int32."""
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
-    def start_fill(self, items: Sequence[ScheduledRequest]) -> None:
+    def start_fill(self, items: Sequence[ScheduledRequest], in_flight: InFlightTokens | None = None) -> None:
         """A step's inputs are known (`items` in step order): with `fill_ahead`, start filling on the fill thread
-        the bitmask its sampler will ask `fill` for. Nothing to do for a step without structured rows to sample,
-        or with drafts (`fill_with_drafts` fills those in the step)."""
+        the bitmask its sampler will ask `fill` for (after the tokens `in_flight` reads, module docstring). Nothing
+        to do for a step without structured rows to sample, or with drafts (`fill_with_drafts` fills those in the
+        step)."""
         if not self.fill_ahead:
             return
         sampling = [item for item in items if item.samples]
@@ -104,25 +112,34 @@ class GrammarMatchers:
         if not rows:
             return
         requests = [sampling[i].request for i in rows]
+        known = [len(request.output_token_ids) for request in requests]  # the engine thread appends from here on
         num_rows = len(sampling)
-        self._ahead.start(_fill_key(requests, rows), lambda: self._fill_all_rows(requests, rows, num_rows))
+        self._ahead.start(_fill_key(requests, rows),
+                          lambda: self._fill_all_rows(requests, rows, num_rows, known, in_flight))
 
-    def fill(self, requests: Sequence[Request], row_indices: Sequence[int]) -> TokenBitmask | PendingBitmask:
+    def fill(self, requests: Sequence[Request], row_indices: Sequence[int],
+             in_flight: InFlightTokens | None = None) -> TokenBitmask | PendingBitmask:
         """The bitmask for the next token of each (structured) request, constraining logits row `row_indices[i]`:
-        the one `start_fill` began for exactly these, or one filled now."""
+        the one `start_fill` began for exactly these, or one filled now (after the tokens `in_flight` reads)."""
         if self._ahead.tracking:
             pending = self._ahead.take(_fill_key(requests, row_indices))
             if pending is not None:
                 return pending
+        extra = in_flight() if in_flight is not None else {}
         bitmask = self.allocate(len(requests))
-        self._fill_rows([self._synced(request) for request in requests], bitmask, range(len(requests)))
+        self._fill_rows([self._synced(request, extra=extra.get(request.request_id)) for request in requests],
+                        bitmask, range(len(requests)))
         return TokenBitmask(bitmask=bitmask, row_indices=list(row_indices))
 
-    def _fill_all_rows(self, requests: Sequence[Request], row_indices: Sequence[int], num_rows: int) -> TokenBitmask:
-        """On the fill thread: a bitmask of all `num_rows` logits rows, request i's at `row_indices[i]`, the rest
-        allowing everything."""
+    def _fill_all_rows(self, requests: Sequence[Request], row_indices: Sequence[int], num_rows: int,
+                       known: Sequence[int], in_flight: InFlightTokens | None) -> TokenBitmask:
+        """On the fill thread: a bitmask of all `num_rows` logits rows, request i's at `row_indices[i]` (its output
+        read up to `known[i]` tokens, then its token in flight), the rest allowing everything."""
+        extra = in_flight() if in_flight is not None else {}
         bitmask = self.allocate(num_rows)
-        self._fill_rows([self._synced(request) for request in requests], bitmask, row_indices)
+        grammars = [self._synced(request, known=length, extra=extra.get(request.request_id))
+                    for request, length in zip(requests, known, strict=True)]
+        self._fill_rows(grammars, bitmask, row_indices)
         if self._pin_device is not None:
             bitmask = self._pinned(bitmask, self._pin_device)
         return TokenBitmask(bitmask=bitmask, row_indices=list(range(num_rows)))
@@ -166,7 +183,9 @@ class GrammarMatchers:
         return num_kept
 
     # -- one request -------------------------------------------------------------------------------------------
-    def _synced(self, request: Request) -> _RequestGrammar:
+    def _synced(self, request: Request, *, known: int | None = None, extra: int | None = None) -> _RequestGrammar:
+        """`request`'s matcher, having accepted its output's first `known` tokens (default: all of them) and then
+        `extra` (a token still in flight, not in the output yet)."""
         grammar = self._grammars.get(request.request_id)
         if grammar is None:
             spec = request.sampling_params.structured_outputs
@@ -175,10 +194,11 @@ class GrammarMatchers:
             matcher = xgr.GrammarMatcher(self.compilers.compile(spec), override_stop_tokens=stop_token_ids)
             grammar = self._grammars[request.request_id] = _RequestGrammar(matcher, stop_token_ids)
         output = request.output_token_ids
-        if len(output) < grammar.num_accepted and not grammar.broken:  # output cut back (a stop string)
-            grammar.matcher.rollback(grammar.num_accepted - len(output))
-            grammar.num_accepted = len(output)
-        for token_id in output[grammar.num_accepted :]:
+        length = len(output) if known is None else known
+        if length < grammar.num_accepted and not grammar.broken:  # output cut back (a stop string)
+            grammar.matcher.rollback(grammar.num_accepted - length)
+            grammar.num_accepted = length
+        for token_id in [*output[grammar.num_accepted : length], *([] if extra is None else [extra])]:
             if not grammar.broken and not grammar.matcher.is_terminated() and not grammar.matcher.accept_token(
                     token_id):
                 logger.warning("request %s: output token %d breaks its grammar; no longer constrained",

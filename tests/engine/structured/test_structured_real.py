@@ -110,3 +110,46 @@ def test_filling_ahead_gives_the_tokens_of_the_in_step_fill(smollm2_checkpoint, 
         grammars.close()
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert all(o.finish_reason == "stop" for o in got[:4]), [o.text for o in got]
+
+
+@pytest.mark.parametrize("fill_ahead", [False, True], ids=["fill-in-step", "fill-ahead"])
+def test_async_scheduling_overlaps_grammar_steps_and_gives_the_same_tokens(smollm2_checkpoint, engine,  # noqa: ANN001
+                                                                         fill_ahead: bool) -> None:
+    """With async scheduling a structured request's step N+1 is scheduled and launched before step N's token
+    reaches the host (its grammar takes that token when N+1's mask is filled): the same tokens as the synchronous
+    engine, schemas (greedy and seeded) beside a regex and an unconstrained request; the mask filled in the step
+    (CPU's default) and ahead on the fill thread with the sampling deferred (cuda's; forced on here)."""
+    tok = smollm2_checkpoint.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Describe an item as JSON."}]),
+                        add_special_tokens=False)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=MAX_TOKENS,
+                             structured_outputs=GrammarSpec.json_schema(generated_schema(seed=10 + i, depth=1)))
+              for i in range(3)]
+    params += [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=GrammarSpec(
+        kind="regex", source=r"a( b| d){2,8}\.")), SamplingParams(temperature=0.0, max_tokens=8)]
+    prompts = [prompt] * len(params)
+    expected = _run(engine, prompts, params)
+    overlapped = _engine(smollm2_checkpoint, async_scheduling=True)
+    placeholders = []  # structured requests that took their input token from the step in flight, a step
+    schedule = overlapped.scheduler.schedule
+
+    def logged(in_flight=None):  # noqa: ANN001, ANN202
+        out = schedule(in_flight=in_flight)
+        placeholders.append(sum(item.takes_last_sample and item.request.sampling_params.structured_outputs is not None
+                                for item in out.scheduled))
+        return out
+
+    overlapped.scheduler.schedule = logged
+    warm = SamplingParams(max_tokens=1, structured_outputs=GrammarSpec(kind="regex", source="a"))
+    _run(overlapped, [prompt], [warm])  # its matchers exist from the first structured request on
+    overlapped.runner.grammars.fill_ahead = fill_ahead
+    placeholders.clear()
+    try:
+        got = _run(overlapped, prompts, params)
+    finally:
+        overlapped.runner.grammars.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.text for o in got] == [o.text for o in expected]
+    assert all(o.finish_reason == "stop" for o in got[:4]), [o.text for o in got]
+    # Every structured token after a request's first came from a step scheduled ahead of the one sampling it.
+    assert sum(placeholders) >= sum(len(o.token_ids) - 1 for o in got[:4]), placeholders
