@@ -148,10 +148,11 @@ run_phase() {
 }
 
 PHASES=("$@")
-# The next session's order: the GPU tests of what changed since (structured outputs under async scheduling: the
-# deferred sampling with CUDA graphs and the fill ahead), what has never run on a GPU (35's host tier), then 38's
-# figures not re-measured on 2026-11-27 (structured outputs, the SmolLM2 batch-1 step), then the sweep.
-[ ${#PHASES[@]} -eq 0 ] && PHASES=(env quicktests newtests hosttier structured gpu disagg handoff tests)
+# The next session's order: the GPU tests of what changed since (quantized shards at TP 2 on cuda, issue 34;
+# structured outputs under async scheduling: the deferred sampling with CUDA graphs and the fill ahead), what has
+# never run on a GPU (35's host tier), then 38's figures not re-measured on 2026-11-27 (structured outputs, the
+# SmolLM2 batch-1 step), then the sweep.
+[ ${#PHASES[@]} -eq 0 ] && PHASES=(env tptests quicktests newtests hosttier structured gpu disagg handoff tests)
 for p in "${PHASES[@]}"; do run_phase "$p"; done
 echo "=== done $(date +%T); failed:${FAILED:- none}"
 [ -z "$FAILED" ]

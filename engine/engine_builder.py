@@ -80,9 +80,6 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     check_quantization(config.quantization, device)  # e.g. fp8 on cpu or an old GPU: before any load
     if isinstance(config.speculative_config, SpeculativeConfig):  # a draft model's, likewise
         check_quantization(config.speculative_config.quantization, device)
-    if config.quantization != "none" and device.type == "cuda" and config.tensor_parallel_size > 1:
-        raise ValueError(f"quantization {config.quantization} on cuda does not run at tensor_parallel_size > 1 yet "
-                         "(the ranks keep quantized shards on the host); on cpu it does")
     check_tier_config(config, device)  # --kv-offload-memory on cpu, a tier at TP > 1: before any load
     _check_tensor_parallel(config, device)  # likewise
     if config.num_threads is not None:

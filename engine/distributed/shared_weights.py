@@ -35,7 +35,7 @@ def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def unshare(shared: dict[str, Weight], device: torch.device) -> dict[str, Weight]:
-    """The shard's tensors on `device` (on cpu the shared tensors themselves; quantized weights run on cpu only)."""
+    """The shard's tensors (and quantized weights) on `device` (on cpu the shared ones themselves)."""
     if device.type == "cpu":
         return shared
-    return {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in shared.items()}
+    return {name: t.to(device) for name, t in shared.items()}

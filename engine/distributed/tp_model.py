@@ -149,8 +149,8 @@ def launch_tensor_parallel(
 
     group = ranks.start(store, shard)
     try:
-        mine = {name: t.to(device=device, dtype=dtype) if isinstance(t, torch.Tensor) else t  # quantized: as is
-                for name, t in shard(0).items()}
+        mine = {name: t.to(device=device, dtype=dtype) if isinstance(t, torch.Tensor) else t.to(device)
+                for name, t in shard(0).items()}  # a quantized weight keeps its own dtypes
         local = LlamaModel(local_config, mine, attention, max_positions=max_model_len, group=group)
     except BaseException:
         ranks.close()

@@ -5,6 +5,12 @@ over gloo (`SPLITSERVE_TP_CUDA_BACKEND=gloo`: every rank on cuda:0, each collect
 weights, KV shards, step messages and forwards on CUDA, the collectives' arithmetic the same as NCCL's would be up to
 summation order. With two GPUs or more the NCCL case runs TP 2 for real; with one it checks the refusal. The
 placement rule itself is pure and tested without a GPU.
+
+Quantized shards on CUDA (`--quantization` composes with tensor parallelism, issue 34): int8 at TP 2 gives int8 at
+TP 1's tokens, every logits row within 1e-3 (weight-only: each row-parallel shard's partial product is the same
+arithmetic on its columns); fp8 quantizes each shard's activations per token over its own columns, so TP 2 is held to
+fp8's bound against the float32 engine (tests/engine/test_gpu_quantization.py's: max |Δ logprob| < 1.0, mean < 0.3)
+rather than to TP 1.
 """
 
 from __future__ import annotations
@@ -84,3 +90,34 @@ def test_tp2_over_nccl_runs_with_two_gpus_and_is_refused_with_one(tiny_checkpoin
         return
     with pytest.raises(ValueError, match="but 1 CUDA device"):
         Pair(tiny_checkpoint, 2, **CUDA)
+
+
+@pytest.mark.gpu
+def test_int8_shards_on_cuda_at_tp2_give_int8_tp1s_tokens(tiny_checkpoint,  # noqa: ANN001
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.kernels.quantized_weight import QuantizedWeight
+
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")
+    pair = Pair(tiny_checkpoint, 2, **CUDA, quantization="int8")
+    try:
+        down = pair.tpn.runner.model.local.layers[0].down
+        assert isinstance(down.quantized, QuantizedWeight) and down.on_cuda and down.quantized.data.is_cuda
+        pair.check({f"r{i}": (p, greedy(6)) for i, p in enumerate(PROMPTS)})
+    finally:
+        pair.close()
+
+
+@pytest.mark.gpu
+def test_fp8_shards_on_cuda_at_tp2_within_fp8s_bound(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from tests.engine.test_gpu_quantization import _logprob_diffs
+    from tests.engine.tiny_model import make_engine
+
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")
+    reference = make_engine(tiny_checkpoint)  # float32 on the CPU
+    engine = make_engine(tiny_checkpoint, **{**CUDA, "dtype": "bfloat16"}, quantization="fp8", tensor_parallel_size=2)
+    try:
+        assert engine.runner.model.local.layers[0].o.on_cuda
+        diffs = _logprob_diffs(reference, engine)
+    finally:
+        engine.close()
+    assert 0 < diffs.max().item() < 1.0 and diffs.mean().item() < 0.3, diffs

@@ -275,18 +275,6 @@ def test_triton_fp8_quantize_random_rows_bit_for_bit_gpu(in_features: int) -> No
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-def test_quantization_on_cuda_at_tensor_parallel_2_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ranks keep quantized shards on the host (engine/distributed): one error at build, before any load."""
-    from engine import engine_builder
-    from engine.config import EngineConfig
-
-    monkeypatch.setattr(engine_builder, "resolve_engine_config", lambda config: config)  # no GPU needed to refuse
-    config = EngineConfig(model="/nonexistent/model", device="cuda", dtype="bfloat16", quantization="int8",
-                          tensor_parallel_size=2, num_kv_blocks=64)
-    with pytest.raises(ValueError, match="int8 on cuda does not run at tensor_parallel_size > 1"):
-        engine_builder.build_engine_parts(config)
-
-
 def test_fp8_quantizes_the_checkpoints_linear_layers_at_load(tiny_checkpoint) -> None:  # noqa: ANN001
     """What an fp8 engine's build does to the checkpoint (on cuda; here the same code on the CPU tensors): every
     linear layer in e4m3 per channel, the rest and the shared checkpoint untouched."""
