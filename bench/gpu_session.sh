@@ -64,7 +64,7 @@ else
     DISAGG_ARGS=(--num-requests ${DISAGG_REQUESTS:-12} --rounds 4 --warmup 3)
     DISAGG_TRANSPORTS=grpc,ipc
     STRUCTURED_ARGS=(--max-tokens 96 --repeats 2)
-    HANDOFF_TRANSPORTS=grpc,ipc,inproc HANDOFF_REPEATS=${HANDOFF_REPEATS:-20}
+    HANDOFF_TRANSPORTS=grpc,ipc,ipc-grpc,inproc HANDOFF_REPEATS=${HANDOFF_REPEATS:-20}
 fi
 # This session's new GPU tests, first: a failure here is what the run is for
 # (the engine's GPU tests and the decode graphs' too: the forward, the sampler and the step loop changed under them)

@@ -1,6 +1,6 @@
 """What one KV handoff costs, stage by stage, over each transport: a 1,000-token request in isolation.
 
-    .venv/bin/python bench/handoff_cost.py [--device cpu|cuda] [--transports grpc,ipc,torch,inproc]
+    .venv/bin/python bench/handoff_cost.py [--device cpu|cuda] [--transports grpc,ipc,ipc-grpc,torch,inproc]
         [--num-tokens 1000] [--repeats 30] [--warmup 3] [--model smollm2-135m] [--json PATH]
 
 The KV is the dummy shape's (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64), in blocks of 16 tokens, bfloat16
@@ -292,6 +292,18 @@ class Run:
         }
 
 
+# Baselines measured beside a transport, in the same run: the transport with an optimisation turned off.
+BASELINES = {"ipc-grpc": "ipc"}  # every control call over gRPC, the receiver's doorbell never rung
+
+
+def make_bench_sender(transport: str, device: torch.device) -> object:
+    if transport == "ipc-grpc":
+        from kv_transfer import ipc_transport
+
+        return ipc_transport.Sender(worker_id="bench-prefill", device=device, doorbell=False)
+    return make_sender(transport, worker_id="bench-prefill", device=device)
+
+
 def measure(transports: list[str], layout: KVLayout, device: torch.device, *, num_tokens: int, repeats: int,
             warmup: int, receiver_layout: KVLayout | None = None) -> list[dict]:
     num_blocks = -(-num_tokens // layout.block_size)
@@ -312,8 +324,9 @@ def measure(transports: list[str], layout: KVLayout, device: torch.device, *, nu
             receiver_device = device
             if transport == "torch" and device.type == "cuda":
                 receiver_device = torch.device("cuda", 1)  # NCCL moves blocks between two devices
-            peers[transport] = Peer(transport, receiver_layout or layout, receiver_device, num_blocks)
-            senders[transport] = make_sender(transport, worker_id="bench-prefill", device=device)
+            peers[transport] = Peer(BASELINES.get(transport, transport), receiver_layout or layout, receiver_device,
+                                    num_blocks)
+            senders[transport] = make_bench_sender(transport, device)
         for i in range(warmup + repeats):
             for transport in transports:
                 which = i % 2
@@ -407,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = make_layout(args.model, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     transports = [t for t in args.transports.split(",") if t]
     for transport in transports:
-        if transport not in TRANSPORTS:
-            p.error(f"unknown transport {transport!r}")
+        if transport not in TRANSPORTS and transport not in BASELINES:
+            p.error(f"unknown transport {transport!r} (of {', '.join([*TRANSPORTS, *BASELINES])})")
     skipped = []
     if device.type == "cuda" and "torch" in transports and torch.cuda.device_count() < 2:
         transports.remove("torch")

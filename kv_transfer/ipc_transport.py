@@ -10,6 +10,9 @@ never through a socket; control travels over gRPC.
                                                              each block into dest; dest.commit()
     ◀──────────────────────────────────────────────────────── KVTransferAck(ok) | ack(error, error_kind)
 
+The control call after a sender's first handoff to a receiver goes through the receiver's doorbell instead of
+gRPC (kv_transfer/ipc_doorbell.py: a Unix socket, the same messages, a thread at each end; the gRPC ack names it).
+
 One unary call, made once the bytes are staged: a sender that stops or dies while staging has opened nothing on
 the receiver, and a receiver that dies or stalls ends the call (UNAVAILABLE, or the deadline: the sender's
 timeout). A receiver whose caller's deadline passed before its copy ended fails the handoff instead of committing
@@ -46,12 +49,14 @@ Receiver: open, map, crc+copy (CPU), digest, scatter and sync+check (GPU), commi
 from __future__ import annotations
 
 import collections
+import logging
 import mmap
 import os
 import secrets
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -79,10 +84,13 @@ from kv_transfer.grpc_link import (
     with_source,
 )
 from kv_transfer.device_digest import device_digests, warm_up
+from kv_transfer.ipc_doorbell import DoorbellClient, DoorbellServer, DoorbellUnreachable
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVLayout, KVRefused, KVTransferError, KVTransferTimeout
 from kv_transfer.stage_clock import StageClock
 from protos import kv_transfer_pb2
 from protos.cluster_auth import OPEN, ClusterAuth
+
+logger = logging.getLogger(__name__)
 
 KEEP_BYTES = 128 << 20  # a pair's buffer grows up to this and is kept; a larger handoff uses a one-off buffer
 MAX_MAPPED = 8  # buffers a receiver keeps mapped (least recently used dropped first)
@@ -245,8 +253,13 @@ class Receiver(SettlingReceiver):
         self._mapped: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
         self._stop_reaper = threading.Event()  # set by close()
         self._reaper: threading.Thread | None = None  # started with the first buffer of another process
+        self._doorbell: DoorbellServer | None = None  # made by attach (serving)
 
     def attach(self, server: grpc.Server, endpoint: str) -> None:
+        try:
+            self._doorbell = DoorbellServer(self._ring)
+        except OSError as exc:  # the handoffs then all go over gRPC
+            logger.warning("ipc KV receiver: no doorbell (%s); every handoff's control goes over gRPC", exc)
         handlers = {
             "IpcTransfer": grpc.unary_unary_rpc_method_handler(
                 self._serve,
@@ -258,6 +271,8 @@ class Receiver(SettlingReceiver):
 
     def close(self) -> None:
         super().close()
+        if self._doorbell is not None:
+            self._doorbell.close()
         self._stop_reaper.set()
         with self._mapped_lock:
             self._mapped.clear()
@@ -279,6 +294,18 @@ class Receiver(SettlingReceiver):
 
     def _serve(self, request: kv_transfer_pb2.KVIpcHandoff, context: grpc.ServicerContext
                ) -> kv_transfer_pb2.KVTransferAck:
+        """IpcTransfer: the handoff, acked with this receiver's doorbell for the sender's next ones."""
+        ack = self._handle(request, context.time_remaining)  # (a worker's aio server gives sync handlers no is_active)
+        if self._doorbell is not None:
+            ack.ipc_doorbell = self._doorbell.name
+        return ack
+
+    def _ring(self, request: kv_transfer_pb2.KVIpcHandoff, deadline_s: float) -> kv_transfer_pb2.KVTransferAck:
+        """The doorbell's handler: the same handoff, its deadline the sender's."""
+        return self._handle(request, lambda: deadline_s - time.monotonic())
+
+    def _handle(self, request: kv_transfer_pb2.KVIpcHandoff, time_remaining: Callable[[], float | None]
+                ) -> kv_transfer_pb2.KVTransferAck:
         clock = StageClock()
         try:
             if request.descriptor.ipc_device != self.device.type:
@@ -295,7 +322,7 @@ class Receiver(SettlingReceiver):
         clock.lap("open")
         try:
             self._copy_out(handoff, dest, request.commit, clock)
-            time_left_s = context.time_remaining()  # (a worker's aio server gives sync handlers no is_active)
+            time_left_s = time_remaining()
             if time_left_s is not None and time_left_s <= 0:
                 raise KVTransferError(f"handoff {handoff.transfer_id}: the sender's deadline passed before the copy "
                                       "ended")
@@ -400,6 +427,7 @@ class _Pair:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     buffer: StagingBuffer | None = None
+    doorbell: DoorbellClient | None = None  # the receiver's, once a gRPC ack named it
 
 
 class Sender(ChannelSender):
@@ -408,8 +436,11 @@ class Sender(ChannelSender):
     name = "ipc"
 
     def __init__(self, *, worker_id: str, device: torch.device, fault: TransferFault | None = None,
-                 auth: ClusterAuth = OPEN) -> None:
+                 auth: ClusterAuth = OPEN, doorbell: bool = True) -> None:
+        """`doorbell`: ring the receivers' doorbells once known (False: every call over gRPC, bench/handoff_cost.py's
+        baseline)."""
         super().__init__(worker_id=worker_id, device=device, fault=fault, auth=auth)
+        self._use_doorbell = doorbell
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         warm_up(self.device)  # the digest kernels compile now, not in the first handoff
@@ -424,6 +455,9 @@ class Sender(ChannelSender):
                 if pair.buffer is not None:
                     pair.buffer.close()
                     pair.buffer = None
+                if pair.doorbell is not None:
+                    pair.doorbell.close()
+                    pair.doorbell = None
         super().close()
 
     def _pair(self, endpoint: str) -> _Pair:
@@ -460,14 +494,21 @@ class Sender(ChannelSender):
             if time_left_s <= 0:
                 raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s")
             request = kv_transfer_pb2.KVIpcHandoff(descriptor=descriptor, commit=commit)
-            try:
-                clock.mark("call")
-                ack = self._channels.stub(endpoint).IpcTransfer(request, timeout=time_left_s)
-                clock.lap("rpc")
-            except grpc.RpcError as exc:
-                if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._channels.forget(endpoint)
-                raise rpc_error(exc, what=what, endpoint=endpoint, timeout_s=timeout_s) from None
+            clock.mark("call")
+            ack = self._ring(pair, request, time_left_s, what, timeout_s)
+            if ack is not None:
+                clock.lap("ring")
+            else:
+                try:
+                    ack = self._channels.stub(endpoint).IpcTransfer(request, timeout=time_left_s)
+                    clock.lap("rpc")
+                except grpc.RpcError as exc:
+                    if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        self._channels.forget(endpoint)
+                    raise rpc_error(exc, what=what, endpoint=endpoint, timeout_s=timeout_s) from None
+                if self._use_doorbell and ack.ipc_doorbell and (
+                        pair.doorbell is None or pair.doorbell.name != ack.ipc_doorbell):
+                    pair.doorbell = DoorbellClient(ack.ipc_doorbell)
         except KVTransferError:
             raise
         except Exception as exc:
@@ -477,6 +518,26 @@ class Sender(ChannelSender):
                 buffer.close()
         if not ack.ok:
             raise ack_error(ack, endpoint=endpoint)
+
+    @staticmethod
+    def _ring(pair: _Pair, request: kv_transfer_pb2.KVIpcHandoff, time_left_s: float, what: str, timeout_s: float
+              ) -> kv_transfer_pb2.KVTransferAck | None:
+        """The call through the receiver's doorbell; None when there is none, or it could not have been heard (the
+        call then goes over gRPC). A doorbell that failed is forgotten."""
+        if pair.doorbell is None:
+            return None
+        try:
+            return pair.doorbell.call(request, time_left_s)
+        except DoorbellUnreachable:
+            pair.doorbell = None
+            return None
+        except TimeoutError:
+            pair.doorbell = None
+            raise KVTransferTimeout(f"{what}: timed out after {timeout_s:.3g}s (waiting for the receiver's ack)") \
+                from None
+        except Exception as exc:
+            pair.doorbell = None
+            raise KVTransferError(f"{what}: the receiver's doorbell failed before it acked: {exc!r}") from exc
 
     def _buffer(self, pair: _Pair, num_bytes: int) -> StagingBuffer | None:
         """The buffer this handoff stages in: the pair's, grown if it is too small (up to KEEP_BYTES), or a one-off

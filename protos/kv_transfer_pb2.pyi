@@ -141,16 +141,18 @@ class KVIpcHandoff(_message.Message):
     def __init__(self, descriptor: _Optional[_Union[KVHandoffDescriptor, _Mapping]] = ..., commit: _Optional[_Union[KVCommit, _Mapping]] = ...) -> None: ...
 
 class KVTransferAck(_message.Message):
-    __slots__ = ("ok", "error", "num_bytes", "error_kind")
+    __slots__ = ("ok", "error", "num_bytes", "error_kind", "ipc_doorbell")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    IPC_DOORBELL_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     num_bytes: int
     error_kind: KVErrorKind
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_bytes: _Optional[int] = ..., error_kind: _Optional[_Union[KVErrorKind, str]] = ...) -> None: ...
+    ipc_doorbell: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_bytes: _Optional[int] = ..., error_kind: _Optional[_Union[KVErrorKind, str]] = ..., ipc_doorbell: _Optional[str] = ...) -> None: ...
 
 class KVOpenAck(_message.Message):
     __slots__ = ("ok", "error", "store_endpoint", "pair_key", "error_kind")

@@ -2,7 +2,8 @@
 processes (`python -m prefill_worker` / `decode_worker`, the real model), every gRPC link on certificates the test
 makes (tests/tls_certs.py), once per KV transport whose control travels over gRPC beside the grpc transport, which
 tests/cluster/test_mtls.py runs through `splitserve serve`: torch (its Open / Commit; its TCPStore and gloo
-sockets are not gRPC, docs/security.md) and ipc (its one IpcTransfer call). inproc moves no byte between processes.
+sockets are not gRPC, docs/security.md) and ipc (its first IpcTransfer call; later ones ring the decode worker's
+same-user Unix socket, docs/security.md). inproc moves no byte between processes.
 
 - A completion through the gateway, its KV handed over by the transport (`kv_transfer_bytes_total`), equals the
   decode worker's own greedy Generate of the prompt, asked over TLS with a client certificate the CA signed; every
