@@ -134,8 +134,8 @@ class WorkerRuntime:
         if config.role != "colocated" and self.engine.kv_blocks.ranks is None:
             self.engine.close()
             raise ValueError(f"a {config.role} worker at tensor_parallel_size {engine_config.tensor_parallel_size} "
-                             f"on {self.engine.device.type}: its KV handoffs reach every rank's cache on cpu only "
-                             "so far; serve it colocated")
+                             f"on {self.engine.device.type}: its child ranks did not share their KV caches, so no "
+                             "handoff could reach them; serve it colocated")
         self.device = self.engine.device  # where its KV blocks live: the transports read and write them there
         _inject_slow_steps(self.engine, float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0))
         self.loop = EngineLoop(self.engine, name=f"{config.worker_id}-engine")

@@ -1,8 +1,8 @@
 """A child rank's life (ranks 1..N-1 of a tensor-parallel engine), in its own spawned process:
 
     watch rank 0 (its death ends this process at once) → join the group → take the weight shard → build the model
-    and the KV cache shard (on cpu moved to shared memory and handed to rank 0 with Ready, so that a worker's KV
-    handoffs reach this rank's heads) → report ready → loop: Forward / Logits from rank 0 → Shutdown: exit 0
+    and the KV cache shard (handed to rank 0 with Ready: shared memory on cpu, a CUDA IPC handle on a GPU, so that
+    a worker's KV handoffs reach this rank's heads) → report ready → loop: Forward / Logits from rank 0 → Shutdown
 
 Any failure (a collective that fails because a rank died, a broken pipe, an error in the forward) ends the process
 with a non-zero exit code; rank 0 sees it and fails its engine. Nothing here schedules or samples: a child only
@@ -52,8 +52,8 @@ class Hello:
 class Ready:
     weight_bytes: int  # what this rank's model holds
     kv_cache_bytes: int
-    # On cpu, the rank's paged KV cache (and int8 scales) in shared memory: rank 0's worker reads and writes this
-    # rank's KV heads of a handoff's blocks through them (kv_transfer/tp_slices.py). None on cuda.
+    # The rank's paged KV cache (and int8 scales), shared with rank 0 (shared memory on cpu, CUDA IPC on a GPU): rank
+    # 0's worker reads and writes this rank's KV heads of a handoff's blocks through them (kv_transfer/tp_slices.py).
     kv_cache: object = None
     kv_scales: object = None
 
@@ -105,13 +105,14 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
                                                        spec.kv_cache_dtype)
     kv_bytes = kv_cache.numel() * kv_cache.element_size() + (
         0 if kv_scales is None else kv_scales.numel() * kv_scales.element_size())
-    shared = device.type == "cpu"
-    if shared:  # moved in place: the per-layer views the forward takes follow their storage
+    if device.type == "cpu":  # moved in place: the per-layer views the forward takes follow their storage
         kv_cache.share_memory_()
         if kv_scales is not None:
             kv_scales.share_memory_()
-    conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes,
-                    kv_cache=kv_cache if shared else None, kv_scales=kv_scales if shared else None))
+    # To rank 0: shared memory on cpu, a CUDA IPC handle on a GPU (torch.multiprocessing's pickling of the pipe),
+    # kept valid by this process holding the cache for its life.
+    conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes, kv_cache=kv_cache,
+                    kv_scales=kv_scales))
     drafts: dict[int, LlamaModel] = {}  # a layer-skip draft's cut of the model, by its number of layers
     with torch.inference_mode():
         while True:

@@ -81,8 +81,8 @@ class TensorParallelModel:
             raise self.ranks.fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
 
     def rank_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
-        """Ranks 1..N-1's paged KV caches (and int8 scales), mapped into this process (shared memory), in rank
-        order; None where the children keep them to themselves (cuda)."""
+        """Ranks 1..N-1's paged KV caches (and int8 scales), mapped into this process (shared memory on cpu, CUDA
+        IPC on a GPU), in rank order; None if a child did not share its own."""
         caches = [(ready.kv_cache, ready.kv_scales) for ready in self.ranks.ready]
         if any(cache is None for cache, _ in caches):
             return None

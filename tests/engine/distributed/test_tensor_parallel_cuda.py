@@ -121,3 +121,41 @@ def test_fp8_shards_on_cuda_at_tp2_within_fp8s_bound(tiny_checkpoint, monkeypatc
     finally:
         engine.close()
     assert 0 < diffs.max().item() < 1.0 and diffs.mean().item() < 0.3, diffs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sender_tp", "receiver_tp", "transport"), [
+    (2, 1, "grpc"), (1, 2, "grpc"), (2, 2, "inproc"), (2, 1, "ipc"),
+])
+def test_handoffs_between_tp_sizes_on_cuda_give_tp1s_tokens(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                            sender_tp: int, receiver_tp: int, transport: str) -> None:
+    """A prompt prefilled at one size on the GPU and decoded at another (each child rank's KV cache reached by rank
+    0's worker over CUDA IPC) gives the colocated TP 1 engine's greedy tokens; every block comes back."""
+    from kv_transfer.reservation import ReservationSink, ReservationState
+    from tests.engine.distributed.test_tp_handoff import ENGINE as HANDOFF_ENGINE
+    from tests.engine.distributed.test_tp_handoff import PARAMS, PROMPT
+    from tests.engine.kv_harness import hand_off_prompt, steps_until_finished, transfer_link
+    from tests.engine.tiny_model import assert_no_blocks_held, drain, make_engine
+
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")
+    config = dict(HANDOFF_ENGINE, device="cuda", dtype="float32")
+    reference = make_engine(tiny_checkpoint, **config)
+    reference.add_request("ref", PROMPT, PARAMS)
+    expected = steps_until_finished(reference, "ref")
+    prefill = make_engine(tiny_checkpoint, tensor_parallel_size=sender_tp, **config)
+    decode = make_engine(tiny_checkpoint, tensor_parallel_size=receiver_tp, **config)
+    try:
+        for engine in (prefill, decode):
+            assert all(cache.is_cuda for cache, _ in engine.kv_blocks.ranks)
+        sink = ReservationSink(decode.kv_blocks.layout, torch.device("cuda"))
+        with transfer_link(transport, sink, torch.device("cuda")) as (sender, endpoint):
+            reservation, first_token = hand_off_prompt(prefill, decode, sender, sink, endpoint, "r", PROMPT, PARAMS)
+        assert reservation.state is ReservationState.COMMITTED
+        decode.commit_remote("r", first_token, None)
+        assert steps_until_finished(decode, "r") == expected
+        for engine in (prefill, decode):
+            drain(engine)
+            assert_no_blocks_held(engine)
+    finally:
+        prefill.close()
+        decode.close()
