@@ -42,7 +42,7 @@ from router.admission import Admission, AdmissionRefused, Ticket
 from router.config import RouterConfig
 from router.errors import ApiError
 from router.metrics import RequestTracker
-from router.peer_fetch import PeerFetchPlan, PeerFetchRates, price_peer_fetch
+from router.peer_fetch import PeerFetchPlan, PeerFetchRates, fetch_pricer
 from router.prefix_routing import PrefixIndex, PrefixLookup
 from router.routing import NoWorkerError, Route, WorkerLoad, num_blocks_needed, plan_route
 from router.worker_registry import WorkerRegistry
@@ -324,13 +324,15 @@ class Dispatcher:
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(1, self._config.max_dispatch_attempts + 1):
             loads = [load for load in self._registry.loads() if load.worker_id not in excluded]
+            pricer = self._fetch_pricer(lookup, loads, job)
             try:
                 route = plan_route(
                     self._config.mode, loads, num_blocks=num_blocks, policy=self._config.routing_policy,
                     prefix_overlap_blocks=lookup.overlap if lookup is not None else None,
                     prefix_tier_blocks=lookup.lower_tier_blocks if lookup is not None else None, turn=turn,
                     num_prompt_tokens=len(job.prompt_token_ids), block_size=self._config.block_size,
-                    local_prefill_threshold_tokens=self._config.disagg_prefill_threshold_tokens)
+                    local_prefill_threshold_tokens=self._config.disagg_prefill_threshold_tokens,
+                    fetch_price=pricer)
             except NoWorkerError as error:
                 if last_error is not None:  # nowhere left to retry: the worker's own error says more
                     api_error, reason = api_error_from_rpc(last_error, num_attempts=attempt - 1)
@@ -338,7 +340,11 @@ class Dispatcher:
                     raise api_error from last_error
                 tracker.failed("no_worker")
                 raise ApiError(status_code=503, message=f"no worker can take the request: {error}") from error
-            peer = self._price_peer_fetch(lookup, route, loads, job)
+            peer = self._price_peer_fetch(pricer, route, job)
+            if lookup is not None and lookup.block_hashes and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s: prefix %s (%d blocks), held %s; prefill on %s (%d queued)", job.request_id,
+                             lookup.block_hashes[0].hex()[:12], len(lookup.block_hashes), lookup.overlap,
+                             route.prefill_worker.worker_id, route.prefill_worker.num_queued)
             stream = self._start(job, route, tracker, num_blocks, num_prior_tokens, peer)
             if self._prefix_index is not None and self._routes_by_prefix:
                 self._prefix_index.record(lookup, route)
@@ -402,17 +408,25 @@ class Dispatcher:
     def mark_unhealthy(self, worker_id: str, reason: str) -> None:
         self._registry.mark_unhealthy(worker_id, reason)
 
-    def _price_peer_fetch(self, lookup: PrefixLookup | None, route: Route, loads: Sequence[WorkerLoad],
-                          job: GenerationJob) -> PeerFetchPlan | None:
-        """Fetch or compute the prompt's head that another worker holds (router/peer_fetch.py); None when peer
-        fetch is off, there is no index, or no other worker holds more of the prompt. Both prices go to a debug
-        line and the metrics."""
+    def _fetch_pricer(self, lookup: PrefixLookup | None, loads: Sequence[WorkerLoad],
+                      job: GenerationJob) -> Callable[[WorkerLoad], PeerFetchPlan | None] | None:
+        """Prices a peer fetch for a worker that might run the prompt (router/peer_fetch.py); None when peer fetch
+        is off or there is no index. Routing (prefix-aware) prices its candidates with it, then the chosen one's
+        fetch is decided with it: one cost model."""
         if lookup is None or not self._config.kv_peer_fetch:
             return None
+        return fetch_pricer(lookup.overlap, loads, num_prompt_tokens=len(job.prompt_token_ids),
+                            block_size=self._config.block_size, rates=self._peer_rates,
+                            device_reach=lookup.device_reach)
+
+    def _price_peer_fetch(self, pricer: Callable[[WorkerLoad], PeerFetchPlan | None] | None, route: Route,
+                          job: GenerationJob) -> PeerFetchPlan | None:
+        """Fetch or compute the prompt's head that another worker holds; None when peer fetch is off, there is no
+        index, or no other worker holds more of the prompt. Both prices go to a debug line and the metrics."""
+        if pricer is None:
+            return None
         fetcher = route.prefill_worker
-        plan = price_peer_fetch(lookup.overlap, fetcher, loads, num_prompt_tokens=len(job.prompt_token_ids),
-                                block_size=self._config.block_size, rates=self._peer_rates,
-                                device_reach=lookup.device_reach)
+        plan = pricer(fetcher)
         if plan is None:
             return None
         logger.debug("%s: blocks %d to %d of its prompt are on %s: fetch %.1f ms, recompute %.1f ms on %s: %s",
@@ -430,6 +444,8 @@ class Dispatcher:
                 return
             fetcher_id = route.prefill_worker.worker_id
             computed = stream.num_prompt_tokens - stream.num_cached_tokens
+            logger.debug("%s: %s computed %d of its %d prompt tokens in %.3f s", stream.job.request_id, fetcher_id,
+                         computed, stream.num_prompt_tokens, timings.prefill_s)
             if stream.usage is not None and not stream.num_prior_tokens:
                 self._peer_rates.observe_prefill(fetcher_id, computed, timings.prefill_s)
             if peer is not None and peer.fetch:
