@@ -28,7 +28,6 @@ import dataclasses
 
 import itertools
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -421,7 +420,7 @@ class Dispatcher:
         plan = price_peer_fetch({fetcher.worker_id: have, holder.worker_id: found.num_blocks}, fetcher, [holder],
                                 num_prompt_tokens=len(job.prompt_token_ids), block_size=self._config.block_size,
                                 rates=self._peer_rates)
-        wait_s = found.entry.expected_commit_s - time.monotonic()
+        wait_s = found.entry.expected_commit_s - self._inflight.now()
         timeout_s = wait_for_inflight(plan, wait_s=wait_s)
         if timeout_s is None:
             return lookup

@@ -68,6 +68,10 @@ class InflightPrefixes:
         self._ttl_s = ttl_s
         self._entries: dict[int, InflightEntry] = {}
 
+    def now(self) -> float:
+        """The clock entries are timed by."""
+        return self._clock()
+
     def __len__(self) -> int:
         self._prune()
         return len(self._entries)
