@@ -416,7 +416,8 @@ class Dispatcher:
         # prefilling (whose provisional index entries, prefix-aware's, would price blocks it cannot send yet).
         others = self._fetch_pricer(lookup, [load for load in loads if load is not holder], job)
         now = others(fetcher) if others is not None else None
-        have = max(lookup.overlap.get(fetcher.worker_id, 0), now.num_blocks if now is not None and now.fetch else 0)
+        have = max(lookup.overlap.get(fetcher.worker_id, 0), now.num_blocks if now is not None and now.fetch else 0,
+                   min(found.entry.num_held, found.num_blocks))
         plan = price_peer_fetch({fetcher.worker_id: have, holder.worker_id: found.num_blocks}, fetcher, [holder],
                                 num_prompt_tokens=len(job.prompt_token_ids), block_size=self._config.block_size,
                                 rates=self._peer_rates)
@@ -459,12 +460,12 @@ class Dispatcher:
         if self._inflight is None or lookup is None or not lookup.block_hashes:
             return None
         worker = route.prefill_worker
-        cached = max(lookup.overlap.get(worker.worker_id, 0), peer.num_blocks if peer is not None and peer.fetch
-                     else 0) * self._config.block_size
-        computed = max(len(job.prompt_token_ids) - cached, 1)
+        num_held = max(lookup.overlap.get(worker.worker_id, 0), peer.num_blocks if peer is not None and peer.fetch
+                       else 0)
+        computed = max(len(job.prompt_token_ids) - num_held * self._config.block_size, 1)
         expected_s = computed / self._peer_rates.prefill_tokens_s(worker.worker_id) * (1 + worker.num_queued)
         return self._inflight.add(job.request_id, worker.worker_id, worker.incarnation, lookup.block_hashes,
-                                  expected_s=expected_s)
+                                  expected_s=expected_s, num_held=num_held)
 
     def _settle(self, entry: InflightEntry | None, *, committed: bool) -> None:
         if entry is None or self._inflight is None:

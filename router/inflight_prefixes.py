@@ -7,20 +7,25 @@ computes the whole family again (docs/benchmarks.md, busy holder: 2 of 92 prompt
 the dispatcher see the in-flight prefill instead, as SGLang's cache-aware router records a request's prefix at
 dispatch time:
 
-    entry = inflight.add(request_id, worker, hashes, expected_commit_s)   at dispatch (the Generate call starts)
+    entry = inflight.add(request_id, worker, incarnation, hashes, expected_s=, num_held=)     at dispatch (the
+                               Generate call starts): the prompt's full blocks, the leading ones its worker held
+                               already (cached or fetched) and how long its prefill is expected to take
     inflight.commit(entry)     its first message arrived: the worker has computed the blocks and holds them (its KV
                                events are on their way to the index); kept `confirm_ttl_s` more, for the lookups
                                that run before the index shows them, then dropped
     inflight.drop(entry)       the call failed or was cancelled: it holds nothing
-    inflight.holder(hashes, exclude=worker_id)     the entry holding the longest leading run of `hashes` (other
-                               than `exclude`'s): `InflightHolder`, or None
+    inflight.holder(hashes, exclude=worker_id)     the in-flight entry computing the longest leading run of
+                               `hashes` (blocks past those its worker held; not `exclude`'s): `InflightHolder`, or
+                               None
+    inflight.matches(hashes, committed=True)       the committed entries holding leading runs of `hashes`
     await inflight.settled(entry, timeout_s)       until it is committed or dropped, at most `timeout_s` (never
                                hangs: a waiter's bound is what recomputing the blocks would cost)
 
 Whether to wait is `wait_for_inflight` (pure): only when the in-flight prefill is expected to commit soon enough that
 waiting for it and then fetching its blocks beats computing them now (router/peer_fetch.py's price, one cost model).
 An entry lives at most `ttl_s` (a safety net against a call nobody settled); every add and lookup prunes expired
-ones, so nothing accumulates. One gateway's memory only: a second replica sees the in-flight prefills it sent.
+ones, so nothing accumulates; entries are kept by their first block's hash, so a lookup reads only the entries of
+its own family. One gateway's memory only: a second replica sees the in-flight prefills it sent.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class InflightEntry:
     worker_id: str
     incarnation: int
     block_hashes: tuple[BlockHash, ...]  # the prompt's full blocks the worker will hold once it has prefilled
+    num_held: int  # its leading blocks the worker held at dispatch (cached or fetched): not computed, not waited for
     dispatched_s: float  # the clock's time at dispatch
     expected_commit_s: float  # when its prefill is expected to end (the clock's time)
     expires_s: float
@@ -67,6 +73,7 @@ class InflightPrefixes:
         self._confirm_ttl_s = confirm_ttl_s
         self._ttl_s = ttl_s
         self._entries: dict[int, InflightEntry] = {}
+        self._by_first: dict[BlockHash, dict[int, InflightEntry]] = {}  # the first block's hash -> its entries
 
     def now(self) -> float:
         """The clock entries are timed by."""
@@ -77,14 +84,17 @@ class InflightPrefixes:
         return len(self._entries)
 
     def add(self, request_id: str, worker_id: str, incarnation: int, block_hashes: Sequence[BlockHash], *,
-            expected_s: float) -> InflightEntry:
-        """Record a prefill just dispatched to `worker_id`, expected to take `expected_s`."""
+            expected_s: float, num_held: int = 0) -> InflightEntry:
+        """Record a prefill just dispatched to `worker_id`, expected to take `expected_s`, of a prompt whose
+        first `num_held` blocks the worker held already."""
         self._prune()
         now = self._clock()
         entry = InflightEntry(request_id=request_id, worker_id=worker_id, incarnation=incarnation,
-                              block_hashes=tuple(block_hashes), dispatched_s=now,
+                              block_hashes=tuple(block_hashes), num_held=num_held, dispatched_s=now,
                               expected_commit_s=now + max(expected_s, 0.0), expires_s=now + self._ttl_s)
-        self._entries[id(entry)] = entry
+        if entry.block_hashes:
+            self._entries[id(entry)] = entry
+            self._by_first.setdefault(entry.block_hashes[0], {})[id(entry)] = entry
         return entry
 
     def commit(self, entry: InflightEntry) -> None:
@@ -99,7 +109,7 @@ class InflightPrefixes:
         """The call failed or was cancelled (idempotent; a committed entry is left to its short TTL)."""
         if not entry.settled:
             entry._settled.set()
-            self._entries.pop(id(entry), None)
+            self._remove(entry)
 
     def holder(self, block_hashes: Sequence[BlockHash], *, exclude: str | None = None,
                committed: bool | None = None) -> InflightHolder | None:
@@ -107,7 +117,9 @@ class InflightPrefixes:
         keeps only committed or only in-flight entries. Ties: the earliest dispatched."""
         best: InflightHolder | None = None
         for found in self.matches(block_hashes, committed=committed):
-            if found.entry.worker_id != exclude and (best is None or found.num_blocks > best.num_blocks):
+            if found.entry.worker_id == exclude or found.num_blocks <= found.entry.num_held:
+                continue  # nothing of this prompt is being computed there
+            if best is None or found.num_blocks > best.num_blocks:
                 best = found
         return best
 
@@ -115,7 +127,7 @@ class InflightPrefixes:
         """Every entry holding a leading run of `block_hashes` (in dispatch order)."""
         self._prune()
         out = []
-        for entry in self._entries.values():
+        for entry in self._by_first.get(block_hashes[0], {}).values() if block_hashes else ():
             if committed is not None and entry.committed != committed:
                 continue
             n = _leading_match(entry.block_hashes, block_hashes)
@@ -126,7 +138,7 @@ class InflightPrefixes:
     def confirmed(self, entry: InflightEntry) -> None:
         """The index lists what a committed entry holds: it is no longer needed."""
         if entry.committed:
-            self._entries.pop(id(entry), None)
+            self._remove(entry)
 
     async def settled(self, entry: InflightEntry, timeout_s: float) -> bool:
         """Wait until `entry` is committed or dropped, at most `timeout_s`; True when it was committed."""
@@ -139,9 +151,17 @@ class InflightPrefixes:
 
     def _prune(self) -> None:
         now = self._clock()
-        for key in [key for key, e in self._entries.items() if e.expires_s <= now]:
-            entry = self._entries.pop(key)
+        for entry in [e for e in self._entries.values() if e.expires_s <= now]:
+            self._remove(entry)
             entry._settled.set()  # a waiter on an expired entry stops waiting
+
+    def _remove(self, entry: InflightEntry) -> None:
+        self._entries.pop(id(entry), None)
+        family = self._by_first.get(entry.block_hashes[0]) if entry.block_hashes else None
+        if family is not None:
+            family.pop(id(entry), None)
+            if not family:
+                del self._by_first[entry.block_hashes[0]]
 
 
 def _leading_match(held: Sequence[BlockHash], wanted: Sequence[BlockHash]) -> int:

@@ -102,3 +102,13 @@ def test_wait_only_when_waiting_then_fetching_beats_computing() -> None:
               for w in ("p0", "p1"))
     slow_plan = price_peer_fetch({"p0": 93}, p1, [p0], num_prompt_tokens=1600, block_size=16, rates=slow)
     assert wait_for_inflight(slow_plan, wait_s=0.0) is None
+
+
+def test_a_prefill_that_only_hits_what_its_worker_held_is_nothing_to_wait_for() -> None:
+    """r1's worker held the family already (a prefix hit): it computes only A's 11th block, which B does not share;
+    the family's blocks are the index's business (a holder now), not an in-flight prefill's."""
+    inflight = InflightPrefixes(clock=Clock())
+    inflight.add("r1", "p0", 1, A, expected_s=0.1, num_held=10)
+    assert inflight.holder(B) is None
+    assert inflight.holder(A).num_blocks == 11  # a prompt sharing the 11th block too: that one is being computed
+    assert [m.num_blocks for m in inflight.matches(B)] == [10]
