@@ -160,7 +160,8 @@ def pick_prefill_worker(
     """The prefill worker with the least cost, in blocks to compute:
 
         cost = (num_blocks - cached prefix blocks) + sum over lower tiers of (its cached blocks there x
-               TIER_LOAD_COST[tier]) - computed blocks a peer fetch saves it + load_penalty_blocks * num_queued
+               TIER_LOAD_COST[tier]) - computed blocks a peer fetch saves it
+               + load_penalty_blocks * (num_queued + 1 if it fetches, else num_queued)
 
     `prefix_overlap_blocks` (worker id -> leading blocks of this prompt it holds, on any tier) comes from the prefix
     index; without it every worker has the same compute cost and the least loaded wins. `prefix_tier_blocks`
@@ -173,12 +174,16 @@ def pick_prefill_worker(
     `fetch_price` (peer fetch on): a worker's priced fetch of the blocks another live worker holds on its device
     beyond its own (`FetchPrice`); those blocks cost what fetching them costs, not computing them
     (`fetched_blocks_saved`), so a busy holder's family spreads to a worker that fetches it once fetching there
-    costs less than the holder's queue. The same price decides the fetch once the worker is chosen.
+    costs less than the holder's queue. A fetch also counts as one more request queued on the fetcher: its round
+    trip to the holder comes before the prompt's prefill and is not in the bytes over the link's rate, and a
+    holder's queue one request longer than it seemed (the registry counts a request it sent until the next load
+    poll, finished or not) must not move a family. The same price decides the fetch once the worker is chosen.
     """
     overlap = prefix_overlap_blocks or {}
     tier_blocks = prefix_tier_blocks or {}
     candidates = _candidates(loads, role=role, num_blocks=num_blocks)
     costs: dict[str, float] = {}
+    fetching: set[str] = set()  # workers whose cost counts a fetch
 
     def to_compute(load: WorkerLoad) -> float:
         if load.worker_id in costs:
@@ -190,6 +195,8 @@ def pick_prefill_worker(
             num_below += n
             loading += n * tier_load_cost(tier)
         saved = fetched_blocks_saved(fetch_price(load)) if fetch_price is not None else 0.0
+        if saved > 0:
+            fetching.add(load.worker_id)
         costs[load.worker_id] = num_blocks - held + loading - saved
         return costs[load.worker_id]
 
@@ -198,7 +205,8 @@ def pick_prefill_worker(
         penalty = max(1.0, min(to_compute(load) for load in candidates))
 
     def cost(load: WorkerLoad) -> tuple[float, int, int, str]:
-        return (to_compute(load) + penalty * load.num_queued, load.num_queued, -load.kv_blocks_free, load.worker_id)
+        queued = load.num_queued + (load.worker_id in fetching)
+        return (to_compute(load) + penalty * queued, load.num_queued, -load.kv_blocks_free, load.worker_id)
 
     return min(candidates, key=cost)
 

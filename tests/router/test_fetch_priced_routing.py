@@ -20,8 +20,9 @@ FAMILY = 93
 
 # With the priors (500 MB/s, 2,000 tokens/s) a block fetches in 0.74 ms and computes in 8 ms: the family's 93 blocks
 # cost 93 x 0.74 / 8 = 8.6 computed blocks on p1, and p1's whole prompt 96 - 93 + 8.6 = 11.6. On p0, which holds
-# the family, the prompt costs 3 blocks, and so does each request in its queue (the penalty: the least cost
-# anywhere). p0 keeps the family while 3 + 3 x queued < 11.6: up to 2 queued; from 3 queued p1 fetches it.
+# the family, the prompt costs 3 blocks, and so does each request in a queue (the penalty: the least cost
+# anywhere); the fetch counts as one on p1's. p0 keeps the family while 3 + 3 x queued < 11.6 + 3: up to 3 queued;
+# from 4 queued p1 fetches it.
 
 
 def load(worker_id: str, role: str = "prefill", *, queued: int = 0) -> WorkerLoad:
@@ -50,7 +51,7 @@ ON_P0 = held(p0=HeldPrefix((("device", FAMILY),)))
 
 def test_a_busy_holders_family_goes_to_the_idle_worker_once_fetching_costs_less_than_the_queue() -> None:
     d0 = load("d0", role="decode")
-    assert route([load("p0", queued=3), load("p1"), d0], ON_P0) == "p1"
+    assert route([load("p0", queued=4), load("p1"), d0], ON_P0) == "p1"
     assert route([load("p0", queued=30), load("p1"), d0], ON_P0) == "p1"
     # --no-kv-peer-fetch: the idle worker would compute the family (96 blocks), so it stays on p0 (3 + 3 x 30).
     assert route([load("p0", queued=30), load("p1"), d0], ON_P0, peer_fetch=False) == "p0"
@@ -58,7 +59,8 @@ def test_a_busy_holders_family_goes_to_the_idle_worker_once_fetching_costs_less_
 
 def test_the_family_stays_on_its_holder_while_its_queue_costs_less_than_the_fetch() -> None:
     d0 = load("d0", role="decode")
-    assert route([load("p0", queued=2), load("p1"), d0], ON_P0) == "p0"  # 3 + 6 = 9 < 11.6
+    assert route([load("p0", queued=3), load("p1"), d0], ON_P0) == "p0"  # 3 + 9 = 12 < 11.6 + 3
+    assert route([load("p0", queued=1), load("p1"), d0], ON_P0) == "p0"  # a request finished, not polled yet
     assert route([load("p0"), load("p1"), d0], ON_P0) == "p0"
 
 
