@@ -1,8 +1,9 @@
 """The dispatcher with peer fetch and a family's first prompt still being prefilled (router/inflight_prefixes.py): the
 second prompt of the family, which a load-based policy sends to the other worker, waits for the first's prefill and
 fetches its blocks instead of computing them again; if the first fails, the second is dispatched at once and
-computes; with --no-kv-peer-fetch nothing waits. Fakes for the workers, the registry and the index: what is under
-test is the dispatcher's order of events, not gRPC."""
+computes; with --no-kv-peer-fetch nothing waits. And prefix-aware routing through the dispatcher: a busy holder's
+family goes to a worker that fetches it. Fakes for the workers, the registry and the index: what is under test is
+the dispatcher's order of events and what it asks the workers, not gRPC."""
 
 from __future__ import annotations
 
@@ -97,6 +98,12 @@ class Index:
         hashes = hash_token_blocks(NS, token_ids)
         return PrefixLookup(namespace=NS, block_hashes=hashes, overlap=dict(self.held))
 
+    def record(self, lookup: PrefixLookup, route) -> None:  # noqa: ANN001 - prefix-aware's provisional entries
+        pass
+
+    def check_prediction(self, *args) -> None:  # noqa: ANN002
+        pass
+
 
 class Admission:
     async def acquire(self, num_blocks: int) -> Ticket:
@@ -123,9 +130,9 @@ def first_message() -> serving_pb2.GenerateResponse:
                                         usage=serving_pb2.Usage(prompt_tokens=1532, completion_tokens=1))
 
 
-def dispatcher(*, peer_fetch: bool) -> tuple[Dispatcher, Registry, Index, Clock]:
+def dispatcher(*, peer_fetch: bool, policy: str = "least-loaded") -> tuple[Dispatcher, Registry, Index, Clock]:
     config = RouterConfig(served_model_names=("m",), max_model_len=4096, block_size=BLOCK,
-                          routing_policy="least-loaded", kv_peer_fetch=peer_fetch, disagg_prefill_threshold_tokens=0)
+                          routing_policy=policy, kv_peer_fetch=peer_fetch, disagg_prefill_threshold_tokens=0)
     registry, index, clock = Registry(), Index(), Clock()
     d = Dispatcher(config=config, registry=registry, admission=Admission(), prefix_index=index)  # type: ignore[arg-type]
     if peer_fetch:
@@ -240,3 +247,25 @@ def test_a_prompt_the_first_ones_worker_runs_itself_does_not_wait() -> None:
     assert asyncio.run(scenario()) == ("p0", False)
 
 
+
+
+def test_prefix_aware_spreads_a_busy_holders_family_to_a_worker_that_fetches_it() -> None:
+    """The gateway prices p1's fetch of the family from p0 as routing's cost (tests/router/test_fetch_priced_routing.py
+    has the arithmetic): with 4 requests queued on p0 the family goes to p1, which fetches it; with peer fetch off
+    p1 would compute it, and the family waits on p0."""
+    async def scenario(peer_fetch: bool) -> tuple[str, serving_pb2.GenerateRequest]:
+        d, registry, index, clock = dispatcher(peer_fetch=peer_fetch, policy="prefix-aware")
+        d._peer_rates = PeerFetchRates()  # the priors: 0.74 ms a block fetched, 8 ms computed
+        index.held = {"p0": 93}
+        registry.queued["p0"] = 4
+        task = asyncio.ensure_future(d.open(job("r1", PROMPT_1), Tracker()))  # type: ignore[arg-type]
+        await until(lambda: "r1" in registry.sent, "r1 dispatched")
+        worker, request, call = registry.sent["r1"]
+        call.reply.set_result(first_message())
+        (await task).close()
+        return worker, request
+
+    worker, request = asyncio.run(scenario(peer_fetch=True))
+    assert (worker, request.peer_fetch.worker_id, request.peer_fetch.num_blocks) == ("p1", "p0", 93)
+    worker, request = asyncio.run(scenario(peer_fetch=False))
+    assert (worker, request.HasField("peer_fetch")) == ("p0", False)
