@@ -413,8 +413,10 @@ class Dispatcher:
         if found is None or holder is None:
             return lookup
         # What the fetcher gets without waiting: its own blocks, or a fetch from a holder other than the one still
-        # prefilling (whose provisional index entries, prefix-aware's, would price blocks it cannot send yet).
-        others = self._fetch_pricer(lookup, [load for load in loads if load is not holder], job)
+        # prefilling and the decode worker it hands off to (prefix-aware's provisional index entries list both as
+        # holding blocks that neither can send yet).
+        pending = {holder.worker_id, *found.entry.receivers}
+        others = self._fetch_pricer(lookup, [load for load in loads if load.worker_id not in pending], job)
         now = others(fetcher) if others is not None else None
         have = max(lookup.overlap.get(fetcher.worker_id, 0), now.num_blocks if now is not None and now.fetch else 0,
                    min(found.entry.num_held, found.num_blocks))
@@ -464,8 +466,9 @@ class Dispatcher:
                        else 0)
         computed = max(len(job.prompt_token_ids) - num_held * self._config.block_size, 1)
         expected_s = computed / self._peer_rates.prefill_tokens_s(worker.worker_id) * (1 + worker.num_queued)
+        receivers = (route.target.worker_id,) if route.target.worker_id != worker.worker_id else ()
         return self._inflight.add(job.request_id, worker.worker_id, worker.incarnation, lookup.block_hashes,
-                                  expected_s=expected_s, num_held=num_held)
+                                  expected_s=expected_s, num_held=num_held, receivers=receivers)
 
     def _settle(self, entry: InflightEntry | None, *, committed: bool) -> None:
         if entry is None or self._inflight is None:

@@ -49,6 +49,7 @@ class InflightEntry:
     incarnation: int
     block_hashes: tuple[BlockHash, ...]  # the prompt's full blocks the worker will hold once it has prefilled
     num_held: int  # its leading blocks the worker held at dispatch (cached or fetched): not computed, not waited for
+    receivers: tuple[str, ...] = ()  # workers that get the blocks from it (the decode worker of a handoff)
     dispatched_s: float  # the clock's time at dispatch
     expected_commit_s: float  # when its prefill is expected to end (the clock's time)
     expires_s: float
@@ -84,13 +85,14 @@ class InflightPrefixes:
         return len(self._entries)
 
     def add(self, request_id: str, worker_id: str, incarnation: int, block_hashes: Sequence[BlockHash], *,
-            expected_s: float, num_held: int = 0) -> InflightEntry:
+            expected_s: float, num_held: int = 0, receivers: Sequence[str] = ()) -> InflightEntry:
         """Record a prefill just dispatched to `worker_id`, expected to take `expected_s`, of a prompt whose
         first `num_held` blocks the worker held already."""
         self._prune()
         now = self._clock()
         entry = InflightEntry(request_id=request_id, worker_id=worker_id, incarnation=incarnation,
-                              block_hashes=tuple(block_hashes), num_held=num_held, dispatched_s=now,
+                              block_hashes=tuple(block_hashes), num_held=num_held, receivers=tuple(receivers),
+                              dispatched_s=now,
                               expected_commit_s=now + max(expected_s, 0.0), expires_s=now + self._ttl_s)
         if entry.block_hashes:
             self._entries[id(entry)] = entry

@@ -269,3 +269,34 @@ def test_prefix_aware_spreads_a_busy_holders_family_to_a_worker_that_fetches_it(
     assert (worker, request.peer_fetch.worker_id, request.peer_fetch.num_blocks) == ("p1", "p0", 93)
     worker, request = asyncio.run(scenario(peer_fetch=False))
     assert (worker, request.HasField("peer_fetch")) == ("p0", False)
+
+
+def test_prefix_aware_waits_rather_than_fetch_from_provisional_entries() -> None:
+    """Prefix-aware writes provisional index entries at dispatch, for the prefill worker and the decode worker it hands
+    off to: while r1 is prefilled on p0 the index says p0 and d0 hold the family, though neither can send it yet
+    (benchmark run 6's two refused fetches). p0 busy (4 queued), r2 goes to p1; it waits for r1 instead of fetching
+    from d0's provisional entries, then fetches."""
+    async def scenario() -> tuple[bool, str, serving_pb2.GenerateRequest]:
+        d, registry, index, clock = dispatcher(peer_fetch=True, policy="prefix-aware")
+        first = asyncio.ensure_future(d.open(job("r1", PROMPT_1), Tracker()))  # type: ignore[arg-type]
+        await until(lambda: "r1" in registry.sent, "r1 dispatched")
+        assert registry.sent["r1"][0] == "p0"
+        index.held = {"p0": 93, "d0": 93}  # r1's provisional entries (r2 shares the family's 93 blocks)
+        registry.queued["p0"] = 4  # more arrive on p0
+        clock.now += 5.0  # r1 expected to end in 15.3 - 5 s; r2 would compute the family in 14.9 s
+        second = asyncio.ensure_future(d.open(job("r2", PROMPT_2), Tracker()))  # type: ignore[arg-type]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        waited = "r2" not in registry.sent
+        index.held = {"p0": 93, "d0": 93}  # now confirmed: r1's prefill ended and d0 received its blocks
+        registry.sent["r1"][2].reply.set_result(first_message())
+        (await first).close()
+        await until(lambda: "r2" in registry.sent, "r2 dispatched")
+        worker, request, call = registry.sent["r2"]
+        call.reply.set_result(first_message())
+        (await second).close()
+        return waited, worker, request
+
+    waited, worker, request = asyncio.run(scenario())
+    assert waited, "r2 was dispatched (to fetch from provisional entries) before r1's prefill ended"
+    assert worker == "p1" and request.peer_fetch.num_blocks == 93
