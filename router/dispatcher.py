@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import logging
 import itertools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,8 +41,9 @@ from protos import serving_pb2
 from router.admission import Admission, AdmissionRefused, Ticket
 from router.config import RouterConfig
 from router.errors import ApiError
+from router.inflight_prefixes import InflightEntry, InflightPrefixes, wait_for_inflight
 from router.metrics import RequestTracker
-from router.peer_fetch import PeerFetchPlan, PeerFetchRates, price_peer_fetch
+from router.peer_fetch import PeerFetchPlan, PeerFetchRates, fetch_pricer, price_peer_fetch
 from router.prefix_routing import PrefixIndex, PrefixLookup
 from router.routing import NoWorkerError, Route, WorkerLoad, num_blocks_needed, plan_route
 from router.worker_registry import WorkerRegistry
@@ -286,6 +287,9 @@ class Dispatcher:
         self._peer_rates = PeerFetchRates()
         self._on_peer_fetch = on_peer_fetch or (lambda plan: None)
         self._turns = itertools.count()  # round-robin's turn; per gateway, as any round-robin balancer's
+        # Prefills dispatched whose blocks the index does not list yet (router/inflight_prefixes.py): peer fetch's
+        # holders before their KV events arrive.
+        self._inflight = InflightPrefixes() if self._prefix_index is not None and config.kv_peer_fetch else None
 
     async def open(self, job: GenerationJob, tracker: RequestTracker) -> GenerationStream:
         """Admit `job`, dispatch it and wait for its first message. ApiError: 429 (queue full) or 503 (queued
@@ -318,19 +322,17 @@ class Dispatcher:
         exclude: Sequence[str] = (),
     ) -> GenerationStream:
         """Route and open the call, retrying elsewhere as the module docstring says."""
-        lookup = await self._lookup(job.prompt_token_ids)
+        lookup = self._with_committed(await self._lookup(job.prompt_token_ids))
         turn = next(self._turns)
         excluded: set[str] = set(exclude)
+        if not num_prior_tokens:  # a resumed request does not wait for another's prefill
+            lookup = await self._await_inflight(job, lookup, num_blocks, turn, excluded)
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(1, self._config.max_dispatch_attempts + 1):
             loads = [load for load in self._registry.loads() if load.worker_id not in excluded]
+            pricer = self._fetch_pricer(lookup, loads, job)
             try:
-                route = plan_route(
-                    self._config.mode, loads, num_blocks=num_blocks, policy=self._config.routing_policy,
-                    prefix_overlap_blocks=lookup.overlap if lookup is not None else None,
-                    prefix_tier_blocks=lookup.lower_tier_blocks if lookup is not None else None, turn=turn,
-                    num_prompt_tokens=len(job.prompt_token_ids), block_size=self._config.block_size,
-                    local_prefill_threshold_tokens=self._config.disagg_prefill_threshold_tokens)
+                route = self._plan(job, loads, lookup, num_blocks, turn, pricer)
             except NoWorkerError as error:
                 if last_error is not None:  # nowhere left to retry: the worker's own error says more
                     api_error, reason = api_error_from_rpc(last_error, num_attempts=attempt - 1)
@@ -338,16 +340,22 @@ class Dispatcher:
                     raise api_error from last_error
                 tracker.failed("no_worker")
                 raise ApiError(status_code=503, message=f"no worker can take the request: {error}") from error
-            peer = self._price_peer_fetch(lookup, route, loads, job)
+            peer = self._price_peer_fetch(pricer, route, job)
+            if lookup is not None and lookup.block_hashes and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s: prefix %s (%d blocks), held %s; prefill on %s (%d queued)", job.request_id,
+                             lookup.block_hashes[0].hex()[:12], len(lookup.block_hashes), lookup.overlap,
+                             route.prefill_worker.worker_id, route.prefill_worker.num_queued)
             stream = self._start(job, route, tracker, num_blocks, num_prior_tokens, peer)
             if self._prefix_index is not None and self._routes_by_prefix:
                 self._prefix_index.record(lookup, route)
                 if not num_prior_tokens:  # a resumed request's usage does not count its whole prompt
                     stream.on_finished.append(self._prediction_checker(_with_fetch(lookup, peer), route))
             stream.on_finished.append(self._rate_recorder(route, peer))
+            inflight = self._note_inflight(job, lookup, route, peer)
             try:
                 await stream.read_first()
             except grpc.aio.AioRpcError as error:
+                self._settle(inflight, committed=False)
                 code = error.code()
                 retry = code in _RETRYABLE and attempt < self._config.max_dispatch_attempts
                 if code == grpc.StatusCode.UNAVAILABLE:  # the target itself is unreachable
@@ -365,14 +373,110 @@ class Dispatcher:
                 tracker.failed(reason)
                 raise api_error from error
             except BaseException:  # cancelled while waiting (client gone): tell the worker
+                self._settle(inflight, committed=False)
                 stream.close()
                 raise
             failure = stream.first_failure()
+            self._settle(inflight, committed=failure is None)
             if failure is not None:  # failed before any token: still time for a proper HTTP status
                 raise failure
             self._on_route(route)
             return stream
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _plan(self, job: GenerationJob, loads: Sequence[WorkerLoad], lookup: PrefixLookup | None, num_blocks: int,
+              turn: int, pricer: Callable[[WorkerLoad], PeerFetchPlan | None] | None) -> Route:
+        return plan_route(
+            self._config.mode, loads, num_blocks=num_blocks, policy=self._config.routing_policy,
+            prefix_overlap_blocks=lookup.overlap if lookup is not None else None,
+            prefix_tier_blocks=lookup.lower_tier_blocks if lookup is not None else None, turn=turn,
+            num_prompt_tokens=len(job.prompt_token_ids), block_size=self._config.block_size,
+            local_prefill_threshold_tokens=self._config.disagg_prefill_threshold_tokens, fetch_price=pricer)
+
+    async def _await_inflight(self, job: GenerationJob, lookup: PrefixLookup | None, num_blocks: int, turn: int,
+                              excluded: set[str]) -> PrefixLookup | None:
+        """Peer fetch on: when another worker is prefilling more of this prompt than any worker holds (a request of
+        the same family dispatched moments ago; router/inflight_prefixes.py), and waiting for that prefill then
+        fetching its blocks is expected to beat computing them where this request would go, wait for it (bounded
+        by the recompute, never longer), then look the prompt up again. Otherwise `lookup` as it is."""
+        if self._inflight is None or lookup is None or not lookup.block_hashes:
+            return lookup
+        loads = [load for load in self._registry.loads() if load.worker_id not in excluded]
+        try:
+            fetcher = self._plan(job, loads, lookup, num_blocks, turn,
+                                 self._fetch_pricer(lookup, loads, job)).prefill_worker
+        except NoWorkerError:
+            return lookup
+        found = self._inflight.holder(lookup.block_hashes, exclude=fetcher.worker_id, committed=False)
+        holder = next((load for load in loads if found is not None and load.worker_id == found.entry.worker_id
+                       and load.incarnation == found.entry.incarnation), None)
+        if found is None or holder is None:
+            return lookup
+        # What the fetcher gets without waiting: its own blocks, or a fetch from a holder other than the one still
+        # prefilling and the decode worker it hands off to (prefix-aware's provisional index entries list both as
+        # holding blocks that neither can send yet).
+        pending = {holder.worker_id, *found.entry.receivers}
+        others = self._fetch_pricer(lookup, [load for load in loads if load.worker_id not in pending], job)
+        now = others(fetcher) if others is not None else None
+        have = max(lookup.overlap.get(fetcher.worker_id, 0), now.num_blocks if now is not None and now.fetch else 0,
+                   min(found.entry.num_held, found.num_blocks))
+        plan = price_peer_fetch({fetcher.worker_id: have, holder.worker_id: found.num_blocks}, fetcher, [holder],
+                                num_prompt_tokens=len(job.prompt_token_ids), block_size=self._config.block_size,
+                                rates=self._peer_rates)
+        wait_s = found.entry.expected_commit_s - self._inflight.now()
+        timeout_s = wait_for_inflight(plan, wait_s=wait_s)
+        if timeout_s is None:
+            return lookup
+        logger.debug("%s: blocks %d to %d of its prompt are being prefilled on %s (%s), expected in %.0f ms: "
+                     "waiting at most %.0f ms to fetch them", job.request_id, have, found.num_blocks - 1,
+                     holder.worker_id, found.entry.request_id, wait_s * 1e3, timeout_s * 1e3)
+        committed = await self._inflight.settled(found.entry, timeout_s)
+        logger.debug("%s: %s's prefill %s", job.request_id, found.entry.request_id,
+                     "ended" if committed else "is not done (or failed): computing")
+        return self._with_committed(await self._lookup(job.prompt_token_ids))
+
+    def _with_committed(self, lookup: PrefixLookup | None) -> PrefixLookup | None:
+        """`lookup` with the prefills that ended moments ago and that the index may not list yet: their worker
+        holds their blocks on its device. An entry the index already confirms is dropped."""
+        if self._inflight is None or lookup is None or not lookup.block_hashes:
+            return lookup
+        live = {load.worker_id: load.incarnation for load in self._registry.loads()}
+        overlap, held = dict(lookup.overlap), dict(lookup.held)
+        for found in self._inflight.matches(lookup.block_hashes, committed=True):
+            wid = found.entry.worker_id
+            if live.get(wid) != found.entry.incarnation:
+                continue
+            if lookup.overlap.get(wid, 0) >= found.num_blocks:
+                self._inflight.confirmed(found.entry)
+            elif overlap.get(wid, 0) < found.num_blocks:
+                overlap[wid] = found.num_blocks
+                held.pop(wid, None)  # all on its device: it has just computed (or loaded) them there
+        if overlap == lookup.overlap:
+            return lookup
+        return dataclasses.replace(lookup, overlap=overlap, held=held)
+
+    def _note_inflight(self, job: GenerationJob, lookup: PrefixLookup | None, route: Route,
+                       peer: PeerFetchPlan | None) -> InflightEntry | None:
+        """Record the prefill just dispatched, with when it is expected to end: the tokens it computes at its
+        worker's measured prefill rate, once for it and once for each request queued there before it."""
+        if self._inflight is None or lookup is None or not lookup.block_hashes:
+            return None
+        worker = route.prefill_worker
+        num_held = max(lookup.overlap.get(worker.worker_id, 0), peer.num_blocks if peer is not None and peer.fetch
+                       else 0)
+        computed = max(len(job.prompt_token_ids) - num_held * self._config.block_size, 1)
+        expected_s = computed / self._peer_rates.prefill_tokens_s(worker.worker_id) * (1 + worker.num_queued)
+        receivers = (route.target.worker_id,) if route.target.worker_id != worker.worker_id else ()
+        return self._inflight.add(job.request_id, worker.worker_id, worker.incarnation, lookup.block_hashes,
+                                  expected_s=expected_s, num_held=num_held, receivers=receivers)
+
+    def _settle(self, entry: InflightEntry | None, *, committed: bool) -> None:
+        if entry is None or self._inflight is None:
+            return
+        if committed:
+            self._inflight.commit(entry)
+        else:
+            self._inflight.drop(entry)
 
     def _start(
         self, job: GenerationJob, route: Route, tracker: RequestTracker, num_blocks: int, num_prior_tokens: int,
@@ -402,17 +506,25 @@ class Dispatcher:
     def mark_unhealthy(self, worker_id: str, reason: str) -> None:
         self._registry.mark_unhealthy(worker_id, reason)
 
-    def _price_peer_fetch(self, lookup: PrefixLookup | None, route: Route, loads: Sequence[WorkerLoad],
-                          job: GenerationJob) -> PeerFetchPlan | None:
-        """Fetch or compute the prompt's head that another worker holds (router/peer_fetch.py); None when peer
-        fetch is off, there is no index, or no other worker holds more of the prompt. Both prices go to a debug
-        line and the metrics."""
+    def _fetch_pricer(self, lookup: PrefixLookup | None, loads: Sequence[WorkerLoad],
+                      job: GenerationJob) -> Callable[[WorkerLoad], PeerFetchPlan | None] | None:
+        """Prices a peer fetch for a worker that might run the prompt (router/peer_fetch.py); None when peer fetch
+        is off or there is no index. Routing (prefix-aware) prices its candidates with it, then the chosen one's
+        fetch is decided with it: one cost model."""
         if lookup is None or not self._config.kv_peer_fetch:
             return None
+        return fetch_pricer(lookup.overlap, loads, num_prompt_tokens=len(job.prompt_token_ids),
+                            block_size=self._config.block_size, rates=self._peer_rates,
+                            device_reach=lookup.device_reach)
+
+    def _price_peer_fetch(self, pricer: Callable[[WorkerLoad], PeerFetchPlan | None] | None, route: Route,
+                          job: GenerationJob) -> PeerFetchPlan | None:
+        """Fetch or compute the prompt's head that another worker holds; None when peer fetch is off, there is no
+        index, or no other worker holds more of the prompt. Both prices go to a debug line and the metrics."""
+        if pricer is None:
+            return None
         fetcher = route.prefill_worker
-        plan = price_peer_fetch(lookup.overlap, fetcher, loads, num_prompt_tokens=len(job.prompt_token_ids),
-                                block_size=self._config.block_size, rates=self._peer_rates,
-                                device_reach=lookup.device_reach)
+        plan = pricer(fetcher)
         if plan is None:
             return None
         logger.debug("%s: blocks %d to %d of its prompt are on %s: fetch %.1f ms, recompute %.1f ms on %s: %s",
@@ -430,6 +542,8 @@ class Dispatcher:
                 return
             fetcher_id = route.prefill_worker.worker_id
             computed = stream.num_prompt_tokens - stream.num_cached_tokens
+            logger.debug("%s: %s computed %d of its %d prompt tokens in %.3f s", stream.job.request_id, fetcher_id,
+                         computed, stream.num_prompt_tokens, timings.prefill_s)
             if stream.usage is not None and not stream.num_prior_tokens:
                 self._peer_rates.observe_prefill(fetcher_id, computed, timings.prefill_s)
             if peer is not None and peer.fetch:

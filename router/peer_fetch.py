@@ -14,7 +14,9 @@ its device (a holder sends device blocks only: those it keeps in a lower tier do
 then the least queued. A holder whose blocks turn out gone refuses, and the fetcher computes them (the index can be
 a poll behind).
 
-No I/O: `PeerFetchRates` keeps the measurements (moving averages), `price_peer_fetch` decides.
+No I/O: `PeerFetchRates` keeps the measurements (moving averages), `price_peer_fetch` decides. The prefix-aware
+policy prices a candidate worker with the same function (`fetch_pricer`, router/routing.py's `FetchPricer`): the
+blocks it would fetch cost their fetch, so a fetch is also the price of a spill.
 """
 
 from __future__ import annotations
@@ -106,3 +108,15 @@ def price_peer_fetch(
         holder=holder, fetcher_id=fetcher.worker_id, first_block=own, num_blocks=num_blocks,
         fetch_s=num_fetched * block_bytes / rates.link_bytes_s(holder, fetcher.worker_id),
         recompute_s=num_fetched * block_size / rates.prefill_tokens_s(fetcher.worker_id))
+
+
+def fetch_pricer(
+    overlap: Mapping[str, int], loads: Sequence[WorkerLoad], *, num_prompt_tokens: int, block_size: int,
+    rates: PeerFetchRates, device_reach: Callable[[str, int], int] | None = None,
+) -> Callable[[WorkerLoad], PeerFetchPlan | None]:
+    """`price_peer_fetch` for any worker that might run the prompt, one prompt's lookup and loads bound: what
+    routing prices candidates with and the dispatcher then asks of the worker it chose."""
+    def price(fetcher: WorkerLoad) -> PeerFetchPlan | None:
+        return price_peer_fetch(overlap, fetcher, loads, num_prompt_tokens=num_prompt_tokens, block_size=block_size,
+                                rates=rates, device_reach=device_reach)
+    return price

@@ -12,7 +12,9 @@ a choice is reproducible.
                     below the device x TIER_LOAD_COST[tier] +         free blocks: load first, the overlap breaks
                     penalty x queued, penalty = the least such cost   near-ties (decode steps are shared)
                     anywhere (a queue of requests routed as well as
-                    this one)
+                    this one); with peer fetch, the blocks another
+                    worker would send it priced at fetch_s /
+                    recompute_s of a computed block (`FetchPrice`)
     least-loaded    fewest queued, then most free blocks              fewest queued, then most free blocks
     round-robin     the n-th candidate by id, n = a counter the caller advances per request
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kv_transfer.layout import cdiv
 from protos.worker_info import ROLES  # noqa: F401 - the one definition, re-exported for the router
@@ -88,6 +91,34 @@ class Route:
         return self.prefill if self.prefill is not None else self.target
 
 
+class FetchPrice(Protocol):
+    """A priced peer fetch for one worker (router/peer_fetch.py's `PeerFetchPlan`): blocks [first_block,
+    num_blocks) of the prompt, another worker's, moved in `fetch_s` or computed in `recompute_s`."""
+
+    @property
+    def first_block(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def fetch_s(self) -> float: ...
+    @property
+    def recompute_s(self) -> float: ...
+    @property
+    def fetch(self) -> bool: ...
+
+
+# The worker that would run the prompt -> its priced fetch, None when no other worker holds more of the prompt.
+FetchPricer = Callable[[WorkerLoad], "FetchPrice | None"]
+
+
+def fetched_blocks_saved(plan: FetchPrice | None) -> float:
+    """Computed blocks a fetch saves: the blocks it moves, less their fetch priced in computed blocks (fetch_s /
+    recompute_s each). 0 when there is no fetch, or it costs more than computing them (the fetcher computes)."""
+    if plan is None or not plan.fetch or plan.recompute_s <= 0:
+        return 0.0
+    return (plan.num_blocks - plan.first_block) * (1.0 - plan.fetch_s / plan.recompute_s)
+
+
 class NoWorkerError(Exception):
     """No worker can take the request; the message says why (the HTTP layer answers 503)."""
 
@@ -124,11 +155,13 @@ def pick_prefill_worker(
     prefix_tier_blocks: Mapping[str, Mapping[str, int]] | None = None,
     load_penalty_blocks: float | None = None,
     role: str = "prefill",
+    fetch_price: FetchPricer | None = None,
 ) -> WorkerLoad:
     """The prefill worker with the least cost, in blocks to compute:
 
         cost = (num_blocks - cached prefix blocks) + sum over lower tiers of (its cached blocks there x
-               TIER_LOAD_COST[tier]) + load_penalty_blocks * num_queued
+               TIER_LOAD_COST[tier]) - computed blocks a peer fetch saves it
+               + load_penalty_blocks * (num_queued + 1 if it fetches, else num_queued)
 
     `prefix_overlap_blocks` (worker id -> leading blocks of this prompt it holds, on any tier) comes from the prefix
     index; without it every worker has the same compute cost and the least loaded wins. `prefix_tier_blocks`
@@ -138,26 +171,42 @@ def pick_prefill_worker(
     (at least one block): a worker's queue is taken to hold requests as well routed as this one. A request whose
     prefix is cached on a busy worker then stays there until the worker's queue costs more than computing the
     prompt elsewhere, instead of leaving it as soon as its queue is one request longer.
+    `fetch_price` (peer fetch on): a worker's priced fetch of the blocks another live worker holds on its device
+    beyond its own (`FetchPrice`); those blocks cost what fetching them costs, not computing them
+    (`fetched_blocks_saved`), so a busy holder's family spreads to a worker that fetches it once fetching there
+    costs less than the holder's queue. A fetch also counts as one more request queued on the fetcher: its round
+    trip to the holder comes before the prompt's prefill and is not in the bytes over the link's rate, and a
+    holder's queue one request longer than it seemed (the registry counts a request it sent until the next load
+    poll, finished or not) must not move a family. The same price decides the fetch once the worker is chosen.
     """
     overlap = prefix_overlap_blocks or {}
     tier_blocks = prefix_tier_blocks or {}
     candidates = _candidates(loads, role=role, num_blocks=num_blocks)
+    costs: dict[str, float] = {}
+    fetching: set[str] = set()  # workers whose cost counts a fetch
 
     def to_compute(load: WorkerLoad) -> float:
+        if load.worker_id in costs:
+            return costs[load.worker_id]
         held = min(max(overlap.get(load.worker_id, 0), 0), num_blocks)
         loading, num_below = 0.0, 0
         for tier, n in tier_blocks.get(load.worker_id, {}).items():
             n = min(max(n, 0), held - num_below)  # never more below the device than held
             num_below += n
             loading += n * tier_load_cost(tier)
-        return num_blocks - held + loading
+        saved = fetched_blocks_saved(fetch_price(load)) if fetch_price is not None else 0.0
+        if saved > 0:
+            fetching.add(load.worker_id)
+        costs[load.worker_id] = num_blocks - held + loading - saved
+        return costs[load.worker_id]
 
     penalty = load_penalty_blocks
     if penalty is None:
         penalty = max(1.0, min(to_compute(load) for load in candidates))
 
     def cost(load: WorkerLoad) -> tuple[float, int, int, str]:
-        return (to_compute(load) + penalty * load.num_queued, load.num_queued, -load.kv_blocks_free, load.worker_id)
+        queued = load.num_queued + (load.worker_id in fetching)
+        return (to_compute(load) + penalty * queued, load.num_queued, -load.kv_blocks_free, load.worker_id)
 
     return min(candidates, key=cost)
 
@@ -181,15 +230,18 @@ def plan_route(
     num_prompt_tokens: int | None = None,
     block_size: int = 16,
     local_prefill_threshold_tokens: int = 0,
+    fetch_price: FetchPricer | None = None,
 ) -> Route:
     """The route for one request in `mode` ("disaggregated" | "colocated") under `policy`. NoWorkerError when
     there is none. `turn` advances round-robin; `num_prompt_tokens` (with `block_size`) decides a local prefill
     on the decode worker when at most `local_prefill_threshold_tokens` of the prompt are not cached there.
-    `prefix_tier_blocks` prices the prefill (or colocated) worker's hits by tier (`pick_prefill_worker`)."""
+    `prefix_tier_blocks` prices the prefill (or colocated) worker's hits by tier, `fetch_price` (peer fetch on)
+    the blocks it would fetch (`pick_prefill_worker`); both prefix-aware only."""
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
     overlap = prefix_overlap_blocks if policy == "prefix-aware" else None
     tiers = prefix_tier_blocks if policy == "prefix-aware" else None
+    fetches = fetch_price if policy == "prefix-aware" else None
 
     def pick(role: str, pick_by_cost: Callable[..., WorkerLoad], **priced: object) -> WorkerLoad:
         if policy == "round-robin":
@@ -197,7 +249,7 @@ def plan_route(
         return pick_by_cost(loads, num_blocks=num_blocks, prefix_overlap_blocks=overlap, role=role, **priced)
 
     if mode == "colocated":
-        return Route(target=pick("colocated", pick_prefill_worker, prefix_tier_blocks=tiers))
+        return Route(target=pick("colocated", pick_prefill_worker, prefix_tier_blocks=tiers, fetch_price=fetches))
     if mode != "disaggregated":
         raise ValueError(f"unknown routing mode {mode!r}")
     decode = pick("decode", pick_decode_worker)
@@ -205,7 +257,8 @@ def plan_route(
         cached_tokens = min((overlap or {}).get(decode.worker_id, 0) * block_size, num_prompt_tokens)
         if num_prompt_tokens - cached_tokens <= local_prefill_threshold_tokens:
             return Route(target=decode)
-    return Route(target=decode, prefill=pick("prefill", pick_prefill_worker, prefix_tier_blocks=tiers))
+    return Route(target=decode, prefill=pick("prefill", pick_prefill_worker, prefix_tier_blocks=tiers,
+                                             fetch_price=fetches))
 
 
 def _candidates(
