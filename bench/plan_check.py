@@ -2,14 +2,17 @@
 prediction at each rate, metric by metric (`splitserve plan --validate`'s comparison).
 
     python bench/plan_check.py --profile profile.json --layout 1P+1D --max-num-seqs 16 --rates 0.5,1 \
-        --isl 256 --osl 32 --ttft-slo 2 --tpot-slo 0.15 --out DIR [--num-requests 40] [--one-host]
+        --isl 256 --osl 32 --ttft-slo 2 --tpot-slo 0.15 --out DIR [--num-requests 40] [--one-host] \
+        [--client-cores C]
 
 Writes DIR/plan.json (`plan --json` of that traffic and SLO, no rate: each layout's highest rate) and
 DIR/report.json (schema splitserve-bench/1, deploy/planner/validate.py: the served layout and one run per rate,
 as `splitserve bench` writes them: deploy/bench/report.py), then prints
 `splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
 `colocatedxN`. With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
-prediction scales compute times accordingly. AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and
+prediction scales compute times accordingly, and counts AIPerf's own CPU against the workers' cores: the cores it
+kept busy during the warm-up (its CPU seconds, its processes' and their children's, over its wall time; a separate
+run from the checked ones), or `--client-cores`. plan.json is written after the warm-up, with them. AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and
 `--osl` output tokens with ignore_eos, streamed, each run from its own `--random-seed` (a warm-up of 4 requests
 first, from another): a run that repeated an earlier one's prompts would hit the prefix cache. AIPerf is not a
 splitserve dependency (see bench/serve_process.py for its venv).
@@ -21,7 +24,9 @@ import argparse
 import json
 import os
 import re
+import resource
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +60,8 @@ def main() -> int:
     p.add_argument("--tpot-slo", type=float, default=0.15)
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--one-host", action="store_true")
+    p.add_argument("--client-cores", type=float, default=None,
+                   help="cores AIPerf keeps busy (default: measured over the warm-up run)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
@@ -63,8 +70,6 @@ def main() -> int:
     layout = parse_layout(args.layout, args.max_num_seqs)
     traffic = Traffic(isl=args.isl, osl=args.osl)
     slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
-    options = PlanOptions(max_workers=max(2, layout.num_workers), one_host=args.one_host)
-    (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
     flags = serve_flags(profile, layout)[2:]  # Serve gives --model itself
     workload = ["--endpoint-type", "completions", "--streaming", "--use-server-token-count",
                 "--synthetic-input-tokens-mean", str(args.isl), "--synthetic-input-tokens-stddev", "0",
@@ -76,7 +81,14 @@ def main() -> int:
     server = Serve(flags, model=profile.model.name, stderr_path=str(out / "serve.log"))
     try:
         # Every run its own prompts (AIPerf's seed): a run repeating an earlier one's would hit the prefix cache.
+        before_s, started_s = _children_cpu_s(), time.perf_counter()
         aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed", "1000"])
+        warmup_cores = (_children_cpu_s() - before_s) / (time.perf_counter() - started_s)
+        client_cores = warmup_cores if args.client_cores is None else args.client_cores
+        print(f"AIPerf's warm-up kept {warmup_cores:.2f} cores busy; the plan counts {client_cores:.2f}", flush=True)
+        options = PlanOptions(max_workers=max(2, layout.num_workers), one_host=args.one_host,
+                              client_cores=client_cores if args.one_host else 0.0)
+        (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
         for i, rate in enumerate(float(r) for r in args.rates.split(",") if r):
             summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
                                           str(args.num_requests), "--random-seed", str(7 + i)])
@@ -89,10 +101,19 @@ def main() -> int:
                    "num_decode": layout.num_decode, "max_num_seqs": layout.max_num_seqs,
                    "prefill_threshold_tokens": layout.prefill_threshold_tokens, "transport": layout.transport}
     (out / "report.json").write_text(json.dumps({"schema": "splitserve-bench/1", "layout": layout_json,
-                                                 "serve_flags": flags, "runs": runs}, indent=1))
+                                                 "serve_flags": flags, "client_cores": client_cores, "runs": runs},
+                                                indent=1))
     comparisons, summary = compare_run_dir(profile, out, options)
     print(format_comparisons(comparisons, summary))
+    print(f"again: splitserve plan --profile {args.profile} --validate {out}"
+          + (f" --one-host --client-cores {client_cores:.2f}" if args.one_host else ""))
     return 0
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for children (and theirs): AIPerf's, once its run returned."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":
