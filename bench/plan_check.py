@@ -13,9 +13,10 @@ as `splitserve bench` writes them: deploy/bench/report.py), then prints
 prediction scales compute times accordingly, and counts AIPerf's own CPU against the workers' cores: the cores
 it kept busy during the warm-up (its CPU seconds, its processes' and their children's, over its wall time; a
 separate run from the checked ones), or `--client-cores`. plan.json is written after the warm-up, with them.
-AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and `--osl` output tokens with ignore_eos, streamed, each run from its own `--random-seed` (a warm-up of 4 requests
-first, from another): a run that repeated an earlier one's prompts would hit the prefix cache. AIPerf is not a
-splitserve dependency (see bench/serve_process.py for its venv).
+AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and `--osl` output tokens with ignore_eos, streamed,
+each run from its own `--random-seed` (a warm-up of 4 requests first, from another): a run that repeated an
+earlier one's prompts would hit the prefix cache. AIPerf is not a splitserve dependency (see bench/serve_process.py
+for its venv).
 """
 
 from __future__ import annotations
