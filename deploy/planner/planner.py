@@ -25,7 +25,8 @@ engine, from the profile's `serving` (a real `serve`, measured; absent: nothing)
 
     TTFT         + the serving overhead (gateway, HTTP, tokenizing, routing, the stream's first chunk), or
                  --serving-overhead-s
-    decode step  + the step overhead (a served step over the engine's own)
+    decode step  + the step overhead (a served step over the engine's own), on workers that hold as many threads
+                 as the profile's (where it was measured; on one host a worker of fewer leaves a core to it)
     one host     the gateway's CPU, rate x (per request + osl x per token), and the load generator's
                  (--client-cores) busy other cores of the same machine: each phase's compute times scale by
                  `contention_slowdown` of those background cores, at the rate priced
@@ -229,7 +230,11 @@ class LayoutModel:
         serving = profile.serving
         self.serving_overhead_s = (options.serving_overhead_s if options.serving_overhead_s is not None
                                    else serving.ttft_overhead_s if serving is not None else 0.0)
-        self.step_overhead_s = serving.step_overhead_s if serving is not None else 0.0
+        # The step overhead was measured on one worker holding all the profile's threads, where its own gRPC and
+        # stream threads and the gateway compete with its OpenMP team; on one host, a worker given fewer threads
+        # leaves them a core.
+        measured_alike = self.threads >= profile.num_threads or not options.one_host
+        self.step_overhead_s = serving.step_overhead_s if serving is not None and measured_alike else 0.0
         self.prefill_slowdown = self.decode_slowdown = 1.0
         if options.one_host:
             self.prefill_slowdown = host_share_slowdown(profile, layout.num_workers, "prefill")

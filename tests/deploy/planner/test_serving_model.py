@@ -48,6 +48,15 @@ def test_the_serving_overhead_adds_to_ttft_and_the_step_overhead_to_tpot() -> No
     assert override.ttft_p50_s == pytest.approx(measured.ttft_p50_s + 0.25, abs=2e-4)
 
 
+def test_the_step_overhead_applies_where_it_was_measured_a_worker_on_every_profiled_thread() -> None:
+    # on one host of 2 cores a colocated x1 worker runs the profile's 2 threads; 1P+1D's workers 1 each
+    bare = with_serving(step_overhead_s=0.0)
+    for layout, expected in ((COLOCATED, 0.002), (DISAGGREGATED, 0.0)):
+        stepped = LayoutModel(PROFILE, TRAFFIC, layout, ONE_HOST).predict(0.01, SLO_)
+        without = LayoutModel(bare, TRAFFIC, layout, ONE_HOST).predict(0.01, SLO_)
+        assert stepped.tpot_p50_s - without.tpot_p50_s == pytest.approx(expected, abs=1e-4), layout.label
+
+
 @pytest.mark.parametrize("layout", [COLOCATED, DISAGGREGATED], ids=["colocated", "1P+1D"])
 @pytest.mark.parametrize("field, values", [
     ("ttft_overhead_s", (0.0, 0.02, 0.1, 0.3)),
