@@ -77,8 +77,15 @@ def run_profile_command(args: argparse.Namespace) -> int:
     if args.serving_requests < 0:
         raise ValueError(f"--serving-requests must be >= 0, got {args.serving_requests}")
     profile = run_profile(config, quick=args.quick, transports=transports, seed=args.seed or 0)
+    serving = None
     if args.serving_requests:
-        profile = dataclasses.replace(profile, serving=_measure_serving(profile, args.serving_requests))
+        try:
+            serving = _measure_serving(profile, args.serving_requests)
+        except Exception as exc:  # noqa: BLE001 - the engine's profile stands without it; say why
+            print(f"splitserve: serving not measured ({type(exc).__name__}: {exc}); plan adds nothing for it",
+                  file=sys.stderr)
+    if serving is not None:
+        profile = dataclasses.replace(profile, serving=serving)
         print(f"splitserve: serving adds {profile.serving.ttft_overhead_s * 1e3:.1f} ms to TTFT and "
               f"{profile.serving.step_overhead_s * 1e3:.1f} ms to a step; the gateway takes "
               f"{profile.serving.gateway_cpu_per_request_s * 1e3:.1f} ms CPU a request, "
