@@ -2,26 +2,34 @@
 prediction at each rate, metric by metric (`splitserve plan --validate`'s comparison).
 
     python bench/plan_check.py --profile profile.json --layout 1P+1D --max-num-seqs 16 --rates 0.5,1 \
-        --isl 256 --osl 32 --ttft-slo 2 --tpot-slo 0.15 --out DIR [--num-requests 40] [--one-host]
+        --isl 256 --osl 32 --ttft-slo 2 --tpot-slo 0.15 --out DIR [--num-requests 40] [--one-host] \
+        [--client-cores C]
 
 Writes DIR/plan.json (`plan --json` of that traffic and SLO, no rate: each layout's highest rate) and
 DIR/report.json (schema splitserve-bench/1, deploy/planner/validate.py: the served layout and one run per rate,
 as `splitserve bench` writes them: deploy/bench/report.py), then prints
 `splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
 `colocatedxN`. With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
-prediction scales compute times accordingly. AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and
-`--osl` output tokens with ignore_eos, streamed, each run from its own `--random-seed` (a warm-up of 4 requests
-first, from another): a run that repeated an earlier one's prompts would hit the prefix cache. AIPerf is not a
-splitserve dependency (see bench/serve_process.py for its venv).
+prediction scales compute times accordingly, and counts AIPerf's own CPU against the workers' cores: the cores
+its processes kept busy while the warm-up's requests ran (a separate run from the checked ones: their CPU from
+/proc, sampled 4 times a second, between the start and end times its summary gives; its start-up before them,
+importing and spawning its services, left out), or `--client-cores`. plan.json is written after the warm-up.
+AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and `--osl` output tokens with ignore_eos, streamed,
+each run from its own `--random-seed` (a warm-up of 4 requests first, from another): a run that repeated an
+earlier one's prompts would hit the prefix cache. AIPerf is not a splitserve dependency (see bench/serve_process.py
+for its venv).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +63,8 @@ def main() -> int:
     p.add_argument("--tpot-slo", type=float, default=0.15)
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--one-host", action="store_true")
+    p.add_argument("--client-cores", type=float, default=None,
+                   help="cores AIPerf keeps busy (default: measured over the warm-up run)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
@@ -63,8 +73,6 @@ def main() -> int:
     layout = parse_layout(args.layout, args.max_num_seqs)
     traffic = Traffic(isl=args.isl, osl=args.osl)
     slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
-    options = PlanOptions(max_workers=max(2, layout.num_workers), one_host=args.one_host)
-    (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
     flags = serve_flags(profile, layout)[2:]  # Serve gives --model itself
     workload = ["--endpoint-type", "completions", "--streaming", "--use-server-token-count",
                 "--synthetic-input-tokens-mean", str(args.isl), "--synthetic-input-tokens-stddev", "0",
@@ -76,7 +84,15 @@ def main() -> int:
     server = Serve(flags, model=profile.model.name, stderr_path=str(out / "serve.log"))
     try:
         # Every run its own prompts (AIPerf's seed): a run repeating an earlier one's would hit the prefix cache.
-        aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed", "1000"])
+        with CpuSampler(exclude=server.proc.pid) as sampler:
+            warmup = aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed",
+                                         "1000"])
+        warmup_cores = sampler.cores_between(_epoch_s(warmup["start_time"]), _epoch_s(warmup["end_time"]))
+        client_cores = warmup_cores if args.client_cores is None else args.client_cores
+        print(f"AIPerf's warm-up kept {warmup_cores:.2f} cores busy; the plan counts {client_cores:.2f}", flush=True)
+        options = PlanOptions(max_workers=max(2, layout.num_workers), one_host=args.one_host,
+                              client_cores=client_cores if args.one_host else 0.0)
+        (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
         for i, rate in enumerate(float(r) for r in args.rates.split(",") if r):
             summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
                                           str(args.num_requests), "--random-seed", str(7 + i)])
@@ -89,10 +105,77 @@ def main() -> int:
                    "num_decode": layout.num_decode, "max_num_seqs": layout.max_num_seqs,
                    "prefill_threshold_tokens": layout.prefill_threshold_tokens, "transport": layout.transport}
     (out / "report.json").write_text(json.dumps({"schema": "splitserve-bench/1", "layout": layout_json,
-                                                 "serve_flags": flags, "runs": runs}, indent=1))
+                                                 "serve_flags": flags, "client_cores": client_cores, "runs": runs},
+                                                indent=1))
     comparisons, summary = compare_run_dir(profile, out, options)
     print(format_comparisons(comparisons, summary))
+    print(f"again: splitserve plan --profile {args.profile} --validate {out}"
+          + (f" --one-host --client-cores {client_cores:.2f}" if args.one_host else ""))
     return 0
+
+
+def _epoch_s(local_iso: str) -> float:
+    """AIPerf's start_time / end_time (local time, no zone) as seconds since the epoch."""
+    return datetime.datetime.fromisoformat(local_iso).timestamp()
+
+
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds: utime + stime) of every process /proc shows."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    return table
+
+
+class CpuSampler(threading.Thread):
+    """Samples the CPU seconds of this process's descendants, but for `exclude`'s subtree (the server), 4 times a
+    second until the `with` block ends; `cores_between(t0, t1)`: the cores they kept busy in that window."""
+
+    def __init__(self, *, exclude: int, period_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.exclude, self.period_s = exclude, period_s
+        self.samples: list[tuple[float, dict[int, float]]] = []
+        self._done = threading.Event()
+
+    def _descendants(self) -> dict[int, float]:
+        table = _proc_table()
+        out, me = {}, os.getpid()
+        for pid, (_, cpu_s) in table.items():
+            ancestor = pid
+            while ancestor in table and ancestor not in (me, self.exclude, 0, 1):
+                ancestor = table[ancestor][0]
+            if ancestor == me and pid != me:
+                out[pid] = cpu_s
+        return out
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.samples.append((time.time(), self._descendants()))
+            self._done.wait(self.period_s)
+
+    def __enter__(self) -> CpuSampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self.join()
+
+    def cores_between(self, start_s: float, end_s: float) -> float:
+        window = [(t, cpu) for t, cpu in self.samples if start_s <= t <= end_s]
+        if len(window) < 2:
+            return 0.0
+        (t0, first), (t1, _) = window[0], window[-1]
+        last: dict[int, float] = {}
+        for _, cpu in window:  # a process's last sample in the window: one that exits within it still counts
+            last.update(cpu)
+        return sum(cpu_s - first.get(pid, 0.0) for pid, cpu_s in last.items()) / (t1 - t0)
 
 
 if __name__ == "__main__":

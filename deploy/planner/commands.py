@@ -14,8 +14,12 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from engine.engine_args import add_engine_args
+
+if TYPE_CHECKING:
+    from deploy.planner.profile import Profile, Serving
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +28,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a coarse profile: fewer, shorter points (minutes on 2 cores)")
     p.add_argument("--transports", default="grpc,inproc",
                    help="KV transports whose handoffs to time, comma-separated ('' for none)")
+    p.add_argument("--serving-requests", type=int, default=6,
+                   help="requests of each kind through a real `serve` of one colocated worker, to measure what the "
+                        "gateway adds (0: not measured)")
     add_engine_args(p)
     p.set_defaults(func=run_profile_command)
 
@@ -41,6 +48,10 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--max-workers", type=int, default=16, help="workers at most, all pools together")
     q.add_argument("--one-host", action="store_true",
                    help="every worker on the profiled machine, sharing its cores as `serve` splits them")
+    q.add_argument("--client-cores", type=float, default=0.0,
+                   help="with --one-host: cores the load generator keeps busy on the host while it runs")
+    q.add_argument("--serving-overhead-s", type=float, default=None,
+                   help="seconds the serving path adds to TTFT (default: the profile's measured serving overhead)")
     q.add_argument("--kv-transport", default=None,
                    help="the KV transport of disaggregated layouts (default: grpc, if the profile measured it)")
     q.add_argument("--top", type=int, default=10, help="layouts the table shows")
@@ -63,7 +74,22 @@ def run_profile_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--transports: unknown {', '.join(unknown)} (known: {', '.join(TRANSPORTS)})")
     from deploy.planner.profiler import run_profile  # torch loads here
 
+    if args.serving_requests < 0:
+        raise ValueError(f"--serving-requests must be >= 0, got {args.serving_requests}")
     profile = run_profile(config, quick=args.quick, transports=transports, seed=args.seed or 0)
+    serving = None
+    if args.serving_requests:
+        try:
+            serving = _measure_serving(profile, args.serving_requests)
+        except Exception as exc:  # noqa: BLE001 - the engine's profile stands without it; say why
+            print(f"splitserve: serving not measured ({type(exc).__name__}: {exc}); plan adds nothing for it",
+                  file=sys.stderr)
+    if serving is not None:
+        profile = dataclasses.replace(profile, serving=serving)
+        print(f"splitserve: serving adds {profile.serving.ttft_overhead_s * 1e3:.1f} ms to TTFT and "
+              f"{profile.serving.step_overhead_s * 1e3:.1f} ms to a step; the gateway takes "
+              f"{profile.serving.gateway_cpu_per_request_s * 1e3:.1f} ms CPU a request, "
+              f"{profile.serving.gateway_cpu_per_token_s * 1e3:.2f} ms a token", file=sys.stderr)
     profile.write(args.out)
     print(f"splitserve: profile of {profile.model.name} ({profile.model.identity}) written to {args.out} in "
           f"{profile.wall_s:.0f} s: prefill {len(profile.prefill_points)} points, decode {len(profile.decode_points)}, "
@@ -71,6 +97,20 @@ def run_profile_command(args: argparse.Namespace) -> int:
           + (f" (skipped: {'; '.join(f'{k}: {v}' for k, v in profile.handoff_skipped.items())})"
              if profile.handoff_skipped else ""), file=sys.stderr)
     return 0
+
+
+def _measure_serving(profile: Profile, num_requests: int) -> Serving:
+    """The profile's `serving`: a real `serve` of one colocated worker with the profiled flags (serving_probe.py)."""
+    from deploy.planner.planner import Layout
+    from deploy.planner.render import serve_flags
+    from deploy.planner.serving_probe import measure_serving
+
+    args = serve_flags(profile, Layout(num_colocated=1, max_num_seqs=profile.max_num_seqs))
+    prompt_words = min(256, (profile.max_model_len or 2048) // 4)
+    return measure_serving(args, model=profile.model.name, prompt_words=prompt_words,
+                           prefill_s=lambda n: profile.prefill.seconds(n),
+                           decode_step_s=lambda ctx: profile.decode.seconds(1, ctx),
+                           num_requests=num_requests, max_tokens=min(32, prompt_words))
 
 
 def check_model(profile_model: tuple[str, str], wanted: str | None) -> None:
@@ -89,7 +129,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
     profile = load_profile(args.profile)
     check_model((profile.model.name, profile.model.identity), args.model)
-    options = PlanOptions(max_workers=args.max_workers, one_host=args.one_host, transport=args.kv_transport)
+    options = PlanOptions(max_workers=args.max_workers, one_host=args.one_host, transport=args.kv_transport,
+                          client_cores=args.client_cores, serving_overhead_s=args.serving_overhead_s)
     if args.validate is not None:
         from deploy.planner.validate import compare_run_dir, format_comparisons
 

@@ -20,7 +20,16 @@ tokens (of which `prefix_hit` are cached) and `osl` output tokens, at `rate` req
 
 A layout meets the SLO when its TTFT p90 and TPOT p90 are within it. With `--one-host` every worker shares the
 profiled machine's cores, as `serve` splits them (cpu_count // workers threads each): its compute times scale by
-what the profile measured one thread to cost each phase (`host_share_slowdown`).
+what the profile measured one thread to cost each phase (`host_share_slowdown`). What serving adds on top of the
+engine, from the profile's `serving` (a real `serve`, measured; absent: nothing):
+
+    TTFT         + the serving overhead (gateway, HTTP, tokenizing, routing, the stream's first chunk), or
+                 --serving-overhead-s
+    decode step  + the step overhead (a served step over the engine's own), on workers that hold as many threads
+                 as the profile's (where it was measured; on one host a worker of fewer leaves a core to it)
+    one host     the gateway's CPU, rate x (per request + osl x per token), and the load generator's
+                 (--client-cores) busy other cores of the same machine: each phase's compute times scale by
+                 `contention_slowdown` of those background cores, at the rate priced
 """
 
 from __future__ import annotations
@@ -75,10 +84,16 @@ class PlanOptions:
     one_host: bool = False  # every worker on the profiled machine, sharing its cores
     transport: str | None = None  # the KV transport of disaggregated layouts (default: grpc if profiled, else any)
     max_num_seqs: tuple[int, ...] = ()  # candidates (default: SEQ_CANDIDATES and the profile's, within KV capacity)
+    client_cores: float = 0.0  # with one_host: cores the load generator keeps busy on the same machine
+    serving_overhead_s: float | None = None  # what serving adds to TTFT (None: the profile's measurement, or 0)
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
             raise ValueError(f"--max-workers must be at least 1, got {self.max_workers}")
+        if not self.client_cores >= 0:
+            raise ValueError(f"--client-cores must be >= 0, got {self.client_cores}")
+        if self.serving_overhead_s is not None and not self.serving_overhead_s >= 0:
+            raise ValueError(f"--serving-overhead-s must be >= 0, got {self.serving_overhead_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +132,8 @@ class Prediction:
     goodput: float  # requests/s meeting both SLOs
     meets: bool
     stable: bool
-    binding: str  # what limits it: "ttft", "tpot", "prefill capacity", "decode capacity", or "" when it meets
+    binding: str  # what limits it: "ttft", "tpot", "prefill capacity", "decode capacity", "host cores" (the
+    # background takes them all), or "" when it meets
     max_rate: float | None = None  # the highest rate within the SLO (rate omitted)
 
     def to_json(self) -> dict:
@@ -170,11 +186,55 @@ def host_share_slowdown(profile: Profile, num_workers: int, phase: str) -> float
     return scale * max(1.0, num_workers * threads / profile.cpu_count)
 
 
+def contention_slowdown(profile: Profile, phase: str, background_cores: float, threads: int) -> float:
+    """How many times slower `phase` runs on a worker of `threads` threads while other processes keep
+    `background_cores` of the profiled machine's cpu_count cores busy (inf at or beyond all of them):
+
+        measured (profile.contention[phase], on num_threads) and threads >= num_threads  ->  piecewise linear
+            through (0, 1) and the points (each held at least 1 and at least the one before), and beyond the last
+            point that point's slowdown x the analytic curve's growth from it
+        otherwise  ->  analytic: cores / (cores - background), each thread losing its share of what the
+            background takes (an OpenMP team waiting at its barriers for a descheduled thread loses more: what
+            the measured curve shows)
+
+    Never below 1, never lower for more background."""
+    if background_cores <= 0:
+        return 1.0
+    cores = profile.cpu_count
+    if background_cores >= cores:
+        return math.inf
+
+    def analytic(b: float) -> float:
+        return cores / (cores - b)
+
+    points = profile.contention.get(phase, ())
+    if not points or threads < profile.num_threads:
+        return analytic(background_cores)
+    xs, ys = [0.0], [1.0]
+    for point in points:
+        if point.background_cores > xs[-1] and point.background_cores < cores:
+            xs.append(point.background_cores)
+            ys.append(max(ys[-1], point.slowdown))
+    if background_cores >= xs[-1]:
+        return ys[-1] * analytic(background_cores) / analytic(xs[-1])
+    i = next(k for k in range(1, len(xs)) if background_cores <= xs[k])
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (background_cores - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
 class LayoutModel:
     """A layout's costs on a profile and traffic; `predict` prices it at one rate."""
 
     def __init__(self, profile: Profile, traffic: Traffic, layout: Layout, options: PlanOptions) -> None:
-        self.profile, self.traffic, self.layout = profile, traffic, layout
+        self.profile, self.traffic, self.layout, self.options = profile, traffic, layout, options
+        self.threads = max(1, profile.cpu_count // max(1, layout.num_workers))
+        serving = profile.serving
+        self.serving_overhead_s = (options.serving_overhead_s if options.serving_overhead_s is not None
+                                   else serving.ttft_overhead_s if serving is not None else 0.0)
+        # The step overhead was measured on one worker holding all the profile's threads, where its own gRPC and
+        # stream threads and the gateway compete with its OpenMP team; on one host, a worker given fewer threads
+        # leaves them a core.
+        measured_alike = self.threads >= profile.num_threads or not options.one_host
+        self.step_overhead_s = serving.step_overhead_s if serving is not None and measured_alike else 0.0
         self.prefill_slowdown = self.decode_slowdown = 1.0
         if options.one_host:
             self.prefill_slowdown = host_share_slowdown(profile, layout.num_workers, "prefill")
@@ -196,20 +256,38 @@ class LayoutModel:
         if not layout.colocated and not self.local:
             self.handoff_s = profile.handoff[layout.transport].fit.seconds(prompt_bytes) if layout.transport else 0.0
 
-    def step_s(self, batch: float) -> float:
-        return self.decode_slowdown * self.profile.decode.seconds(batch, self.ctx)
+    def background_cores(self, rate: float) -> float:
+        """With --one-host: the cores the gateway (its measured CPU per request and per token) and the load
+        generator (--client-cores) keep busy beside the workers at `rate`; 0 otherwise."""
+        if not self.options.one_host:
+            return 0.0
+        serving, osl = self.profile.serving, self.traffic.osl
+        gateway = 0.0 if serving is None else rate * (serving.gateway_cpu_per_request_s
+                                                      + osl * serving.gateway_cpu_per_token_s)
+        return self.options.client_cores + gateway
 
-    def _prefill_wait(self, servers: int, rate: float) -> tuple[Wait, float]:
-        """The prefill queue and the service time, with the intercept shared by the prompts batched at load."""
-        service = self.prefill_s
+    def contention(self, rate: float) -> tuple[float, float]:
+        """(prefill, decode) slowdowns from the background cores at `rate` (1, 1 off one host)."""
+        background = self.background_cores(rate)
+        return (contention_slowdown(self.profile, "prefill", background, self.threads),
+                contention_slowdown(self.profile, "decode", background, self.threads))
+
+    def step_s(self, batch: float, factor: float = 1.0) -> float:
+        return factor * self.decode_slowdown * self.profile.decode.seconds(batch, self.ctx) + self.step_overhead_s
+
+    def _prefill_wait(self, servers: int, rate: float, factor: float = 1.0) -> tuple[Wait, float]:
+        """The prefill queue and the service time (compute x `factor`), with the intercept shared by the prompts
+        batched at load."""
+        service = factor * self.prefill_s
+        intercept = factor * self.intercept_s
         wait = mgc_wait(servers, rate, service)
         if wait.stable and self.prompts_per_step > 1:
             queued = erlang_c(servers, rate * service) * rate * service / max(1e-9, servers - rate * service)
             batched = min(self.prompts_per_step, 1 + queued / servers)
-            service = service - self.intercept_s * (1 - 1 / batched)
+            service = service - intercept * (1 - 1 / batched)
             wait = mgc_wait(servers, rate, service)
         elif not wait.stable and self.prompts_per_step > 1:  # a full step's worth of prompts at once
-            service = service - self.intercept_s * (1 - 1 / self.prompts_per_step)
+            service = service - intercept * (1 - 1 / self.prompts_per_step)
             wait = mgc_wait(servers, rate, service)
         return wait, service
 
@@ -218,11 +296,17 @@ class LayoutModel:
         prefilling_here = layout.colocated or self.local
         num_decode = layout.num_colocated or layout.num_decode
         prefill_servers = num_decode if prefilling_here else layout.num_prefill
-        wait, service = self._prefill_wait(prefill_servers, rate)
+        prefill_factor, decode_factor = self.contention(rate)
+        if math.isinf(prefill_factor) or math.isinf(decode_factor):  # the background takes every core
+            inf = math.inf
+            return Prediction(layout=layout, rate=rate, ttft_p50_s=inf, ttft_p90_s=inf, tpot_p50_s=inf, tpot_p90_s=inf,
+                              goodput=0.0, meets=False, stable=False, binding="host cores")
+        wait, service = self._prefill_wait(prefill_servers, rate, prefill_factor)
         r = rate / num_decode  # per decode (or colocated) worker
         u_p = r * service if prefilling_here else 0.0  # the share of a worker's time its prompts take
         d = self.profile.decode
-        a, b = self.decode_slowdown * d.intercept_s, self.decode_slowdown * (d.per_seq_s + d.per_seq_token_s * self.ctx)
+        scale = decode_factor * self.decode_slowdown
+        a, b = scale * d.intercept_s + self.step_overhead_s, scale * (d.per_seq_s + d.per_seq_token_s * self.ctx)
         # B = r * osl * T, with T = (a + b B) / (1 - u_p): closed form for the batch each worker runs.
         denominator = 1 - u_p - r * osl * b
         unstable = not wait.stable or u_p >= 1 or denominator <= 0
@@ -230,7 +314,7 @@ class LayoutModel:
         slot_wait: Wait = NO_WAIT
         if batch > self.slots:  # full: requests wait for a slot, the batch stays at its cap
             batch = float(self.slots)
-            life_s = osl * self.step_s(batch) / max(1e-9, 1 - u_p)
+            life_s = osl * self.step_s(batch, decode_factor) / max(1e-9, 1 - u_p)
             slot_wait = mgc_wait(num_decode * self.slots, rate, life_s, cs2=1.0)
             unstable = unstable or not slot_wait.stable
         batch = max(batch, 1.0)
@@ -239,14 +323,14 @@ class LayoutModel:
             inf = math.inf
             return Prediction(layout=layout, rate=rate, ttft_p50_s=inf, ttft_p90_s=inf, tpot_p50_s=inf, tpot_p90_s=inf,
                               goodput=0.0, meets=False, stable=False, binding=binding)
-        step50 = self.step_s(batch)
-        step90 = self.step_s(min(float(self.slots), poisson_quantile(batch)))
+        step50 = self.step_s(batch, decode_factor)
+        step90 = self.step_s(min(float(self.slots), poisson_quantile(batch)), decode_factor)
         # TPOT: decode steps plus, where prompts are prefilled here, the prefills a request sits through.
         stalls = r * osl * step50 / max(1e-9, 1 - u_p) if prefilling_here else 0.0
         tpot50 = step50 + stalls * service / osl
         tpot90 = step90 + (poisson_quantile(stalls) * service / osl if prefilling_here else 0.0)
         join_s = 0.0 if prefilling_here else self.handoff_s + step50 / 2
-        fixed50 = service + join_s + (step50 if prefilling_here else 0.0)
+        fixed50 = service + join_s + (step50 if prefilling_here else 0.0) + self.serving_overhead_s
         ttft50 = wait.quantile(0.5) + slot_wait.quantile(0.5) + fixed50
         ttft90 = wait.quantile(0.9) + slot_wait.quantile(0.9) + fixed50 + (step90 - step50)
         p_ttft = 1 - min(1.0, wait.p_longer(slo.ttft_s - fixed50) + slot_wait.p_longer(slo.ttft_s - fixed50))

@@ -14,6 +14,13 @@ profile.json (schema "splitserve-profile/1"):
     kv         {num_blocks, block_size, block_bytes, capacity_tokens}
     one_thread {prefill, decode}: how many times slower one point of each ran on 1 thread than on num_threads
                (absent when the profile ran on 1; `plan --one-host` scales by them)
+    contention {prefill, decode: [{background_cores, slowdown}]}: how many times slower one point of each ran on
+               num_threads while other processes kept `background_cores` of the machine busy (absent: not measured;
+               `plan --one-host` prices the gateway's and the load generator's CPU with it)
+    serving    {num_requests, prompt_tokens, ttft_overhead_s, step_overhead_s, gateway_cpu_per_request_s,
+                gateway_cpu_per_token_s}: a real `serve` of one colocated worker, one request at a time from a
+               light client (absent: not measured): its TTFT over the engine's prefill, its inter-token time over
+               the engine's decode step, and the CPU its gateway process spent per request and per streamed token
     quick, created, wall_s
 
 The fitted curves (all coefficients >= 0, fitted in relative error by fit.py):
@@ -125,6 +132,24 @@ class KVCapacity:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ContentionPoint:
+    background_cores: float  # cores other processes kept busy while the point ran
+    slowdown: float  # its time then over its time alone (>= 1 unless the noise says otherwise)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Serving:
+    """What a real `serve` adds to the engine's own times (see the module docstring); all >= 0."""
+
+    num_requests: int
+    prompt_tokens: int
+    ttft_overhead_s: float  # the client's TTFT minus the engine's prefill of that prompt (gateway, HTTP, stream)
+    step_overhead_s: float  # the client's inter-token time minus the engine's decode step at batch 1
+    gateway_cpu_per_request_s: float  # CPU seconds of the gateway's process per request (max_tokens 1)
+    gateway_cpu_per_token_s: float  # ... and per streamed token beyond the first
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelIdentity:
     name: str  # the --model it was measured with
     identity: str  # the KV hash namespace's model: a digest of the weights (+quantization), or --model-id
@@ -145,6 +170,9 @@ class Profile:
     handoff_skipped: dict[str, str] = field(default_factory=dict)
     # phase ("prefill", "decode") -> its time on 1 thread over its time on num_threads (measured on one point)
     one_thread: dict[str, float] = field(default_factory=dict)
+    # phase ("prefill", "decode") -> its slowdowns on num_threads under background load, by background cores
+    contention: dict[str, tuple[ContentionPoint, ...]] = field(default_factory=dict)
+    serving: Serving | None = None
     quick: bool = False
     created: str = ""
     wall_s: float = 0.0
@@ -186,6 +214,8 @@ class Profile:
                         "skipped": self.handoff_skipped},
             "kv": {**dataclasses.asdict(self.kv), "capacity_tokens": self.kv.capacity_tokens},
             "one_thread": self.one_thread,
+            "contention": {phase: [dataclasses.asdict(p) for p in points] for phase, points in self.contention.items()},
+            "serving": None if self.serving is None else dataclasses.asdict(self.serving),
         }
 
     def write(self, path: str | Path) -> None:
@@ -234,6 +264,10 @@ def profile_from_json(data: Any, *, source: str = "profile") -> Profile:
             kv=_build(KVCapacity, {k: data["kv"][k] for k in ("num_blocks", "block_size", "block_bytes")},
                       f"{source}: kv"),
             one_thread={str(k): float(v) for k, v in data.get("one_thread", {}).items()},
+            contention={str(phase): tuple(sorted((_build(ContentionPoint, p, f"{source}: contention.{phase}[{i}]")
+                                                  for i, p in enumerate(points)), key=lambda p: p.background_cores))
+                        for phase, points in (data.get("contention") or {}).items()},
+            serving=None if data.get("serving") is None else _build(Serving, data["serving"], f"{source}: serving"),
             quick=bool(data.get("quick", False)), created=str(data.get("created", "")),
             wall_s=float(data.get("wall_s", 0.0)),
         )

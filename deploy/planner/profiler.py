@@ -3,6 +3,8 @@
     measure_prefill(engine, n, c)     one prompt of n new tokens after a cached prefix of c (c: whole blocks, which
                                       the prefix cache holds first), max_tokens 1: seconds from add to finish
     measure_decode(engine, B, ctx)    B sequences of ctx tokens decoding together: seconds per step (the fastest)
+    measure_contention(engine, ...)   one prefill and one decode point again while `Burner` processes keep some
+                                      cores busy: their slowdown against background cores (medians both ways)
     measure_handoff(...)              bench/handoff_cost.py's measure(), run as a subprocess per size: the real
                                       senders and receivers (a decode worker's reservation on a grpc.aio server
                                       in its own process; inproc in one), seconds against bytes per transport
@@ -34,8 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deploy.planner.fit import fit_nonnegative
-from deploy.planner.profile import (DecodeFit, DecodePoint, HandoffFit, HandoffPoint, KVCapacity, ModelIdentity,
-                                    PrefillFit, PrefillPoint, Profile, TransportProfile)
+from deploy.planner.profile import (ContentionPoint, DecodeFit, DecodePoint, HandoffFit, HandoffPoint, KVCapacity,
+                                    ModelIdentity, PrefillFit, PrefillPoint, Profile, TransportProfile)
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -57,6 +59,8 @@ class ProfileGrid:
     repeats: int  # each prefill point's measurements (the fastest is kept)
     one_thread_prefill: tuple[int, int] = (256, 0)  # the points measured again on 1 thread (no cached prefix)
     one_thread_decode: tuple[int, int] = (8, 256)
+    # background cores the contention points run under (each phase's one-thread point, on every thread)
+    contention_cores: tuple[float, ...] = (0.5, 1.0)
 
 
 QUICK_GRID = ProfileGrid(
@@ -164,6 +168,53 @@ def measure_decode(engine: LLMEngine, batch_size: int, context_len: int, num_ste
     return min(times)
 
 
+# A process that keeps `duty` of one core busy: spin for duty x 10 ms, sleep the rest, until killed.
+_BURN = ("import sys, time\nduty = float(sys.argv[1])\nwhile True:\n    end = time.perf_counter() + duty * 0.01\n"
+         "    while time.perf_counter() < end:\n        pass\n    time.sleep((1 - duty) * 0.01)\n")
+
+
+class Burner:
+    """Processes keeping `cores` cores busy (a whole one each, and a part of one for the fraction), as a load
+    generator and a gateway would beside the worker; a context manager that kills them on exit."""
+
+    def __init__(self, cores: float) -> None:
+        duties = [1.0] * int(cores) + ([cores - int(cores)] if cores - int(cores) > 1e-6 else [])
+        self._procs = [subprocess.Popen([sys.executable, "-c", _BURN, f"{d:.3f}"]) for d in duties]
+        time.sleep(0.2)  # running before the timing starts
+
+    def __enter__(self) -> Burner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self._procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def measure_contention(engine: LLMEngine, prefill_point: tuple[int, int], decode_point: tuple[int, int],
+                       cores: Sequence[float], *, decode_steps: int, rng: random.Random) -> dict[str, list[tuple[
+                           float, float]]]:
+    """phase -> [(background cores, slowdown)]: the prefill of `prefill_point` (new, cached) and the decode step
+    of `decode_point` (batch, context) under `Burner(c)` over the same alone, measured right before it. The fastest
+    of each, as every point of the profile: a burner spinning in 10 ms periods slows every prefill and every step
+    (so the fastest still shows it), while other work on a shared machine slows only some."""
+    n, c = prefill_point
+    b, ctx = decode_point
+
+    def both() -> tuple[float, float]:
+        return (min(measure_prefill(engine, n, c, rng) for _ in range(3)),
+                measure_decode(engine, b, ctx, decode_steps, rng))
+
+    out: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
+    for background in cores:
+        alone = both()
+        with Burner(background):
+            loaded = both()
+        out["prefill"].append((background, loaded[0] / alone[0]))
+        out["decode"].append((background, loaded[1] / alone[1]))
+    return out
+
+
 def measure_handoff(transports: Sequence[str], token_counts: Sequence[int], *, dtype: str, repeats: int,
                     timeout_s: float = 300.0) -> tuple[dict[str, list[tuple[int, float]]], dict[str, str]]:
     """(transport -> [(bytes, p50 seconds)]) and (transport -> why it was not measured), by running
@@ -252,7 +303,7 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
                     if n + c < longest and (c == 0 or engine.config.enable_prefix_caching)]
     decode_grid = [(b, ctx) for b, ctx in grid.decode if ctx + grid.decode_steps + 2 < longest]
     num_points = (len(prefill_grid) * grid.repeats + len(decode_grid) + len(grid.handoff_tokens) * bool(transports)
-                  + (torch.get_num_threads() > 1))
+                  + (torch.get_num_threads() > 1) + len(grid.contention_cores))
     progress = Progress(num_points + 1, enabled=show_progress)
     rng = random.Random(seed)
     try:
@@ -290,6 +341,18 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
                 torch.set_num_threads(threads)
             one_thread = {"prefill": one[0] / many[0], "decode": one[1] / many[1]}
             progress.done(f"1 thread: prefill x{one_thread['prefill']:.2f}, decode x{one_thread['decode']:.2f}")
+        contention: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
+        n, c = min(grid.one_thread_prefill[0], longest // 2), 0
+        b, ctx = min(grid.one_thread_decode[0], engine.config.max_num_seqs), min(grid.one_thread_decode[1],
+                                                                               longest // 2)
+        for background in grid.contention_cores:
+            progress.start(f"prefill and decode beside {background:g} busy cores")
+            measured = measure_contention(engine, (n, c), (b, ctx), [background], decode_steps=grid.decode_steps,
+                                          rng=rng)
+            for phase, points in measured.items():
+                contention[phase] += points
+            progress.done(f"{background:g} busy cores: prefill x{measured['prefill'][0][1]:.2f}, "
+                          f"decode x{measured['decode'][0][1]:.2f}")
         handoff_points: dict[str, list[tuple[int, float]]] = {}
         skipped: dict[str, str] = {}
         if transports:
@@ -327,6 +390,8 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
         prefill_points=tuple(prefill_points), prefill=prefill_fit,
         decode_points=tuple(decode_points), decode=decode_fit,
         handoff=handoff, handoff_skipped=skipped, one_thread=one_thread,
+        contention={phase: tuple(ContentionPoint(background_cores=cores, slowdown=slowdown)
+                                 for cores, slowdown in points) for phase, points in contention.items() if points},
         kv=KVCapacity(num_blocks=engine.num_kv_blocks, block_size=block_size,
                       block_bytes=engine.kv_blocks.layout.block_bytes),
         quick=quick, created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -108,6 +108,8 @@ def test_no_layout_meeting_the_slo_exits_1_naming_the_closest(profile_path: Path
     (["--rate", "-2"], "--rate must be positive"),
     (["--ttft-slo", "0.1"], "--ttft-slo 0.1 s is below the profile's floor"),
     (["--max-workers", "0"], "--max-workers must be at least 1"),
+    (["--one-host", "--client-cores", "-1"], "--client-cores must be >= 0"),
+    (["--serving-overhead-s", "-0.1"], "--serving-overhead-s must be >= 0"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(profile_path: Path, capsys: pytest.CaptureFixture[str],
                                                 extra: list[str], match: str) -> None:

@@ -85,7 +85,7 @@ def test_splitserve_profile_quick_writes_a_profile_plan_reads(tiny_dir: Path, tm
 
     out = tmp_path / "profile.json"
     assert main(["profile", "--model", str(tiny_dir), "--quick", "--num-kv-blocks", "512", "--transports", "inproc",
-                 "--out", str(out), "--seed", "0"]) == 0
+                 "--serving-requests", "0", "--out", str(out), "--seed", "0"]) == 0
     err = capsys.readouterr().err
     assert "profile: " in err and "decode batch 8 at 256 tokens" in err  # the progress bar named its points
     profile = load_profile(out)
@@ -102,6 +102,11 @@ def test_splitserve_profile_quick_writes_a_profile_plan_reads(tiny_dir: Path, tm
     # on more than one thread, the one-thread cost of each phase was measured too
     assert set(profile.one_thread) == ({"prefill", "decode"} if data["machine"]["num_threads"] > 1 else set())
     assert all(ratio > 0 for ratio in profile.one_thread.values())
+    # each phase's slowdown beside the quick grid's busy cores (a real measurement: no speed asserted), no serve
+    assert {phase: [p.background_cores for p in points] for phase, points in profile.contention.items()} == {
+        "prefill": [0.5, 1.0], "decode": [0.5, 1.0]}
+    assert all(p.slowdown > 0 for points in profile.contention.values() for p in points)
+    assert profile.serving is None and data["serving"] is None
     for p in profile.prefill_points:
         assert profile.prefill.seconds(p.num_new_tokens, p.num_cached_tokens) > 0
     # plan reads it: a loose SLO for the tiny model is met (exit 0); the flags name the tiny model's directory
@@ -125,6 +130,9 @@ def test_splitserve_profile_quick_on_the_real_model(tmp_path: Path, capsys: pyte
     # the fitted prefill grows with the prompt, and a cached prefix makes a prompt cheaper than computing it all
     assert profile.prefill.seconds(1024) > profile.prefill.seconds(256) > profile.prefill.seconds(32)
     assert profile.prefill.seconds(256, 768) < profile.prefill.seconds(1024)
+    # a real serve of one colocated worker measured what serving adds (6 requests of each kind, 256-word prompts)
+    assert profile.serving is not None and profile.serving.num_requests == 6
+    assert 200 <= profile.serving.prompt_tokens <= 600 and profile.serving.gateway_cpu_per_token_s >= 0
     capsys.readouterr()
     assert main(["plan", "--profile", str(out), "--model", "smollm2-135m", "--isl", "256", "--osl", "64",
                  "--ttft-slo", "5", "--tpot-slo", "0.5", "--max-workers", "4"]) == 0
