@@ -11,14 +11,15 @@ and saves the model's tokenizer where AIPerf reads it offline (deploy/bench/toke
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from deploy.process_group import interrupt_group  # noqa: E402
 MODEL = "smollm2-135m"
 
 
@@ -40,12 +41,7 @@ class Serve:
         raise RuntimeError(f"serve {' '.join(flags)} did not start")
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        interrupt_group(self.proc)
 
 
 def aiperf(url: str, flags: list[str], *, model: str = MODEL) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from deploy.planner.profile import Serving
+from deploy.process_group import interrupt_group
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("the of and to in is was for on that with as by at from his her an which or be are this have not but had "
@@ -64,14 +64,7 @@ class ServeProcess:
         raise RuntimeError(f"splitserve serve {' '.join(args)} did not start")
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        interrupt_group(self.proc)
 
 
 def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:

@@ -209,18 +209,24 @@ def test_a_prefill_that_fails_wakes_the_waiter_which_computes() -> None:
     assert num_inflight == 1  # r2's own (committed); r1's went with its failure
 
 
+async def dispatch_r2_while_r1_in_flight(d, registry, between=lambda: None) -> None:  # noqa: ANN001
+    """Open r1, then (after `between`) r2 while r1's prefill is in flight; both are dispatched, then answered."""
+    first = asyncio.ensure_future(d.open(job("r1", PROMPT_1), Tracker()))  # type: ignore[arg-type]
+    await until(lambda: "r1" in registry.sent, "r1 dispatched")
+    between()
+    second = asyncio.ensure_future(d.open(job("r2", PROMPT_2), Tracker()))  # type: ignore[arg-type]
+    await until(lambda: "r2" in registry.sent, "r2 dispatched while r1 is in flight")
+    for name in ("r1", "r2"):
+        registry.sent[name][2].reply.set_result(first_message())
+    for task in (first, second):
+        (await task).close()
+
+
 def test_without_peer_fetch_nothing_waits() -> None:
     async def scenario() -> serving_pb2.GenerateRequest:
         d, registry, index, clock = dispatcher(peer_fetch=False)
         assert d._inflight is None
-        first = asyncio.ensure_future(d.open(job("r1", PROMPT_1), Tracker()))  # type: ignore[arg-type]
-        await until(lambda: "r1" in registry.sent, "r1 dispatched")
-        second = asyncio.ensure_future(d.open(job("r2", PROMPT_2), Tracker()))  # type: ignore[arg-type]
-        await until(lambda: "r2" in registry.sent, "r2 dispatched while r1 is in flight")
-        for name in ("r1", "r2"):
-            registry.sent[name][2].reply.set_result(first_message())
-        for task in (first, second):
-            (await task).close()
+        await dispatch_r2_while_r1_in_flight(d, registry)
         return registry.sent["r2"][1]
 
     request = asyncio.run(scenario())
@@ -233,15 +239,11 @@ def test_a_prompt_the_first_ones_worker_runs_itself_does_not_wait() -> None:
     async def scenario() -> tuple[str, bool]:
         d, registry, index, clock = dispatcher(peer_fetch=True)
         registry.queued["p1"] = 5
-        first = asyncio.ensure_future(d.open(job("r1", PROMPT_1), Tracker()))  # type: ignore[arg-type]
-        await until(lambda: "r1" in registry.sent, "r1 dispatched")
-        clock.now += 5.0
-        second = asyncio.ensure_future(d.open(job("r2", PROMPT_2), Tracker()))  # type: ignore[arg-type]
-        await until(lambda: "r2" in registry.sent, "r2 dispatched while r1 is in flight")
-        for name in ("r1", "r2"):
-            registry.sent[name][2].reply.set_result(first_message())
-        for task in (first, second):
-            (await task).close()
+
+        def later() -> None:
+            clock.now += 5.0
+
+        await dispatch_r2_while_r1_in_flight(d, registry, later)
         return registry.sent["r2"][0], registry.sent["r2"][1].HasField("peer_fetch")
 
     assert asyncio.run(scenario()) == ("p0", False)
