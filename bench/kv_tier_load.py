@@ -146,7 +146,7 @@ def main() -> None:
                   f"({warm_s / cold_s:.2f}x), {len(load_s)} blocks loaded at {per_block_load * 1e6:7.1f} us each "
                   f"against {per_block_compute * 1e6:7.1f} us a block computed "
                   f"({per_block_load / per_block_compute:.3f}x)", flush=True)
-        engine.close() if hasattr(engine, "close") else None
+        engine.close()
     summary = {k: statistics.median(row[k] for row in rows)
                for k in ("cold_ttft_s", "return_ttft_s", "load_s_per_block", "compute_s_per_block")}
     print(f"median: cold {summary['cold_ttft_s'] * 1e3:.1f} ms, returning {summary['return_ttft_s'] * 1e3:.1f} ms; "

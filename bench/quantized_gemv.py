@@ -32,9 +32,19 @@ from engine.kernels.fp8_linear import fp8_linear  # noqa: E402
 from engine.kernels.quantized_weight import QuantizedWeight  # noqa: E402
 from engine.kernels.triton import weight_only_gemv as gemv  # noqa: E402
 from engine.kernels.triton.int8_linear import int8_linear  # noqa: E402
+from engine.loader.dummy_weights import dummy_model_config  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
 
-SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}  # (N, K)
-NUM_LAYERS = 16
+SHAPE = "llama-3.2-1b"  # the dummy shape whose layers are timed (engine/loader/dummy_weights.py)
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) features of one layer's four GEMMs, as the engine fuses them (q/k/v, gate/up)."""
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    attention = config.num_heads * config.head_dim
+    return {"qkv": (qkv, config.hidden_size), "o": (config.hidden_size, attention),
+            "gate_up": (2 * config.intermediate_size, config.hidden_size),
+            "down": (config.hidden_size, config.intermediate_size)}
 COPIES_BYTES = 512 << 20
 
 
@@ -85,7 +95,9 @@ def main() -> None:
     tiles = parse_tiles(args.tiles)
     results: dict[str, dict[str, float]] = {}  # config -> "layer@rows" -> seconds
     print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}")
-    for layer, (n, k) in SHAPES.items():
+    config = dummy_model_config(SHAPE)
+    shapes = layer_shapes(config)
+    for layer, (n, k) in shapes.items():
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         copies = max(2, COPIES_BYTES // (n * k * 2))
         bf16 = [dense.clone() for _ in range(copies)]
@@ -110,11 +122,11 @@ def main() -> None:
                       f"{n * k * elem / seconds / 1e9:7.0f} GB/s", flush=True)
         del bf16, int8, fp8
         torch.cuda.empty_cache()
-    print("\nthe step's GEMMs (16 layers x qkv, o, gate_up, down), us:")
+    print(f"\nthe step's GEMMs ({config.num_layers} layers x qkv, o, gate_up, down), us:")
     rows_list = [int(r) for r in args.rows.split(",")]
     print("| config | " + " | ".join(f"rows {r}" for r in rows_list) + " | / bf16 at rows 1 |")
     print("|---|" + "---:|" * (len(rows_list) + 1))
-    step = {name: {r: NUM_LAYERS * sum(t[f"{layer}@{r}"] for layer in SHAPES) for r in rows_list}
+    step = {name: {r: config.num_layers * sum(t[f"{layer}@{r}"] for layer in shapes) for r in rows_list}
             for name, t in results.items()}
     base = step["bf16 cuBLAS"][rows_list[0]]
     for name, by_rows in step.items():

@@ -122,9 +122,11 @@ class ModelRunner:
         """For the structured requests of `items` whose last token the step before samples (async scheduling): what
         reads those tokens on the host (their grammar must accept them before it masks this step); None: none."""
         last = self._last
+        if self.grammars is None or last is None:  # no structured request yet, or nothing in flight
+            return None
         ids = [item.request.request_id for item in items
                if item.takes_last_sample and item.request.sampling_params.structured_outputs is not None]
-        if not ids or last is None:
+        if not ids:
             return None
         return lambda: {request_id: last.token_of(request_id) for request_id in ids}
 

@@ -221,6 +221,13 @@ def contention_slowdown(profile: Profile, phase: str, background_cores: float, t
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (background_cores - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
+def _unstable(layout: Layout, rate: float, binding: str) -> Prediction:
+    """A layout that cannot keep up at `rate`, `binding` saying why: every latency infinite, no goodput."""
+    inf = math.inf
+    return Prediction(layout=layout, rate=rate, ttft_p50_s=inf, ttft_p90_s=inf, tpot_p50_s=inf, tpot_p90_s=inf,
+                      goodput=0.0, meets=False, stable=False, binding=binding)
+
+
 class LayoutModel:
     """A layout's costs on a profile and traffic; `predict` prices it at one rate."""
 
@@ -298,9 +305,7 @@ class LayoutModel:
         prefill_servers = num_decode if prefilling_here else layout.num_prefill
         prefill_factor, decode_factor = self.contention(rate)
         if math.isinf(prefill_factor) or math.isinf(decode_factor):  # the background takes every core
-            inf = math.inf
-            return Prediction(layout=layout, rate=rate, ttft_p50_s=inf, ttft_p90_s=inf, tpot_p50_s=inf, tpot_p90_s=inf,
-                              goodput=0.0, meets=False, stable=False, binding="host cores")
+            return _unstable(layout, rate, "host cores")
         wait, service = self._prefill_wait(prefill_servers, rate, prefill_factor)
         r = rate / num_decode  # per decode (or colocated) worker
         u_p = r * service if prefilling_here else 0.0  # the share of a worker's time its prompts take
@@ -319,10 +324,7 @@ class LayoutModel:
             unstable = unstable or not slot_wait.stable
         batch = max(batch, 1.0)
         if unstable:
-            binding = "prefill capacity" if (not wait.stable or u_p >= 1) else "decode capacity"
-            inf = math.inf
-            return Prediction(layout=layout, rate=rate, ttft_p50_s=inf, ttft_p90_s=inf, tpot_p50_s=inf, tpot_p90_s=inf,
-                              goodput=0.0, meets=False, stable=False, binding=binding)
+            return _unstable(layout, rate, "prefill capacity" if (not wait.stable or u_p >= 1) else "decode capacity")
         step50 = self.step_s(batch, decode_factor)
         step90 = self.step_s(min(float(self.slots), poisson_quantile(batch)), decode_factor)
         # TPOT: decode steps plus, where prompts are prefilled here, the prefills a request sits through.
