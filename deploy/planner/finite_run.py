@@ -131,7 +131,8 @@ class _Worker:
         self.waiting.append(request)
         if not self.busy:
             self._start_step(now_s)
-        elif self.run_steps > 1:  # (0 while a step's end is being processed: it starts the next step itself)  # decode-only steps under way: join at the next boundary
+        elif self.run_steps > 1:  # decode-only steps under way: join at the next boundary (run_steps is 0 while a
+            # step's end is being processed, which starts the next step itself)
             done = min(self.run_steps, math.floor((now_s - self.run_start_s) / self.run_step_s + 1e-9) + 1)
             if done < self.run_steps:
                 self.run_steps = done

@@ -148,5 +148,5 @@ def format_comparisons(comparisons: list[Comparison], summary: dict[str, Any]) -
     of = f" (a run of {summary['num_requests']})" if summary.get("num_requests") else ""
     lines.append(f"highest rate within the SLO: predicted {'none' if predicted is None else f'{predicted:.2f}'}{of}, "
                  f"steady state {'none' if steady is None else f'{steady:.2f}'}, measured "
-                 f"{'none' if measured is None else f'{measured:.2f} (the highest run rate that met it, none refused)'}")
+                 + ("none" if measured is None else f"{measured:.2f} (the highest run rate that met it, none refused)"))
     return "\n".join(lines)
