@@ -7,7 +7,7 @@ prediction at each rate, metric by metric (`splitserve plan --validate`'s compar
 
 Writes DIR/plan.json (`plan --json` of that traffic and SLO, no rate: each layout's highest rate) and
 DIR/report.json (schema splitserve-bench/1, deploy/planner/validate.py: the served layout and one run per rate,
-as `splitserve bench` writes them: deploy/bench/report.py), then prints
+as `splitserve bench` writes them: deploy/bench/report.py, with the requests sent), then prints
 `splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
 `colocatedxN`. With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
 prediction scales compute times accordingly, and counts AIPerf's own CPU against the workers' cores: the cores
@@ -98,6 +98,7 @@ def main() -> int:
                                           str(args.num_requests), "--random-seed", str(7 + i)])
             (out / f"aiperf-{rate:g}.json").write_text(json.dumps(summary, indent=1))
             runs.append(run_from_summary(summary, mode="rate", point=rate, seed=7 + i, command=[], stages=None))
+            runs[-1]["num_requests_sent"] = args.num_requests  # validate prices a finite run of these
             print(f"rate {rate}: {json.dumps(runs[-1])}", flush=True)
     finally:
         server.stop()

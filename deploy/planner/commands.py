@@ -3,6 +3,7 @@
     splitserve profile --model M [engine flags] --out profile.json [--quick] [--transports grpc,inproc]
     splitserve plan --profile profile.json --isl 1024 --osl 256 --ttft-slo 2 --tpot-slo 0.15 [--rate 2.5] ...
     splitserve plan --profile profile.json --validate DIR
+    splitserve plan ... --num-requests N       a finite run of N requests (deploy/planner/finite_run.py)
 
 Exit status: 0; 1 when `plan` finds no layout meeting the SLO (the closest is printed, with what binds); 2 for bad
 input (a profile from another model than --model, a negative rate, an SLO below the profile's floor).
@@ -43,6 +44,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--prefix-hit", type=float, default=0.0, help="fraction of each prompt found in the prefix cache")
     q.add_argument("--rate", type=float, default=None,
                    help="requests/s (Poisson); omitted: each layout's highest rate within the SLO")
+    q.add_argument("--num-requests", type=int, default=None,
+                   help="price a finite run of this many requests (a bench run's length: its backlog past capacity "
+                        "and the gateway's refusals); omitted: steady state")
     q.add_argument("--ttft-slo", type=float, default=None, help="seconds: the TTFT p90 to meet")
     q.add_argument("--tpot-slo", type=float, default=None, help="seconds: the TPOT p90 to meet")
     q.add_argument("--max-workers", type=int, default=16, help="workers at most, all pools together")
@@ -145,7 +149,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
                                         ("--tpot-slo", args.tpot_slo)) if value is None]
     if missing:
         raise ValueError(f"plan needs {', '.join(missing)} (or --validate DIR)")
-    traffic = Traffic(isl=args.isl, osl=args.osl, prefix_hit=args.prefix_hit, rate=args.rate)
+    traffic = Traffic(isl=args.isl, osl=args.osl, prefix_hit=args.prefix_hit, rate=args.rate,
+                      num_requests=args.num_requests)
     slo = SLO(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
     result = plan(profile, traffic, slo, options)
     if args.json:

@@ -38,6 +38,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from deploy.planner.finite_run import simulate
 from deploy.planner.profile import Profile
 from deploy.planner.queueing import NO_WAIT, Wait, erlang_c, mgc_wait, poisson_quantile
 
@@ -50,6 +51,7 @@ class Traffic:
     osl: int  # output tokens per request
     prefix_hit: float = 0.0  # the fraction of each prompt the prefix cache holds
     rate: float | None = None  # requests/s; None: find each layout's highest within the SLO
+    num_requests: int | None = None  # a finite run of this many requests (finite_run.py); None: steady state
 
     def __post_init__(self) -> None:
         if self.isl < 1 or self.osl < 1:
@@ -58,6 +60,8 @@ class Traffic:
             raise ValueError(f"--prefix-hit must be in [0, 1), got {self.prefix_hit}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"--rate must be positive (requests/s), got {self.rate}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"--num-requests must be at least 1, got {self.num_requests}")
 
     @property
     def num_cached_tokens(self) -> int:
@@ -135,6 +139,8 @@ class Prediction:
     binding: str  # what limits it: "ttft", "tpot", "prefill capacity", "decode capacity", "host cores" (the
     # background takes them all), or "" when it meets
     max_rate: float | None = None  # the highest rate within the SLO (rate omitted)
+    num_requests: int | None = None  # a finite run's length (None: steady state)
+    num_refused: float = 0.0  # a finite run: requests the gateway's admission queue refuses (the mean)
 
     def to_json(self) -> dict:
         def finite(x: float | None) -> float | None:
@@ -146,7 +152,8 @@ class Prediction:
                 "rate": finite(self.rate), "ttft_p50_s": finite(self.ttft_p50_s), "ttft_p90_s": finite(self.ttft_p90_s),
                 "tpot_p50_s": finite(self.tpot_p50_s), "tpot_p90_s": finite(self.tpot_p90_s),
                 "goodput": finite(self.goodput), "meets_slo": self.meets, "stable": self.stable,
-                "binding": self.binding, "max_rate": finite(self.max_rate)}
+                "binding": self.binding, "max_rate": finite(self.max_rate), "num_requests": self.num_requests,
+                "num_refused": round(self.num_refused, 3)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -299,6 +306,27 @@ class LayoutModel:
         return wait, service
 
     def predict(self, rate: float, slo: SLO) -> Prediction:
+        """The layout at `rate`: in steady state, or, with the traffic's num_requests, a finite run of them."""
+        if self.traffic.num_requests is not None:
+            return self.predict_finite(rate, slo, self.traffic.num_requests)
+        return self.predict_steady(rate, slo)
+
+    def predict_finite(self, rate: float, slo: SLO, num_requests: int) -> Prediction:
+        """A run of `num_requests` at `rate` (finite_run.py): it meets the SLO when its completed requests' TTFT
+        and TPOT p90s are within it and the gateway is expected to refuse none of them (fewer than half a request
+        on average); past capacity it misses with binding "admission" when it refuses, else "ttft" or "tpot"."""
+        run = simulate(self, rate, num_requests, ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s)
+        meets_ttft, meets_tpot = run.ttft_p90_s <= slo.ttft_s, run.tpot_p90_s <= slo.tpot_s
+        refuses = run.num_refused >= 0.5
+        binding = "" if meets_ttft and meets_tpot and not refuses else "admission" if refuses else (
+            "ttft" if run.ttft_p90_s / slo.ttft_s >= run.tpot_p90_s / slo.tpot_s else "tpot")
+        return Prediction(layout=self.layout, rate=rate, ttft_p50_s=run.ttft_p50_s, ttft_p90_s=run.ttft_p90_s,
+                          tpot_p50_s=run.tpot_p50_s, tpot_p90_s=run.tpot_p90_s, goodput=run.goodput,
+                          meets=not binding, stable=math.isfinite(run.ttft_p90_s), binding=binding,
+                          num_requests=num_requests, num_refused=run.num_refused)
+
+    def predict_steady(self, rate: float, slo: SLO) -> Prediction:
+        """The layout at `rate` in steady state (the module docstring's model)."""
         layout, osl = self.layout, self.traffic.osl
         prefilling_here = layout.colocated or self.local
         num_decode = layout.num_colocated or layout.num_decode
@@ -347,7 +375,8 @@ class LayoutModel:
 
     def max_rate(self, slo: SLO) -> Prediction | None:
         """The prediction at the highest rate within the SLO (bisection: every cost grows with the rate); None
-        when even a trickle misses it."""
+        when even a trickle misses it. A finite run's to 1% (each try simulates it), steady state's to 0.01%."""
+        tolerance = 1e-2 if self.traffic.num_requests is not None else 1e-4
         low = 1e-6
         first = self.predict(low, slo)
         if not first.meets:
@@ -361,7 +390,7 @@ class LayoutModel:
                 low = mid
             else:
                 high = mid
-            if high - low < 1e-4 * high:
+            if high - low < tolerance * high:
                 break
         return dataclasses.replace(self.predict(low, slo), max_rate=low)
 

@@ -20,17 +20,19 @@ def _ms(seconds: float) -> str:
 
 
 def format_table(plan: Plan, *, top: int = 10) -> str:
-    """The ranked layouts, `top` of them: layout, workers, TTFT and TPOT p50/p90 (ms), goodput, and whether it
-    meets the SLO (else what binds)."""
+    """The ranked layouts, `top` of them: layout, workers, TTFT and TPOT p50/p90 (ms), goodput, for a finite run
+    the requests refused, and whether it meets the SLO (else what binds)."""
     with_max = plan.traffic.rate is None
+    finite = plan.traffic.num_requests is not None  # a finite run: the requests the gateway refuses, too
     header = f"{'#':>2}  {'layout':34s} {'workers':>7}  {'TTFT p50':>8} {'p90':>6}  {'TPOT p50':>8} {'p90':>6}  " \
-             f"{'goodput':>8}  " + ("max rate  " if with_max else "") + "SLO"
+             f"{'goodput':>8}  " + ("refused  " if finite else "") + ("max rate  " if with_max else "") + "SLO"
     lines = [header, "-" * len(header)]
     for i, p in enumerate(plan.ranked[:top], 1):
         rate = f"{p.max_rate:8.2f}  " if with_max and p.max_rate is not None else ("       -  " if with_max else "")
+        refused = f"{p.num_refused:7.1f}  " if finite else ""
         lines.append(f"{i:>2}  {p.layout.label:34s} {p.layout.num_workers:>7}  {_ms(p.ttft_p50_s):>8} "
                      f"{_ms(p.ttft_p90_s):>6}  {_ms(p.tpot_p50_s):>8} {_ms(p.tpot_p90_s):>6}  {p.goodput:8.2f}  "
-                     f"{rate}{'meets' if p.meets else 'misses: ' + p.binding}")
+                     f"{refused}{rate}{'meets' if p.meets else 'misses: ' + p.binding}")
     return "\n".join(lines)
 
 
@@ -114,7 +116,7 @@ def plan_json(profile: Profile, plan: Plan, *, top: int | None = None) -> dict[s
         "profile": {"model": profile.model.name, "identity": profile.model.identity, "created": profile.created,
                     "device": profile.machine.get("device")},
         "traffic": {"isl": plan.traffic.isl, "osl": plan.traffic.osl, "prefix_hit": plan.traffic.prefix_hit,
-                    "rate": plan.traffic.rate},
+                    "rate": plan.traffic.rate, "num_requests": plan.traffic.num_requests},
         "slo": {"ttft_s": plan.slo.ttft_s, "tpot_s": plan.slo.tpot_s},
         "met": plan.met,
         "problem": plan.problem,

@@ -11,18 +11,25 @@ DIR holds two files:
         {"schema": "splitserve-bench/1",
          "layout": {...}                      optional: a layout as plan.json writes one; default plan.json's best
          "runs": [{"rate": 2.0,               requests/s offered (Poisson); a run without a rate is not compared
-                   "num_requests": 200,
+                   "num_requests": 200,           completed (AIPerf's request_count)
+                   "num_errors": 3,               optional: failed, here refused by the gateway (429/503)
+                   "num_requests_sent": 203,      optional: sent (default num_requests + num_errors)
                    "ttft_s": {"p50": 0.41, "p90": 0.77},
                    "tpot_s": {"p50": 0.052, "p90": 0.061},
                    "goodput_rps": 1.9}]}      optional: requests/s meeting both SLOs
 
-For each run the layout is priced at the run's rate from the profile and each metric is compared: predicted,
-measured, predicted / measured - 1. The highest sustainable rate is compared with the highest run rate whose
-TTFT p90 and TPOT p90 met the plan's SLO (a lower bound, as good as the sweep's spacing).
+For each run the layout is priced at the run's rate as a finite run of the requests it sent (finite_run.py:
+past capacity a run of N has a finite backlog, and the gateway refuses what its queue cannot hold), and each
+metric is compared: predicted, measured, predicted / measured - 1; the steady-state prediction rides along for
+reference (inf where the pools cannot keep up). Refusals compare the predicted mean count with the run's errors
+(their error is the difference, predicted - measured, not a ratio). The highest sustainable rate is compared with
+the highest run rate whose TTFT p90 and TPOT p90 met the plan's SLO with nothing refused (a lower bound, as good
+as the sweep's spacing); predicted for a run of the first run's length, and in steady state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -41,12 +48,16 @@ METRICS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "goodput")
 class Comparison:
     rate: float
     metric: str
-    predicted: float
+    predicted: float  # a finite run of the run's requests
     measured: float
+    steady: float = math.nan  # the steady-state prediction (inf: the pools cannot keep up)
+    num_requests: int | None = None  # the run's requests sent
 
     @property
     def error(self) -> float:
-        """predicted / measured - 1 (inf where the measurement is 0)."""
+        """predicted / measured - 1 (inf where the measurement is 0); for "refused", predicted - measured."""
+        if self.metric == "refused":
+            return self.predicted - self.measured
         return math.inf if self.measured == 0 else self.predicted / self.measured - 1
 
 
@@ -85,6 +96,7 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
     model = LayoutModel(profile, traffic, layout, options)
     comparisons: list[Comparison] = []
     sustained = []
+    first_n: int | None = None
     for i, run in enumerate(report.get("runs", [])):
         rate = run.get("rate")
         if rate is None:
@@ -97,25 +109,44 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
                              "p90") from None
         if run.get("goodput_rps") is not None:
             measured["goodput"] = run["goodput_rps"]
-        predicted = model.predict(float(rate), slo)
+        num_errors = int(run.get("num_errors") or 0)
+        measured["refused"] = num_errors
+        num_sent = int(run.get("num_requests_sent") or (int(run.get("num_requests") or 0) + num_errors))
+        first_n = first_n or num_sent or None
+        steady = model.predict_steady(float(rate), slo)
+        predicted = model.predict_finite(float(rate), slo, num_sent) if num_sent else steady
         for metric, value in measured.items():
-            comparisons.append(Comparison(rate=float(rate), metric=metric, predicted=getattr(predicted, metric),
-                                          measured=float(value)))
-        if measured["ttft_p90_s"] <= slo.ttft_s and measured["tpot_p90_s"] <= slo.tpot_s:
+            guess = predicted.num_refused if metric == "refused" else getattr(predicted, metric)
+            comparisons.append(Comparison(rate=float(rate), metric=metric, predicted=guess, measured=float(value),
+                                          steady=0.0 if metric == "refused" else getattr(steady, metric),
+                                          num_requests=num_sent or None))
+        if measured["ttft_p90_s"] <= slo.ttft_s and measured["tpot_p90_s"] <= slo.tpot_s and not num_errors:
             sustained.append(float(rate))
-    best = model.max_rate(slo)
+    best_steady = model.max_rate(slo)
+    best = best_steady
+    if first_n is not None:
+        best = LayoutModel(profile, dataclasses.replace(traffic, num_requests=first_n), layout, options).max_rate(slo)
     summary = {"layout": layout.label, "predicted_max_rate": None if best is None else best.max_rate,
+               "num_requests": first_n,
+               "steady_max_rate": None if best_steady is None else best_steady.max_rate,
                "measured_max_rate": max(sustained) if sustained else None}
     return comparisons, summary
 
 
 def format_comparisons(comparisons: list[Comparison], summary: dict[str, Any]) -> str:
     lines = [f"layout {summary['layout']}",
-             f"{'rate':>6}  {'metric':12s} {'predicted':>10} {'measured':>10} {'error':>8}"]
+             f"{'rate':>6}  {'metric':12s} {'predicted':>10} {'measured':>10} {'error':>8}  {'steady state':>12}"]
     for c in comparisons:
-        error = "inf" if math.isinf(c.error) else f"{c.error * 100:+.0f}%"
-        lines.append(f"{c.rate:6.2f}  {c.metric:12s} {c.predicted:10.4f} {c.measured:10.4f} {error:>8}")
+        if c.metric == "refused":
+            error = f"{c.error:+.1f}"
+        else:
+            error = "inf" if math.isinf(c.error) else f"{c.error * 100:+.0f}%"
+        steady = "" if c.metric == "refused" else f"{c.steady:12.4f}"
+        lines.append(f"{c.rate:6.2f}  {c.metric:12s} {c.predicted:10.4f} {c.measured:10.4f} {error:>8}  {steady}")
     predicted, measured = summary["predicted_max_rate"], summary["measured_max_rate"]
-    lines.append(f"highest rate within the SLO: predicted {'none' if predicted is None else f'{predicted:.2f}'}, "
-                 f"measured {'none' if measured is None else f'{measured:.2f} (the highest run rate that met it)'}")
+    steady = summary.get("steady_max_rate")
+    of = f" (a run of {summary['num_requests']})" if summary.get("num_requests") else ""
+    lines.append(f"highest rate within the SLO: predicted {'none' if predicted is None else f'{predicted:.2f}'}{of}, "
+                 f"steady state {'none' if steady is None else f'{steady:.2f}'}, measured "
+                 + ("none" if measured is None else f"{measured:.2f} (the highest run rate that met it, none refused)"))
     return "\n".join(lines)

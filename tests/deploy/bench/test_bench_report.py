@@ -109,7 +109,7 @@ def test_plan_validate_reads_the_report(tmp_path: Path) -> None:
     assert measured == {**{(rate, m): v for rate in (0.5, 1.0) for m, v in (
         ("ttft_p50_s", run["ttft_s"]["p50"]), ("ttft_p90_s", run["ttft_s"]["p90"]),
         ("tpot_p50_s", run["tpot_s"]["p50"]), ("tpot_p90_s", run["tpot_s"]["p90"]),
-        ("goodput", run["goodput_rps"]))}}
+        ("goodput", run["goodput_rps"]), ("refused", run["num_errors"]))}}
     assert bench["versions"]["aiperf"] == summary["aiperf_version"]
 
 

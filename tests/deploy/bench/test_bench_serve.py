@@ -96,7 +96,7 @@ def test_plan_validate_reads_the_report(bench_dir: Path, tmp_path: Path,
     comparisons = json.loads(capsys.readouterr().out)["comparisons"]
     assert {(c["rate"], c["metric"]) for c in comparisons} == {
         (rate, metric) for rate in RATES
-        for metric in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "goodput")}
+        for metric in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "goodput", "refused")}
 
 
 def test_chat_at_a_concurrency(served: str, tmp_path: Path) -> None:

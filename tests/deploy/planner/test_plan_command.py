@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser, main
+from deploy.planner.planner import SLO, Layout, LayoutModel, PlanOptions, Traffic
 from deploy.planner.profile import load_profile, profile_from_json
 from deploy.planner.render import serve_flags
 from tests.deploy.planner.synthetic import synthetic_profile
@@ -139,27 +140,72 @@ def test_validate_compares_a_bench_report_with_the_plan(profile_path: Path, tmp_
     run_dir.mkdir()
     assert main(["plan", "--profile", str(profile_path), *PLAN, "--json"]) == 0
     (run_dir / "plan.json").write_text(capsys.readouterr().out)
-    best = json.loads((run_dir / "plan.json").read_text())["best"]
-    # A report whose numbers are the prediction's at 2.5 req/s, 10% higher, and a run at 40 req/s that missed.
+    planned = json.loads((run_dir / "plan.json").read_text())
+    # Each run is priced as a finite run of the requests it sent (100: completed + refused).
+    profile = load_profile(profile_path)
+    traffic = Traffic(isl=1024, osl=256, num_requests=100)
+    layout = Layout(**{k: v for k, v in planned["best"]["layout"].items() if k not in ("label", "num_workers", "kind")})
+    predicted = LayoutModel(profile, traffic, layout, PlanOptions()).predict(2.5, SLO(ttft_s=2, tpot_s=0.15))
+    # A report whose numbers are that prediction's at 2.5 req/s, 10% higher, and a run at 40 req/s that missed.
     report = {"schema": "splitserve-bench/1", "runs": [
-        {"rate": 2.5, "num_requests": 100, "ttft_s": {"p50": best["ttft_p50_s"] * 1.1, "p90": best["ttft_p90_s"] * 1.1},
-         "tpot_s": {"p50": best["tpot_p50_s"] * 1.1, "p90": best["tpot_p90_s"] * 1.1}},
-        {"rate": 40.0, "num_requests": 100, "ttft_s": {"p50": 30.0, "p90": 60.0}, "tpot_s": {"p50": 0.5, "p90": 0.9}}]}
+        {"rate": 2.5, "num_requests": 100, "ttft_s": {"p50": predicted.ttft_p50_s * 1.1,
+                                                      "p90": predicted.ttft_p90_s * 1.1},
+         "tpot_s": {"p50": predicted.tpot_p50_s * 1.1, "p90": predicted.tpot_p90_s * 1.1}},
+        {"rate": 40.0, "num_requests": 100, "num_errors": 200, "ttft_s": {"p50": 30.0, "p90": 60.0},
+         "tpot_s": {"p50": 0.5, "p90": 0.9}}]}
     (run_dir / "report.json").write_text(json.dumps(report))
     assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     at_plan = [c for c in data["comparisons"] if c["rate"] == 2.5]
-    assert {c["metric"] for c in at_plan} == {"ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s"}
+    assert {c["metric"] for c in at_plan} == {"ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "refused"}
     for c in at_plan:
-        assert c["error"] == pytest.approx(1 / 1.1 - 1, abs=1e-3), c
-    assert data["summary"]["measured_max_rate"] == 2.5 and data["summary"]["predicted_max_rate"] > 2.5
+        assert c["num_requests"] == 100
+        if c["metric"] == "refused":
+            assert c["measured"] == 0 and c["error"] == c["predicted"] == 0
+        else:
+            assert c["error"] == pytest.approx(1 / 1.1 - 1, abs=1e-3), c
+            assert c["steady"] == pytest.approx(planned["best"][c["metric"]], rel=1e-3)  # the steady state's, beside
+    # At 40 req/s the run refused 200 of its 300 (colocated x4: 64 slots and as many queued); the finite run
+    # predicts refusals too, and their error is a difference.
+    (refused,) = [c for c in data["comparisons"] if c["rate"] == 40.0 and c["metric"] == "refused"]
+    assert refused["measured"] == 200 and refused["num_requests"] == 300 and refused["predicted"] > 100
+    assert refused["error"] == pytest.approx(refused["predicted"] - 200)
+    summary = data["summary"]
+    assert summary["measured_max_rate"] == 2.5 and summary["num_requests"] == 100
+    assert summary["predicted_max_rate"] > 2.5 and summary["steady_max_rate"] > 2.5
     assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir)]) == 0
-    assert "highest rate within the SLO: predicted" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "highest rate within the SLO: predicted" in out and "(a run of 100), steady state" in out
     # a plan made on another model's profile is refused
     other = tmp_path / "other.json"
     synthetic_profile(model="llama-3.2-1b", identity="sha256:other").write(other)
     assert main(["plan", "--profile", str(other), "--validate", str(run_dir)]) == 2
     assert "was planned on a profile of smollm2-135m" in capsys.readouterr().err
+
+
+def test_validate_counts_no_run_that_refused_requests_as_sustained(profile_path: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert main(["plan", "--profile", str(profile_path), *PLAN, "--json"]) == 0
+    (run_dir / "plan.json").write_text(capsys.readouterr().out)
+    within = {"ttft_s": {"p50": 0.5, "p90": 1.0}, "tpot_s": {"p50": 0.05, "p90": 0.1}}
+    (run_dir / "report.json").write_text(json.dumps({"schema": "splitserve-bench/1", "runs": [
+        {"rate": 1.0, "num_requests": 40, **within},
+        {"rate": 2.0, "num_requests": 37, "num_errors": 3, **within}]}))  # its completed ones within the SLO
+    assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["measured_max_rate"] == 1.0
+
+
+def test_plan_prices_a_finite_run(profile_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--profile", str(profile_path), *PLAN, "--num-requests", "40", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["traffic"]["num_requests"] == 40
+    assert data["best"]["num_requests"] == 40 and data["best"]["num_refused"] == 0
+    assert main(["plan", "--profile", str(profile_path), *PLAN, "--num-requests", "40"]) == 0
+    assert "refused" in capsys.readouterr().out.splitlines()[1]
+    assert main(["plan", "--profile", str(profile_path), *PLAN, "--num-requests", "0"]) == 2
+    assert "--num-requests must be at least 1" in capsys.readouterr().err
 
 
 def test_validate_names_what_a_report_lacks(profile_path: Path, tmp_path: Path,

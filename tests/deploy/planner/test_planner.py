@@ -174,8 +174,8 @@ def test_the_planner_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    modules = ["deploy.planner." + m for m in ("fit", "profile", "queueing", "planner", "render", "validate",
-                                               "commands")]
+    modules = ["deploy.planner." + m for m in ("fit", "profile", "queueing", "finite_run", "planner", "render",
+                                               "validate", "commands")]
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
         "from deploy.cli import build_parser\nbuild_parser()\n"
         "print(sorted(name for name in ('torch', 'numpy') if name in sys.modules))\n")
