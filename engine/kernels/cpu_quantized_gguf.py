@@ -313,22 +313,35 @@ inline void lanes(const uint8_t* row, int64_t nb, const uint8_t* xt, const float
   }
 }
 
+@WIDE_LANES@
+// Rows in chunks, and within a chunk the tiles in groups of up to 4 (2 for rows of more than 32 blocks), each group
+// against every row of the chunk: a group's activations (tiles x nb x 256 bytes) stay in L1 while the chunk's rows pass over them, and a prefill's
+// many tiles are read once a chunk instead of once a row. A chunk's outputs go to a buffer first and then to y a
+// token's run of rows at a time: written straight to y, one row's 8 tokens a tile land O floats apart, which for
+// O a multiple of 1,024 (gate_up, the LM head) is one L1 set, evicting itself.
 template <int64_t FMT>
 void lane_rows_of(const uint8_t* w, int64_t K, const uint8_t* xt, const float* dt, const float* st,
                   const int32_t* ct, int64_t num_tiles, float* y, int64_t O, int64_t o0, int64_t o1) {
-  const int64_t nb = K / QK;
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* row = w + o * nb * block_bytes(FMT);
+  constexpr int64_t kChunk = 16, kGroupBlocks = 32;  // 4 tiles of 32 blocks: 32 KiB of activations
+  const int64_t nb = K / QK, tokens = num_tiles * 8;
+  std::vector<float> buf(tokens * kChunk);
+  for (int64_t r0 = o0; r0 < o1; r0 += kChunk) {
+    const int64_t r1 = std::min(o1, r0 + kChunk);
     int64_t tile = 0;
     auto run = [&](auto nt) {
       constexpr int n = decltype(nt)::value;
       const int64_t at = tile * nb;
-      lanes<FMT, n>(row, nb, xt + at * 256, dt + at * 8, st + at * 8, ct + at * 8, y + tile * 8 * O + o, O);
+      for (int64_t o = r0; o < r1; ++o)
+        lanes_best<FMT, n>(w + o * nb * block_bytes(FMT), nb, xt + at * 256, dt + at * 8, st + at * 8, ct + at * 8,
+                           buf.data() + tile * 8 * kChunk + (o - r0), kChunk);
       tile += n;
     };
-    while (num_tiles - tile >= 4) run(std::integral_constant<int, 4>{});
-    if (num_tiles - tile >= 2) run(std::integral_constant<int, 2>{});
+    if (nb <= kGroupBlocks)
+      while (num_tiles - tile >= 4) run(std::integral_constant<int, 4>{});
+    while (num_tiles - tile >= 2) run(std::integral_constant<int, 2>{});
     if (num_tiles - tile >= 1) run(std::integral_constant<int, 1>{});
+    for (int64_t t = 0; t < tokens; ++t)
+      std::memcpy(y + t * O + r0, buf.data() + t * kChunk, (r1 - r0) * sizeof(float));
   }
 }
 
@@ -419,19 +432,80 @@ inline float gemv_row_wide(const uint8_t* row, int64_t nb, const int8_t* qx, con
 }
 """
 
-_ISAS = (  # namespace, GCC target ("" = the variant's own), the dot product, the dot product added to acc, the GEMV
+_LANES_WIDE = r"""
+// The lanes path two groups to a 512-bit vector (cores that run a 512-bit vpdpbusd at a 256-bit one's rate do
+// twice the multiply-adds a cycle): a tile's groups g and g + 1 are 64 contiguous bytes, one load, and the block's
+// codes of those groups, broadcast to lanes 0-7 and 8-15 once a block, serve every tile; the two halves (the same
+// 8 tokens) are added before the scales. Two chains of dot products a tile, for vpdpbusd's latency.
+template <int64_t FMT, int NT>
+inline void lanes_best(const uint8_t* row, int64_t nb, const uint8_t* xt, const float* dt, const float* st,
+                       const int32_t* ct, float* y, int64_t O) {
+  constexpr int64_t BB = block_bytes(FMT);
+  const __m512i pick[4] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                           _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                           _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+                           _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+  __m256 acc[NT];
+  for (int n = 0; n < NT; ++n) acc[n] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * BB;
+    __m256i u;
+    if constexpr (FMT == kQ8_0) {
+      u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+    } else {
+      u = unpack_nibbles(blk + (FMT == kQ4_1 ? 4 : 2));
+    }
+    const __m512i uz = _mm512_castsi256_si512(u);
+    __m512i c[4];
+    for (int k = 0; k < 4; ++k) c[k] = _mm512_permutexvar_epi32(pick[k], uz);
+    const __m256 dwv = _mm256_set1_ps(f16_at(blk));
+    for (int n = 0; n < NT; ++n) {
+      const int64_t tb = n * nb + b;  // this tile's block b
+      const uint8_t* x = xt + tb * 256;
+      __m512i d0 = FMT == kQ4_1 ? _mm512_setzero_si512()
+                                : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ct + tb * 8)));
+      __m512i d1 = _mm512_setzero_si512();
+      d0 = _mm512_dpbusd_epi32(d0, c[0], _mm512_loadu_si512(x));
+      d1 = _mm512_dpbusd_epi32(d1, c[1], _mm512_loadu_si512(x + 64));
+      d0 = _mm512_dpbusd_epi32(d0, c[2], _mm512_loadu_si512(x + 128));
+      d1 = _mm512_dpbusd_epi32(d1, c[3], _mm512_loadu_si512(x + 192));
+      const __m512i d = _mm512_add_epi32(d0, d1);
+      const __m256i dot = _mm256_add_epi32(_mm512_castsi512_si256(d), _mm512_extracti64x4_epi64(d, 1));
+      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dwv, _mm256_loadu_ps(dt + tb * 8)), acc[n]);
+      if constexpr (FMT == kQ4_1)
+        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_loadu_ps(st + tb * 8), acc[n]);
+    }
+  }
+  alignas(32) float out[8];
+  for (int n = 0; n < NT; ++n) {
+    _mm256_store_ps(out, acc[n]);
+    for (int t = 0; t < 8; ++t) y[(n * 8 + t) * O] = out[t];
+  }
+}
+"""
+_LANES_NARROW = r"""
+template <int64_t FMT, int NT>
+inline void lanes_best(const uint8_t* row, int64_t nb, const uint8_t* xt, const float* dt, const float* st,
+                       const int32_t* ct, float* y, int64_t O) {
+  lanes<FMT, NT>(row, nb, xt, dt, st, ct, y, O);  // no 512-bit vectors here
+}
+"""
+
+_ISAS = (  # namespace, GCC target ("" = the variant's own), the dot product, the dot product added to acc, the GEMV,
+    # the lanes kernel
     ("isa_avx2", "", "_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))",
-     "_mm256_add_epi32(acc, dot_u8s8(u, s))", _GEMV_NARROW),  # saturates on Q8_0's offset codes: lanes need VNNI
+     "_mm256_add_epi32(acc, dot_u8s8(u, s))", _GEMV_NARROW,
+     _LANES_NARROW),  # saturates on Q8_0's offset codes: lanes need VNNI
     ("isa_avxvnni", "avxvnni", "_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)",
-     "_mm256_dpbusd_avx_epi32(acc, u, s)", _GEMV_NARROW),
+     "_mm256_dpbusd_avx_epi32(acc, u, s)", _GEMV_NARROW, _LANES_NARROW),
     ("isa_avx512vnni", "avx512f,avx512bw,avx512vl,avx512vnni", "_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)",
-     "_mm256_dpbusd_epi32(acc, u, s)", _GEMV_WIDE),
+     "_mm256_dpbusd_epi32(acc, u, s)", _GEMV_WIDE, _LANES_WIDE),
 )
 
 
-def _instantiate(ns: str, target: str, dot: str, dot_acc: str, gemv: str) -> str:
+def _instantiate(ns: str, target: str, dot: str, dot_acc: str, gemv: str, lanes: str) -> str:
     body = (_GGUF_BODY.replace("@NS@", ns).replace("@DOT_ACC@", dot_acc).replace("@DOT@", dot)
-            .replace("@WIDE_GEMV@", gemv))
+            .replace("@WIDE_GEMV@", gemv).replace("@WIDE_LANES@", lanes))
     if not target:
         return body
     return f'#pragma GCC push_options\n#pragma GCC target("{target}")\n{body}#pragma GCC pop_options\n'

@@ -83,8 +83,10 @@ def test_activation_q8_is_the_same_bits_in_cpp_and_torch(kernel) -> None:
 
 
 @pytest.mark.parametrize("fmt", GGUF_FORMATS, ids=lambda f: f.label)
-@pytest.mark.parametrize("tokens", [1, 5, 27, 32])  # 27: 3 tiles of 8 (2 + 1) and 3 tokens (2 + 1)
-@pytest.mark.parametrize("shape", [(77, 96), (130, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
+# 27: 3 tiles of 8 (2 + 1) and 3 tokens (2 + 1); 75: 9 tiles (groups of 4 + 4 + 1, or 2 a group past 32 blocks)
+@pytest.mark.parametrize("tokens", [1, 5, 27, 32, 75])
+# 1030 x 1088: 34 blocks a row (the lanes path's 2-tile groups), rows in chunks of 16 and a partial one
+@pytest.mark.parametrize("shape", [(77, 96), (130, 576), (1030, 1088)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gguf_kernel_matches_torch_on_every_isa(kernel, fmt: QuantFormat, tokens: int, shape) -> None:
     out_features, in_features = shape
     weight = gguf_weight(fmt, out_features, in_features, seed=tokens)
