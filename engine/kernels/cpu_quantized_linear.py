@@ -24,8 +24,10 @@ Work is split over output rows with at::parallel_for (torch's thread count):
     one token (decode's GEMV)   a row's blocks in turn, each block's dot in 8 int32 lanes (two blocks to a 512-bit
                                 vector with AVX-512 VNNI)
     batches, VNNI CPUs          whole tiles of 8 tokens with the tokens in the lanes (transpose_tiles: one
-                                vpdpbusd of 4 broadcast weight codes covers 8 tokens, and a block's scales apply
-                                once per 8 tokens, not per token); the leftover tokens as below
+                                vpdpbusd of 4 broadcast weight codes covers 8 tokens, two groups to a 512-bit
+                                vector with AVX-512 VNNI, and a block's scales apply once per 8 tokens, not per
+                                token), rows in chunks of 16 against groups of tiles held in L1; the leftover
+                                tokens as below
     batches, AVX2 only          the one-token code, up to 8 tokens a pass over a row
     INT8 batches                two rows at a time, so that each activation vector loaded serves both
 
