@@ -134,6 +134,8 @@ def model_weight_bytes(model: object) -> int:
     embedding's)."""
     import torch
 
+    from engine.kernels.quantized_weight import QuantizedWeight
+
     seen: set[int] = set()
     total = 0
 
@@ -150,16 +152,20 @@ def model_weight_bytes(model: object) -> int:
         seen.add(key)
         total += nbytes
 
+    def add_weight(weight: torch.Tensor | QuantizedWeight | None) -> None:
+        if isinstance(weight, QuantizedWeight):  # --quantization
+            add(weight.data)
+            add(weight.scales)
+        else:
+            add(weight)
+
     def add_linear(linear: object) -> None:
         add(getattr(linear, "packed", None))
         add(getattr(linear, "weight", None))
         add(getattr(linear, "bias", None))
-        quantized = getattr(linear, "quantized", None)  # a QuantizedWeight (--quantization)
-        if quantized is not None:
-            add(quantized.data)
-            add(quantized.scales)
+        add_weight(getattr(linear, "quantized", None))
 
-    add(model.embed)  # type: ignore[attr-defined]
+    add_weight(model.embed)  # type: ignore[attr-defined]  # a float table, or the tied Q8_0 head (counted once)
     add(model.final_norm)  # type: ignore[attr-defined]
     add_linear(model.lm_head)  # type: ignore[attr-defined]
     for layer in model.layers:  # type: ignore[attr-defined]

@@ -227,6 +227,19 @@ class QuantizedWeight:
         return QuantizedWeight(format=self.format, data=data, in_features=stop - start, scales=self.scales)
 
     # -- float -------------------------------------------------------------------------------------------------
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` ([T] int64) as float32 [T, in_features], the same values `dequantize()[ids]` holds: an
+        embedding lookup from a quantized table, without the float table. Q8_0 in torch (d · q, the decoder's
+        float32 product), the other formats through `dequantize` of the selected rows."""
+        picked = QuantizedWeight(format=self.format, data=self.data.index_select(0, ids), in_features=self.in_features,
+                                 scales=None if self.scales is None else self.scales.index_select(0, ids))
+        if self.format is not QuantFormat.Q8_0:
+            return picked.dequantize()
+        blocks = picked.data.view(len(ids), -1, self.format.block_bytes)  # [T, num_blocks, 34]
+        d = blocks[:, :, :2].contiguous().view(torch.float16).float()  # [T, num_blocks, 1]
+        q = blocks[:, :, 2:].contiguous().view(torch.int8).float()  # [T, num_blocks, 32]
+        return (d * q).view(len(ids), self.in_features)
+
     def dequantize(self) -> torch.Tensor:
         """[out_features, in_features] float32 on the data's device: gguf_quants' bit-exact decoders (GGUF),
         q * scale (INT8, FP8)."""

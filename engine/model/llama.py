@@ -18,7 +18,7 @@ from engine.attention.backend import AttentionBackend, RotaryAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
 from engine.model.config import ModelConfig
-from engine.model.quantization import Weight, cat_rows, quantize_head
+from engine.model.quantization import Weight, cat_rows, head_holds_embedding, quantize_head
 from engine.model.tp_group import SINGLE, TPGroup
 from engine.model.linear import Linear
 from engine.model.parallel_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -89,8 +89,8 @@ class LlamaModel:
                 raise MissingWeightError(f"checkpoint has no tensor {name!r}")
             return weights[name]
 
-        self.embed = take("model.embed_tokens.weight")  # [vocab (/ N, padded), hidden]
-        self.embedding = VocabParallelEmbedding(self.embed, group, vocab_size=c.vocab_size)
+        embed = take("model.embed_tokens.weight")  # [vocab (/ N, padded), hidden]
+        self._dtype, self._device = embed.dtype, embed.device
         self.final_norm = take("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
@@ -110,15 +110,20 @@ class LlamaModel:
                     down=RowParallelLinear(take(p + "mlp.down_proj.weight"), group),
                 )
             )
-        head: Weight = self.embed if c.tie_word_embeddings else take("lm_head.weight")
+        head: Weight = embed if c.tie_word_embeddings else take("lm_head.weight")
         layer_weight = self.layers[0].qkv.quantized if self.layers else None
         if layer_weight is not None and isinstance(head, torch.Tensor):  # --quantization: the head too
             head = quantize_head(head, layer_weight.format)
         self.lm_head = VocabParallelHead(head, group, vocab_size=c.vocab_size)
+        # The lookup table: the float embedding, or a GGUF model's tied Q8_0 head where its rows decode to exactly
+        # the float table's values (the file stored the embedding in Q8_0), so that the float copy, as large as the
+        # whole head in float32, is not kept.
+        self.embed: Weight = head if c.tie_word_embeddings and head_holds_embedding(head, embed) else embed
+        self.embedding = VocabParallelEmbedding(self.embed, group, vocab_size=c.vocab_size)
         # On a GPU the elementwise steps run as the fused Triton kernels of engine/kernels/triton/ (the residual add
         # with the RMSNorm after it, rotary with the KV store where the backend fuses them, SiLU-and-mul): four
         # launches a layer instead of ~20 small ones, which is most of a small model's decode step there.
-        self.fused_kernels = self.embed.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.fused_kernels = self._device.type == "cuda" and importlib.util.find_spec("triton") is not None
         # The backend rotates q and k itself, in its KV store's launch (the Triton backend; not int8/fp8 caches).
         self.rotary_in_attention = isinstance(attention, RotaryAttentionBackend)
         self.rope = RotaryEmbedding(
@@ -126,18 +131,18 @@ class LlamaModel:
             max_positions=max_positions,
             theta=c.rope_theta,
             scaling=c.rope_scaling,
-            dtype=self.embed.dtype,
-            device=self.embed.device,
+            dtype=self._dtype,
+            device=self._device,
         )
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
         """Where the weights are (the loader gives CPU tensors; the engine moves them to its device first)."""
-        return self.embed.device
+        return self._device
 
     def first_layers(self, num_layers: int) -> LlamaModel:
         """The same model cut after its first `num_layers` layers (then the final norm and the head), sharing every
@@ -193,6 +198,7 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # what follows each layer
         if self.group.size == 1:  # the whole table here: the lookup gathered by the first norm
+            assert isinstance(self.embed, torch.Tensor)  # a float table on the GPU (head_holds_embedding)
             x, residual = embed_rms_norm(input_ids, self.embed, self.layers[0].input_norm, c.rms_norm_eps)  # [T, hidden]
         else:  # a vocabulary shard: the masked lookup and its all-reduce first
             x, residual = add_rms_norm(self.embedding(input_ids), self.layers[0].input_norm, c.rms_norm_eps)

@@ -65,20 +65,28 @@ class VocabParallelHead(Linear):
 
 class VocabParallelEmbedding:
     """Token ids -> [T, hidden] rows. Each rank looks up the ids in its slice (zero rows for the others' ids) and an
-    all-reduce sums them: exactly one rank contributes each row, so the sum is exact."""
+    all-reduce sums them: exactly one rank contributes each row, so the sum is exact. The table may be a
+    QuantizedWeight (a GGUF model's tied Q8_0 head, whose rows are the float table's values): rows are decoded as
+    they are looked up."""
 
     __slots__ = ("weight", "group", "vocab_start", "vocab_end")
 
-    def __init__(self, weight: torch.Tensor, group: TPGroup = SINGLE, *, vocab_size: int) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, group: TPGroup = SINGLE, *, vocab_size: int) -> None:
         self.weight = weight  # [s, hidden]
         self.group = group
-        self.vocab_start = group.rank * weight.shape[0]
-        self.vocab_end = min(self.vocab_start + weight.shape[0], vocab_size)
+        rows = weight.out_features if isinstance(weight, QuantizedWeight) else weight.shape[0]
+        self.vocab_start = group.rank * rows
+        self.vocab_end = min(self.vocab_start + rows, vocab_size)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.dequantize_rows(ids.reshape(-1)).view(*ids.shape, self.weight.in_features)
+        return F.embedding(ids, self.weight)
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # [T]
-        rows = F.embedding((input_ids - self.vocab_start) * mine, self.weight)  # [T, hidden]
+        rows = self._rows((input_ids - self.vocab_start) * mine)  # [T, hidden]
         rows.masked_fill_(~mine.unsqueeze(-1), 0)
         return self.group.all_reduce(rows)

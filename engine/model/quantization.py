@@ -14,7 +14,8 @@
 weights dict a quantized one is a `QuantizedWeight` in place of the float tensor, under the same HF name, and the
 model's `Linear` runs it through `quantized_linear` (engine/kernels/cpu_quantized_linear.py) on the CPU or
 `cuda_quantized_linear` (engine/kernels/cuda_quantized_linear.py) on a GPU, by where its data is (the engine moves
-it whole to its device, `QuantizedWeight.to`). The embedding stays float (a lookup, not a GEMM). The LM head, the
+it whole to its device, `QuantizedWeight.to`). The embedding stays float (a lookup, not a GEMM), but for a GGUF
+file's tied Q8_0 embedding: its lookups decode rows of the Q8_0 head (`head_holds_embedding`). The LM head, the
 largest single matrix of a small model (SmolLM2: 49152 x 576, a fifth of its weights, read whole every decode
 step), is quantized by the model when its layers are (`quantize_head`): int8 per row with int8, e4m3 per row with
 fp8, Q8_0 with gguf, as llama.cpp runs a GGUF's head (SmolLM2's file stores its tied embedding in Q8_0:
@@ -102,6 +103,16 @@ def quantize_head(weight: torch.Tensor, like: QuantFormat) -> QuantizedWeight:
     blocks = quantize(weight.detach().float().cpu().contiguous().numpy(), GGMLQuantizationType.Q8_0)
     head = QuantizedWeight.from_gguf(blocks, GGMLQuantizationType.Q8_0, tuple(weight.shape))  # type: ignore[arg-type]
     return head.to(weight.device)
+
+
+def head_holds_embedding(head: Weight, embed: torch.Tensor) -> bool:
+    """Whether embedding lookups can read `head` (a tied LM head) instead of the float table `embed`: a Q8_0 head
+    on the CPU whose rows decode to exactly `embed`'s float32 values, as a GGUF file's Q8_0 embedding does once
+    dequantized at load and re-quantized (`quantize_head`). Anything else keeps the float table: int8 or fp8 rows
+    are not the table's values, and the GPU's fused lookup reads a float table."""
+    return (isinstance(head, QuantizedWeight) and head.format is QuantFormat.Q8_0 and head.data.device.type == "cpu"
+            and embed.device.type == "cpu" and embed.dtype is torch.float32
+            and tuple(embed.shape) == (head.out_features, head.in_features) and torch.equal(head.dequantize(), embed))
 
 
 def holds_quantized(weights: Mapping[str, Weight]) -> bool:

@@ -116,3 +116,40 @@ def test_int8_at_tensor_parallel_2_matches_tp1(tiny_checkpoint) -> None:  # noqa
         pair.check({f"r{i}": (p, greedy(6)) for i, p in enumerate(PROMPTS)})
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.Q8_0, QuantFormat.Q4_1, QuantFormat.INT8], ids=lambda f: f.label)
+def test_rows_decode_to_the_whole_tables_values(fmt: QuantFormat) -> None:
+    from gguf.quants import quantize
+
+    table = torch.randn(50, 96, generator=torch.Generator().manual_seed(3))
+    if fmt is QuantFormat.INT8:
+        weight = QuantizedWeight.quantize_int8(table)
+    else:
+        weight = QuantizedWeight.from_gguf(quantize(table.numpy(), fmt.ggml_type), fmt.ggml_type, (50, 96))
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    assert torch.equal(weight.dequantize_rows(ids), weight.dequantize()[ids])
+
+
+def test_lookups_read_the_q8_0_head_only_where_it_holds_the_float_table_exactly() -> None:
+    """A GGUF model's tied head (Q8_0) replaces the float embedding table only when its rows decode to exactly
+    the table: a table that is not already Q8_0 values (quantization error), or an int8 head, keeps the table."""
+    from engine.model.parallel_layers import VocabParallelEmbedding
+    from engine.model.quantization import head_holds_embedding, quantize_head
+
+    table = torch.randn(64, 96, generator=torch.Generator().manual_seed(4))
+    head = quantize_head(table, QuantFormat.Q4_1)
+    assert head.format is QuantFormat.Q8_0 and not head_holds_embedding(head, table)
+    exact = head.dequantize()  # what a GGUF file's Q8_0 embedding dequantizes to at load
+    assert head_holds_embedding(head, exact)
+    assert not head_holds_embedding(QuantizedWeight.quantize_int8(exact), exact)
+    assert not head_holds_embedding(head, exact.double())
+    ids = torch.tensor([[5, 63, 0], [5, 1, 2]])
+    assert torch.equal(VocabParallelEmbedding(head, vocab_size=64)(ids), torch.nn.functional.embedding(ids, exact))
+    # at tensor parallelism each rank looks up in its vocabulary rows of the head (a stand-in group: the all-reduce
+    # is the sum of the ranks' outputs, taken here by hand)
+    from types import SimpleNamespace
+
+    groups = [SimpleNamespace(rank=r, size=4, all_reduce=lambda x: x) for r in range(4)]
+    ranks = [VocabParallelEmbedding(head.rows(16 * r, 16 * (r + 1)), g, vocab_size=64) for r, g in enumerate(groups)]
+    assert torch.equal(sum(rank(ids) for rank in ranks), torch.nn.functional.embedding(ids, exact))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
+from engine.distributed.rank_worker import model_weight_bytes
 from engine.kernels.quantized_weight import QuantFormat, QuantizedWeight
 from tests.engine.prompts import SHORT_PROMPTS
 from tests.engine.tiny_model import assert_no_blocks_held, drain, finals
@@ -85,6 +86,13 @@ def test_the_engines_run_what_they_say(engines, smollm2_gguf: str) -> None:  # n
     stored = next(t for t in open_gguf(Path(smollm2_gguf)).tensors if t.name == "token_embd.weight")
     raw = torch.from_numpy(stored.data.reshape(-1).view("uint8").copy())
     assert torch.equal(engines["gguf"].runner.model.lm_head.quantized.data.reshape(-1), raw)
+    # so gguf's lookups read those blocks and no float table is kept (int8's rows are not the table's: it keeps one);
+    # the issue's bound on resident bytes, Q4_1 layers: <= 0.3x float32
+    gguf, int8 = engines["gguf"].runner.model, engines["int8"].runner.model
+    assert gguf.embed is gguf.lm_head.quantized and isinstance(int8.embed, torch.Tensor)
+    share = model_weight_bytes(gguf) / model_weight_bytes(engines["none"].runner.model)
+    print(f"\ngguf resident weights {share:.3f}x float32's")
+    assert share <= 0.3
 
 
 @pytest.mark.parametrize("method", ["gguf", "int8"])
