@@ -38,11 +38,12 @@ struct V512 {
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
 };
 using VInt8 = V512;
-constexpr int kInt8PairTokens = 8;  // 2 rows x 8 tokens of accumulators in 32 registers
+constexpr int kInt8Rows = 4, kInt8Tokens = 6;  // 24 accumulators + 4 weight vectors in 32 registers
 #else
 using VInt8 = V256;
-constexpr int kInt8PairTokens = 4;  // 2 x 4 in 16
+constexpr int kInt8Rows = 2, kInt8Tokens = 4;  // 8 + 2 in 16
 #endif
+constexpr int64_t kInt8Chunk = 64;  // rows a chunk: 64 x K int8 (36 KiB at K = 576) stay in L2
 
 // y[t, o] = scale[o] Σ_i x[t, i] q[o, i], TT tokens of one row; NA accumulators for few tokens.
 template <int TT, class V = VInt8>
@@ -71,31 +72,59 @@ inline void int8_tile(const int8_t* row, int64_t K, const float* x, float scale,
   }
 }
 
-// Two rows x TT tokens: each activation vector is loaded once for both rows (one row at a time, the loads, not
-// the multiply-adds, would bound a batch).
-template <int TT, class V = VInt8>
-inline void int8_tile2(const int8_t* r0, const int8_t* r1, int64_t K, const float* x, float s0, float s1, float* y,
-                       int64_t O) {
+// R rows x TT tokens: each activation vector loaded serves R rows, each converted weight vector TT tokens (one
+// row at a time, the loads, not the multiply-adds, would bound a batch).
+template <int R, int TT, class V = VInt8>
+inline void int8_block(const int8_t* w, int64_t K, const float* x, const float* scales, float* y, int64_t O) {
   constexpr int N = V::N;
-  typename V::F a0[TT], a1[TT];
-  for (int t = 0; t < TT; ++t) a0[t] = a1[t] = V::zero();
+  typename V::F acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = V::zero();
   int64_t k = 0;
   for (; k + N <= K; k += N) {
-    const typename V::F w0 = V::weights(r0 + k), w1 = V::weights(r1 + k);
+    typename V::F wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = V::weights(w + r * K + k);
     for (int t = 0; t < TT; ++t) {
       const typename V::F xv = V::load(x + t * K + k);
-      a0[t] = V::fma(w0, xv, a0[t]);
-      a1[t] = V::fma(w1, xv, a1[t]);
+      for (int r = 0; r < R; ++r) acc[r][t] = V::fma(wv[r], xv, acc[r][t]);
     }
   }
   for (int t = 0; t < TT; ++t) {
-    float v0 = V::sum(a0[t]), v1 = V::sum(a1[t]);
-    for (int64_t i = k; i < K; ++i) {
-      v0 += x[t * K + i] * static_cast<float>(r0[i]);
-      v1 += x[t * K + i] * static_cast<float>(r1[i]);
+    for (int r = 0; r < R; ++r) {
+      float v = V::sum(acc[r][t]);
+      for (int64_t i = k; i < K; ++i) v += x[t * K + i] * static_cast<float>(w[r * K + i]);
+      y[t * O + r] = v * scales[r];
     }
-    y[t * O] = v0 * s0;
-    y[t * O + 1] = v1 * s1;
+  }
+}
+
+// Rows [o0, o1) for TT tokens (all of x's K), kRows rows a block, the last rows one at a time.
+template <int TT>
+inline void int8_rows(const int8_t* w, int64_t K, const float* x, const float* scales, float* y, int64_t O,
+                      int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  for (; o + kInt8Rows <= o1; o += kInt8Rows) int8_block<kInt8Rows, TT>(w + o * K, K, x, scales + o, y + o, O);
+  for (; o < o1; ++o) int8_block<1, TT>(w + o * K, K, x, scales + o, y + o, O);
+}
+
+// A batch of T >= 2 tokens: rows in chunks of kInt8Chunk; within a chunk the tokens in groups of kInt8Tokens,
+// each group against every row of the chunk, so that the group's activations (kInt8Tokens x K floats) stay in L1
+// while the chunk's rows (from L2 after the first group) pass over them.
+inline void int8_batch(const int8_t* w, int64_t K, const float* x, int64_t T, const float* scales, float* y,
+                       int64_t O, int64_t o0, int64_t o1) {
+  for (int64_t c0 = o0; c0 < o1; c0 += kInt8Chunk) {
+    const int64_t c1 = std::min(o1, c0 + kInt8Chunk);
+    int64_t t = 0;
+    for (; t + kInt8Tokens <= T; t += kInt8Tokens)
+      int8_rows<kInt8Tokens>(w, K, x + t * K, scales, y + t * O, O, c0, c1);
+    switch (T - t) {  // the last few tokens
+      case 5: int8_rows<5>(w, K, x + t * K, scales, y + t * O, O, c0, c1); break;
+      case 4: int8_rows<4>(w, K, x + t * K, scales, y + t * O, O, c0, c1); break;
+      case 3: int8_rows<3>(w, K, x + t * K, scales, y + t * O, O, c0, c1); break;
+      case 2: int8_rows<2>(w, K, x + t * K, scales, y + t * O, O, c0, c1); break;
+      case 1: int8_rows<1>(w, K, x + t * K, scales, y + t * O, O, c0, c1); break;
+      default: break;
+    }
   }
 }
 
@@ -118,25 +147,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, O, qk::grain_rows(K * T, 65536), [&](int64_t o0, int64_t o1) {
-    int64_t o = o0;
-    for (; T >= qk::kInt8PairTokens && o + 2 <= o1; o += 2) {  // batches: pairs of rows
-      int64_t t = 0;
-      for (; T - t >= qk::kInt8PairTokens; t += qk::kInt8PairTokens)
-        qk::int8_tile2<qk::kInt8PairTokens>(wp + o * K, wp + (o + 1) * K, K, xp + t * K, sp[o], sp[o + 1],
-                                            yp + t * O + o, O);
-      for (; t < T; ++t) {
-        qk::int8_tile<1>(wp + o * K, K, xp + t * K, sp[o], yp + t * O + o, O);
-        qk::int8_tile<1>(wp + (o + 1) * K, K, xp + t * K, sp[o + 1], yp + t * O + o + 1, O);
-      }
+    if (T >= 2) {
+      qk::int8_batch(wp, K, xp, T, sp, yp, O, o0, o1);
+      return;
     }
-    for (; o < o1; ++o) {
-      const int8_t* row = wp + o * K;
-      int64_t t = 0;
-      for (; T - t >= 8; t += 8) qk::int8_tile<8>(row, K, xp + t * K, sp[o], yp + t * O + o, O);
-      if (T - t >= 4) { qk::int8_tile<4>(row, K, xp + t * K, sp[o], yp + t * O + o, O); t += 4; }
-      if (T - t >= 2) { qk::int8_tile<2>(row, K, xp + t * K, sp[o], yp + t * O + o, O); t += 2; }
-      if (T - t >= 1) qk::int8_tile<1>(row, K, xp + t * K, sp[o], yp + t * O + o, O);
-    }
+    for (int64_t o = o0; o < o1; ++o) qk::int8_tile<1>(wp + o * K, K, xp, sp[o], yp + o, O);  // decode's GEMV
   });
   return y;
 }

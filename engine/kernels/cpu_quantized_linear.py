@@ -29,7 +29,8 @@ Work is split over output rows with at::parallel_for (torch's thread count):
                                 token), rows in chunks of 16 against groups of tiles held in L1; the leftover
                                 tokens as below
     batches, AVX2 only          the one-token code, up to 8 tokens a pass over a row
-    INT8 batches                two rows at a time, so that each activation vector loaded serves both
+    INT8 batches                4 rows x 6 tokens of accumulators (2 x 4 on AVX2), rows in chunks of 64 against
+                                groups of tokens held in L1
 
 The C++ is in cpu_quantized_gguf.py and cpu_quantized_int8.py, built as one extension. `quantized_linear` runs
 the kernel, or quantized_linear_torch (the same contract, slowly) when the C++ module is not built; bfloat16

@@ -107,7 +107,8 @@ def test_gguf_kernel_matches_torch_on_every_isa(kernel, fmt: QuantFormat, tokens
         assert_within(got, reference, q8_bound + float_bound(x_hat.abs() + x.abs(), w_abs))
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 13, 32])  # 13: a pair-of-rows tile and leftovers
+# 13: two groups of 6 tokens (4 on AVX2) and leftovers; 75: 12 groups and 3; 67 rows: a 64-row chunk, 3 left over
+@pytest.mark.parametrize("tokens", [1, 2, 13, 32, 75])
 @pytest.mark.parametrize("in_features", [99, 576])
 def test_int8_kernel_matches_torch(kernel, tokens: int, in_features: int) -> None:
     g = torch.Generator().manual_seed(in_features)
