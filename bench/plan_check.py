@@ -7,7 +7,8 @@ prediction at each rate, metric by metric (`splitserve plan --validate`'s compar
 
 Writes DIR/plan.json (`plan --json` of that traffic and SLO, no rate: each layout's highest rate) and
 DIR/report.json (schema splitserve-bench/1, deploy/planner/validate.py: the served layout and one run per rate,
-as `splitserve bench` writes them: deploy/bench/report.py, with the requests sent), then prints
+as `splitserve bench` writes them: deploy/bench/report.py, with the requests sent and the gateway's TTFT stage
+histograms over each run), then prints
 `splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
 `colocatedxN`. With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
 prediction scales compute times accordingly, and counts AIPerf's own CPU against the workers' cores: the cores
@@ -35,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.serve_process import Serve, aiperf  # noqa: E402
+from deploy.bench import stages  # noqa: E402
 from deploy.bench.report import run_from_summary  # noqa: E402
 from deploy.planner.planner import SLO, Layout, PlanOptions, Traffic, plan  # noqa: E402
 from deploy.planner.profile import load_profile  # noqa: E402
@@ -94,10 +96,16 @@ def main() -> int:
                               client_cores=client_cores if args.one_host else 0.0)
         (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
         for i, rate in enumerate(float(r) for r in args.rates.split(",") if r):
+            before = stages.scrape(server.url)  # the gateway's TTFT stage histograms, to diff over the run
             summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
                                           str(args.num_requests), "--random-seed", str(7 + i)])
             (out / f"aiperf-{rate:g}.json").write_text(json.dumps(summary, indent=1))
-            runs.append(run_from_summary(summary, mode="rate", point=rate, seed=7 + i, command=[], stages=None))
+            try:
+                deltas = stages.stage_deltas(before, stages.scrape(server.url))
+            except ValueError as exc:  # the run's numbers stand; only its stage breakdown is lost
+                print(f"rate {rate}: no TTFT stages: {exc}", file=sys.stderr)
+                deltas = None
+            runs.append(run_from_summary(summary, mode="rate", point=rate, seed=7 + i, command=[], stages=deltas))
             runs[-1]["num_requests_sent"] = args.num_requests  # validate prices a finite run of these
             print(f"rate {rate}: {json.dumps(runs[-1])}", flush=True)
     finally:

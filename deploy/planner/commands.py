@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -140,8 +141,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
         comparisons, summary = compare_run_dir(profile, args.validate, options)
         if args.json:
-            print(json.dumps({"summary": summary, "comparisons": [
-                {**dataclasses.asdict(c), "error": c.error} for c in comparisons]}, indent=1))
+            print(json.dumps({"summary": summary, "comparisons": [  # a stage has no steady state: null, not NaN
+                {**dataclasses.asdict(c), "error": c.error, "steady": None if math.isnan(c.steady) else c.steady}
+                for c in comparisons]}, indent=1))
         else:
             print(format_comparisons(comparisons, summary))
         return 0

@@ -28,6 +28,10 @@ What is simulated (each rule is the code's: router/admission.py, engine/core/sch
     disaggregated  the prefill worker's step holds only prompts; a prompt's KV reaches its decode worker
                  handoff_s after, and the worker commits it between steps: its first token there (the stream's
                  first), then osl - 1 steps
+    stages       each completed request's router queue (arrival to dispatch), prefill queue (dispatch to the first
+                 step computing its prompt), prefill (that step's start to the end of the step computing its last
+                 tokens) and, disaggregated, KV transfer (the handoff): the means of the gateway's
+                 ttft_stage_seconds histograms for the same request (their other stages are not simulated)
     reported     TTFT = first token - arrival + the serving overhead; TPOT = (last - first token) / (osl - 1), AIPerf's
                  inter-token latency; p50 and p90 over each run's completed requests (linear interpolation, as
                  AIPerf's numpy), averaged over the runs; refused: the mean count; goodput: completed requests
@@ -40,7 +44,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -64,6 +68,9 @@ class FiniteRun:
     num_refused: float  # mean over the runs: refused at arrival (429) or timed out in the queue (503)
     goodput: float  # requests/s within both SLOs
     throughput: float  # completed requests/s over the run's span
+    # the mean seconds of each TTFT stage the gateway times (router/metrics.py's ttft_stage_seconds): router_queue,
+    # prefill_queue, prefill, and kv_transfer where KV moves (averaged over the runs' completed requests)
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -86,8 +93,19 @@ class _Request:
     worker: _Worker | None = None  # the worker it decodes on (colocated: also prefills)
     prefill_worker: _Worker | None = None
     dispatched_s: float = math.nan
+    prefill_start_s: float = math.nan  # the first step computing its prompt began
+    prefill_end_s: float = math.nan  # the step computing its prompt's last tokens ended
     first_token_s: float = math.nan
     done_s: float = math.nan
+
+    def stages(self, handoff_s: float) -> dict[str, float]:
+        """Its TTFT stages as the gateway's ttft_stage_seconds histograms time them (router/metrics.py)."""
+        out = {"router_queue": self.dispatched_s - self.arrival_s,
+               "prefill_queue": self.prefill_start_s - self.dispatched_s,
+               "prefill": self.prefill_end_s - self.prefill_start_s}
+        if self.prefill_worker is not None:
+            out["kv_transfer"] = handoff_s
+        return out
 
 
 class _Costs:
@@ -162,6 +180,9 @@ class _Worker:
             self.running.append(r)
             chunks.append((r, min(r.prompt_left, budget)))
             budget -= chunks[-1][1]
+        for r, _ in chunks:
+            if math.isnan(r.prefill_start_s):
+                r.prefill_start_s = now_s
         decoding = [r for r in self.running if r.prompt_left == 0]
         if not chunks and not decoding:
             self.busy = False
@@ -192,6 +213,8 @@ class _Worker:
         for r in self.running:
             if r.prompt_left > 0:
                 r.prompt_left -= computed.get(id(r), 0)
+                if r.prompt_left == 0:
+                    r.prefill_end_s = now_s
                 if r.prompt_left == 0 and self.decodes:
                     r.first_token_s = now_s
                     (finished if r.tokens_left == 0 else still).append(r)
@@ -334,9 +357,13 @@ def _simulate_at(model: LayoutModel, rate: float, served_rate: float, num_reques
     osl = model.traffic.osl
     totals = {"ttft50": 0.0, "ttft90": 0.0, "tpot50": 0.0, "tpot90": 0.0, "refused": 0.0, "goodput": 0.0,
               "throughput": 0.0, "served": 0.0}
+    stage_totals: dict[str, list[float]] = {}  # each run's mean
     for gaps in runs:
         sim = _Simulation(model, costs, [t / rate for t in gaps])
         sim.run()
+        per_request = [r.stages(sim.handoff_s) for r in sim.completed]
+        for name in (per_request[0] if per_request else {}):
+            stage_totals.setdefault(name, []).append(sum(st[name] for st in per_request) / len(per_request))
         ttfts = [r.first_token_s - r.arrival_s + sim.serving_overhead_s for r in sim.completed]
         tpots = [(r.done_s - r.first_token_s) / (osl - 1) if osl > 1 else 0.0 for r in sim.completed]
         totals["ttft50"] += percentile(ttfts, 50)
@@ -356,4 +383,5 @@ def _simulate_at(model: LayoutModel, rate: float, served_rate: float, num_reques
     return FiniteRun(num_requests=num_requests, rate=rate, ttft_p50_s=totals["ttft50"] / n,
                      ttft_p90_s=totals["ttft90"] / n, tpot_p50_s=totals["tpot50"] / n, tpot_p90_s=totals["tpot90"] / n,
                      num_refused=totals["refused"] / n, goodput=totals["goodput"] / n,
-                     throughput=totals["throughput"] / n), totals["served"] / n
+                     throughput=totals["throughput"] / n,
+                     stages={name: sum(means) / len(means) for name, means in stage_totals.items()}), totals["served"] / n

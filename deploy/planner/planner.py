@@ -141,6 +141,8 @@ class Prediction:
     max_rate: float | None = None  # the highest rate within the SLO (rate omitted)
     num_requests: int | None = None  # a finite run's length (None: steady state)
     num_refused: float = 0.0  # a finite run: requests the gateway's admission queue refuses (the mean)
+    stages: dict[str, float] = dataclasses.field(default_factory=dict)  # a finite run: mean seconds of each TTFT
+    # stage the gateway times (finite_run.FiniteRun.stages)
 
     def to_json(self) -> dict:
         def finite(x: float | None) -> float | None:
@@ -323,7 +325,7 @@ class LayoutModel:
         return Prediction(layout=self.layout, rate=rate, ttft_p50_s=run.ttft_p50_s, ttft_p90_s=run.ttft_p90_s,
                           tpot_p50_s=run.tpot_p50_s, tpot_p90_s=run.tpot_p90_s, goodput=run.goodput,
                           meets=not binding, stable=math.isfinite(run.ttft_p90_s), binding=binding,
-                          num_requests=num_requests, num_refused=run.num_refused)
+                          num_requests=num_requests, num_refused=run.num_refused, stages=run.stages)
 
     def predict_steady(self, rate: float, slo: SLO) -> Prediction:
         """The layout at `rate` in steady state (the module docstring's model)."""

@@ -16,13 +16,17 @@ DIR holds two files:
                    "num_requests_sent": 203,      optional: sent (default num_requests + num_errors)
                    "ttft_s": {"p50": 0.41, "p90": 0.77},
                    "tpot_s": {"p50": 0.052, "p90": 0.061},
-                   "goodput_rps": 1.9}]}      optional: requests/s meeting both SLOs
+                   "goodput_rps": 1.9,        optional: requests/s meeting both SLOs
+                   "stages": {"prefill": {"count": 200, "mean_s": 0.47}, ...}}]}
+                                              optional: our ttft_stage_seconds histograms over the run (stages.py)
 
 For each run the layout is priced at the run's rate as a finite run of the requests it sent (finite_run.py:
 past capacity a run of N has a finite backlog, and the gateway refuses what its queue cannot hold), and each
 metric is compared: predicted, measured, predicted / measured - 1; the steady-state prediction rides along for
 reference (inf where the pools cannot keep up). Refusals compare the predicted mean count with the run's errors
-(their error is the difference, predicted - measured, not a ratio). The highest sustainable rate is compared with
+(their error is the difference, predicted - measured, not a ratio). Where the run holds our TTFT stage
+histograms, each simulated stage's mean is compared too (router_queue_s, prefill_queue_s, prefill_s,
+kv_transfer_s: where a TTFT misses, which part of it). The highest sustainable rate is compared with
 the highest run rate whose TTFT p90 and TPOT p90 met the plan's SLO with nothing refused (a lower bound, as good
 as the sweep's spacing); predicted for a run of the first run's length, and in steady state.
 """
@@ -120,6 +124,10 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
             comparisons.append(Comparison(rate=float(rate), metric=metric, predicted=guess, measured=float(value),
                                           steady=0.0 if metric == "refused" else getattr(steady, metric),
                                           num_requests=num_sent or None))
+        for stage, mean_s in _stage_means(run).items():  # where the run scraped our TTFT stage histograms
+            if stage in predicted.stages:
+                comparisons.append(Comparison(rate=float(rate), metric=f"{stage}_s", predicted=predicted.stages[stage],
+                                              measured=mean_s, num_requests=num_sent or None))
         if measured["ttft_p90_s"] <= slo.ttft_s and measured["tpot_p90_s"] <= slo.tpot_s and not num_errors:
             sustained.append(float(rate))
     best_steady = model.max_rate(slo)
@@ -133,16 +141,25 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
     return comparisons, summary
 
 
+def _stage_means(run: dict[str, Any]) -> dict[str, float]:
+    """The run's mean seconds per TTFT stage (`stages`, as deploy/bench/stages.py writes them), where present."""
+    out = {}
+    for stage, stats in (run.get("stages") or {}).items():
+        if isinstance(stats, dict) and isinstance(stats.get("mean_s"), (int, float)) and stats.get("count"):
+            out[stage] = float(stats["mean_s"])
+    return out
+
+
 def format_comparisons(comparisons: list[Comparison], summary: dict[str, Any]) -> str:
     lines = [f"layout {summary['layout']}",
-             f"{'rate':>6}  {'metric':12s} {'predicted':>10} {'measured':>10} {'error':>8}  {'steady state':>12}"]
+             f"{'rate':>6}  {'metric':18s} {'predicted':>10} {'measured':>10} {'error':>8}  {'steady state':>12}"]
     for c in comparisons:
         if c.metric == "refused":
             error = f"{c.error:+.1f}"
         else:
             error = "inf" if math.isinf(c.error) else f"{c.error * 100:+.0f}%"
-        steady = "" if c.metric == "refused" else f"{c.steady:12.4f}"
-        lines.append(f"{c.rate:6.2f}  {c.metric:12s} {c.predicted:10.4f} {c.measured:10.4f} {error:>8}  {steady}")
+        steady = "" if c.metric == "refused" or math.isnan(c.steady) else f"{c.steady:12.4f}"
+        lines.append(f"{c.rate:6.2f}  {c.metric:18s} {c.predicted:10.4f} {c.measured:10.4f} {error:>8}  {steady}")
     predicted, measured = summary["predicted_max_rate"], summary["measured_max_rate"]
     steady = summary.get("steady_max_rate")
     of = f" (a run of {summary['num_requests']})" if summary.get("num_requests") else ""

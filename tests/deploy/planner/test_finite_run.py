@@ -44,6 +44,10 @@ def test_a_lone_request_costs_one_prefill_and_one_step_a_token() -> None:
     run = simulate(m, 1 / 3600, 3, num_runs=2)
     assert run.ttft_p50_s == pytest.approx(PROFILE.prefill.seconds(1024) + GRPC.seconds(64 * 737_280), rel=1e-9)
     assert run.tpot_p50_s == pytest.approx(PROFILE.decode.seconds(1, 1024 + 128), rel=1e-9)
+    # its TTFT stages as the gateway's histograms time them: no queue, the prefill, the handoff
+    assert run.stages == pytest.approx({"router_queue": 0.0, "prefill_queue": 0.0,
+                                        "prefill": PROFILE.prefill.seconds(1024),
+                                        "kv_transfer": GRPC.seconds(64 * 737_280)}, rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("layout, num_requests, refused", [
@@ -58,6 +62,8 @@ def test_the_gateway_runs_its_slots_queues_as_many_and_refuses_the_rest(layout: 
     run = simulate(model(layout, num_requests, isl=256, osl=16), 1e6, num_requests)
     assert run.num_refused == refused
     assert math.isfinite(run.ttft_p90_s)
+    # the queued half waited at the gateway, the running half at the workers: both stages have time in them
+    assert run.stages["router_queue"] > 0 and run.stages["prefill_queue"] > 0
 
 
 def test_a_request_queued_past_the_timeout_is_refused_too() -> None:

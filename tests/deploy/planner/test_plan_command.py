@@ -150,14 +150,24 @@ def test_validate_compares_a_bench_report_with_the_plan(profile_path: Path, tmp_
     report = {"schema": "splitserve-bench/1", "runs": [
         {"rate": 2.5, "num_requests": 100, "ttft_s": {"p50": predicted.ttft_p50_s * 1.1,
                                                       "p90": predicted.ttft_p90_s * 1.1},
-         "tpot_s": {"p50": predicted.tpot_p50_s * 1.1, "p90": predicted.tpot_p90_s * 1.1}},
+         "tpot_s": {"p50": predicted.tpot_p50_s * 1.1, "p90": predicted.tpot_p90_s * 1.1},
+         # the gateway's TTFT stage histograms over the run (deploy/bench/stages.py), one of them empty
+         "stages": {"prefill": {"count": 100, "mean_s": 0.5}, "router_queue": {"count": 100, "mean_s": 0.25},
+                    "kv_transfer": {"count": 0, "mean_s": None}}},
         {"rate": 40.0, "num_requests": 100, "num_errors": 200, "ttft_s": {"p50": 30.0, "p90": 60.0},
          "tpot_s": {"p50": 0.5, "p90": 0.9}}]}
     (run_dir / "report.json").write_text(json.dumps(report))
     assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     at_plan = [c for c in data["comparisons"] if c["rate"] == 2.5]
-    assert {c["metric"] for c in at_plan} == {"ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "refused"}
+    assert {c["metric"] for c in at_plan} == {"ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "refused",
+                                              "prefill_s", "router_queue_s"}  # the stages the run timed
+    stages = {c["metric"]: c for c in at_plan if c["metric"] in ("prefill_s", "router_queue_s")}
+    finite = LayoutModel(profile, traffic, layout, PlanOptions()).predict_finite(2.5, SLO(ttft_s=2, tpot_s=0.15), 100)
+    for stage, c in stages.items():
+        assert c["predicted"] == pytest.approx(finite.stages[stage.removesuffix("_s")])
+        assert c["steady"] is None and c["error"] == pytest.approx(c["predicted"] / c["measured"] - 1)
+    at_plan = [c for c in at_plan if c["metric"] not in stages]
     for c in at_plan:
         assert c["num_requests"] == 100
         if c["metric"] == "refused":
@@ -176,6 +186,7 @@ def test_validate_compares_a_bench_report_with_the_plan(profile_path: Path, tmp_
     assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "highest rate within the SLO: predicted" in out and "(a run of 100), steady state" in out
+    assert "prefill_s" in out and "router_queue_s" in out
     # a plan made on another model's profile is refused
     other = tmp_path / "other.json"
     synthetic_profile(model="llama-3.2-1b", identity="sha256:other").write(other)
