@@ -1,12 +1,15 @@
 """The C++ of the GGUF kernels (engine/kernels/cpu_quantized_linear.py says what they compute): Q8 activations,
 the one-token GEMV and the batched paths over Q4_0/Q4_1/Q8_0 blocks as stored, one body compiled per dot-product
 ISA (AVX2, AVX-VNNI, AVX-512 VNNI: `#pragma GCC target` sections, chosen at run time by CPUID, so the x86-64-v3
-and -v4 builds both carry the VNNI paths), and the entry points gguf_linear, quantize_q8, dot_isa.
+and -v4 builds both carry the VNNI paths; the AVX-512 body's 512-bit GEMV and lanes kernels are in
+cpu_quantized_gguf_wide.py), and the entry points gguf_linear, quantize_q8, dot_isa.
 
 SOURCE follows cpu_quantized_linear's common prelude (includes, qk::hsum, qk::grain_rows) in one extension.
 """
 
 from __future__ import annotations
+
+from engine.kernels.cpu_quantized_gguf_wide import GEMV_NARROW, GEMV_WIDE, LANES_NARROW, LANES_WIDE
 
 FUNCTIONS = ("gguf_linear", "quantize_q8", "dot_isa")
 
@@ -275,6 +278,16 @@ void rows_of(const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, con
   }
 }
 
+// A block's 32 codes as unsigned bytes for the lanes path: Q4_0/Q4_1's nibbles, Q8_0's int8 + 128.
+template <int64_t FMT>
+inline __m256i lane_codes(const uint8_t* blk) {
+  if constexpr (FMT == kQ8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+  } else {
+    return unpack_nibbles(blk + (FMT == kQ4_1 ? 4 : 2));
+  }
+}
+
 // Tokens in lanes (see transpose_tiles): NT tiles of 8 tokens against one row. The codes are unsigned here (Q4_0's
 // nibbles, Q8_0's int8 + 128), the offset taken back exactly by starting each dot at ct = -offset * sum(q). Needs
 // an unsaturated u8 x s8 dot (VNNI): maddubs's int16 pairs would overflow on Q8_0's codes.
@@ -287,12 +300,7 @@ inline void lanes(const uint8_t* row, int64_t nb, const uint8_t* xt, const float
   for (int n = 0; n < NT; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * BB;
-    __m256i u;
-    if constexpr (FMT == kQ8_0) {
-      u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
-    } else {
-      u = unpack_nibbles(blk + (FMT == kQ4_1 ? 4 : 2));
-    }
+    const __m256i u = lane_codes<FMT>(blk);
     _mm256_store_si256(reinterpret_cast<__m256i*>(codes), u);
     const __m256 dwv = _mm256_set1_ps(f16_at(blk));
     for (int n = 0; n < NT; ++n) {
@@ -362,144 +370,15 @@ void gguf_rows(int64_t fmt, const uint8_t* w, int64_t K, const int8_t* qx, const
 }  // namespace @NS@
 """
 
-_GEMV_WIDE = r"""
-// The GEMV two blocks to a 512-bit vector (Zen 5 runs them at full width): codes, activations, one vpdpbusd, and
-// the two blocks' scales as one vector (lanes 0-7 block b, 8-15 block b + 1).
-template <int64_t FMT>
-inline float gemv_row_wide(const uint8_t* row, int64_t nb, const int8_t* qx, const float* dsx) {
-  constexpr int64_t BB = block_bytes(FMT);
-  const __m512i shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  __m128 macc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};  // lanes 1 and 3: Q4_1's Σ m sx
-  auto pair = [&](int64_t b, int a) {
-    const uint8_t* b0 = row + b * BB;
-    const uint8_t* b1 = b0 + BB;
-    __m512i u, w;
-    if constexpr (FMT == kQ8_0) {
-      w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
-      u = _mm512_abs_epi8(w);
-    } else {
-      constexpr int64_t at = FMT == kQ4_1 ? 4 : 2;
-      const __m256i n0 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + at)));
-      const __m256i n1 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + at)));
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(n0), n1, 1);
-      u = _mm512_and_si512(_mm512_srlv_epi64(both, shifts), low);
-      if constexpr (FMT == kQ4_0) {
-        w = _mm512_sub_epi8(u, _mm512_set1_epi8(8));
-        u = _mm512_abs_epi8(w);
-      }
-    }
-    __m512i s = _mm512_loadu_si512(qx + b * QK);
-    if constexpr (FMT != kQ4_1)  // sign(s, w): w's zeros meet |w| = 0, so negating where w < 0 is enough
-      s = _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s);
-    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
-    int32_t h0, h1;
-    std::memcpy(&h0, b0, 4);
-    std::memcpy(&h1, b1, 4);
-    const __m128 dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1));  // d0 m0 d1 m1
-    const __m128 p = _mm_mul_ps(dm, _mm_loadu_ps(dsx + 2 * b));                       // x (dx0 sx0 dx1 sx1)
-    if constexpr (FMT == kQ4_1) macc[a] = _mm_add_ps(macc[a], p);
-    acc[a] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(p)), acc[a]);
-  };
-  int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    pair(b, 0);
-    pair(b + 2, 1);
-  }
-  if (b + 2 <= nb) {
-    pair(b, 0);
-    b += 2;
-  }
-  __m256 acc1 = _mm256_setzero_ps();
-  __m128 macc1 = _mm_setzero_ps();
-  if (b < nb) gemv_block<FMT>(row, b, qx, dsx, acc1, macc1);
-  float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + hsum(acc1);
-  if constexpr (FMT == kQ4_1) {
-    const __m128 m = _mm_add_ps(macc[0], macc[1]);
-    v += _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 3)) +
-         _mm_cvtss_f32(_mm_shuffle_ps(macc1, macc1, 1));
-  }
-  return v;
-}
-"""
-_GEMV_NARROW = r"""
-template <int64_t FMT>
-inline float gemv_row_wide(const uint8_t* row, int64_t nb, const int8_t* qx, const float* dsx) {
-  return gemv_row<FMT>(row, nb, qx, dsx);  // no 512-bit vectors here
-}
-"""
-
-_LANES_WIDE = r"""
-// The lanes path two groups to a 512-bit vector (cores that run a 512-bit vpdpbusd at a 256-bit one's rate do
-// twice the multiply-adds a cycle): a tile's groups g and g + 1 are 64 contiguous bytes, one load, and the block's
-// codes of those groups, broadcast to lanes 0-7 and 8-15 once a block, serve every tile; the two halves (the same
-// 8 tokens) are added before the scales. Two chains of dot products a tile, for vpdpbusd's latency.
-template <int64_t FMT, int NT>
-inline void lanes_best(const uint8_t* row, int64_t nb, const uint8_t* xt, const float* dt, const float* st,
-                       const int32_t* ct, float* y, int64_t O) {
-  constexpr int64_t BB = block_bytes(FMT);
-  const __m512i pick[4] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                           _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-                           _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
-                           _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
-  __m256 acc[NT];
-  for (int n = 0; n < NT; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * BB;
-    __m256i u;
-    if constexpr (FMT == kQ8_0) {
-      u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
-    } else {
-      u = unpack_nibbles(blk + (FMT == kQ4_1 ? 4 : 2));
-    }
-    const __m512i uz = _mm512_castsi256_si512(u);
-    __m512i c[4];
-    for (int k = 0; k < 4; ++k) c[k] = _mm512_permutexvar_epi32(pick[k], uz);
-    const __m256 dwv = _mm256_set1_ps(f16_at(blk));
-    for (int n = 0; n < NT; ++n) {
-      const int64_t tb = n * nb + b;  // this tile's block b
-      const uint8_t* x = xt + tb * 256;
-      __m512i d0 = FMT == kQ4_1 ? _mm512_setzero_si512()
-                                : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ct + tb * 8)));
-      __m512i d1 = _mm512_setzero_si512();
-      d0 = _mm512_dpbusd_epi32(d0, c[0], _mm512_loadu_si512(x));
-      d1 = _mm512_dpbusd_epi32(d1, c[1], _mm512_loadu_si512(x + 64));
-      d0 = _mm512_dpbusd_epi32(d0, c[2], _mm512_loadu_si512(x + 128));
-      d1 = _mm512_dpbusd_epi32(d1, c[3], _mm512_loadu_si512(x + 192));
-      const __m512i d = _mm512_add_epi32(d0, d1);
-      const __m256i dot = _mm256_add_epi32(_mm512_castsi512_si256(d), _mm512_extracti64x4_epi64(d, 1));
-      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dwv, _mm256_loadu_ps(dt + tb * 8)), acc[n]);
-      if constexpr (FMT == kQ4_1)
-        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_loadu_ps(st + tb * 8), acc[n]);
-    }
-  }
-  alignas(32) float out[8];
-  for (int n = 0; n < NT; ++n) {
-    _mm256_store_ps(out, acc[n]);
-    for (int t = 0; t < 8; ++t) y[(n * 8 + t) * O] = out[t];
-  }
-}
-"""
-_LANES_NARROW = r"""
-template <int64_t FMT, int NT>
-inline void lanes_best(const uint8_t* row, int64_t nb, const uint8_t* xt, const float* dt, const float* st,
-                       const int32_t* ct, float* y, int64_t O) {
-  lanes<FMT, NT>(row, nb, xt, dt, st, ct, y, O);  // no 512-bit vectors here
-}
-"""
-
 _ISAS = (  # namespace, GCC target ("" = the variant's own), the dot product, the dot product added to acc, the GEMV,
     # the lanes kernel
     ("isa_avx2", "", "_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))",
-     "_mm256_add_epi32(acc, dot_u8s8(u, s))", _GEMV_NARROW,
-     _LANES_NARROW),  # saturates on Q8_0's offset codes: lanes need VNNI
+     "_mm256_add_epi32(acc, dot_u8s8(u, s))", GEMV_NARROW,
+     LANES_NARROW),  # saturates on Q8_0's offset codes: lanes need VNNI
     ("isa_avxvnni", "avxvnni", "_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)",
-     "_mm256_dpbusd_avx_epi32(acc, u, s)", _GEMV_NARROW, _LANES_NARROW),
+     "_mm256_dpbusd_avx_epi32(acc, u, s)", GEMV_NARROW, LANES_NARROW),
     ("isa_avx512vnni", "avx512f,avx512bw,avx512vl,avx512vnni", "_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)",
-     "_mm256_dpbusd_epi32(acc, u, s)", _GEMV_WIDE, _LANES_WIDE),
+     "_mm256_dpbusd_epi32(acc, u, s)", GEMV_WIDE, LANES_WIDE),
 )
 
 
