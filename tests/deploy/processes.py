@@ -140,9 +140,11 @@ class ServeProcess:
         assert self.url is not None, f"not ready (exit {self.proc.poll()}):\n{self.output()}"
         return self.url
 
-    def output(self) -> str:
+    def output(self, tail_chars: int | None = 4000) -> str:
+        """Its stdout lines and the end of its stderr (all of it with `tail_chars` None: to search it)."""
         self._stderr.flush()
-        return "".join(self.lines) + Path(self._stderr.name).read_text(errors="replace")[-4000:]
+        err = Path(self._stderr.name).read_text(errors="replace")
+        return "".join(self.lines) + (err if tail_chars is None else err[-tail_chars:])
 
     def close(self) -> None:
         if self.proc.poll() is None:
