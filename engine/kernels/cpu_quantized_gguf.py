@@ -278,6 +278,24 @@ void rows_of(const uint8_t* w, int64_t K, const int8_t* qx, const float* dx, con
   }
 }
 
+// A tile's block b into its 8 tokens' sums: acc += dot x dw[b] dx[t, b] (+ Q4_1's m[b] sx[t, b]).
+template <int64_t FMT>
+inline __m256 lane_scale(__m256 acc, __m256i dot, __m256 dwv, const uint8_t* blk, const float* dt, const float* st) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dwv, _mm256_loadu_ps(dt)), acc);
+  if constexpr (FMT == kQ4_1) acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_loadu_ps(st), acc);
+  return acc;
+}
+
+// NT tiles' sums (8 tokens each, one output row) into y, tokens O floats apart.
+template <int NT>
+inline void store_tiles(const __m256* acc, float* y, int64_t O) {
+  alignas(32) float out[8];
+  for (int n = 0; n < NT; ++n) {
+    _mm256_store_ps(out, acc[n]);
+    for (int t = 0; t < 8; ++t) y[(n * 8 + t) * O] = out[t];
+  }
+}
+
 // A block's 32 codes as unsigned bytes for the lanes path: Q4_0/Q4_1's nibbles, Q8_0's int8 + 128.
 template <int64_t FMT>
 inline __m256i lane_codes(const uint8_t* blk) {
@@ -309,16 +327,10 @@ inline void lanes(const uint8_t* row, int64_t nb, const uint8_t* xt, const float
       __m256i dot = FMT == kQ4_1 ? _mm256_setzero_si256()
                                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ct + tb * 8));
       for (int g = 0; g < 8; ++g) dot = dot_acc(dot, _mm256_set1_epi32(codes[g]), _mm256_loadu_si256(x + g));
-      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dwv, _mm256_loadu_ps(dt + tb * 8)), acc[n]);
-      if constexpr (FMT == kQ4_1)
-        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_loadu_ps(st + tb * 8), acc[n]);
+      acc[n] = lane_scale<FMT>(acc[n], dot, dwv, blk, dt + tb * 8, st + tb * 8);
     }
   }
-  alignas(32) float out[8];
-  for (int n = 0; n < NT; ++n) {
-    _mm256_store_ps(out, acc[n]);
-    for (int t = 0; t < 8; ++t) y[(n * 8 + t) * O] = out[t];
-  }
+  store_tiles<NT>(acc, y, O);
 }
 
 @WIDE_LANES@

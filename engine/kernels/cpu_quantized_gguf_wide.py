@@ -110,16 +110,10 @@ inline void lanes_best(const uint8_t* row, int64_t nb, const uint8_t* xt, const 
       d1 = _mm512_dpbusd_epi32(d1, c[3], _mm512_loadu_si512(x + 192));
       const __m512i d = _mm512_add_epi32(d0, d1);
       const __m256i dot = _mm256_add_epi32(_mm512_castsi512_si256(d), _mm512_extracti64x4_epi64(d, 1));
-      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dwv, _mm256_loadu_ps(dt + tb * 8)), acc[n]);
-      if constexpr (FMT == kQ4_1)
-        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_loadu_ps(st + tb * 8), acc[n]);
+      acc[n] = lane_scale<FMT>(acc[n], dot, dwv, blk, dt + tb * 8, st + tb * 8);
     }
   }
-  alignas(32) float out[8];
-  for (int n = 0; n < NT; ++n) {
-    _mm256_store_ps(out, acc[n]);
-    for (int t = 0; t < 8; ++t) y[(n * 8 + t) * O] = out[t];
-  }
+  store_tiles<NT>(acc, y, O);
 }
 """
 LANES_NARROW = r"""
