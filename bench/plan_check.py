@@ -14,7 +14,9 @@ histograms over each run), then prints
 prediction scales compute times accordingly, and counts AIPerf's own CPU against the workers' cores: the cores
 its processes kept busy while the warm-up's requests ran (a separate run from the checked ones: their CPU from
 /proc, sampled 4 times a second, between the start and end times its summary gives; its start-up before them,
-importing and spawning its services, left out), or `--client-cores`. plan.json is written after the warm-up.
+importing and spawning its services, left out), or `--client-cores`. A profile with a loaded probe (its `loaded`:
+a served 1P+1D under AIPerf on this host) already holds AIPerf's share in its disaggregated stage costs: check
+those with `--client-cores 0`. plan.json is written after the warm-up.
 AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and `--osl` output tokens with ignore_eos, streamed,
 each run from its own `--random-seed` (a warm-up of 4 requests first, from another): a run that repeated an
 earlier one's prompts would hit the prefix cache. AIPerf is not a splitserve dependency (see bench/serve_process.py

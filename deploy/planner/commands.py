@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from engine.engine_args import add_engine_args
 
 if TYPE_CHECKING:
-    from deploy.planner.profile import Profile, Serving
+    from deploy.planner.profile import Loaded, Profile, Serving
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +33,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--serving-requests", type=int, default=6,
                    help="requests of each kind through a real `serve` of one colocated worker, to measure what the "
                         "gateway adds (0: not measured)")
+    p.add_argument("--loaded-requests", type=int, default=None,
+                   help="requests a rate of the loaded probe: a real `serve` of 1P+1D on this machine driven by "
+                        "AIPerf, its TTFT stages read (default 40; 0, and with --quick: not measured)")
+    p.add_argument("--loaded-rates", default=None,
+                   help="the loaded probe's Poisson rates, comma-separated (default: 0.25 and 0.5 of what its "
+                        "prefill worker can prefill)")
     add_engine_args(p)
     p.set_defaults(func=run_profile_command)
 
@@ -57,6 +63,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                    help="with --one-host: cores the load generator keeps busy on the host while it runs")
     q.add_argument("--serving-overhead-s", type=float, default=None,
                    help="seconds the serving path adds to TTFT (default: the profile's measured serving overhead)")
+    q.add_argument("--no-loaded-costs", action="store_true",
+                   help="with --one-host: price the engine's profile alone, not the stage costs the profile's "
+                        "loaded probe measured")
     q.add_argument("--kv-transport", default=None,
                    help="the KV transport of disaggregated layouts (default: grpc, if the profile measured it)")
     q.add_argument("--top", type=int, default=10, help="layouts the table shows")
@@ -81,6 +90,10 @@ def run_profile_command(args: argparse.Namespace) -> int:
 
     if args.serving_requests < 0:
         raise ValueError(f"--serving-requests must be >= 0, got {args.serving_requests}")
+    loaded_requests = args.loaded_requests if args.loaded_requests is not None else 0 if args.quick else 40
+    if loaded_requests < 0:
+        raise ValueError(f"--loaded-requests must be >= 0, got {loaded_requests}")
+    loaded_rates = _rates(args.loaded_rates)
     profile = run_profile(config, quick=args.quick, transports=transports, seed=args.seed or 0)
     serving = None
     if args.serving_requests:
@@ -95,6 +108,15 @@ def run_profile_command(args: argparse.Namespace) -> int:
               f"{profile.serving.step_overhead_s * 1e3:.1f} ms to a step; the gateway takes "
               f"{profile.serving.gateway_cpu_per_request_s * 1e3:.1f} ms CPU a request, "
               f"{profile.serving.gateway_cpu_per_token_s * 1e3:.2f} ms a token", file=sys.stderr)
+    if loaded_requests and "grpc" in profile.handoff:
+        try:
+            profile = dataclasses.replace(profile, loaded=_measure_loaded(profile, loaded_requests, loaded_rates))
+        except Exception as exc:  # noqa: BLE001 - the profile stands without it; say why
+            print(f"splitserve: the loaded probe was not measured ({type(exc).__name__}: {exc}); plan --one-host "
+                  "prices no stage under load", file=sys.stderr)
+    elif loaded_requests:
+        print("splitserve: the loaded probe needs the grpc handoff profiled (--transports); not measured",
+              file=sys.stderr)
     profile.write(args.out)
     print(f"splitserve: profile of {profile.model.name} ({profile.model.identity}) written to {args.out} in "
           f"{profile.wall_s:.0f} s: prefill {len(profile.prefill_points)} points, decode {len(profile.decode_points)}, "
@@ -118,6 +140,33 @@ def _measure_serving(profile: Profile, num_requests: int) -> Serving:
                            num_requests=num_requests, max_tokens=min(32, prompt_words))
 
 
+def _rates(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--loaded-rates: comma-separated requests/s, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--loaded-rates: positive requests/s, got {text!r}")
+    return rates
+
+
+def _measure_loaded(profile: Profile, num_requests: int, rates: list[float] | None) -> Loaded:
+    """The profile's `loaded`: 1P+1D over grpc with the profiled flags, driven by AIPerf (load_probe.py)."""
+    from deploy.planner.load_probe import default_rates, measure_loaded
+    from deploy.planner.planner import Layout
+
+    isl = min(256, (profile.max_model_len or 2048) // 4)
+    osl = min(64, isl)
+    layout = Layout(num_prefill=1, num_decode=1, max_num_seqs=min(16, profile.max_num_seqs), transport="grpc")
+    rates = rates or default_rates(profile, isl=isl)
+    print(f"splitserve: loaded probe: 1P+1D at {', '.join(f'{r:g}' for r in rates)} req/s, {num_requests} "
+          f"requests each", file=sys.stderr)
+    return measure_loaded(profile, layout, rates=rates, num_requests=num_requests, isl=isl, osl=osl,
+                          log=lambda line: print(f"splitserve: {line}", file=sys.stderr))
+
+
 def check_model(profile_model: tuple[str, str], wanted: str | None) -> None:
     """The plan knows its model by the profile: --model, when given, must name the same (the --model the profile
     ran with, or its weights' identity, e.g. sha256:...); a ValueError otherwise."""
@@ -135,7 +184,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     check_model((profile.model.name, profile.model.identity), args.model)
     options = PlanOptions(max_workers=args.max_workers, one_host=args.one_host, transport=args.kv_transport,
-                          client_cores=args.client_cores, serving_overhead_s=args.serving_overhead_s)
+                          client_cores=args.client_cores, serving_overhead_s=args.serving_overhead_s,
+                          loaded_costs=not args.no_loaded_costs)
     if args.validate is not None:
         from deploy.planner.validate import compare_run_dir, format_comparisons
 

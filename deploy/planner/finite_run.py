@@ -40,6 +40,7 @@ What is simulated (each rule is the code's: router/admission.py, engine/core/sch
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -47,10 +48,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from router.config import GatewayConfig
+
 if TYPE_CHECKING:
     from deploy.planner.planner import LayoutModel
 
-QUEUE_TIMEOUT_S = 30.0  # the gateway's default --queue-timeout-s (router/config.py)
+QUEUE_TIMEOUT_S = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}["queue_timeout_s"]  # its default
 HOLD_WEIGHT = 0.1  # router/admission.py's moving mean of a request's hold time
 NUM_RUNS = 12
 
@@ -68,6 +71,7 @@ class FiniteRun:
     num_refused: float  # mean over the runs: refused at arrival (429) or timed out in the queue (503)
     goodput: float  # requests/s within both SLOs
     throughput: float  # completed requests/s over the run's span
+    ttft_mean_s: float = math.inf  # over the runs' completed requests
     # the mean seconds of each TTFT stage the gateway times (router/metrics.py's ttft_stage_seconds): router_queue,
     # prefill_queue, prefill, and kv_transfer where KV moves (averaged over the runs' completed requests)
     stages: dict[str, float] = field(default_factory=dict)
@@ -111,8 +115,9 @@ class _Request:
 class _Costs:
     """A layout's step costs at one rate's contention, read off a LayoutModel."""
 
-    def __init__(self, model: LayoutModel, prefill_factor: float, decode_factor: float) -> None:
+    def __init__(self, model: LayoutModel, rate: float, prefill_factor: float, decode_factor: float) -> None:
         self.model = model
+        self.handoff_s, self.serving_overhead_s = model.handoff_at(rate), model.serving_overhead_at(rate)
         fit = model.profile.prefill
         self.prefill_scale = prefill_factor * model.prefill_slowdown
         self.prefill_intercept_s = fit.intercept_s
@@ -241,8 +246,8 @@ class _Simulation:
         self.new_tokens = traffic.num_new_tokens
         self.max_num_seqs = layout.max_num_seqs
         self.token_budget = int(profile.engine.get("max_num_batched_tokens") or self.new_tokens) or self.new_tokens
-        self.serving_overhead_s = model.serving_overhead_s
-        self.handoff_s = model.handoff_s
+        self.serving_overhead_s = costs.serving_overhead_s
+        self.handoff_s = costs.handoff_s
         self.events: list[tuple[float, int, object, tuple]] = []
         self.num_events = 0
         num_decode = layout.num_colocated or layout.num_decode
@@ -353,10 +358,10 @@ def _simulate_at(model: LayoutModel, rate: float, served_rate: float, num_reques
         return FiniteRun(num_requests=num_requests, rate=rate, ttft_p50_s=math.inf, ttft_p90_s=math.inf,
                          tpot_p50_s=math.inf, tpot_p90_s=math.inf, num_refused=float(num_requests), goodput=0.0,
                          throughput=0.0), 0.0
-    costs = _Costs(model, prefill_factor, decode_factor)
+    costs = _Costs(model, served_rate, prefill_factor, decode_factor)
     osl = model.traffic.osl
-    totals = {"ttft50": 0.0, "ttft90": 0.0, "tpot50": 0.0, "tpot90": 0.0, "refused": 0.0, "goodput": 0.0,
-              "throughput": 0.0, "served": 0.0}
+    totals = {"ttft50": 0.0, "ttft90": 0.0, "ttft_mean": 0.0, "tpot50": 0.0, "tpot90": 0.0, "refused": 0.0,
+              "goodput": 0.0, "throughput": 0.0, "served": 0.0}
     stage_totals: dict[str, list[float]] = {}  # each run's mean
     for gaps in runs:
         sim = _Simulation(model, costs, [t / rate for t in gaps])
@@ -368,6 +373,7 @@ def _simulate_at(model: LayoutModel, rate: float, served_rate: float, num_reques
         tpots = [(r.done_s - r.first_token_s) / (osl - 1) if osl > 1 else 0.0 for r in sim.completed]
         totals["ttft50"] += percentile(ttfts, 50)
         totals["ttft90"] += percentile(ttfts, 90)
+        totals["ttft_mean"] += sum(ttfts) / len(ttfts) if ttfts else math.inf
         totals["tpot50"] += percentile(tpots, 50)
         totals["tpot90"] += percentile(tpots, 90)
         totals["refused"] += sim.refused
@@ -383,5 +389,5 @@ def _simulate_at(model: LayoutModel, rate: float, served_rate: float, num_reques
     return FiniteRun(num_requests=num_requests, rate=rate, ttft_p50_s=totals["ttft50"] / n,
                      ttft_p90_s=totals["ttft90"] / n, tpot_p50_s=totals["tpot50"] / n, tpot_p90_s=totals["tpot90"] / n,
                      num_refused=totals["refused"] / n, goodput=totals["goodput"] / n,
-                     throughput=totals["throughput"] / n,
+                     throughput=totals["throughput"] / n, ttft_mean_s=totals["ttft_mean"] / n,
                      stages={name: sum(means) / len(means) for name, means in stage_totals.items()}), totals["served"] / n

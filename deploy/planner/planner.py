@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 from deploy.planner.finite_run import simulate
+from deploy.planner.loaded import LoadedCosts, loaded_costs
 from deploy.planner.profile import Profile
 from deploy.planner.queueing import NO_WAIT, Wait, erlang_c, mgc_wait, poisson_quantile
 
@@ -90,6 +91,7 @@ class PlanOptions:
     max_num_seqs: tuple[int, ...] = ()  # candidates (default: SEQ_CANDIDATES and the profile's, within KV capacity)
     client_cores: float = 0.0  # with one_host: cores the load generator keeps busy on the same machine
     serving_overhead_s: float | None = None  # what serving adds to TTFT (None: the profile's measurement, or 0)
+    loaded_costs: bool = True  # with one_host: price the profile's loaded probe's stage costs (loaded.py)
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
@@ -271,6 +273,18 @@ class LayoutModel:
         self.handoff_s = 0.0
         if not layout.colocated and not self.local:
             self.handoff_s = profile.handoff[layout.transport].fit.seconds(prompt_bytes) if layout.transport else 0.0
+        # With --one-host, the stage costs a loaded `serve` of this kind of layout measured (loaded.py), or None.
+        self.loaded: LoadedCosts | None = loaded_costs(profile, layout, options) if not self.local else None
+
+    def handoff_at(self, rate: float) -> float:
+        """The KV handoff of one prompt at `rate` (the profile's transport fit, plus what a loaded serve adds)."""
+        if self.handoff_s == 0.0 or self.loaded is None:
+            return self.handoff_s
+        return self.handoff_s + self.loaded.at(rate).handoff_extra_s
+
+    def serving_overhead_at(self, rate: float) -> float:
+        """What serving adds to TTFT at `rate` (the probe's serving overhead, plus what a loaded serve adds)."""
+        return self.serving_overhead_s + (0.0 if self.loaded is None else self.loaded.at(rate).overhead_s)
 
     def background_cores(self, rate: float) -> float:
         """With --one-host: the cores the gateway (its measured CPU per request and per token) and the load
@@ -361,8 +375,8 @@ class LayoutModel:
         stalls = r * osl * step50 / max(1e-9, 1 - u_p) if prefilling_here else 0.0
         tpot50 = step50 + stalls * service / osl
         tpot90 = step90 + (poisson_quantile(stalls) * service / osl if prefilling_here else 0.0)
-        join_s = 0.0 if prefilling_here else self.handoff_s + step50 / 2
-        fixed50 = service + join_s + (step50 if prefilling_here else 0.0) + self.serving_overhead_s
+        join_s = 0.0 if prefilling_here else self.handoff_at(rate) + step50 / 2
+        fixed50 = service + join_s + (step50 if prefilling_here else 0.0) + self.serving_overhead_at(rate)
         ttft50 = wait.quantile(0.5) + slot_wait.quantile(0.5) + fixed50
         ttft90 = wait.quantile(0.9) + slot_wait.quantile(0.9) + fixed50 + (step90 - step50)
         p_ttft = 1 - min(1.0, wait.p_longer(slo.ttft_s - fixed50) + slot_wait.p_longer(slo.ttft_s - fixed50))

@@ -21,6 +21,12 @@ profile.json (schema "splitserve-profile/1"):
                 gateway_cpu_per_token_s}: a real `serve` of one colocated worker, one request at a time from a
                light client (absent: not measured): its TTFT over the engine's prefill, its inter-token time over
                the engine's decode step, and the CPU its gateway process spent per request and per streamed token
+    loaded     {layout: {num_colocated, num_prefill, num_decode, max_num_seqs, transport}, isl, osl, client,
+                points: [{rate, num_requests, ttft_mean_s, router_queue_s, prefill_queue_s, prefill_s,
+                kv_transfer_s, tpot_p50_s, host_busy_cores}]}: a real `serve` of that layout on this machine driven
+               at Poisson rates by `client` (AIPerf), each point a run's means of the gateway's TTFT stage
+               histograms (absent: not measured; `plan --one-host` prices a layout of its kind with these stage
+               costs under load: loaded.py)
     quick, created, wall_s
 
 The fitted curves (all coefficients >= 0, fitted in relative error by fit.py):
@@ -150,6 +156,80 @@ class Serving:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoadedPoint:
+    """One rate of the loaded probe: what the client and the gateway's ttft_stage_seconds histograms measured."""
+
+    rate: float  # requests/s offered (Poisson)
+    num_requests: int  # sent
+    ttft_mean_s: float  # the client's mean TTFT
+    router_queue_s: float  # each stage's mean over the run (the histograms' sum / count between two scrapes)
+    prefill_queue_s: float
+    prefill_s: float
+    kv_transfer_s: float  # 0 for a colocated layout
+    tpot_p50_s: float  # the client's inter-token latency p50
+    host_busy_cores: float  # the whole machine's busy cores over the run (/proc/stat), other work included
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loaded:
+    """The loaded probe: a served layout (its pools as planner.Layout's fields), its traffic and its points."""
+
+    num_colocated: int
+    num_prefill: int
+    num_decode: int
+    max_num_seqs: int
+    transport: str | None
+    isl: int
+    osl: int
+    client: str
+    points: tuple[LoadedPoint, ...]
+
+    @property
+    def colocated(self) -> bool:
+        return self.num_colocated > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": {"num_colocated": self.num_colocated, "num_prefill": self.num_prefill,
+                           "num_decode": self.num_decode, "max_num_seqs": self.max_num_seqs,
+                           "transport": self.transport},
+                "isl": self.isl, "osl": self.osl, "client": self.client,
+                "points": [dataclasses.asdict(p) for p in self.points]}
+
+
+def loaded_from_json(data: Any, source: str) -> Loaded:
+    """A Loaded from profile.json's `loaded`; ValueError naming the bad field."""
+    if not isinstance(data, dict) or not isinstance(data.get("layout"), dict):
+        raise ValueError(f"{source}: loaded: expected an object with a layout")
+    layout = data["layout"]
+    counts = _build(_LoadedShape, {**{k: layout.get(k) for k in ("num_colocated", "num_prefill", "num_decode",
+                                                                   "max_num_seqs")},
+                                   "isl": data.get("isl"), "osl": data.get("osl")}, f"{source}: loaded")
+    if (counts.num_colocated > 0) == (counts.num_prefill > 0 or counts.num_decode > 0) or counts.max_num_seqs < 1 \
+            or counts.isl < 1 or counts.osl < 1:
+        raise ValueError(f"{source}: loaded: a colocated or a disaggregated layout with sequences and traffic, got "
+                         f"{layout} (isl {counts.isl}, osl {counts.osl})")
+    points = tuple(sorted((_build(LoadedPoint, p, f"{source}: loaded.points[{i}]")
+                           for i, p in enumerate(data.get("points") or [])), key=lambda p: p.rate))
+    if not points or any(p.rate <= 0 or p.prefill_s <= 0 for p in points):
+        raise ValueError(f"{source}: loaded: points need a positive rate and prefill_s")
+    transport = layout.get("transport")
+    return Loaded(num_colocated=int(counts.num_colocated), num_prefill=int(counts.num_prefill),
+                  num_decode=int(counts.num_decode), max_num_seqs=int(counts.max_num_seqs),
+                  transport=None if transport is None else str(transport), isl=int(counts.isl), osl=int(counts.osl),
+                  client=str(data.get("client", "")), points=points)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _LoadedShape:
+    num_colocated: int
+    num_prefill: int
+    num_decode: int
+    max_num_seqs: int
+    isl: int
+    osl: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelIdentity:
     name: str  # the --model it was measured with
     identity: str  # the KV hash namespace's model: a digest of the weights (+quantization), or --model-id
@@ -173,6 +253,7 @@ class Profile:
     # phase ("prefill", "decode") -> its slowdowns on num_threads under background load, by background cores
     contention: dict[str, tuple[ContentionPoint, ...]] = field(default_factory=dict)
     serving: Serving | None = None
+    loaded: Loaded | None = None
     quick: bool = False
     created: str = ""
     wall_s: float = 0.0
@@ -216,6 +297,7 @@ class Profile:
             "one_thread": self.one_thread,
             "contention": {phase: [dataclasses.asdict(p) for p in points] for phase, points in self.contention.items()},
             "serving": None if self.serving is None else dataclasses.asdict(self.serving),
+            "loaded": None if self.loaded is None else self.loaded.to_json(),
         }
 
     def write(self, path: str | Path) -> None:
@@ -268,6 +350,7 @@ def profile_from_json(data: Any, *, source: str = "profile") -> Profile:
                                                   for i, p in enumerate(points)), key=lambda p: p.background_cores))
                         for phase, points in (data.get("contention") or {}).items()},
             serving=None if data.get("serving") is None else _build(Serving, data["serving"], f"{source}: serving"),
+            loaded=None if data.get("loaded") is None else loaded_from_json(data["loaded"], source),
             quick=bool(data.get("quick", False)), created=str(data.get("created", "")),
             wall_s=float(data.get("wall_s", 0.0)),
         )

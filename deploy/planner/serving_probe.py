@@ -3,15 +3,18 @@ profiled engine flags, a light client (this process, httpx) sending one streamed
 
     measure_serving(serve_args, prefill_s, decode_step_s, num_requests) -> Serving
 
-    ttft_overhead_s            median TTFT of `num_requests` max_tokens-1 requests  -  prefill_s(their prompt tokens)
-    step_overhead_s            median inter-token time of `num_requests` max_tokens-M requests  -  decode_step_s(1, ctx)
+    ttft_overhead_s            the least of `num_requests` max_tokens-1 requests' TTFT - prefill_s(its prompt tokens)
+    step_overhead_s            the least of `num_requests` max_tokens-M requests' mean inter-token time
+                               -  decode_step_s(1, ctx)
     gateway_cpu_per_request_s  the gateway process's CPU (utime + stime, /proc) over the max_tokens-1 requests, each
     gateway_cpu_per_token_s    its CPU over the max_tokens-M requests beyond that, per token after the first
 
 The gateway runs in `serve`'s own process (the router's uvicorn thread): its CPU is what `plan --one-host` takes from
 the workers' cores per request and per token. Prompts are random words (fresh each request: no prefix-cache hit),
-their token count read from the gateway's usage. Overheads are floored at 0: the engine's profile keeps each
-point's fastest, a served request can come out faster than that.
+their token count read from the gateway's usage. Each overhead is the fastest request's, as the engine's profile
+keeps each point's fastest (a median set against those minimums counted the host's noise as serving: two profiles
+measured a step overhead of 8.5 and 4.2 ms that way). Overheads are floored at 0: a served request can come out
+faster than the engine's fit.
 """
 
 from __future__ import annotations
@@ -113,9 +116,9 @@ def measure_serving(serve_args: Sequence[str], *, model: str, prompt_words: int,
     finally:
         server.stop()
     prompt_tokens = int(statistics.median(n for _, _, n in firsts)) or prompt_words
-    ttft_overhead = statistics.median(ttft - prefill_s(n or prompt_words) for ttft, _, n in firsts)
+    ttft_overhead = min(ttft - prefill_s(n or prompt_words) for ttft, _, n in firsts)
     gaps = [(arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) for _, arrivals, _ in longs if len(arrivals) > 1]
-    step_overhead = statistics.median(gaps) - decode_step_s(prompt_tokens + max_tokens // 2) if gaps else 0.0
+    step_overhead = min(gaps) - decode_step_s(prompt_tokens + max_tokens // 2) if gaps else 0.0
     per_request = (cpu1 - cpu0) / num_requests
     num_tokens = sum(len(arrivals) for _, arrivals, _ in longs)
     per_token = max(0.0, (cpu2 - cpu1) - per_request * num_requests) / max(1, num_tokens - num_requests)

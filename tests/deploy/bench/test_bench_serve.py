@@ -115,6 +115,35 @@ def test_chat_at_a_concurrency(served: str, tmp_path: Path) -> None:
     assert report["plots"] == ["throughput_latency.png", "ttft_itl.png", "stages.png"]  # no SLO: no goodput plot
 
 
+def test_the_profiles_loaded_probe_reads_each_rates_stages(served: str, tmp_path: Path) -> None:
+    """`splitserve profile`'s loaded probe (deploy/planner/load_probe.py) against this serve: per rate, the means of
+    the stages its AIPerf run went through, inside the client's TTFT; the profile holding them reads back and
+    calibrates (the planner's costs under load)."""
+    import dataclasses
+
+    from deploy.planner.load_probe import measure_loaded
+    from deploy.planner.loaded import calibrate
+    from deploy.planner.planner import Layout, PlanOptions
+    from deploy.planner.profile import load_profile
+
+    layout = Layout(num_prefill=1, num_decode=1, max_num_seqs=16, transport="grpc")
+    loaded = measure_loaded(synthetic_profile(), layout, rates=[1.0, 2.0], num_requests=3, isl=48, osl=6,
+                            log=lambda line: None, url=served)
+    assert [p.rate for p in loaded.points] == [1.0, 2.0] and loaded.client == "aiperf"
+    assert (loaded.num_prefill, loaded.num_decode, loaded.transport, loaded.isl, loaded.osl) == (1, 1, "grpc", 48, 6)
+    for point in loaded.points:
+        assert point.num_requests == 3 and point.prefill_s > 0 and point.kv_transfer_s > 0, point
+        inside = point.router_queue_s + point.prefill_queue_s + point.prefill_s + point.kv_transfer_s
+        assert inside < point.ttft_mean_s, point  # the gateway's stages lie within the client's TTFT
+        assert 0 < point.host_busy_cores <= (os.cpu_count() or 1) + 0.1 and point.tpot_p50_s > 0, point
+    profile = dataclasses.replace(synthetic_profile(), loaded=loaded)
+    profile.write(tmp_path / "profile.json")
+    assert load_profile(tmp_path / "profile.json").loaded == loaded
+    costs = calibrate(profile, PlanOptions(one_host=True))
+    assert [c.rate for c in costs.points] == [1.0, 2.0]
+    assert all(c.handoff_extra_s >= 0 and c.overhead_s >= 0 for c in costs.points)
+
+
 def _value(report: dict[str, Any], key: str) -> Any:
     value: Any = report
     for part in key.split("."):

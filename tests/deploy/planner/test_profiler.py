@@ -107,12 +107,26 @@ def test_splitserve_profile_quick_writes_a_profile_plan_reads(tiny_dir: Path, tm
         "prefill": [0.5, 1.0], "decode": [0.5, 1.0]}
     assert all(p.slowdown > 0 for points in profile.contention.values() for p in points)
     assert profile.serving is None and data["serving"] is None
+    assert profile.loaded is None and data["loaded"] is None  # --quick: no loaded probe
     for p in profile.prefill_points:
         assert profile.prefill.seconds(p.num_new_tokens, p.num_cached_tokens) > 0
     # plan reads it: a loose SLO for the tiny model is met (exit 0); the flags name the tiny model's directory
     assert main(["plan", "--profile", str(out), "--isl", "128", "--osl", "16", "--rate", "1", "--ttft-slo", "30",
                  "--tpot-slo", "5", "--max-workers", "2"]) == 0
     assert f"--model {tiny_dir}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, match", [(["--loaded-rates", "1,-2"], "--loaded-rates: positive"),
+                                          (["--loaded-rates", "one"], "--loaded-rates: comma-separated"),
+                                          (["--loaded-requests", "-1"], "--loaded-requests must be >= 0")])
+def test_bad_loaded_probe_flags_are_clear_errors_before_any_measuring(tiny_dir: Path, tmp_path: Path, flags: list[str],
+                                                                     match: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from deploy.cli import main
+
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(tiny_dir), "--out", str(out), *flags]) == 2
+    assert match in capsys.readouterr().err and not out.exists()
 
 
 @pytest.mark.slow  # the real SmolLM2 (20 s on 2 quiet cores, 85 s loaded) and a real gRPC receiver process
