@@ -26,13 +26,10 @@ for its venv).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.serve_process import Serve, aiperf  # noqa: E402
 from deploy.bench import stages  # noqa: E402
 from deploy.bench.report import run_from_summary  # noqa: E402
+from deploy.planner.load_probe import Sampler, aiperf_epoch_s  # noqa: E402
 from deploy.planner.planner import SLO, Layout, PlanOptions, Traffic, plan  # noqa: E402
 from deploy.planner.profile import load_profile  # noqa: E402
 from deploy.planner.render import plan_json, serve_flags  # noqa: E402
@@ -91,7 +89,7 @@ def main() -> int:
         with CpuSampler(exclude=server.proc.pid) as sampler:
             warmup = aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed",
                                          "1000"])
-        warmup_cores = sampler.cores_between(_epoch_s(warmup["start_time"]), _epoch_s(warmup["end_time"]))
+        warmup_cores = sampler.cores_between(*(aiperf_epoch_s(warmup[k]) for k in ("start_time", "end_time")))
         client_cores = warmup_cores if args.client_cores is None else args.client_cores
         print(f"AIPerf's warm-up kept {warmup_cores:.2f} cores busy; the plan counts {client_cores:.2f}", flush=True)
         options = PlanOptions(max_workers=max(2, layout.num_workers), one_host=args.one_host,
@@ -125,11 +123,6 @@ def main() -> int:
     return 0
 
 
-def _epoch_s(local_iso: str) -> float:
-    """AIPerf's start_time / end_time (local time, no zone) as seconds since the epoch."""
-    return datetime.datetime.fromisoformat(local_iso).timestamp()
-
-
 def _proc_table() -> dict[int, tuple[int, float]]:
     """pid -> (parent pid, CPU seconds: utime + stime) of every process /proc shows."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -144,15 +137,13 @@ def _proc_table() -> dict[int, tuple[int, float]]:
     return table
 
 
-class CpuSampler(threading.Thread):
+class CpuSampler(Sampler[dict[int, float]]):
     """Samples the CPU seconds of this process's descendants, but for `exclude`'s subtree (the server), 4 times a
     second until the `with` block ends; `cores_between(t0, t1)`: the cores they kept busy in that window."""
 
     def __init__(self, *, exclude: int, period_s: float = 0.25) -> None:
-        super().__init__(daemon=True)
-        self.exclude, self.period_s = exclude, period_s
-        self.samples: list[tuple[float, dict[int, float]]] = []
-        self._done = threading.Event()
+        super().__init__(self._descendants, period_s=period_s)
+        self.exclude = exclude
 
     def _descendants(self) -> dict[int, float]:
         table = _proc_table()
@@ -165,21 +156,8 @@ class CpuSampler(threading.Thread):
                 out[pid] = cpu_s
         return out
 
-    def run(self) -> None:
-        while not self._done.is_set():
-            self.samples.append((time.time(), self._descendants()))
-            self._done.wait(self.period_s)
-
-    def __enter__(self) -> CpuSampler:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self.join()
-
     def cores_between(self, start_s: float, end_s: float) -> float:
-        window = [(t, cpu) for t, cpu in self.samples if start_s <= t <= end_s]
+        window = self.window(start_s, end_s)
         if len(window) < 2:
             return 0.0
         (t0, first), (t1, _) = window[0], window[-1]

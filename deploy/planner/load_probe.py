@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from deploy.planner.profile import Loaded, LoadedPoint, Profile
 
@@ -30,9 +30,10 @@ if TYPE_CHECKING:
     from deploy.planner.planner import Layout
 
 STAGES = ("router_queue", "prefill_queue", "prefill", "kv_transfer")
+T = TypeVar("T")
 
 
-def _epoch_s(local_iso: object) -> float:
+def aiperf_epoch_s(local_iso: object) -> float:
     """AIPerf's start_time / end_time (local time, no zone) as seconds since the epoch (nan when absent)."""
     try:
         return datetime.datetime.fromisoformat(str(local_iso)).timestamp()
@@ -49,22 +50,22 @@ def host_busy_s() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # to steal; less idle, iowait
 
 
-class BusySampler(threading.Thread):
-    """`host_busy_s()` 4 times a second until the `with` block ends; `cores_between(t0, t1)`: the machine's busy
-    cores between two wall-clock times (AIPerf's start and end of its requests, its start-up left out)."""
+class Sampler(threading.Thread, Generic[T]):
+    """`sample()` 4 times a second, with the wall-clock time, until the `with` block ends (`samples`); `window(t0,
+    t1)`: those taken between two wall-clock times (AIPerf's start and end of its requests: its start-up left out)."""
 
-    def __init__(self, period_s: float = 0.25) -> None:
+    def __init__(self, sample: Callable[[], T], *, period_s: float = 0.25) -> None:
         super().__init__(daemon=True)
-        self.period_s = period_s
-        self.samples: list[tuple[float, float]] = []
+        self.sample, self.period_s = sample, period_s
+        self.samples: list[tuple[float, T]] = []
         self._done = threading.Event()
 
     def run(self) -> None:
         while not self._done.is_set():
-            self.samples.append((time.time(), host_busy_s()))
+            self.samples.append((time.time(), self.sample()))
             self._done.wait(self.period_s)
 
-    def __enter__(self) -> BusySampler:
+    def __enter__(self) -> Sampler[T]:
         self.start()
         return self
 
@@ -72,11 +73,16 @@ class BusySampler(threading.Thread):
         self._done.set()
         self.join()
 
-    def cores_between(self, start_s: float, end_s: float) -> float:
-        window = [(t, busy) for t, busy in self.samples if start_s <= t <= end_s]
-        if len(window) < 2 or window[-1][0] <= window[0][0]:
-            return 0.0
-        return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+    def window(self, start_s: float, end_s: float) -> list[tuple[float, T]]:
+        return [(t, value) for t, value in self.samples if start_s <= t <= end_s]
+
+
+def busy_cores(sampler: Sampler[float], start_s: float, end_s: float) -> float:
+    """The machine's busy cores between two wall-clock times, from a Sampler of `host_busy_s` (0: too few samples)."""
+    window = sampler.window(start_s, end_s)
+    if len(window) < 2 or window[-1][0] <= window[0][0]:
+        return 0.0
+    return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
 
 
 def default_rates(profile: Profile, *, isl: int, fractions: Sequence[float] = (0.25, 0.5)) -> list[float]:
@@ -123,10 +129,10 @@ def measure_loaded(profile: Profile, layout: Layout, *, rates: Sequence[float], 
         run(url, ["--request-count", "4", "--concurrency", "1", "--random-seed", str(seed)])
         for i, rate in enumerate(rates):
             before = stages.scrape(url)
-            with BusySampler() as sampler:
+            with Sampler(host_busy_s) as sampler:
                 summary = run(url, ["--request-rate", f"{rate:g}", "--request-count", str(num_requests),
                                            "--random-seed", str(seed + 1 + i)])
-            busy = sampler.cores_between(*(_epoch_s(summary.get(k)) for k in ("start_time", "end_time")))
+            busy = busy_cores(sampler, *(aiperf_epoch_s(summary.get(k)) for k in ("start_time", "end_time")))
             deltas = stages.stage_deltas(before, stages.scrape(url))
             measured = run_from_summary(summary, mode="rate", point=rate, seed=seed + 1 + i, command=[],
                                         stages=deltas)
