@@ -177,6 +177,7 @@ def check_model(profile_model: tuple[str, str], wanted: str | None) -> None:
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
+    from deploy.planner.loaded import describe as describe_loaded
     from deploy.planner.planner import SLO, PlanOptions, Traffic, plan
     from deploy.planner.profile import load_profile
     from deploy.planner.render import format_table, helm_values, plan_json, serve_command, to_yaml
@@ -212,6 +213,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print(f"{profile.model.name} on {profile.machine.get('device_name')} ({profile.cpu_count} cores); "
               f"isl {traffic.isl}, osl {traffic.osl}, prefix hit {traffic.prefix_hit}, {rate}; SLO TTFT p90 <= "
               f"{slo.ttft_s} s, TPOT p90 <= {slo.tpot_s} s")
+        if loaded_line := describe_loaded(profile, options):
+            print(loaded_line)
         print(format_table(result, top=args.top))
         print()
         if result.met:

@@ -142,3 +142,23 @@ def loaded_costs(profile: Profile, layout: Layout, options: PlanOptions) -> Load
             _CACHE.clear()
         cached = _CACHE[key] = (profile, calibrate(profile, options))
     return cached[1]
+
+
+def describe(profile: Profile, options: PlanOptions) -> str:
+    """One line saying which layouts a plan prices with the loaded probe's costs, and what they are ("" where
+    none: no probe, not --one-host, or --no-loaded-costs)."""
+    loaded = profile.loaded
+    layout = None if loaded is None else probe_layout(loaded)
+    costs = None if layout is None else loaded_costs(profile, layout, options)
+    if loaded is None or costs is None:
+        return ""
+    kind = "colocated layouts" if loaded.colocated else f"disaggregated layouts over {loaded.transport}"
+
+    def each(values: list[float], unit: str, scale: float) -> str:
+        return ", ".join(f"+{v * scale:.{0 if scale > 1 else 2}f}" for v in values) + f" {unit}"
+
+    rates = ", ".join(f"{p.rate:g}" for p in costs.points)
+    return (f"{kind} priced with the profile's loaded probe ({layout.label} under {loaded.client or 'a client'} at "
+            f"{rates} req/s): handoff {each([p.handoff_extra_s for p in costs.points], 'ms', 1e3)} over the "
+            f"transport's, TTFT {each([p.overhead_s for p in costs.points], 's', 1)} outside the stages "
+            "(--no-loaded-costs: without)")

@@ -144,3 +144,20 @@ def test_the_probes_default_rates_load_its_prefill_worker_to_a_quarter_and_a_hal
     assert low < high
     assert low * prompt_s == pytest.approx(0.25, abs=0.05 * prompt_s)  # rounded to 0.05 requests/s
     assert high * prompt_s == pytest.approx(0.5, abs=0.05 * prompt_s)
+
+
+def test_plan_says_which_layouts_it_priced_with_the_probe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deploy.cli import main
+
+    path = tmp_path / "profile.json"
+    PROFILE.write(path)
+    flags = ["plan", "--profile", str(path), "--isl", "256", "--osl", "64", "--ttft-slo", "2", "--tpot-slo", "0.1",
+             "--max-workers", "2"]
+    calibrated = calibrate(PROFILE, ONE_HOST).points
+    main([*flags, "--one-host"])
+    out = capsys.readouterr().out
+    assert "disaggregated layouts over grpc priced with the profile's loaded probe (1P+1D, seqs 16 under aiperf at " \
+           "1, 2 req/s): handoff " + ", ".join(f"+{p.handoff_extra_s * 1e3:.0f}" for p in calibrated) + " ms" in out
+    for extra in ([], ["--one-host", "--no-loaded-costs"]):  # off one host, or turned off: not said, not priced
+        main([*flags, *extra])
+        assert "loaded probe" not in capsys.readouterr().out
