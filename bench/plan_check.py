@@ -18,7 +18,8 @@ importing and spawning its services, left out), or `--client-cores`. A profile w
 a served 1P+1D under AIPerf on this host) already holds AIPerf's share in its disaggregated stage costs: check
 those with `--client-cores 0`. plan.json is written after the warm-up.
 AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and `--osl` output tokens with ignore_eos, streamed,
-each run from its own `--random-seed` (a warm-up of 4 requests first, from another): a run that repeated an
+each run from its own `--random-seed`, `--seed` + its place in `--rates` (a warm-up of 4 requests first, from
+`--seed` + 1000): give each repeated pass its own `--seed`, or it replays the same arrivals. A run that repeated an
 earlier one's prompts would hit the prefix cache. AIPerf is not a splitserve dependency (see bench/serve_process.py
 for its venv).
 """
@@ -64,6 +65,7 @@ def main() -> int:
     p.add_argument("--ttft-slo", type=float, default=2.0)
     p.add_argument("--tpot-slo", type=float, default=0.15)
     p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--seed", type=int, default=7, help="AIPerf's --random-seed of the first rate (+1 each next)")
     p.add_argument("--one-host", action="store_true")
     p.add_argument("--client-cores", type=float, default=None,
                    help="cores AIPerf keeps busy (default: measured over the warm-up run)")
@@ -88,7 +90,7 @@ def main() -> int:
         # Every run its own prompts (AIPerf's seed): a run repeating an earlier one's would hit the prefix cache.
         with CpuSampler(exclude=server.proc.pid) as sampler:
             warmup = aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed",
-                                         "1000"])
+                                         str(args.seed + 1000)])
         warmup_cores = sampler.cores_between(*(aiperf_epoch_s(warmup[k]) for k in ("start_time", "end_time")))
         client_cores = warmup_cores if args.client_cores is None else args.client_cores
         print(f"AIPerf's warm-up kept {warmup_cores:.2f} cores busy; the plan counts {client_cores:.2f}", flush=True)
@@ -98,14 +100,15 @@ def main() -> int:
         for i, rate in enumerate(float(r) for r in args.rates.split(",") if r):
             before = stages.scrape(server.url)  # the gateway's TTFT stage histograms, to diff over the run
             summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
-                                          str(args.num_requests), "--random-seed", str(7 + i)])
+                                          str(args.num_requests), "--random-seed", str(args.seed + i)])
             (out / f"aiperf-{rate:g}.json").write_text(json.dumps(summary, indent=1))
             try:
                 deltas = stages.stage_deltas(before, stages.scrape(server.url))
             except ValueError as exc:  # the run's numbers stand; only its stage breakdown is lost
                 print(f"rate {rate}: no TTFT stages: {exc}", file=sys.stderr)
                 deltas = None
-            runs.append(run_from_summary(summary, mode="rate", point=rate, seed=7 + i, command=[], stages=deltas))
+            runs.append(run_from_summary(summary, mode="rate", point=rate, seed=args.seed + i, command=[],
+                                         stages=deltas))
             runs[-1]["num_requests_sent"] = args.num_requests  # validate prices a finite run of these
             print(f"rate {rate}: {json.dumps(runs[-1])}", flush=True)
     finally:
