@@ -108,7 +108,8 @@ class ChaosReport:
     migrations: float = 0.0
     retries: dict[str, float] = field(default_factory=dict)  # dispatches retried before any token, by reason
     restarts: dict[str, float] = field(default_factory=dict)  # "role/reason" -> count
-    kv_transfer_failures: float = 0.0  # the current workers' failed handoffs (/metrics: per incarnation)
+    kv_transfer_failures: float = 0.0  # failed handoffs: the most the workers' counters showed (/metrics, per
+    # incarnation), read after a cut_kv_transfer fault and at the end (a worker restarted later takes its count along)
     node_restarts: dict[str, int] = field(default_factory=dict)  # netns: pod -> restarts (its Ray node had exited)
     faults: list[Injected] = field(default_factory=list)
     fault_errors: list[str] = field(default_factory=list)  # faults that could not be injected; a cluster not whole
@@ -255,6 +256,7 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
                     continue
                 try:
                     waited = cluster.wait_whole(config.whole_timeout_s)
+                    failures_before = _kv_transfer_failures(cluster)
                     at = time.monotonic()
                     what = faults[name].inject(cluster, rng)
                 except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is a finding too
@@ -264,6 +266,13 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
                 report.faults.append(Injected(name=name, at_s=round(at - started, 1), waited_whole_s=round(waited, 1),
                                               took_s=round(time.monotonic() - at, 1), what=what))
                 log(f"chaos: t={at - started:.0f}s {name}: {what} ({len(load.outcomes)} requests done)")
+                if name == "cut_kv_transfer":  # read the failure before a later fault restarts the worker counting it
+                    until = min(time.monotonic() + 12.0, started + (k + 1) * config.interval_s - 1.0)
+                    try:
+                        report.kv_transfer_failures = max(report.kv_transfer_failures, _await_more(
+                            lambda: _kv_transfer_failures(cluster), failures_before, until))
+                    except Exception as exc:  # noqa: BLE001 - the end's reading still counts; say why this one failed
+                        log(f"chaos: reading kv_transfer_failures after the cut failed: {exc}")
             time.sleep(max(0.0, started + config.duration_s - time.monotonic()))
         finally:
             outcomes = load.stop()
@@ -281,9 +290,23 @@ def run(model: str, config: ChaosConfig, work_dir: Path, *, log=print) -> ChaosR
                           for k, v in cluster.metric("splitserve:request_retries_total").items() if v}
         report.restarts = {f"{dict(k)['role']}/{dict(k)['reason']}": v
                            for k, v in cluster.metric("splitserve:worker_restarts_total").items() if v}
-        report.kv_transfer_failures = sum(cluster.metric("splitserve:kv_transfer_failures_total").values())
+        report.kv_transfer_failures = max(report.kv_transfer_failures, _kv_transfer_failures(cluster))
         report.node_restarts = cluster.node_restarts()
         return report
+
+
+def _kv_transfer_failures(cluster: Cluster) -> float:
+    """The failed KV handoffs the current workers count (/metrics; a worker's count restarts with its incarnation)."""
+    return sum(cluster.metric("splitserve:kv_transfer_failures_total").values())
+
+
+def _await_more(read: Callable[[], float], before: float, until_s: float, *, period_s: float = 0.5) -> float:
+    """`read()` until it exceeds `before` or time.monotonic() passes `until_s`; the last value read."""
+    value = read()
+    while value <= before and time.monotonic() < until_s:
+        time.sleep(period_s)
+        value = read()
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:

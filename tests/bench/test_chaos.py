@@ -195,3 +195,11 @@ def test_a_partition_heals_the_host_even_when_the_wait_is_interrupted(monkeypatc
     with pytest.raises(KeyboardInterrupt):
         chaos_faults.PartitionHost(partition_s=15).inject(cluster, random.Random(0))  # type: ignore[arg-type]
     assert [e.split()[0] for e in cluster.events] == ["cut", "heal"]
+
+
+def test_the_cut_handoffs_failure_is_read_before_a_later_restart_can_take_its_count() -> None:
+    """A worker's kv_transfer_failures counter restarts with its incarnation: the run reads it after the cut, until
+    it grows or the time is up, and keeps the most it saw (tests/cluster/test_chaos.py failed once without it)."""
+    readings = iter([0.0, 0.0, 1.0, 0.0])  # the failure shows on the third reading; a restart later zeroes it
+    assert chaos._await_more(lambda: next(readings), 0.0, until_s=float("inf"), period_s=0.0) == 1.0
+    assert chaos._await_more(lambda: 0.0, 0.0, until_s=0.0, period_s=0.0) == 0.0  # time up: the last value read
