@@ -131,7 +131,7 @@ def measure_loaded(profile: Profile, layout: Layout, *, rates: Sequence[float], 
             before = stages.scrape(url)
             with Sampler(host_busy_s) as sampler:
                 summary = run(url, ["--request-rate", f"{rate:g}", "--request-count", str(num_requests),
-                                           "--random-seed", str(seed + 1 + i)])
+                                    "--random-seed", str(seed + 1 + i)])
             busy = busy_cores(sampler, *(aiperf_epoch_s(summary.get(k)) for k in ("start_time", "end_time")))
             deltas = stages.stage_deltas(before, stages.scrape(url))
             measured = run_from_summary(summary, mode="rate", point=rate, seed=seed + 1 + i, command=[],

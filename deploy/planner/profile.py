@@ -368,6 +368,10 @@ def load_profile(path: str | Path) -> Profile:
     profile = profile_from_json(data, source=str(path))
     if any(not ratio > 0 for ratio in profile.one_thread.values()):
         raise ValueError(f"{path}: one_thread: ratios must be positive, got {profile.one_thread}")
+    loaded = profile.loaded
+    if loaded is not None and not loaded.colocated and loaded.transport not in profile.handoff:
+        raise ValueError(f"{path}: loaded: its layout hands KV off over {loaded.transport!r}, which the profile's "
+                         f"handoffs did not measure ({', '.join(profile.handoff) or 'none'})")
     if profile.kv.block_size <= 0 or profile.kv.num_blocks <= 0:
         raise ValueError(f"{path}: kv: a KV cache of {profile.kv.num_blocks} blocks of {profile.kv.block_size} tokens")
     return profile

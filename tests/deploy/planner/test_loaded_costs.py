@@ -127,7 +127,8 @@ def test_the_probe_reads_back_and_a_damaged_one_is_a_clear_error(tmp_path: Path)
     for damage, match in ((lambda d: d["loaded"]["points"][0].update(prefill_s=-1), r"prefill_s: expected a number"),
                           (lambda d: d["loaded"]["layout"].update(num_colocated=1), "a colocated or a disaggregated"),
                           (lambda d: d["loaded"].update(points=[]), "positive rate"),
-                          (lambda d: d["loaded"]["points"][1].pop("kv_transfer_s"), "missing kv_transfer_s")):
+                          (lambda d: d["loaded"]["points"][1].pop("kv_transfer_s"), "missing kv_transfer_s"),
+                          (lambda d: d["loaded"]["layout"].update(transport="torch"), "did not measure \\(grpc\\)")):
         broken = json.loads(json.dumps(data))
         damage(broken)
         path.write_text(json.dumps(broken))
