@@ -30,6 +30,9 @@ engine, from the profile's `serving` (a real `serve`, measured; absent: nothing)
     one host     the gateway's CPU, rate x (per request + osl x per token), and the load generator's
                  (--client-cores) busy other cores of the same machine: each phase's compute times scale by
                  `contention_slowdown` of those background cores, at the rate priced
+    under load   with --one-host and a profile holding a loaded probe (a served layout under AIPerf), layouts of
+                 the probe's kind add its served handoff's extra time to the handoff and the TTFT it measured
+                 outside the simulated stages to the TTFT, at the rate priced (loaded.py; --no-loaded-costs: not)
 """
 
 from __future__ import annotations
