@@ -133,11 +133,16 @@ def _measure_serving(profile: Profile, num_requests: int) -> Serving:
     from deploy.planner.serving_probe import measure_serving
 
     args = serve_flags(profile, Layout(num_colocated=1, max_num_seqs=profile.max_num_seqs))
-    prompt_words = min(256, (profile.max_model_len or 2048) // 4)
+    prompt_words = _probe_prompt_len(profile)
     return measure_serving(args, model=profile.model.name, prompt_words=prompt_words,
                            prefill_s=lambda n: profile.prefill.seconds(n),
                            decode_step_s=lambda ctx: profile.decode.seconds(1, ctx),
                            num_requests=num_requests, max_tokens=min(32, prompt_words))
+
+
+def _probe_prompt_len(profile: Profile) -> int:
+    """The prompt length the serving probes send: 256, or a quarter of a shorter context."""
+    return min(256, (profile.max_model_len or 2048) // 4)
 
 
 def _rates(text: str | None) -> list[float] | None:
@@ -157,7 +162,7 @@ def _measure_loaded(profile: Profile, num_requests: int, rates: list[float] | No
     from deploy.planner.load_probe import default_rates, measure_loaded
     from deploy.planner.planner import Layout
 
-    isl = min(256, (profile.max_model_len or 2048) // 4)
+    isl = _probe_prompt_len(profile)
     osl = min(64, isl)
     layout = Layout(num_prefill=1, num_decode=1, max_num_seqs=min(16, profile.max_num_seqs), transport="grpc")
     rates = rates or default_rates(profile, isl=isl)

@@ -4,11 +4,11 @@ prices under load: loaded.py). Torch-free; AIPerf is found as `splitserve bench`
 
     measure_loaded(profile, layout, rates, num_requests, isl, osl) -> Loaded
 
-Per rate: the gateway's histograms scraped before and after one AIPerf run of `num_requests` requests (synthetic
-prompts of `isl` tokens, `osl` output tokens with ignore_eos, streamed, each run its own seed so that no run hits
-an earlier one's prefix cache), the means of each stage between the scrapes, the client's TTFT mean and
-inter-token p50, and the whole machine's busy cores while its requests ran (/proc/stat sampled 4 times a second,
-between AIPerf's start and end times: what else ran is in it, AIPerf's start-up is not). A warm-up
+Per rate: the gateway's histograms scraped before and after one AIPerf run of `num_requests` requests (`splitserve
+bench`'s random workload: prompts of `isl` tokens, `osl` output tokens with ignore_eos, streamed, each run its own
+seed so that no run hits an earlier one's prefix cache), the means of each stage between the scrapes, the client's
+TTFT mean and inter-token p50, and the whole machine's busy cores while its requests ran (/proc/stat sampled 4
+times a second, between AIPerf's start and end times: what else ran is in it, AIPerf's start-up is not). A warm-up
 of 4 requests at concurrency 1 goes first (the first requests pay one-time costs).
 """
 
@@ -103,16 +103,15 @@ def measure_loaded(profile: Profile, layout: Layout, *, rates: Sequence[float], 
     from deploy.bench.aiperf_driver import aiperf_command, find_aiperf, run_aiperf
     from deploy.bench.report import run_from_summary
     from deploy.bench.tokenizer import aiperf_tokenizer
+    from deploy.bench.workload import Workload, aiperf_flags
     from deploy.planner.render import serve_flags
     from deploy.planner.serving_probe import ServeProcess
 
     aiperf = find_aiperf()
     model = profile.model.name
     tokenizer, env = aiperf_tokenizer(model)
-    workload = ["--endpoint-type", "completions", "--streaming", "--use-server-token-count",
-                "--synthetic-input-tokens-mean", str(isl), "--synthetic-input-tokens-stddev", "0",
-                "--output-tokens-mean", str(osl), "--output-tokens-stddev", "0",
-                "--extra-inputs", "ignore_eos:true", "--request-timeout-seconds", "600"]
+    workload = [*aiperf_flags(Workload(kind="random", isl=isl, osl=osl), num_requests=num_requests),
+                "--request-timeout-seconds", "600"]
 
     def run(server_url: str, flags: list[str]) -> dict:
         with tempfile.TemporaryDirectory() as out:

@@ -159,3 +159,35 @@ def test_process_cpu_s_reads_this_processs_cpu() -> None:
     while time.process_time() < end:
         pass
     assert process_cpu_s(os.getpid()) - before >= 0.15
+
+
+def test_the_serving_probes_overheads_are_its_fastest_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's profile keeps each point's fastest measurement; the serving probe sets its fastest request
+    against it, not its median (a median counted the host's noise as serving). Fakes stand in for the serve."""
+    from deploy.planner import serving_probe
+
+    class FakeServe:
+        def __init__(self, args: object) -> None:
+            self.url, self.proc = "http://fake", type("P", (), {"pid": 1})()
+
+        def stop(self) -> None:
+            pass
+
+    ttfts = iter([0.5, 0.30, 0.45])  # the fastest TTFT 0.30 s, the median 0.45
+    gaps = iter([0.05, 0.03, 0.04])  # the long requests' inter-token times
+
+    def fake_stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+        if max_tokens == 4:
+            return 0.9, [0.0], 256  # the warm-up
+        if max_tokens == 1:
+            return next(ttfts), [0.0], 256
+        gap = next(gaps)
+        return 0.3, [k * gap for k in range(max_tokens)], 256
+
+    monkeypatch.setattr(serving_probe, "ServeProcess", FakeServe)
+    monkeypatch.setattr(serving_probe, "_stream", fake_stream)
+    monkeypatch.setattr(serving_probe, "process_cpu_s", lambda pid: 0.0)
+    measured = serving_probe.measure_serving([], model="m", prompt_words=256, prefill_s=lambda n: 0.2,
+                                             decode_step_s=lambda ctx: 0.02, num_requests=3, max_tokens=8)
+    assert measured.ttft_overhead_s == pytest.approx(0.30 - 0.2)  # min(TTFT) - prefill, not the median's 0.25
+    assert measured.step_overhead_s == pytest.approx(0.03 - 0.02)
