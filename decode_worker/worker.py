@@ -49,6 +49,7 @@ from worker.runtime import CALLER_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerS
 logger = logging.getLogger(__name__)
 
 RESERVE_POLL_S = 0.01
+LANE_REPORT_S = 5.0  # how long a committed Prefill reply waits for the child ranks' reports of their lanes
 # Why a failed Prefill call left the request without KV (kv_transfer/handoff_failure.py); else prefill_failed.
 _PREFILL_CALL_FAILURES = {
     grpc.StatusCode.UNAVAILABLE: "prefill_unavailable",
@@ -196,7 +197,7 @@ class DecodeWorker(RuntimeWorker):
         reservation = Reservation(
             req.request_id, req.num_prompt_tokens, reserved.block_ids, blocks.kv_cache, runtime.layout,
             first_block=reserved.num_held_blocks, transfer_id=secrets.token_hex(16), source_endpoint=prefill_endpoint,
-            kv_scales=blocks.kv_scales, ranks=blocks.ranks,
+            kv_scales=blocks.kv_scales, ranks=blocks.ranks, lanes=runtime.lanes,
         )
         self.sink.add(reservation)
         return reservation
@@ -222,6 +223,7 @@ class DecodeWorker(RuntimeWorker):
                     transfer_id=reservation.transfer_id,
                     decode_cached_blocks=reservation.first_block,
                     decode_tensor_parallel_size=self.runtime.layout.tensor_parallel_size,
+                    decode_rank_endpoints=self.runtime.rank_endpoints,
                 ),
                 # The prefill worker's own queue plus the handoff: generous, but never unbounded.
                 timeout=self.config.kv_transfer_timeout_s * 2,
@@ -258,7 +260,10 @@ class DecodeWorker(RuntimeWorker):
                 ),
                 prompt_logprobs=prompt_logprobs,
             ), []
-        # The sender returns only after the receiver committed, so anything else is a protocol error.
+        # The sender returns only after the receiver committed, so anything else is a protocol error. Lanes to child
+        # ranks commit there and reach this reservation through a pipe, which may trail the Prefill reply a little.
+        if reservation.state is ReservationState.RECEIVING:
+            await asyncio.to_thread(reservation.done.wait, LANE_REPORT_S)
         if reservation.state is not ReservationState.COMMITTED:
             raise GenerateFailed(
                 grpc.StatusCode.INTERNAL,

@@ -137,6 +137,11 @@ class LLMEngine:
         ranks = getattr(self.runner.model, "ranks", None)
         return [] if ranks is None else ranks.pids
 
+    def rank_lanes(self):  # noqa: ANN201 - kv_transfer.rank_lanes.RankLanes | None
+        """Rank 0's control of its children's KV lanes (kv_transfer/rank_lanes.py); None at TP 1."""
+        ranks = getattr(self.runner.model, "ranks", None)
+        return None if ranks is None else ranks.lanes
+
     def rank_stats(self) -> list[RankStats]:
         """Each tensor-parallel rank's process, weight bytes and KV cache bytes, rank 0 first (one at TP 1)."""
         import os

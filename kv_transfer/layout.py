@@ -232,6 +232,9 @@ class KVHandoff:
     transport: str = ""
     first_block: int = 0
     receiver_tensor_parallel_size: int = 1
+    # One lane of the handoff (kv_transfer/rank_lanes.py): only the wire blocks sender rank `lane[0]` sends to receiver
+    # rank `lane[1]`, from that rank's process to that rank's. None: every wire block, through rank 0 on each side.
+    lane: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.num_blocks:
@@ -258,7 +261,28 @@ class KVHandoff:
         """How each block travels (KVLayoutMismatch when the two tensor-parallel sizes cannot split the heads)."""
         from kv_transfer.tp_plan import wire_plan  # it builds on this module
 
-        return wire_plan(self.layout, self.receiver_layout)
+        plan = wire_plan(self.layout, self.receiver_layout)
+        if self.lane is None:
+            return plan
+        try:
+            return plan.lane(*self.lane)
+        except ValueError as exc:
+            raise KVLayoutMismatch(f"handoff {self.transfer_id}: {exc}") from None
+
+    @property
+    def all_lanes(self) -> tuple[tuple[int, int], ...]:
+        """Every lane of the whole handoff (the (sender rank, receiver rank) pairs its heads move between), whichever
+        lane this is."""
+        from kv_transfer.tp_plan import wire_plan
+
+        return wire_plan(self.layout, self.receiver_layout).lanes
+
+    def with_lane(self, sender_rank: int, receiver_rank: int) -> KVHandoff:
+        """This handoff's lane from `sender_rank` to `receiver_rank`: the same request, transfer id and blocks, only
+        the wire blocks between those two ranks (KVLayoutMismatch for a pair no head moves between)."""
+        lane = replace(self, lane=(sender_rank, receiver_rank))
+        _ = lane.wire
+        return lane
 
     @property
     def wire_layout(self) -> KVLayout:
@@ -310,6 +334,9 @@ class KVHandoff:
             transport=self.transport,
             first_block=self.first_block,
             receiver_tensor_parallel_size=self.receiver_tensor_parallel_size,
+            lane=self.lane is not None,
+            lane_sender_rank=self.lane[0] if self.lane is not None else 0,
+            lane_receiver_rank=self.lane[1] if self.lane is not None else 0,
         )
 
     @classmethod
@@ -325,6 +352,7 @@ class KVHandoff:
             transport=msg.transport,
             first_block=msg.first_block,
             receiver_tensor_parallel_size=msg.receiver_tensor_parallel_size or 1,
+            lane=(msg.lane_sender_rank, msg.lane_receiver_rank) if msg.lane else None,
         )
         if msg.num_blocks != handoff.num_blocks:
             raise KVTransferError(

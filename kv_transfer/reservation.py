@@ -21,6 +21,7 @@ frees its blocks unregistered).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hmac
 import threading
@@ -29,7 +30,9 @@ from collections.abc import Sequence
 import torch
 
 from kv_transfer.layout import KVHandoff, KVLayout, KVRefused, KVTransferError
-from kv_transfer.tp_slices import WireBlocks, rank_caches
+from kv_transfer.rank_lanes import REPLY_S, Expect, RankLanes, Settled
+from kv_transfer.tp_plan import wire_plan
+from kv_transfer.tp_slices import RankCache, WireBlocks, rank_caches
 
 
 class ReservationState(enum.Enum):
@@ -46,19 +49,29 @@ class Reservation:
         self, request_id: str, num_tokens: int, block_ids: list[int], kv_cache: torch.Tensor, layout: KVLayout,
         *, first_block: int = 0, transfer_id: str = "", source_endpoint: str = "",
         kv_scales: torch.Tensor | None = None,
-        ranks: Sequence[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+        ranks: Sequence[tuple[torch.Tensor, torch.Tensor | None]] | None = None, lanes: RankLanes | None = None,
     ) -> None:
         """`block_ids[:first_block]` are held already (this worker's prefix cache, shared with other requests):
         the handoff must skip them, and no write may touch them. `transfer_id` and `source_endpoint` ("": any)
         are what the one handoff it accepts must name. `kv_cache` / `kv_scales`: the runner's; at
-        tensor_parallel_size N, `ranks` is every rank's (`KVBlocks.ranks`), the same block ids reserved on each."""
+        tensor_parallel_size N, `ranks` is every rank's (`KVBlocks.ranks`), the same block ids reserved on each
+        (None where the children's caches are not mapped here: only lanes reach them then).
+
+        The handoff arrives whole (one sender, every wire block), or as lanes (kv_transfer/rank_lanes.py): those to
+        rank 0 open here, each once; those to child ranks at the children, which `lanes` (this worker's RankLanes, at
+        TP > 1) tells to expect them and which report each lane settled. It commits once every lane of the plan
+        committed; any lane failing fails it."""
         self.request_id = request_id
         self.transfer_id = transfer_id
         self.source_endpoint = source_endpoint
         self.num_tokens = num_tokens
         self.block_ids = block_ids
         self.first_block = first_block
-        self.caches = rank_caches(layout, ranks or ((kv_cache, kv_scales),))
+        if ranks is None and layout.tensor_parallel_size > 1:
+            own = RankCache(layout=layout, rank=0, kv_cache=kv_cache, kv_scales=kv_scales)
+            self.caches: Sequence[RankCache | None] = [own] + [None] * (layout.tensor_parallel_size - 1)
+        else:
+            self.caches = rank_caches(layout, ranks or ((kv_cache, kv_scales),))
         self.layout = layout
         self._blocks: WireBlocks | None = None  # once open: the handoff's wire blocks in this worker's caches
         self._wire_range = range(0)  # the wire blocks the open handoff may write
@@ -67,32 +80,103 @@ class Reservation:
         self.num_bytes = 0
         self.done = threading.Event()  # set on COMMITTED or FAILED
         self._lock = threading.Lock()
+        self._lanes: dict[tuple[int, int], str] = {}  # lane → "receiving" | "committed" | "failed"
+        self._all_lanes: frozenset[tuple[int, int]] | None = None  # the plan's, known at the first lane
+        self._hub = lanes
+        self._hub_ended = False  # the children were told to forget or cancel this reservation
+        self._children_quiet = threading.Event()  # set once they confirmed the cancel
+        if lanes is not None:
+            lanes.expect(Expect(transfer_id, request_id, tuple(block_ids), first_block, num_tokens, source_endpoint),
+                         self._settled)
 
-    def open(self, handoff: KVHandoff) -> None:
+    def open(self, handoff: KVHandoff) -> Reservation | _LaneWrites:
+        """The destination of `handoff`: this reservation for a whole handoff, a lane's for a lane."""
+        if handoff.lane is not None:
+            return self._open_lane(handoff)
         with self._lock:
-            if self.transfer_id and not hmac.compare_digest(handoff.transfer_id.encode(), self.transfer_id.encode()):
-                raise KVRefused(f"request {self.request_id}: no transfer {handoff.transfer_id!r} was reserved",
-                                reason="unknown_transfer")
-            if self.source_endpoint and handoff.source_endpoint != self.source_endpoint:
-                raise KVRefused(f"request {self.request_id}: KV expected from {self.source_endpoint}, the handoff "
-                                f"comes from {handoff.source_endpoint or 'an unnamed sender'}", reason="wrong_source")
+            self._check_handoff(handoff)
             if self.state is not ReservationState.RESERVED:
                 raise KVRefused(f"request {self.request_id}: KV already {self.state.value}, refusing a transfer",
                                 reason="unknown_transfer")
-            if handoff.num_tokens != self.num_tokens or handoff.num_blocks > len(self.block_ids):
-                raise KVRefused(
-                    f"request {self.request_id}: reserved {self.num_tokens} tokens in {len(self.block_ids)} blocks, "
-                    f"the handoff carries {handoff.num_tokens} tokens in {handoff.num_blocks} blocks",
-                    reason="block_count",
-                )
-            if handoff.first_block != self.first_block:
-                raise KVRefused(
-                    f"request {self.request_id}: this worker holds the first {self.first_block} blocks, the handoff "
-                    f"starts at block {handoff.first_block}", reason="block_count",
-                )
+            if any(cache is None for cache in self.caches):
+                raise KVRefused(f"request {self.request_id}: this worker's ranks take their KV heads as lanes, each "
+                                "at its own endpoint (decode_rank_endpoints), not as one handoff", reason="malformed")
             self._blocks = WireBlocks(self.caches, self.block_ids, handoff.wire, sender=False)
             self._wire_range = handoff.wire_indices
             self.state = ReservationState.RECEIVING
+            return self
+
+    def _check_handoff(self, handoff: KVHandoff) -> None:
+        if self.transfer_id and not hmac.compare_digest(handoff.transfer_id.encode(), self.transfer_id.encode()):
+            raise KVRefused(f"request {self.request_id}: no transfer {handoff.transfer_id!r} was reserved",
+                            reason="unknown_transfer")
+        if self.source_endpoint and handoff.source_endpoint != self.source_endpoint:
+            raise KVRefused(f"request {self.request_id}: KV expected from {self.source_endpoint}, the handoff "
+                            f"comes from {handoff.source_endpoint or 'an unnamed sender'}", reason="wrong_source")
+        if handoff.num_tokens != self.num_tokens or handoff.num_blocks > len(self.block_ids):
+            raise KVRefused(
+                f"request {self.request_id}: reserved {self.num_tokens} tokens in {len(self.block_ids)} blocks, "
+                f"the handoff carries {handoff.num_tokens} tokens in {handoff.num_blocks} blocks",
+                reason="block_count",
+            )
+        if handoff.first_block != self.first_block:
+            raise KVRefused(
+                f"request {self.request_id}: this worker holds the first {self.first_block} blocks, the handoff "
+                f"starts at block {handoff.first_block}", reason="block_count",
+            )
+
+    def _open_lane(self, handoff: KVHandoff) -> _LaneWrites:
+        assert handoff.lane is not None
+        with self._lock:
+            self._check_handoff(handoff)
+            if handoff.lane[1] != 0:
+                raise KVRefused(f"request {self.request_id}: lane {handoff.lane} goes to receiver rank "
+                                f"{handoff.lane[1]}'s own endpoint, not rank 0's", reason="malformed")
+            if self.state not in (ReservationState.RESERVED, ReservationState.RECEIVING) or \
+                    self._blocks is not None or handoff.lane in self._lanes:
+                raise KVRefused(f"request {self.request_id}: KV {self.state.value}, refusing lane {handoff.lane}",
+                                reason="unknown_transfer")
+            self._plan_lanes(handoff.all_lanes)
+            self._lanes[handoff.lane] = "receiving"
+            self.state = ReservationState.RECEIVING
+            return _LaneWrites(self, handoff, WireBlocks(self.caches, self.block_ids, handoff.wire, sender=False))
+
+    def _plan_lanes(self, lanes: tuple[tuple[int, int], ...]) -> None:
+        """The lanes that must all commit (under the lock): every lane must come from the same plan."""
+        if self._all_lanes is None:
+            self._all_lanes = frozenset(lanes)
+        elif self._all_lanes != frozenset(lanes):
+            raise KVRefused(f"request {self.request_id}: lanes of two different plans", reason="malformed")
+
+    def _lane_committed(self, lane: tuple[int, int], num_bytes: int) -> None:
+        """(under the lock) Lane `lane` committed; the reservation commits with the plan's last lane."""
+        self._lanes[lane] = "committed"
+        self.num_bytes += num_bytes
+        if self._all_lanes is not None and all(self._lanes.get(x) == "committed" for x in self._all_lanes):
+            self.state = ReservationState.COMMITTED
+            self.done.set()
+
+    def _settled(self, settled: Settled) -> None:
+        """A child rank settled one of its lanes (on RankLanes' thread)."""
+        if settled.error is not None:
+            self.fail(f"lane {settled.lane}: {settled.error}" if settled.lane[0] >= 0 else settled.error)
+            return
+        with self._lock:
+            if self.state not in (ReservationState.RESERVED, ReservationState.RECEIVING):
+                return
+            sender = dataclasses.replace(self.layout, tensor_parallel_size=settled.sender_tensor_parallel_size)
+            try:
+                self._plan_lanes(wire_plan(sender, self.layout).lanes)
+            except KVTransferError as exc:
+                why = str(exc)
+            else:
+                why = None
+                self._lane_committed(settled.lane, settled.num_bytes)
+            committed = self.state is ReservationState.COMMITTED
+        if why is not None:
+            self.fail(why)
+        elif committed:
+            self._end_children()
 
     def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
         """Wire block `index` of the handoff (a whole block at TP 1 → 1, else one rank's run of KV heads of one)."""
@@ -124,19 +208,90 @@ class Reservation:
 
     def commit(self) -> None:
         with self._lock:
-            if self.state is not ReservationState.RECEIVING:
+            if self.state is not ReservationState.RECEIVING or self._blocks is None:
                 raise KVTransferError(f"request {self.request_id}: cannot commit a transfer that is {self.state.value}")
             self.state = ReservationState.COMMITTED
             self.done.set()
+        self._end_children()
 
     def fail(self, reason: str) -> None:
+        """Fail it unless it committed; at TP > 1 fail its lanes on every child rank too. Once this returns no write
+        into its blocks is in flight on any rank (so the owner may free them: `cancel`)."""
         with self._lock:
             if self.state in (ReservationState.RESERVED, ReservationState.RECEIVING):
                 self.state = ReservationState.FAILED
                 self.error = reason
                 self.done.set()
+            if self.state is ReservationState.COMMITTED or self._hub is None:
+                return
+            first, self._hub_ended = not self._hub_ended, True
+        if first:
+            try:
+                self._hub.cancel(self.transfer_id, reason)
+            finally:
+                self._children_quiet.set()
+        else:  # another thread cancels on the children: quiet once it returns
+            self._children_quiet.wait(REPLY_S * 2)
 
     cancel = fail
+
+    def end(self) -> None:
+        """Its owner let go of it (`ReservationSink.remove`): the child ranks forget it, unless they were told."""
+        self._end_children()
+
+    def _end_children(self) -> None:
+        with self._lock:
+            if self._hub is None or self._hub_ended:
+                return
+            self._hub_ended = True
+        self._hub.forget(self.transfer_id)
+
+
+class _LaneWrites:
+    """A KVDestination: one lane's wire blocks into rank 0's cache (its receiver rank is 0)."""
+
+    def __init__(self, reservation: Reservation, handoff: KVHandoff, blocks: WireBlocks) -> None:
+        self.reservation = reservation
+        self.handoff = handoff
+        self.lane = handoff.lane
+        self.blocks = blocks
+        self.num_bytes = 0
+
+    def _check(self, first: int, count: int) -> None:
+        r = self.reservation
+        if r.state is not ReservationState.RECEIVING or r._lanes.get(self.lane) != "receiving":  # noqa: SLF001
+            raise KVTransferError(f"request {r.request_id}: transfer is {r.state.value}, lane {self.lane}'s blocks "
+                                  "dropped")
+        indices = self.handoff.wire_indices
+        if first not in indices or first + count - 1 not in indices:
+            raise KVTransferError(f"request {r.request_id}: blocks {first} to {first + count - 1} are not lane "
+                                  f"{self.lane}'s to write")
+
+    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
+        with self.reservation._lock:  # noqa: SLF001 - the reservation's writes and transitions are atomic
+            self._check(index, 1)
+            self.blocks.write_block(index, data, crc32c)
+            self.num_bytes += data.numel() * data.element_size()
+
+    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
+        with self.reservation._lock:  # noqa: SLF001
+            self._check(first_index, data.shape[0])
+            self.blocks.write_blocks(first_index, data)
+            self.num_bytes += data.numel() * data.element_size()
+
+    def commit(self) -> None:
+        r = self.reservation
+        with r._lock:  # noqa: SLF001
+            if r.state is not ReservationState.RECEIVING or r._lanes.get(self.lane) != "receiving":  # noqa: SLF001
+                raise KVTransferError(f"request {r.request_id}: cannot commit lane {self.lane} of a transfer that is "
+                                      f"{r.state.value}")
+            r._lane_committed(self.lane, self.num_bytes)  # noqa: SLF001
+            committed = r.state is ReservationState.COMMITTED
+        if committed:
+            r._end_children()  # noqa: SLF001
+
+    def fail(self, reason: str) -> None:
+        self.reservation.fail(f"lane {self.lane}: {reason}")
 
 
 class ReservationSink:
@@ -155,14 +310,15 @@ class ReservationSink:
 
     def remove(self, request_id: str) -> None:
         with self._lock:
-            self._reservations.pop(request_id, None)
+            reservation = self._reservations.pop(request_id, None)
+        if reservation is not None:
+            reservation.end()
 
-    def open(self, handoff: KVHandoff) -> Reservation:
+    def open(self, handoff: KVHandoff) -> Reservation | _LaneWrites:
         handoff.check_receiver(self.layout)
         with self._lock:
             reservation = self._reservations.get(handoff.request_id)
         if reservation is None:
             raise KVRefused(f"no blocks are reserved for request {handoff.request_id} on this worker",
                             reason="unknown_transfer")
-        reservation.open(handoff)
-        return reservation
+        return reservation.open(handoff)

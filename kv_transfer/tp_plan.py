@@ -163,6 +163,21 @@ class WirePlan:
         block, unit = divmod(wire_index, len(self.units))
         return block, self.units[unit]
 
+    @property
+    def lanes(self) -> tuple[tuple[int, int], ...]:
+        """The (sender rank, receiver rank) pairs some unit moves between, in the units' order: the lanes a
+        handoff's bytes take when each rank sends and receives its own (kv_transfer/rank_lanes.py)."""
+        return tuple(dict.fromkeys((u.sender_rank, u.receiver_rank) for u in self.units))
+
+    def lane(self, sender_rank: int, receiver_rank: int) -> WirePlan:
+        """This plan's units from `sender_rank` to `receiver_rank` only, in order: one lane's wire blocks (wire block
+        `w` of the lane is its unit `w % k` of block `w // k`, k its units a block). ValueError for a pair no unit
+        moves between."""
+        units = tuple(u for u in self.units if (u.sender_rank, u.receiver_rank) == (sender_rank, receiver_rank))
+        if not units:
+            raise ValueError(f"no KV heads move from sender rank {sender_rank} to receiver rank {receiver_rank}")
+        return WirePlan(self.layout, units)
+
 
 def wire_plan(sender: KVLayout, receiver: KVLayout) -> WirePlan:
     """The wire blocks of a handoff from `sender`'s ranks to `receiver`'s (KVLayoutMismatch when they are not one

@@ -21,6 +21,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import grpc.aio
@@ -30,11 +31,12 @@ from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
 from engine.request.wire import logprobs_to_proto, sampling_params_from_proto, stop_reason_to_proto
-from kv_transfer.base import TransferResult
+from kv_transfer.base import KVBlockSource, TransferResult
 from kv_transfer.handoff_failure import reason_of
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.tp_plan import WirePlan, wire_plan
-from kv_transfer.tp_slices import WireBlocks, rank_caches
+from kv_transfer.rank_lanes import SEND_THREADS, send_lanes
+from kv_transfer.tp_slices import RankCache, WireBlocks, rank_caches
 from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
 from worker.peer_fetch import NOTHING, Fetched
@@ -94,10 +96,12 @@ class PrefillWorker(RuntimeWorker):
         self.sender = self.runtime.sender()
         self._cuts_left = int(os.environ.get(FAULT_KV_CUTS_ENV, "0") or 0)
         self._cuts_lock = threading.Lock()
+        self._lane_pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix=f"{config.worker_id}-lanes")
         serving_pb2_grpc.add_WorkerServicer_to_server(PrefillServicer(self), self.runtime.server)
 
     def stop(self) -> None:
         self.runtime.stop()  # and its sender
+        self._lane_pool.shutdown(wait=False)
 
     async def prefill(
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -199,16 +203,30 @@ class PrefillWorker(RuntimeWorker):
             receiver_tensor_parallel_size=request.decode_tensor_parallel_size or 1,
         )
         blocks = runtime.engine.kv_blocks
-        source = HeldBlocks(blocks.kv_cache, block_ids, layout, blocks.kv_scales, ranks=blocks.ranks,
-                            plan=handoff.wire)
+        faults: list[type] = []
         if len(handoff.block_indices) >= 2 and self._take_cut():
-            source = CutHalfWay(source, handoff)
+            faults.append(CutHalfWay)
         stall_path = os.environ.get(FAULT_KV_STALL_ENV)
         if stall_path and len(handoff.block_indices) >= 2 and os.path.exists(stall_path):
-            source = StallHalfWay(source, handoff, stall_path)
-        result = self.sender.send(
-            handoff, source, endpoint=request.decode_endpoint, timeout_s=self.config.kv_transfer_timeout_s
-        )
+            faults.append(functools.partial(StallHalfWay, path=stall_path))
+
+        def wrap(source: KVBlockSource, handoff: KVHandoff) -> KVBlockSource:
+            for fault in faults:
+                source = fault(source, handoff)
+            return source
+
+        timeout_s = self.config.kv_transfer_timeout_s
+        if request.decode_rank_endpoints and self.config.kv_transport == "grpc" and (
+                layout.tensor_parallel_size > 1 or handoff.receiver_tensor_parallel_size > 1):
+            # rank to rank: each sender rank streams its own KV heads to each receiver rank's own endpoint
+            own = RankCache(layout=layout, rank=0, kv_cache=blocks.kv_cache, kv_scales=blocks.kv_scales)
+            result = send_lanes(handoff, own=own, block_ids=block_ids, endpoints=request.decode_rank_endpoints,
+                                sender=self.sender, ranks=runtime.lanes, timeout_s=timeout_s, pool=self._lane_pool,
+                                wrap=wrap)
+        else:
+            source = wrap(HeldBlocks(blocks.kv_cache, block_ids, layout, blocks.kv_scales, ranks=blocks.ranks,
+                                     plan=handoff.wire), handoff)
+            result = self.sender.send(handoff, source, endpoint=request.decode_endpoint, timeout_s=timeout_s)
         runtime.transfers.record(result.num_bytes, result.seconds)
         if logger.isEnabledFor(logging.DEBUG):  # where the handoff's time went (kv_transfer/stage_clock.py)
             logger.debug("KV handoff of %s to %s: %d bytes in %.3f ms (%s)", req.request_id, request.decode_endpoint,

@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/kv_transfer.proto\x12\x10splitserve.kv.v1\"\x9f\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\"\xe7\x02\n\x13KVHandoffDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12*\n\x06layout\x18\x06 \x01(\x0b\x32\x1a.splitserve.kv.v1.KVLayout\x12\x17\n\x0fsource_endpoint\x18\x07 \x01(\t\x12\x18\n\x10source_worker_id\x18\x08 \x01(\t\x12\x11\n\ttransport\x18\t \x01(\t\x12\x10\n\x08pair_key\x18\n \x01(\t\x12\x15\n\rtorch_backend\x18\x0b \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x0c \x01(\r\x12\x12\n\nipc_device\x18\r \x01(\t\x12%\n\x1dreceiver_tensor_parallel_size\x18\x0e \x01(\r\"\x85\x01\n\x0cKVBlockChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x13\n\x06\x63rc32c\x18\x05 \x01(\x07H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_crc32c\x18\x06 \x03(\x07\x42\t\n\x07_crc32c\"\x89\x01\n\x11KVTransferMessage\x12;\n\ndescriptor\x18\x01 \x01(\x0b\x32%.splitserve.kv.v1.KVHandoffDescriptorH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.splitserve.kv.v1.KVBlockChunkH\x00\x42\x06\n\x04kind\"z\n\x08KVCommit\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63rc32c\x18\x02 \x03(\r\x12\x16\n\x0e\x64\x65vice_digests\x18\x03 \x03(\x03\x12\x31\n\nipc_buffer\x18\x04 \x01(\x0b\x32\x1d.splitserve.kv.v1.KVIpcBuffer\"\xb5\x02\n\x0bKVIpcBuffer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0c\n\x04keep\x18\x04 \x01(\x08\x12\n\n\x02\x66\x64\x18\x05 \x01(\x05\x12\x13\n\x0b\x63uda_device\x18\x06 \x01(\x05\x12\x13\n\x0b\x63uda_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12\x63uda_storage_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13\x63uda_storage_offset\x18\t \x01(\x04\x12\x1f\n\x17\x63uda_ref_counter_handle\x18\n \x01(\x0c\x12\x1f\n\x17\x63uda_ref_counter_offset\x18\x0b \x01(\x04\x12\x19\n\x11\x63uda_event_handle\x18\x0c \x01(\x0c\x12 \n\x18\x63uda_event_sync_required\x18\r \x01(\x08\"u\n\x0cKVIpcHandoff\x12\x39\n\ndescriptor\x18\x01 \x01(\x0b\x32%.splitserve.kv.v1.KVHandoffDescriptor\x12*\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x1a.splitserve.kv.v1.KVCommit\"\x86\x01\n\rKVTransferAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x31\n\nerror_kind\x18\x04 \x01(\x0e\x32\x1d.splitserve.kv.v1.KVErrorKind\x12\x14\n\x0cipc_doorbell\x18\x05 \x01(\t\"\x83\x01\n\tKVOpenAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0estore_endpoint\x18\x03 \x01(\t\x12\x10\n\x08pair_key\x18\x04 \x01(\t\x12\x31\n\nerror_kind\x18\x05 \x01(\x0e\x32\x1d.splitserve.kv.v1.KVErrorKind*\\\n\x0bKVErrorKind\x12\x18\n\x14KV_ERROR_UNSPECIFIED\x10\x00\x12\x1c\n\x18KV_ERROR_LAYOUT_MISMATCH\x10\x01\x12\x15\n\x11KV_ERROR_CHECKSUM\x10\x02\x32\xc3\x02\n\nKVReceiver\x12R\n\x08Transfer\x12#.splitserve.kv.v1.KVTransferMessage\x1a\x1f.splitserve.kv.v1.KVTransferAck(\x01\x12J\n\x04Open\x12%.splitserve.kv.v1.KVHandoffDescriptor\x1a\x1b.splitserve.kv.v1.KVOpenAck\x12\x45\n\x06\x43ommit\x12\x1a.splitserve.kv.v1.KVCommit\x1a\x1f.splitserve.kv.v1.KVTransferAck\x12N\n\x0bIpcTransfer\x12\x1e.splitserve.kv.v1.KVIpcHandoff\x1a\x1f.splitserve.kv.v1.KVTransferAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/kv_transfer.proto\x12\x10splitserve.kv.v1\"\x9f\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\"\xab\x03\n\x13KVHandoffDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12*\n\x06layout\x18\x06 \x01(\x0b\x32\x1a.splitserve.kv.v1.KVLayout\x12\x17\n\x0fsource_endpoint\x18\x07 \x01(\t\x12\x18\n\x10source_worker_id\x18\x08 \x01(\t\x12\x11\n\ttransport\x18\t \x01(\t\x12\x10\n\x08pair_key\x18\n \x01(\t\x12\x15\n\rtorch_backend\x18\x0b \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x0c \x01(\r\x12\x12\n\nipc_device\x18\r \x01(\t\x12%\n\x1dreceiver_tensor_parallel_size\x18\x0e \x01(\r\x12\x0c\n\x04lane\x18\x0f \x01(\x08\x12\x18\n\x10lane_sender_rank\x18\x10 \x01(\r\x12\x1a\n\x12lane_receiver_rank\x18\x11 \x01(\r\"\x85\x01\n\x0cKVBlockChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x13\n\x06\x63rc32c\x18\x05 \x01(\x07H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_crc32c\x18\x06 \x03(\x07\x42\t\n\x07_crc32c\"\x89\x01\n\x11KVTransferMessage\x12;\n\ndescriptor\x18\x01 \x01(\x0b\x32%.splitserve.kv.v1.KVHandoffDescriptorH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.splitserve.kv.v1.KVBlockChunkH\x00\x42\x06\n\x04kind\"z\n\x08KVCommit\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63rc32c\x18\x02 \x03(\r\x12\x16\n\x0e\x64\x65vice_digests\x18\x03 \x03(\x03\x12\x31\n\nipc_buffer\x18\x04 \x01(\x0b\x32\x1d.splitserve.kv.v1.KVIpcBuffer\"\xb5\x02\n\x0bKVIpcBuffer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0c\n\x04keep\x18\x04 \x01(\x08\x12\n\n\x02\x66\x64\x18\x05 \x01(\x05\x12\x13\n\x0b\x63uda_device\x18\x06 \x01(\x05\x12\x13\n\x0b\x63uda_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12\x63uda_storage_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13\x63uda_storage_offset\x18\t \x01(\x04\x12\x1f\n\x17\x63uda_ref_counter_handle\x18\n \x01(\x0c\x12\x1f\n\x17\x63uda_ref_counter_offset\x18\x0b \x01(\x04\x12\x19\n\x11\x63uda_event_handle\x18\x0c \x01(\x0c\x12 \n\x18\x63uda_event_sync_required\x18\r \x01(\x08\"u\n\x0cKVIpcHandoff\x12\x39\n\ndescriptor\x18\x01 \x01(\x0b\x32%.splitserve.kv.v1.KVHandoffDescriptor\x12*\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x1a.splitserve.kv.v1.KVCommit\"\x86\x01\n\rKVTransferAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x31\n\nerror_kind\x18\x04 \x01(\x0e\x32\x1d.splitserve.kv.v1.KVErrorKind\x12\x14\n\x0cipc_doorbell\x18\x05 \x01(\t\"\x83\x01\n\tKVOpenAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0estore_endpoint\x18\x03 \x01(\t\x12\x10\n\x08pair_key\x18\x04 \x01(\t\x12\x31\n\nerror_kind\x18\x05 \x01(\x0e\x32\x1d.splitserve.kv.v1.KVErrorKind*\\\n\x0bKVErrorKind\x12\x18\n\x14KV_ERROR_UNSPECIFIED\x10\x00\x12\x1c\n\x18KV_ERROR_LAYOUT_MISMATCH\x10\x01\x12\x15\n\x11KV_ERROR_CHECKSUM\x10\x02\x32\xc3\x02\n\nKVReceiver\x12R\n\x08Transfer\x12#.splitserve.kv.v1.KVTransferMessage\x1a\x1f.splitserve.kv.v1.KVTransferAck(\x01\x12J\n\x04Open\x12%.splitserve.kv.v1.KVHandoffDescriptor\x1a\x1b.splitserve.kv.v1.KVOpenAck\x12\x45\n\x06\x43ommit\x12\x1a.splitserve.kv.v1.KVCommit\x1a\x1f.splitserve.kv.v1.KVTransferAck\x12N\n\x0bIpcTransfer\x12\x1e.splitserve.kv.v1.KVIpcHandoff\x1a\x1f.splitserve.kv.v1.KVTransferAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVERRORKIND']._serialized_start=1672
-  _globals['_KVERRORKIND']._serialized_end=1764
+  _globals['_KVERRORKIND']._serialized_start=1740
+  _globals['_KVERRORKIND']._serialized_end=1832
   _globals['_KVLAYOUT']._serialized_start=47
   _globals['_KVLAYOUT']._serialized_end=206
   _globals['_KVHANDOFFDESCRIPTOR']._serialized_start=209
-  _globals['_KVHANDOFFDESCRIPTOR']._serialized_end=568
-  _globals['_KVBLOCKCHUNK']._serialized_start=571
-  _globals['_KVBLOCKCHUNK']._serialized_end=704
-  _globals['_KVTRANSFERMESSAGE']._serialized_start=707
-  _globals['_KVTRANSFERMESSAGE']._serialized_end=844
-  _globals['_KVCOMMIT']._serialized_start=846
-  _globals['_KVCOMMIT']._serialized_end=968
-  _globals['_KVIPCBUFFER']._serialized_start=971
-  _globals['_KVIPCBUFFER']._serialized_end=1280
-  _globals['_KVIPCHANDOFF']._serialized_start=1282
-  _globals['_KVIPCHANDOFF']._serialized_end=1399
-  _globals['_KVTRANSFERACK']._serialized_start=1402
-  _globals['_KVTRANSFERACK']._serialized_end=1536
-  _globals['_KVOPENACK']._serialized_start=1539
-  _globals['_KVOPENACK']._serialized_end=1670
-  _globals['_KVRECEIVER']._serialized_start=1767
-  _globals['_KVRECEIVER']._serialized_end=2090
+  _globals['_KVHANDOFFDESCRIPTOR']._serialized_end=636
+  _globals['_KVBLOCKCHUNK']._serialized_start=639
+  _globals['_KVBLOCKCHUNK']._serialized_end=772
+  _globals['_KVTRANSFERMESSAGE']._serialized_start=775
+  _globals['_KVTRANSFERMESSAGE']._serialized_end=912
+  _globals['_KVCOMMIT']._serialized_start=914
+  _globals['_KVCOMMIT']._serialized_end=1036
+  _globals['_KVIPCBUFFER']._serialized_start=1039
+  _globals['_KVIPCBUFFER']._serialized_end=1348
+  _globals['_KVIPCHANDOFF']._serialized_start=1350
+  _globals['_KVIPCHANDOFF']._serialized_end=1467
+  _globals['_KVTRANSFERACK']._serialized_start=1470
+  _globals['_KVTRANSFERACK']._serialized_end=1604
+  _globals['_KVOPENACK']._serialized_start=1607
+  _globals['_KVOPENACK']._serialized_end=1738
+  _globals['_KVRECEIVER']._serialized_start=1835
+  _globals['_KVRECEIVER']._serialized_end=2158
 # @@protoc_insertion_point(module_scope)

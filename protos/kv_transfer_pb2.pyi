@@ -35,7 +35,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVHandoffDescriptor(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "block_hashes", "num_tokens", "num_blocks", "layout", "source_endpoint", "source_worker_id", "transport", "pair_key", "torch_backend", "first_block", "ipc_device", "receiver_tensor_parallel_size")
+    __slots__ = ("request_id", "transfer_id", "block_hashes", "num_tokens", "num_blocks", "layout", "source_endpoint", "source_worker_id", "transport", "pair_key", "torch_backend", "first_block", "ipc_device", "receiver_tensor_parallel_size", "lane", "lane_sender_rank", "lane_receiver_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,9 @@ class KVHandoffDescriptor(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     IPC_DEVICE_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    LANE_SENDER_RANK_FIELD_NUMBER: _ClassVar[int]
+    LANE_RECEIVER_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -64,7 +67,10 @@ class KVHandoffDescriptor(_message.Message):
     first_block: int
     ipc_device: str
     receiver_tensor_parallel_size: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., source_endpoint: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., pair_key: _Optional[str] = ..., torch_backend: _Optional[str] = ..., first_block: _Optional[int] = ..., ipc_device: _Optional[str] = ..., receiver_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    lane: bool
+    lane_sender_rank: int
+    lane_receiver_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., source_endpoint: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., pair_key: _Optional[str] = ..., torch_backend: _Optional[str] = ..., first_block: _Optional[int] = ..., ipc_device: _Optional[str] = ..., receiver_tensor_parallel_size: _Optional[int] = ..., lane: _Optional[bool] = ..., lane_sender_rank: _Optional[int] = ..., lane_receiver_rank: _Optional[int] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
     __slots__ = ("block_index", "offset", "data", "last", "crc32c", "block_crc32c")

@@ -202,20 +202,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., error: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "decode_endpoint", "decode_worker_id", "transfer_id", "decode_cached_blocks", "decode_tensor_parallel_size")
+    __slots__ = ("request", "decode_endpoint", "decode_worker_id", "transfer_id", "decode_cached_blocks", "decode_tensor_parallel_size", "decode_rank_endpoints")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RANK_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     request: GenerateRequest
     decode_endpoint: str
     decode_worker_id: str
     transfer_id: str
     decode_cached_blocks: int
     decode_tensor_parallel_size: int
-    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., decode_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., decode_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    decode_rank_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., decode_endpoint: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., decode_tensor_parallel_size: _Optional[int] = ..., decode_rank_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprobs", "finish_reason", "stop_reason", "text", "error", "num_cached_tokens", "timings", "prompt_logprobs", "error_reason")

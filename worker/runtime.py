@@ -131,11 +131,12 @@ class WorkerRuntime:
         if checkpoint is None:
             checkpoint = load_engine_checkpoint(engine_config)
         self.engine = LLMEngine(engine_config, checkpoint)
-        if config.role != "colocated" and self.engine.kv_blocks.ranks is None:
+        if config.role != "colocated" and self.engine.kv_blocks.ranks is None and config.kv_transport != "grpc":
             self.engine.close()
             raise ValueError(f"a {config.role} worker at tensor_parallel_size {engine_config.tensor_parallel_size} "
                              f"on {self.engine.device.type}: its child ranks did not share their KV caches, so no "
-                             "handoff could reach them; serve it colocated")
+                             f"{config.kv_transport} handoff could reach them; use --kv-transport grpc (each rank "
+                             "sends and receives its own KV heads) or serve it colocated")
         self.device = self.engine.device  # where its KV blocks live: the transports read and write them there
         _inject_slow_steps(self.engine, float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0))
         self.loop = EngineLoop(self.engine, name=f"{config.worker_id}-engine")
@@ -150,6 +151,21 @@ class WorkerRuntime:
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.advertise_host or config.host}:{port}"
         self.layout = self.engine.kv_blocks.layout
+        # gRPC handoffs at TP > 1 go rank to rank, each rank its own lanes (kv_transfer/rank_lanes.py): a decode
+        # worker's children serve their own endpoints, which it names in each Prefill call (`rank_endpoints`, its own
+        # first; at TP 1 just its own, so that a prefill worker at TP > 1 sends lanes to it).
+        self.lanes = self.engine.rank_lanes() if config.kv_transport == "grpc" else None
+        self.rank_endpoints: list[str] = []
+        try:
+            children = [] if self.lanes is None else self.lanes.start(
+                self.layout, config.auth, host=config.host, advertise_host=config.advertise_host or "",
+                worker_id=config.worker_id, serve=config.role == "decode")
+        except Exception:
+            self.aio.stop()
+            self.engine.close()
+            raise
+        if config.role == "decode" and config.kv_transport == "grpc":
+            self.rank_endpoints = [self.endpoint, *children]
         # Receiving KV: a decode worker's handoffs, and every role's peer fetches; sending: a prefill worker's
         # handoffs, and every role's blocks a peer fetches (worker/peer_fetch.py). The sender is made on first use.
         self.sink = ReservationSink(self.layout, self.device)

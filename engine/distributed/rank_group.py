@@ -27,6 +27,7 @@ from engine.distributed.group import make_group, make_store
 from engine.model.tp_group import TPGroup
 from engine.distributed.rank_worker import Hello, RankSpec, Ready, run_rank
 from engine.distributed.shared_weights import share
+from kv_transfer.rank_lanes import RankLanes
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class RankGroup:
         self.startup_timeout_s = startup_timeout_s
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[Connection] = []
+        self.lane_conns: list[Connection] = []  # each child's control pipe for KV lanes (kv_transfer/rank_lanes.py)
+        self.lanes: RankLanes | None = None  # rank 0's end of them, once every child is ready
         self.ready: list[Ready] = []
         self.failure: RankDiedError | None = None
         self._closed = False
@@ -69,12 +72,15 @@ class RankGroup:
         try:
             for spec in self.specs:
                 parent_end, child_end = ctx.Pipe()
-                process = ctx.Process(target=run_rank, args=(spec, child_end), daemon=True,
+                lanes_end, child_lanes_end = ctx.Pipe()
+                process = ctx.Process(target=run_rank, args=(spec, child_end, child_lanes_end), daemon=True,
                                       name=f"splitserve-tp-rank{spec.rank}")
                 process.start()
                 child_end.close()
+                child_lanes_end.close()
                 self.processes.append(process)
                 self.conns.append(parent_end)
+                self.lane_conns.append(lanes_end)
             for rank, conn in enumerate(self.conns, start=1):
                 self._expect(conn, rank, Hello)
             group = make_group(store, rank=0, world_size=self.world_size, device=self.device,
@@ -84,6 +90,7 @@ class RankGroup:
                 conn.send(shared)
                 self.ready.append(self._expect(conn, rank, Ready))  # the child's model holds its shard now
                 del shared
+            self.lanes = RankLanes(self.lane_conns, self.world_size)
             return group
         except BaseException:
             self.close()
@@ -165,8 +172,10 @@ class RankGroup:
                 logger.warning("tensor-parallel %s did not exit; killing it", process.name)
                 process.kill()
                 process.join(_JOIN_S)
-        for conn in self.conns:
+        for conn in (*self.conns, *self.lane_conns):
             conn.close()
+        if self.lanes is not None:
+            self.lanes.close()
 
 
 def _exit_status(exitcode: int | None) -> str:

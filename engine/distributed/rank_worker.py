@@ -2,7 +2,9 @@
 
     watch rank 0 (its death ends this process at once) → join the group → take the weight shard → build the model
     and the KV cache shard (handed to rank 0 with Ready: shared memory on cpu, a CUDA IPC handle on a GPU, so that
-    a worker's KV handoffs reach this rank's heads) → report ready → loop: Forward / Logits from rank 0 → Shutdown
+    a worker's KV handoffs reach this rank's heads) → serve the KV lanes' control pipe on a thread (over gRPC this
+    rank sends and receives its own heads: kv_transfer/rank_lanes.py) → report ready → loop: Forward / Logits from
+    rank 0 → Shutdown
 
 Any failure (a collective that fails because a rank died, a broken pipe, an error in the forward) ends the process
 with a non-zero exit code; rank 0 sees it and fails its engine. Nothing here schedules or samples: a child only
@@ -58,12 +60,13 @@ class Ready:
     kv_scales: object = None
 
 
-def run_rank(spec: RankSpec, conn: Connection) -> None:
-    """The child's entry point (multiprocessing spawn target)."""
+def run_rank(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
+    """The child's entry point (multiprocessing spawn target). `lanes_conn`: the rank's control pipe for KV lanes
+    (kv_transfer/rank_lanes.py), served on a thread of its own once the rank holds its cache."""
     _exit_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        _serve(spec, conn)
+        _serve(spec, conn, lanes_conn)
     except (EOFError, BrokenPipeError):  # rank 0 went away: nothing to report to
         os._exit(1)
     except BaseException:
@@ -72,7 +75,7 @@ def run_rank(spec: RankSpec, conn: Connection) -> None:
     os._exit(0)  # no atexit handlers, no group teardown waiting on dead peers
 
 
-def _serve(spec: RankSpec, conn: Connection) -> None:
+def _serve(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
     import torch
 
     from engine.attention.backend import get_attention_backend
@@ -109,6 +112,10 @@ def _serve(spec: RankSpec, conn: Connection) -> None:
         kv_cache.share_memory_()
         if kv_scales is not None:
             kv_scales.share_memory_()
+    from kv_transfer.rank_lanes import ChildLanes
+
+    ChildLanes(lanes_conn, rank=spec.rank, device=device, kv_cache=kv_cache,
+               kv_scales=kv_scales).serve_in_background()
     # To rank 0: shared memory on cpu, a CUDA IPC handle on a GPU (torch.multiprocessing's pickling of the pipe),
     # kept valid by this process holding the cache for its life.
     conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes, kv_cache=kv_cache,

@@ -66,13 +66,25 @@ def test_a_handoff_between_tensor_parallel_sizes_gives_the_tp1_answer(workers, e
     assert decode.runtime.layout.tensor_parallel_size == pair[1]
     prompt_ids = smollm2_checkpoint.tokenizer.encode(PROMPTS[pair])
     sent_before = prefill.runtime.transfers.num_bytes
+    lanes = {side: worker.runtime.lanes for side, worker in (("sent", prefill), ("received", decode))}
+    lanes_before = {side: dict(getattr(hub, f"bytes_{side}")) for side, hub in lanes.items() if hub is not None}
     result = generate(stub(decode), f"tp-{pair[0]}-{pair[1]}", prompt_ids, PARAMS, prefill_endpoint=prefill.endpoint)
     assert result.error == "" and result.finish_reason == "length"
     assert result.token_ids == expected[pair]
     layout = decode.runtime.layout  # SmolLM2's 3 KV heads: each travels once whichever side splits them
-    assert prefill.runtime.transfers.num_bytes - sent_before == cdiv(len(prompt_ids), layout.block_size) * \
-        layout.block_bytes
+    num_blocks = cdiv(len(prompt_ids), layout.block_size)
+    assert prefill.runtime.transfers.num_bytes - sent_before == num_blocks * layout.block_bytes
     wait_blocks_free(prefill, decode)
+    if prefill.runtime.config.kv_transport != "grpc":
+        return
+    # Over gRPC each rank at TP 3 streams (prefill) or takes (decode) its own one KV head of each block, in its own
+    # process (kv_transfer/rank_lanes.py): a third of the bytes each, rank 0's through the worker itself.
+    for side, hub in lanes.items():
+        if hub is None:
+            continue
+        moved = {rank: getattr(hub, f"bytes_{side}")[rank] - lanes_before[side].get(rank, 0) for rank in (1, 2)}
+        assert moved == {1: num_blocks * layout.block_bytes // 3, 2: num_blocks * layout.block_bytes // 3}, (side,
+                                                                                                           moved)
 
 
 def test_a_killed_rank_ends_the_stream_cleanly_fails_health_and_frees_every_block(smollm2_checkpoint) -> None:

@@ -114,3 +114,41 @@ def test_layouts_of_different_models_are_refused_naming_both() -> None:
         plan_tp_handoff(sender, dataclasses.replace(receiver, kv_cache_dtype="int8"))
     with pytest.raises(KVLayoutMismatch, match="receiver's tensor-parallel size 3 does not split its 8 KV heads"):
         plan_tp_handoff(sender, dataclasses.replace(receiver, tensor_parallel_size=3))
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 3, 4, 8])
+def test_the_lanes_of_a_handoff_partition_its_wire_blocks(num_kv_heads: int) -> None:
+    """Each lane (sender rank, receiver rank) holds exactly its pair's units, in the plan's order; together the
+    lanes hold every unit once, and a lane's wire blocks are the handoff's blocks times its units."""
+    from kv_transfer.layout import KVHandoff
+    from kv_transfer.tp_plan import wire_plan
+
+    for a in _tp_sizes(num_kv_heads, 8):
+        for b in _tp_sizes(num_kv_heads, 8):
+            sender, receiver = _layouts(num_kv_heads, a, b)
+            plan = wire_plan(sender, receiver)
+            lanes = plan.lanes
+            assert len(set(lanes)) == len(lanes)
+            joined = [u for lane in lanes for u in plan.lane(*lane).units]
+            assert sorted(joined, key=plan.units.index) == list(plan.units)
+            handoff = KVHandoff(request_id="r", transfer_id="t", num_tokens=10, layout=sender, first_block=1,
+                                receiver_tensor_parallel_size=b)
+            assert handoff.all_lanes == lanes
+            total = 0
+            for lane in lanes:
+                one = handoff.with_lane(*lane)
+                assert all((u.sender_rank, u.receiver_rank) == lane for u in one.wire.units)
+                assert one.wire_indices == range(one.units_per_block, 3 * one.units_per_block)
+                assert KVHandoff.from_proto(one.to_proto()) == one
+                total += one.num_bytes
+            assert total == handoff.num_bytes
+
+
+def test_a_lane_no_head_moves_along_is_refused() -> None:
+    from kv_transfer.layout import KVHandoff
+
+    sender, _ = _layouts(2, 2, 2)
+    handoff = KVHandoff(request_id="r", transfer_id="t", num_tokens=10, layout=sender, receiver_tensor_parallel_size=2)
+    assert handoff.all_lanes == ((0, 0), (1, 1))
+    with pytest.raises(KVLayoutMismatch, match="no KV heads move from sender rank 0 to receiver rank 1"):
+        handoff.with_lane(0, 1)

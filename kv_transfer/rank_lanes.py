@@ -1,0 +1,643 @@
+"""Lanes: a KV handoff between tensor-parallel workers over gRPC, each rank sending and receiving its own KV heads.
+
+A handoff from a prefill worker of TP a to a decode worker of TP b moves, for each (sender rank r, receiver rank s)
+pair whose KV heads overlap, those heads of every block (kv_transfer/tp_plan.py). Each such pair is a lane: a
+handoff of its own (`KVHandoff.with_lane`, the same transfer id), which sender rank r's process streams out of its
+own cache to receiver rank s's own gRPC endpoint, whose process writes it into its own cache, each wire block under
+its CRC-32C. No byte of a lane passes through another rank's process.
+
+    prefill worker (TP a)                                   decode worker (TP b)
+    ─────────────────────                                   ────────────────────
+    rank 0 reads the decode ranks' endpoints in the         rank 0 reserves the blocks (one block table: the same
+      Prefill call, then for each lane (r, s):                ids on every rank) and tells each child rank to
+      r = 0: streams it itself                                Expect(transfer id, block ids, prefill worker)
+      r > 0: Send(lane, block ids, endpoint) ─pipe─▶ rank r
+             rank r streams its heads ──────────── gRPC ───▶ rank s (0: the worker's server; else its own): checks
+                                                              the lane against what it expects, writes its heads
+      every lane ends (each returns once its receiver       each child reports each lane settled ─pipe─▶ rank 0,
+      committed it, or raises); any failure fails the         which commits once every lane of the plan committed;
+      handoff, and the blocks stay held until then            any lane failing fails the reservation, and rank 0
+                                                              cancels it on every rank (a round trip: then no rank
+                                                              writes into the blocks any more)
+
+The control pipes are the ranks' own (engine/distributed/rank_group.py makes one per child beside its step pipe):
+`ChildLanes` serves one on a thread of the child, `RankLanes` reads each on a thread of rank 0. A child's lanes end
+with the child: rank 0 sees its pipe close and fails whatever waited on it.
+
+Only the gRPC transport runs lanes. torch, ipc and inproc keep moving every rank's heads through rank 0's process,
+which maps its children's caches (shared memory on the CPU): still no block is assembled, each slice goes from its
+rank's memory to the wire, but rank 0's process serves the sockets for all ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from kv_transfer.base import KVBlockSource, KVSender, TransferFault, TransferResult
+from kv_transfer.handoff_failure import reason_of
+from kv_transfer.layout import (
+    KVChecksumError,
+    KVHandoff,
+    KVLayout,
+    KVRefused,
+    KVTransferError,
+    KVTransferTimeout,
+)
+from kv_transfer.tp_slices import RankCache, WireBlocks
+from protos.cluster_auth import ClusterAuth
+
+logger = logging.getLogger(__name__)
+
+EXPECT_WAIT_S = 10.0  # how long a child rank holds a lane that arrived before rank 0's Expect for it
+REPLY_S = 10.0  # how long rank 0 waits for a child's answer to Start or Cancel (a live child answers in ms)
+ENDED_KEPT = 4096  # transfer ids a child remembers as ended, so that a late lane is refused at once
+SEND_THREADS = 8  # lanes one rank streams at once
+
+
+# ── the control messages (rank 0 ⇄ child) ────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class Start:
+    """Rank 0 → child: make the rank's sender, and (`serve`) its receiver on `host`:0."""
+
+    token: int
+    layout: KVLayout
+    auth: ClusterAuth
+    host: str
+    advertise_host: str
+    worker_id: str
+    serve: bool
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Rank 0 → child: a reservation's lanes may arrive for `transfer_id`."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    first_block: int
+    num_tokens: int
+    source_endpoint: str
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Rank 0 → child: the reservation ended (committed, or its request went); refuse its lanes from now on."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Rank 0 → child: fail the reservation's lanes; answered (Reply) once no write into its blocks is in flight."""
+
+    token: int
+    transfer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Send:
+    """Rank 0 → child: stream lane `handoff` (its heads of blocks `block_ids`) to `endpoint`; answered (Reply)."""
+
+    token: int
+    handoff: KVHandoff
+    block_ids: tuple[int, ...]
+    endpoint: str
+    timeout_s: float
+    fault: TransferFault | None = None  # test hook: this send misbehaves so (kv_transfer/base.py)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Child → rank 0: the answer to message `token`; `error` (and its `reason`, kv_transfer/handoff_failure.py)
+    when it failed."""
+
+    token: int
+    endpoint: str = ""  # Start: the rank's lane endpoint ("" when it does not serve)
+    num_bytes: int = 0  # Send: the lane's bytes
+    seconds: float = 0.0
+    error: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Child → rank 0: a lane it received committed (`error` None) or failed. `rank` is the child's; a lane
+    (-1, rank) with an error: the child is gone, so are its lanes."""
+
+    transfer_id: str
+    lane: tuple[int, int]
+    sender_tensor_parallel_size: int
+    error: str | None
+    num_bytes: int = 0
+
+
+def rank_view(cache: RankCache) -> list[RankCache | None]:
+    """`cache` at its rank's index of its engine's ranks (None at the others'): what WireBlocks reads one lane's
+    units from, which all name this rank."""
+    return [cache if rank == cache.rank else None for rank in range(cache.layout.tensor_parallel_size)]
+
+
+def lane_error(text: str, reason: str) -> KVTransferError:
+    """The exception a failed lane raised in another process, rebuilt from its text and reason."""
+    if reason == "kv_transfer_timeout":
+        return KVTransferTimeout(text)
+    if reason == "kv_transfer_checksum":
+        return KVChecksumError(text)
+    if reason == "kv_transfer_refused":
+        return KVRefused(text, reason="malformed")
+    return KVTransferError(text)
+
+
+# ── rank 0 ───────────────────────────────────────────────────────────────────────────────────────────────────
+
+
+class RankLanes:
+    """Rank 0's end of its children's control pipes (ranks 1..N-1, in order). Thread-safe."""
+
+    def __init__(self, conns: Sequence[Connection], world_size: int) -> None:
+        self.world_size = world_size
+        self._conns = list(conns)
+        self._send_locks = [threading.Lock() for _ in conns]
+        self._lock = threading.Lock()
+        self._tokens = itertools.count(1)
+        self._waiting: dict[int, tuple[int, Future[Reply]]] = {}  # token → (the child's rank, its answer)
+        self._settle: dict[str, Callable[[Settled], None]] = {}  # transfer id → its reservation's callback
+        self._gone: dict[int, str] = {}  # rank → why its pipe is gone
+        # Settled callbacks run here, not on a reader: a callback that fails a reservation cancels it on every
+        # child, a round trip whose answer a reader must be free to read.
+        self._dispatch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-lanes-settle")
+        self.endpoints: list[str] = []  # ranks 1..N-1's lane endpoints, after start(serve=True)
+        # Bytes of the lanes each child streamed out of its own cache and committed into it, by rank.
+        self.bytes_sent: collections.Counter[int] = collections.Counter()
+        self.bytes_received: collections.Counter[int] = collections.Counter()
+        for rank, conn in enumerate(self._conns, start=1):
+            threading.Thread(target=self._read, args=(rank, conn), name=f"tp-lanes-rank{rank}", daemon=True).start()
+
+    def start(self, layout: KVLayout, auth: ClusterAuth, *, host: str, advertise_host: str, worker_id: str,
+              serve: bool) -> list[str]:
+        """Every child's sender, and (`serve`) receiver; returns ranks 1..N-1's lane endpoints ([] unless `serve`).
+        KVTransferError when a child cannot."""
+        futures = [self._ask(rank, lambda token: Start(token, layout, auth, host, advertise_host, worker_id, serve))
+                   for rank in range(1, self.world_size)]
+        replies = [self._answer(rank, future, REPLY_S * 3, "start its KV lanes")
+                   for rank, future in enumerate(futures, start=1)]
+        self.endpoints = [reply.endpoint for reply in replies] if serve else []
+        return self.endpoints
+
+    def expect(self, expect: Expect, on_settled: Callable[[Settled], None]) -> None:
+        """Tell every child to take `expect.transfer_id`'s lanes; `on_settled` hears each lane a child settles (on a
+        thread of this object's, never the caller's)."""
+        with self._lock:
+            self._settle[expect.transfer_id] = on_settled
+            gone = dict(self._gone)
+        for rank in range(1, self.world_size):
+            if rank not in gone:
+                self._post(rank, expect)
+        for rank, why in gone.items():
+            self._dispatch.submit(on_settled, Settled(expect.transfer_id, (-1, rank), 0, why))
+
+    def forget(self, transfer_id: str) -> None:
+        """The reservation ended: no child takes its lanes any more (no answer waited for)."""
+        with self._lock:
+            self._settle.pop(transfer_id, None)
+        for rank in range(1, self.world_size):
+            self._post(rank, Forget(transfer_id))
+
+    def cancel(self, transfer_id: str, reason: str) -> None:
+        """Fail the reservation's lanes on every child and wait until each answered: after this, no child writes
+        into its blocks. A child that is gone writes nothing either."""
+        with self._lock:
+            self._settle.pop(transfer_id, None)
+        futures = [(rank, self._ask(rank, lambda token: Cancel(token, transfer_id, reason)))
+                   for rank in range(1, self.world_size)]
+        for rank, future in futures:
+            try:
+                future.result(timeout=REPLY_S)
+            except KVTransferError:
+                pass  # gone: its cache went with it
+            except TimeoutError:
+                logger.error("tensor-parallel rank %d did not confirm cancelling KV transfer %s in %.0f s", rank,
+                             transfer_id, REPLY_S)
+
+    def send(self, rank: int, handoff: KVHandoff, block_ids: Sequence[int], endpoint: str,
+             timeout_s: float, *, fault: TransferFault | None = None) -> Future[TransferResult]:
+        """Child `rank` streams lane `handoff` to `endpoint`: a future of its TransferResult, or of the
+        KVTransferError it failed with. `fault`: a test's misbehaving sender."""
+        result: Future[TransferResult] = Future()
+
+        def done(answer: Future[Reply]) -> None:
+            try:
+                reply = answer.result()
+            except KVTransferError as exc:
+                result.set_exception(exc)
+                return
+            if reply.error:
+                result.set_exception(lane_error(f"lane {handoff.lane} from rank {rank}: {reply.error}", reply.reason))
+            else:
+                with self._lock:
+                    self.bytes_sent[rank] += reply.num_bytes
+                result.set_result(TransferResult(num_bytes=reply.num_bytes, seconds=reply.seconds))
+
+        self._ask(rank, lambda token: Send(token, handoff, tuple(block_ids), endpoint, timeout_s, fault)
+                  ).add_done_callback(done)
+        return result
+
+    def close(self) -> None:
+        self._dispatch.shutdown(wait=False, cancel_futures=True)
+
+    def _ask(self, rank: int, make: Callable[[int], object]) -> Future[Reply]:
+        future: Future[Reply] = Future()
+        token = next(self._tokens)
+        with self._lock:
+            why = self._gone.get(rank)
+            if why is None:
+                self._waiting[token] = (rank, future)
+        if why is not None:
+            future.set_exception(KVTransferError(why))
+            return future
+        if not self._post(rank, make(token)):
+            with self._lock:
+                self._waiting.pop(token, None)
+            future.set_exception(KVTransferError(self._gone.get(rank, f"tensor-parallel rank {rank} is gone")))
+        return future
+
+    def _answer(self, rank: int, future: Future[Reply], timeout_s: float, what: str) -> Reply:
+        try:
+            reply = future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise KVTransferError(f"tensor-parallel rank {rank} did not {what} within {timeout_s:.0f} s") from None
+        if reply.error:
+            raise KVTransferError(f"tensor-parallel rank {rank} could not {what}: {reply.error}")
+        return reply
+
+    def _post(self, rank: int, message: object) -> bool:
+        try:
+            with self._send_locks[rank - 1]:
+                self._conns[rank - 1].send(message)
+            return True
+        except (OSError, ValueError):  # the pipe broke (or closed): its reader reports the child gone
+            return False
+
+    def _read(self, rank: int, conn: Connection) -> None:
+        try:
+            while True:
+                message = conn.recv()
+                if isinstance(message, Reply):
+                    with self._lock:
+                        _, future = self._waiting.pop(message.token, (rank, None))
+                    if future is not None:
+                        future.set_result(message)
+                elif isinstance(message, Settled):
+                    with self._lock:
+                        callback = self._settle.get(message.transfer_id)
+                        if message.error is None:
+                            self.bytes_received[rank] += message.num_bytes
+                    if callback is not None:
+                        self._dispatch.submit(callback, message)
+        except (EOFError, OSError):
+            self._lost(rank)
+
+    def _lost(self, rank: int) -> None:
+        """Child `rank`'s pipe closed (the child died, or the group closed): fail what waits on it, and every
+        reservation's lanes (its share of them never settles)."""
+        why = f"tensor-parallel rank {rank} is gone (its KV lanes with it)"
+        with self._lock:
+            self._gone[rank] = why
+            waiting = [future for token, (r, future) in list(self._waiting.items()) if r == rank]
+            for token in [t for t, (r, _) in self._waiting.items() if r == rank]:
+                del self._waiting[token]
+            callbacks = list(self._settle.items())
+        for future in waiting:
+            future.set_exception(KVTransferError(why))
+        for transfer_id, callback in callbacks:
+            try:
+                self._dispatch.submit(callback, Settled(transfer_id, (-1, rank), 0, why))
+            except RuntimeError:  # closed
+                return
+
+
+# ── a child rank ─────────────────────────────────────────────────────────────────────────────────────────────
+
+
+class _Expected:
+    """A child's share of one reservation: the lanes to its rank, each opened once, each settled once."""
+
+    def __init__(self, expect: Expect, cache: RankCache, report: Callable[[Settled], None]) -> None:
+        self.expect = expect
+        self.cache = cache
+        self.report = report
+        self.lock = threading.Lock()
+        self.failed: str | None = None
+        self.lanes: dict[tuple[int, int], str] = {}  # lane → "receiving" | "committed" | "failed"
+
+    def open(self, handoff: KVHandoff) -> _LaneWrites:
+        e, rank = self.expect, self.cache.rank
+        if handoff.lane is None or handoff.lane[1] != rank:
+            raise KVRefused(f"handoff {handoff.transfer_id}: rank {rank}'s endpoint takes only lanes to rank {rank}, "
+                            f"not {'the whole handoff' if handoff.lane is None else f'lane {handoff.lane}'}",
+                            reason="malformed")
+        if e.source_endpoint and handoff.source_endpoint != e.source_endpoint:
+            raise KVRefused(f"request {e.request_id}: KV expected from {e.source_endpoint}, lane {handoff.lane} comes "
+                            f"from {handoff.source_endpoint or 'an unnamed sender'}", reason="wrong_source")
+        if handoff.num_tokens != e.num_tokens or handoff.num_blocks > len(e.block_ids) or \
+                handoff.first_block != e.first_block:
+            raise KVRefused(f"request {e.request_id}: reserved {e.num_tokens} tokens in {len(e.block_ids)} blocks from "
+                            f"block {e.first_block}, lane {handoff.lane} carries {handoff.num_tokens} tokens in "
+                            f"{handoff.num_blocks} blocks from block {handoff.first_block}", reason="block_count")
+        with self.lock:
+            if self.failed is not None:
+                raise KVRefused(f"request {e.request_id}: KV transfer failed ({self.failed}), refusing lane "
+                                f"{handoff.lane}", reason="unknown_transfer")
+            if handoff.lane in self.lanes:
+                raise KVRefused(f"request {e.request_id}: lane {handoff.lane} arrived twice", reason="unknown_transfer")
+            self.lanes[handoff.lane] = "receiving"
+        return _LaneWrites(self, handoff, WireBlocks(rank_view(self.cache), e.block_ids, handoff.wire, sender=False))
+
+    def fail(self, reason: str) -> None:
+        """Refuse every write from now on; returns once none is in flight."""
+        with self.lock:
+            if self.failed is None:
+                self.failed = reason
+
+
+class _LaneWrites:
+    """A KVDestination: one lane's wire blocks into the child's cache."""
+
+    def __init__(self, expected: _Expected, handoff: KVHandoff, blocks: WireBlocks) -> None:
+        self.expected = expected
+        self.handoff = handoff
+        self.blocks = blocks
+        self.num_bytes = 0
+
+    def _check(self, first: int, count: int) -> None:
+        e = self.expected
+        if e.failed is not None:
+            raise KVTransferError(f"request {e.expect.request_id}: transfer failed ({e.failed}), block dropped")
+        if e.lanes.get(self.handoff.lane) != "receiving":
+            raise KVTransferError(f"lane {self.handoff.lane} is {e.lanes.get(self.handoff.lane)}, block dropped")
+        indices = self.handoff.wire_indices
+        if first not in indices or first + count - 1 not in indices:
+            raise KVTransferError(f"lane {self.handoff.lane}: blocks {first} to {first + count - 1} are not its to write")
+
+    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
+        with self.expected.lock:
+            self._check(index, 1)
+            self.blocks.write_block(index, data, crc32c)
+            self.num_bytes += data.numel() * data.element_size()
+
+    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
+        with self.expected.lock:
+            self._check(first_index, data.shape[0])
+            self.blocks.write_blocks(first_index, data)
+            self.num_bytes += data.numel() * data.element_size()
+
+    def commit(self) -> None:
+        e = self.expected
+        with e.lock:
+            if e.failed is not None or e.lanes.get(self.handoff.lane) != "receiving":
+                raise KVTransferError(f"request {e.expect.request_id}: cannot commit lane {self.handoff.lane} "
+                                      f"({e.failed or e.lanes.get(self.handoff.lane)})")
+            e.lanes[self.handoff.lane] = "committed"
+        e.report(Settled(e.expect.transfer_id, self.handoff.lane, self.handoff.layout.tensor_parallel_size, None,
+                         self.num_bytes))
+
+    def fail(self, reason: str) -> None:
+        e = self.expected
+        with e.lock:
+            if e.lanes.get(self.handoff.lane) != "receiving":
+                return
+            e.lanes[self.handoff.lane] = "failed"
+        e.report(Settled(e.expect.transfer_id, self.handoff.lane, self.handoff.layout.tensor_parallel_size, reason))
+
+
+class _ChildSink:
+    """The KVSink of a child rank's receiver: lanes to this rank of the reservations rank 0 said to expect."""
+
+    def __init__(self, lanes: ChildLanes) -> None:
+        self.lanes = lanes
+        self.layout = lanes.layout
+        self.device = lanes.device
+
+    def open(self, handoff: KVHandoff) -> _LaneWrites:
+        return self.lanes.expected(handoff).open(handoff)
+
+
+class ChildLanes:
+    """A child rank's end of its control pipe: serves it on a thread of its own until the pipe closes."""
+
+    def __init__(self, conn: Connection, *, rank: int, device: torch.device, kv_cache: torch.Tensor,
+                 kv_scales: torch.Tensor | None) -> None:
+        self.conn = conn
+        self.rank = rank
+        self.device = device
+        self.kv_cache = kv_cache
+        self.kv_scales = kv_scales
+        self.layout: KVLayout | None = None
+        self.cache: RankCache | None = None
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._expected: dict[str, _Expected] = {}
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._sender = None
+        self._start_message: Start | None = None
+        self._receiver = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix=f"tp-lane-send{rank}")
+
+    def serve_in_background(self) -> None:
+        threading.Thread(target=self._serve, name=f"tp-lanes-rank{self.rank}", daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                self._handle(self.conn.recv())
+        except (EOFError, OSError):
+            return  # rank 0 is gone: this process ends with it (rank_worker watches its parent)
+
+    def _reply(self, message: object) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except (OSError, ValueError):
+            pass  # rank 0 is gone
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, Send):
+            self._pool.submit(self._send, message)
+        elif isinstance(message, Expect):
+            assert self.cache is not None, "Expect before Start"
+            with self._cond:
+                self._expected[message.transfer_id] = _Expected(message, self.cache, self._reply)
+                self._cond.notify_all()
+        elif isinstance(message, Forget):
+            self._end(message.transfer_id)
+        elif isinstance(message, Cancel):
+            expected = self._end(message.transfer_id)
+            if expected is not None:
+                expected.fail(message.reason)  # under its lock: no write is in flight once this returns
+            self._reply(Reply(message.token))
+        elif isinstance(message, Start):
+            try:
+                self._reply(Reply(message.token, endpoint=self._start(message)))
+            except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the worker's start
+                logger.exception("rank %d: starting KV lanes failed", self.rank)
+                self._reply(Reply(message.token, error=f"{type(exc).__name__}: {exc}"))
+
+    def _end(self, transfer_id: str) -> _Expected | None:
+        with self._cond:
+            expected = self._expected.pop(transfer_id, None)
+            self._ended[transfer_id] = None
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+            self._cond.notify_all()
+        return expected
+
+    def expected(self, handoff: KVHandoff) -> _Expected:
+        """The reservation lane `handoff` belongs to, waiting briefly for rank 0's Expect (which a fast sender may
+        beat here); KVRefused when it never comes or its reservation ended."""
+        deadline = time.monotonic() + EXPECT_WAIT_S
+        with self._cond:
+            while True:
+                expected = self._expected.get(handoff.transfer_id)
+                if expected is not None:
+                    return expected
+                left = deadline - time.monotonic()
+                if handoff.transfer_id in self._ended or left <= 0:
+                    raise KVRefused(f"rank {self.rank}: no blocks are reserved for transfer {handoff.transfer_id} "
+                                    f"(request {handoff.request_id})", reason="unknown_transfer")
+                self._cond.wait(left)
+
+    def _start(self, message: Start) -> str:
+        from kv_transfer import grpc_transport
+
+        self.layout = message.layout
+        self.cache = RankCache(layout=message.layout, rank=self.rank, kv_cache=self.kv_cache,
+                               kv_scales=self.kv_scales)
+        self._start_message = message
+        self._sender = grpc_transport.Sender(worker_id=f"{message.worker_id}-rank{self.rank}", device=self.device,
+                                             auth=message.auth)
+        if not message.serve:
+            return ""
+        self._receiver = grpc_transport.Receiver(_ChildSink(self))
+        return self._serve_grpc(message)
+
+    def _serve_grpc(self, message: Start) -> str:
+        import grpc
+
+        from kv_transfer.grpc_link import CHANNEL_OPTIONS
+        from protos.cluster_auth import SERVER_KEEPALIVE, add_port, server_interceptors
+
+        loop = self._loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name=f"tp-lanes-grpc{self.rank}", daemon=True).start()
+
+        async def make() -> grpc.aio.Server:
+            pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix=f"tp-lane-recv{self.rank}")
+            return grpc.aio.server(migration_thread_pool=pool, options=(*CHANNEL_OPTIONS, *SERVER_KEEPALIVE),
+                                   interceptors=server_interceptors(message.auth))
+
+        server = asyncio.run_coroutine_threadsafe(make(), loop).result()
+        port = add_port(server, f"{message.host}:0", message.auth)
+        if port == 0:
+            raise RuntimeError(f"cannot bind {message.host}:0")
+        endpoint = f"{message.advertise_host or message.host}:{port}"
+        assert self._receiver is not None
+        self._receiver.attach(server, endpoint)
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result()
+        self._server = server
+        return endpoint
+
+    def _send(self, message: Send) -> None:
+        start_s = time.monotonic()
+        try:
+            assert self.cache is not None and self._sender is not None, "Send before Start"
+            source = WireBlocks(rank_view(self.cache), message.block_ids, message.handoff.wire, sender=True)
+            sender = self._sender
+            if message.fault is not None:  # a test's: a sender of its own, so that no other send misbehaves
+                from kv_transfer import grpc_transport
+
+                start = self._start_message
+                assert start is not None
+                sender = grpc_transport.Sender(worker_id=f"{start.worker_id}-rank{self.rank}", device=self.device,
+                                               auth=start.auth, fault=message.fault)
+            try:
+                result = sender.send(message.handoff, source, endpoint=message.endpoint, timeout_s=message.timeout_s)
+            finally:
+                if sender is not self._sender:
+                    sender.close()
+            self._reply(Reply(message.token, num_bytes=result.num_bytes, seconds=result.seconds))
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the handoff
+            self._reply(Reply(message.token, seconds=time.monotonic() - start_s, error=str(exc) or type(exc).__name__,
+                              reason=reason_of(exc)))
+
+
+# ── a prefill worker's handoff as lanes ──────────────────────────────────────────────────────────────────────
+
+WAIT_SLACK_S = 10.0  # past the handoff's timeout, how long rank 0 waits for a lane's end before it gives it up
+
+
+def send_lanes(handoff: KVHandoff, *, own: RankCache, block_ids: Sequence[int], endpoints: Sequence[str],
+               sender: KVSender, ranks: RankLanes | None, timeout_s: float, pool: ThreadPoolExecutor,
+               wrap: Callable[[KVBlockSource, KVHandoff], KVBlockSource] | None = None) -> TransferResult:
+    """Send `handoff` (the whole of it) as its lanes: rank 0's (`own`, its cache) through `sender` on `pool`'s
+    threads, every other sender rank's by its own process (`ranks`), each lane to its receiver rank's endpoint
+    (`endpoints`, receiver rank 0 first). Returns once every lane's receiver committed it; otherwise waits until
+    every lane ended (so that no rank still reads the blocks when the caller frees them) and raises the first
+    failure. `wrap` (fault injection) wraps rank 0's source of the lane to receiver rank 0."""
+    start_s = time.monotonic()
+    if len(endpoints) != handoff.receiver_tensor_parallel_size:
+        raise KVTransferError(f"handoff {handoff.transfer_id}: {len(endpoints)} decode rank endpoints for "
+                              f"tensor-parallel size {handoff.receiver_tensor_parallel_size}")
+    ended: list[tuple[float, tuple[int, int], BaseException | None]] = []
+    ended_lock = threading.Lock()
+    futures: list[tuple[tuple[int, int], Future[TransferResult]]] = []
+
+    def note(lane: tuple[int, int], future: Future[TransferResult]) -> None:
+        with ended_lock:
+            ended.append((time.monotonic(), lane, future.exception()))
+
+    for sender_rank, receiver_rank in handoff.all_lanes:
+        lane = handoff.with_lane(sender_rank, receiver_rank)
+        endpoint = endpoints[receiver_rank]
+        if sender_rank == 0:
+            source: KVBlockSource = WireBlocks(rank_view(own), block_ids, lane.wire, sender=True)
+            if wrap is not None and receiver_rank == 0:
+                source = wrap(source, lane)
+            future = pool.submit(sender.send, lane, source, endpoint=endpoint, timeout_s=timeout_s)
+        elif ranks is None:
+            raise KVTransferError(f"handoff {handoff.transfer_id}: sender rank {sender_rank} has no lanes here")
+        else:
+            future = ranks.send(sender_rank, lane, block_ids, endpoint, timeout_s)
+        futures.append(((sender_rank, receiver_rank), future))
+        future.add_done_callback(functools.partial(note, (sender_rank, receiver_rank)))
+    num_bytes = 0
+    deadline = time.monotonic() + timeout_s + WAIT_SLACK_S
+    for lane, future in futures:
+        try:
+            num_bytes += future.result(timeout=max(0.0, deadline - time.monotonic())).num_bytes
+        except TimeoutError:
+            with ended_lock:
+                ended.append((time.monotonic(), lane, KVTransferTimeout(
+                    f"handoff {handoff.transfer_id}: lane {lane} did not end within {timeout_s:.3g} s")))
+        except Exception:  # noqa: BLE001 - noted by its callback; the earliest failure is raised below
+            pass
+    failures = sorted((t, lane, exc) for t, lane, exc in ended if exc is not None)
+    if failures:
+        _, lane, exc = failures[0]
+        raise exc if isinstance(exc, KVTransferError) else KVTransferError(f"lane {lane}: {exc}")
+    return TransferResult(num_bytes=num_bytes, seconds=time.monotonic() - start_s)
