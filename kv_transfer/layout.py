@@ -270,6 +270,12 @@ class KVHandoff:
             raise KVLayoutMismatch(f"handoff {self.transfer_id}: {exc}") from None
 
     @property
+    def wire_id(self) -> str:
+        """What names this handoff on the wire where several may be open at one receiver: the transfer id, and the
+        lane's ranks for a lane (the lanes of one handoff share its transfer id)."""
+        return self.transfer_id if self.lane is None else f"{self.transfer_id}#{self.lane[0]}-{self.lane[1]}"
+
+    @property
     def all_lanes(self) -> tuple[tuple[int, int], ...]:
         """Every lane of the whole handoff (the (sender rank, receiver rank) pairs its heads move between), whichever
         lane this is."""

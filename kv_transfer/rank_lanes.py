@@ -1,10 +1,10 @@
-"""Lanes: a KV handoff between tensor-parallel workers over gRPC, each rank sending and receiving its own KV heads.
+"""Lanes: a KV handoff between tensor-parallel workers, each rank sending and receiving its own KV heads.
 
 A handoff from a prefill worker of TP a to a decode worker of TP b moves, for each (sender rank r, receiver rank s)
 pair whose KV heads overlap, those heads of every block (kv_transfer/tp_plan.py). Each such pair is a lane: a
-handoff of its own (`KVHandoff.with_lane`, the same transfer id), which sender rank r's process streams out of its
-own cache to receiver rank s's own gRPC endpoint, whose process writes it into its own cache, each wire block under
-its CRC-32C. No byte of a lane passes through another rank's process.
+handoff of its own (`KVHandoff.with_lane`, the same transfer id), which sender rank r's process sends out of its
+own cache, over the workers' transport (grpc, torch or ipc), to receiver rank s's own endpoint, whose process writes
+it into its own cache, each wire block under its CRC-32C. No byte of a lane passes through another rank's process.
 
     prefill worker (TP a)                                   decode worker (TP b)
     ─────────────────────                                   ────────────────────
@@ -24,9 +24,9 @@ The control pipes are the ranks' own (engine/distributed/rank_group.py makes one
 `ChildLanes` serves one on a thread of the child, `RankLanes` reads each on a thread of rank 0. A child's lanes end
 with the child: rank 0 sees its pipe close and fails whatever waited on it.
 
-Only the gRPC transport runs lanes. torch, ipc and inproc keep moving every rank's heads through rank 0's process,
-which maps its children's caches (shared memory on the CPU): still no block is assembled, each slice goes from its
-rank's memory to the wire, but rank 0's process serves the sockets for all ranks.
+inproc runs no lanes (its two workers share one process; their children do not): it keeps moving every rank's
+heads through rank 0's process, which maps its children's caches (`KVBlocks.ranks`). A sender that gets no
+decode rank endpoints (a decode worker from before lanes) does the same.
 """
 
 from __future__ import annotations
@@ -55,11 +55,13 @@ from kv_transfer.layout import (
     KVTransferError,
     KVTransferTimeout,
 )
+from kv_transfer.registry import make_receiver, make_sender
 from kv_transfer.tp_slices import RankCache, WireBlocks
 from protos.cluster_auth import ClusterAuth
 
 logger = logging.getLogger(__name__)
 
+LANE_TRANSPORTS = ("grpc", "torch", "ipc")  # inproc has no processes to go between
 EXPECT_WAIT_S = 10.0  # how long a child rank holds a lane that arrived before rank 0's Expect for it
 REPLY_S = 10.0  # how long rank 0 waits for a child's answer to Start or Cancel (a live child answers in ms)
 ENDED_KEPT = 4096  # transfer ids a child remembers as ended, so that a late lane is refused at once
@@ -74,6 +76,7 @@ class Start:
     """Rank 0 → child: make the rank's sender, and (`serve`) its receiver on `host`:0."""
 
     token: int
+    transport: str  # one of LANE_TRANSPORTS
     layout: KVLayout
     auth: ClusterAuth
     host: str
@@ -189,11 +192,14 @@ class RankLanes:
         for rank, conn in enumerate(self._conns, start=1):
             threading.Thread(target=self._read, args=(rank, conn), name=f"tp-lanes-rank{rank}", daemon=True).start()
 
-    def start(self, layout: KVLayout, auth: ClusterAuth, *, host: str, advertise_host: str, worker_id: str,
-              serve: bool) -> list[str]:
-        """Every child's sender, and (`serve`) receiver; returns ranks 1..N-1's lane endpoints ([] unless `serve`).
-        KVTransferError when a child cannot."""
-        futures = [self._ask(rank, lambda token: Start(token, layout, auth, host, advertise_host, worker_id, serve))
+    def start(self, transport: str, layout: KVLayout, auth: ClusterAuth, *, host: str, advertise_host: str,
+              worker_id: str, serve: bool) -> list[str]:
+        """Every child's sender of `transport`, and (`serve`) receiver; returns ranks 1..N-1's lane endpoints ([]
+        unless `serve`). KVTransferError when a child cannot."""
+        if transport not in LANE_TRANSPORTS:
+            raise ValueError(f"KV lanes run over {', '.join(LANE_TRANSPORTS)}, not {transport}")
+        futures = [self._ask(rank, lambda token: Start(token, transport, layout, auth, host, advertise_host, worker_id,
+                                                       serve))
                    for rank in range(1, self.world_size)]
         replies = [self._answer(rank, future, REPLY_S * 3, "start its KV lanes")
                    for rank, future in enumerate(futures, start=1)]
@@ -524,18 +530,24 @@ class ChildLanes:
                 self._cond.wait(left)
 
     def _start(self, message: Start) -> str:
-        from kv_transfer import grpc_transport
-
         self.layout = message.layout
         self.cache = RankCache(layout=message.layout, rank=self.rank, kv_cache=self.kv_cache,
                                kv_scales=self.kv_scales)
         self._start_message = message
-        self._sender = grpc_transport.Sender(worker_id=f"{message.worker_id}-rank{self.rank}", device=self.device,
-                                             auth=message.auth)
+        self._sender = self._make_sender()
         if not message.serve:
             return ""
-        self._receiver = grpc_transport.Receiver(_ChildSink(self))
+        self._receiver = make_receiver(message.transport, _ChildSink(self))
         return self._serve_grpc(message)
+
+    def _make_sender(self, fault: TransferFault | None = None) -> KVSender:
+        start = self._start_message
+        assert start is not None
+        sender = make_sender(start.transport, worker_id=f"{start.worker_id}-rank{self.rank}", device=self.device,
+                             auth=start.auth)
+        if fault is not None:
+            sender.fault = fault  # type: ignore[attr-defined]  # every transport's sender reads it
+        return sender
 
     def _serve_grpc(self, message: Start) -> str:
         import grpc
@@ -567,14 +579,8 @@ class ChildLanes:
         try:
             assert self.cache is not None and self._sender is not None, "Send before Start"
             source = WireBlocks(rank_view(self.cache), message.block_ids, message.handoff.wire, sender=True)
-            sender = self._sender
-            if message.fault is not None:  # a test's: a sender of its own, so that no other send misbehaves
-                from kv_transfer import grpc_transport
-
-                start = self._start_message
-                assert start is not None
-                sender = grpc_transport.Sender(worker_id=f"{start.worker_id}-rank{self.rank}", device=self.device,
-                                               auth=start.auth, fault=message.fault)
+            # a test's fault: a sender of its own, so that no other send misbehaves
+            sender = self._sender if message.fault is None else self._make_sender(message.fault)
             try:
                 result = sender.send(message.handoff, source, endpoint=message.endpoint, timeout_s=message.timeout_s)
             finally:

@@ -11,7 +11,7 @@ through a TCPStore the receiver hosts, under a pair key the receiver hands out:
     ◀──────────────────────────────────────────────────────── KVOpenAck(store_endpoint, pair_key)
     new key? build the group over PrefixStore(key, store)      (thread) build the group if new; recv every block
     send(block i, tag=i) for every block ─────gloo|NCCL─────▶           into a staging tensor
-    Commit(transfer_id, crc32c of every block) ───gRPC───────▶  verify every block's CRC-32C, write_block each, commit
+    Commit(wire_id, crc32c of every block) ──────gRPC────────▶  verify every block's CRC-32C, write_block each, commit
     ◀──────────────────────────────────────────────────────── KVTransferAck(ok) | ack(error, error_kind)
 
 One transfer at a time per pair (a lock on each end); pairs run concurrently. The receiver learns the sender's
@@ -169,7 +169,7 @@ class Receiver(KVReceiver):
             closed = self._closed  # closed while the sink was opening: this one was not there to be failed
             if not closed:
                 self._forget_finished()
-                self._incoming[handoff.transfer_id] = incoming
+                self._incoming[handoff.wire_id] = incoming
         if closed:
             dest.fail("KV receiver closed")
             return kv_transfer_pb2.KVOpenAck(ok=False, error="KV receiver is closed")
@@ -332,7 +332,7 @@ class Sender(ChannelSender):
         try:
             clock = StageClock()
             used, checksums = self._transfer(handoff, source, endpoint, pair, deadline_s, timeout_s, what, clock)
-            commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.transfer_id, crc32c=checksums)
+            commit = kv_transfer_pb2.KVCommit(transfer_id=handoff.wire_id, crc32c=checksums)
             try:
                 ack = self._call(lambda stub, t: stub.Commit(commit, timeout=t), endpoint, deadline_s, timeout_s, what)
                 clock.lap("commit rpc")

@@ -35,7 +35,7 @@ from kv_transfer.base import KVBlockSource, TransferResult
 from kv_transfer.handoff_failure import reason_of
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.tp_plan import WirePlan, wire_plan
-from kv_transfer.rank_lanes import SEND_THREADS, send_lanes
+from kv_transfer.rank_lanes import LANE_TRANSPORTS, SEND_THREADS, send_lanes
 from kv_transfer.tp_slices import RankCache, WireBlocks, rank_caches
 from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
@@ -216,7 +216,7 @@ class PrefillWorker(RuntimeWorker):
             return source
 
         timeout_s = self.config.kv_transfer_timeout_s
-        if request.decode_rank_endpoints and self.config.kv_transport == "grpc" and (
+        if request.decode_rank_endpoints and self.config.kv_transport in LANE_TRANSPORTS and (
                 layout.tensor_parallel_size > 1 or handoff.receiver_tensor_parallel_size > 1):
             # rank to rank: each sender rank streams its own KV heads to each receiver rank's own endpoint
             own = RankCache(layout=layout, rank=0, kv_cache=blocks.kv_cache, kv_scales=blocks.kv_scales)

@@ -48,6 +48,7 @@ from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.base import KVSender
 from kv_transfer.prefix_index import PublisherId
+from kv_transfer.rank_lanes import LANE_TRANSPORTS
 from kv_transfer.registry import make_receiver, make_sender
 from kv_transfer.reservation import ReservationSink
 from protos import serving_pb2, serving_pb2_grpc
@@ -131,12 +132,13 @@ class WorkerRuntime:
         if checkpoint is None:
             checkpoint = load_engine_checkpoint(engine_config)
         self.engine = LLMEngine(engine_config, checkpoint)
-        if config.role != "colocated" and self.engine.kv_blocks.ranks is None and config.kv_transport != "grpc":
+        if config.role != "colocated" and self.engine.kv_blocks.ranks is None and \
+                config.kv_transport not in LANE_TRANSPORTS:
             self.engine.close()
             raise ValueError(f"a {config.role} worker at tensor_parallel_size {engine_config.tensor_parallel_size} "
                              f"on {self.engine.device.type}: its child ranks did not share their KV caches, so no "
-                             f"{config.kv_transport} handoff could reach them; use --kv-transport grpc (each rank "
-                             "sends and receives its own KV heads) or serve it colocated")
+                             f"{config.kv_transport} handoff could reach them; use --kv-transport grpc, torch or ipc "
+                             "(each rank sends and receives its own KV heads) or serve it colocated")
         self.device = self.engine.device  # where its KV blocks live: the transports read and write them there
         _inject_slow_steps(self.engine, float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0))
         self.loop = EngineLoop(self.engine, name=f"{config.worker_id}-engine")
@@ -151,20 +153,21 @@ class WorkerRuntime:
             raise RuntimeError(f"worker {config.worker_id}: cannot bind {config.host}:{config.port}")
         self.endpoint = f"{config.advertise_host or config.host}:{port}"
         self.layout = self.engine.kv_blocks.layout
-        # gRPC handoffs at TP > 1 go rank to rank, each rank its own lanes (kv_transfer/rank_lanes.py): a decode
-        # worker's children serve their own endpoints, which it names in each Prefill call (`rank_endpoints`, its own
-        # first; at TP 1 just its own, so that a prefill worker at TP > 1 sends lanes to it).
-        self.lanes = self.engine.rank_lanes() if config.kv_transport == "grpc" else None
+        # Handoffs at TP > 1 go rank to rank, each rank its own lanes (kv_transfer/rank_lanes.py; not inproc): a
+        # decode worker's children serve their own endpoints, which it names in each Prefill call (`rank_endpoints`,
+        # its own first; at TP 1 just its own, so that a prefill worker at TP > 1 sends lanes to it).
+        lanes = config.kv_transport in LANE_TRANSPORTS
+        self.lanes = self.engine.rank_lanes() if lanes else None
         self.rank_endpoints: list[str] = []
         try:
             children = [] if self.lanes is None else self.lanes.start(
-                self.layout, config.auth, host=config.host, advertise_host=config.advertise_host or "",
+                config.kv_transport, self.layout, config.auth, host=config.host, advertise_host=config.advertise_host or "",
                 worker_id=config.worker_id, serve=config.role == "decode")
         except Exception:
             self.aio.stop()
             self.engine.close()
             raise
-        if config.role == "decode" and config.kv_transport == "grpc":
+        if config.role == "decode" and lanes:
             self.rank_endpoints = [self.endpoint, *children]
         # Receiving KV: a decode worker's handoffs, and every role's peer fetches; sending: a prefill worker's
         # handoffs, and every role's blocks a peer fetches (worker/peer_fetch.py). The sender is made on first use.

@@ -1,5 +1,6 @@
 """Prefill and decode workers of different tensor-parallel sizes, with real rank processes, on the real SmolLM2 (9
-query / 3 KV heads: TP 3 gives each rank one KV head), over real gRPC and a real KV transport (grpc, torch/gloo).
+query / 3 KV heads: TP 3 gives each rank one KV head), over real gRPC and a real KV transport (grpc, torch/gloo),
+each rank sending and taking its own heads.
 
 Prefill TP 3 → decode TP 1, TP 1 → TP 3 and TP 3 → TP 3 each give the offline TP 1 engine's greedy answer; the
 handoff moves exactly the bytes of the blocks that travel (each KV head once: no rank's copy goes through another);
@@ -75,10 +76,8 @@ def test_a_handoff_between_tensor_parallel_sizes_gives_the_tp1_answer(workers, e
     num_blocks = cdiv(len(prompt_ids), layout.block_size)
     assert prefill.runtime.transfers.num_bytes - sent_before == num_blocks * layout.block_bytes
     wait_blocks_free(prefill, decode)
-    if prefill.runtime.config.kv_transport != "grpc":
-        return
-    # Over gRPC each rank at TP 3 streams (prefill) or takes (decode) its own one KV head of each block, in its own
-    # process (kv_transfer/rank_lanes.py): a third of the bytes each, rank 0's through the worker itself.
+    # Each rank at TP 3 sends (prefill) or takes (decode) its own one KV head of each block, in its own process
+    # (kv_transfer/rank_lanes.py): a third of the bytes each, rank 0's through the worker itself.
     for side, hub in lanes.items():
         if hub is None:
             continue

@@ -1,6 +1,6 @@
 """KV handoffs as lanes (kv_transfer/rank_lanes.py): each sender rank streams its own KV heads, from its own process,
-to each receiver rank's own gRPC endpoint, over real gRPC between real rank processes of the tiny model (2 KV heads:
-TP 2 splits them, TP 4 replicates each on two ranks).
+to each receiver rank's own endpoint, between real rank processes of the tiny model (2 KV heads:
+TP 2 splits them, TP 4 replicates each on two ranks), over grpc, torch (gloo) and ipc.
 
 A prompt prefilled at TP a and decoded at TP b gives the colocated TP 1 answer; every rank moves exactly its lanes'
 bytes; a corrupted lane, a lane that comes twice or late, and a cancelled reservation write nothing and leave no
@@ -18,7 +18,7 @@ import torch
 from engine import SamplingParams
 from kv_transfer.base import TransferFault
 from kv_transfer.layout import KVChecksumError, KVHandoff, KVRefused, KVTransferError
-from kv_transfer.rank_lanes import RankLanes, rank_view, send_lanes
+from kv_transfer.rank_lanes import LANE_TRANSPORTS, RankLanes, rank_view, send_lanes
 from kv_transfer.registry import make_sender
 from kv_transfer.reservation import Reservation, ReservationSink, ReservationState
 from kv_transfer.tp_slices import RankCache, WireBlocks
@@ -35,19 +35,19 @@ PROMPT = PROMPTS[1]  # 10 tokens: 3 blocks of 4
 
 
 class Side:
-    """An engine with its ranks' lanes started and rank 0's receiver served on a loopback server."""
+    """An engine with its ranks' lanes started and rank 0's receiver served on a loopback server, over `transport`."""
 
-    def __init__(self, engine) -> None:  # noqa: ANN001
+    def __init__(self, engine, transport: str) -> None:  # noqa: ANN001
         self.engine = engine
         layout = engine.kv_blocks.layout
         self.sink = ReservationSink(layout, torch.device("cpu"))
-        self.server, self.endpoint, self.receiver = serve_receiver("grpc", self.sink)
+        self.server, self.endpoint, self.receiver = serve_receiver(transport, self.sink)
         self.lanes: RankLanes | None = engine.rank_lanes()
         children = [] if self.lanes is None else self.lanes.start(
-            layout, OPEN, host="127.0.0.1", advertise_host="", worker_id=f"tp{layout.tensor_parallel_size}",
+            transport, layout, OPEN, host="127.0.0.1", advertise_host="", worker_id=f"tp{layout.tensor_parallel_size}",
             serve=True)
         self.endpoints = [self.endpoint, *children]
-        self.sender = make_sender("grpc", worker_id="prefill", device=torch.device("cpu"))
+        self.sender = make_sender(transport, worker_id="prefill", device=torch.device("cpu"))
 
     @property
     def own(self) -> RankCache:
@@ -62,10 +62,11 @@ class Side:
 
 
 @pytest.fixture(scope="module")
-def sides(tiny_checkpoint):  # noqa: ANN001, ANN201
-    """{tp: Side} for TP 1, 2 and 4 (and -2: a second TP 2, to hand off to from the first), and the colocated TP 1
-    answer to PROMPT."""
-    made = {tp: Side(make_engine(tiny_checkpoint, tensor_parallel_size=abs(tp), **ENGINE)) for tp in (1, 2, 4, -2)}
+def sides(request, tiny_checkpoint):  # noqa: ANN001, ANN201
+    """{tp: Side} for TP 1, 2 and 4 (and -2: a second TP 2, to hand off to from the first) over the transport the
+    test names (`request.param`), and the colocated TP 1 answer to PROMPT."""
+    made = {tp: Side(make_engine(tiny_checkpoint, tensor_parallel_size=abs(tp), **ENGINE), request.param)
+            for tp in (1, 2, 4, -2)}
     reference = make_engine(tiny_checkpoint, **ENGINE)
     reference.add_request("ref", PROMPT, PARAMS)
     expected = steps_until_finished(reference, "ref")
@@ -120,6 +121,7 @@ def moved(lanes: RankLanes | None, side: str) -> dict[int, int]:
     return {} if lanes is None else dict(getattr(lanes, f"bytes_{side}"))
 
 
+@pytest.mark.parametrize("sides", LANE_TRANSPORTS, indirect=True)
 @pytest.mark.parametrize(("sender_tp", "receiver_tp"), [(2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (4, 2), (2, 4)])
 def test_each_rank_sends_and_takes_its_own_heads_and_the_answer_is_tp1s(sides, sender_tp: int,
                                                                         receiver_tp: int) -> None:
@@ -155,6 +157,7 @@ def test_each_rank_sends_and_takes_its_own_heads_and_the_answer_is_tp1s(sides, s
         assert_no_blocks_held(side.engine)
 
 
+@pytest.mark.parametrize("sides", LANE_TRANSPORTS, indirect=True)
 def test_a_corrupted_lane_of_a_child_rank_fails_the_handoff_on_every_rank(sides) -> None:
     """Rank 1 of the prefill flips a byte of its last wire block to decode rank 1: that rank's check fails it, the
     reservation fails, the sender raises the checksum error, and no engine holds a block."""
@@ -176,6 +179,7 @@ def test_a_corrupted_lane_of_a_child_rank_fails_the_handoff_on_every_rank(sides)
         assert_no_blocks_held(side.engine)
 
 
+@pytest.mark.parametrize("sides", ["grpc"], indirect=True)
 def test_a_lane_that_comes_again_or_after_a_cancel_is_refused_at_once(sides) -> None:
     """A child rank takes each lane of a reservation once, and none after rank 0 cancelled it: no late sender
     writes into blocks another request may own by then."""
@@ -210,6 +214,7 @@ def test_a_lane_that_comes_again_or_after_a_cancel_is_refused_at_once(sides) -> 
         assert_no_blocks_held(side.engine)
 
 
+@pytest.mark.parametrize("sides", ["grpc"], indirect=True)
 def test_a_whole_handoff_to_a_worker_whose_ranks_take_lanes_only_is_refused(sides) -> None:
     """Where the children's caches are not mapped into rank 0 (a GPU), rank 0 refuses a handoff of every rank's
     heads, naming the lanes, before any byte."""
