@@ -186,7 +186,8 @@ class RankLanes:
         # child, a round trip whose answer a reader must be free to read.
         self._dispatch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-lanes-settle")
         self.endpoints: list[str] = []  # ranks 1..N-1's lane endpoints, after start(serve=True)
-        # Bytes of the lanes each child streamed out of its own cache and committed into it, by rank.
+        # Bytes of the lanes each rank sent out of its own cache and committed into it (rank 0's counted by
+        # `count`, its children's from their answers).
         self.bytes_sent: collections.Counter[int] = collections.Counter()
         self.bytes_received: collections.Counter[int] = collections.Counter()
         for rank, conn in enumerate(self._conns, start=1):
@@ -263,6 +264,12 @@ class RankLanes:
         self._ask(rank, lambda token: Send(token, handoff, tuple(block_ids), endpoint, timeout_s, fault)
                   ).add_done_callback(done)
         return result
+
+    def count(self, rank: int, *, sent: int = 0, received: int = 0) -> None:
+        """Add to rank `rank`'s lane bytes (rank 0's own lanes, which no child reports)."""
+        with self._lock:
+            self.bytes_sent[rank] += sent
+            self.bytes_received[rank] += received
 
     def close(self) -> None:
         self._dispatch.shutdown(wait=False, cancel_futures=True)
@@ -635,7 +642,10 @@ def send_lanes(handoff: KVHandoff, *, own: RankCache, block_ids: Sequence[int], 
     deadline = time.monotonic() + timeout_s + WAIT_SLACK_S
     for lane, future in futures:
         try:
-            num_bytes += future.result(timeout=max(0.0, deadline - time.monotonic())).num_bytes
+            lane_bytes = future.result(timeout=max(0.0, deadline - time.monotonic())).num_bytes
+            num_bytes += lane_bytes
+            if lane[0] == 0 and ranks is not None:
+                ranks.count(0, sent=lane_bytes)
         except TimeoutError:
             with ended_lock:
                 ended.append((time.monotonic(), lane, KVTransferTimeout(

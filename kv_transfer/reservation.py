@@ -287,6 +287,8 @@ class _LaneWrites:
                                       f"{r.state.value}")
             r._lane_committed(self.lane, self.num_bytes)  # noqa: SLF001
             committed = r.state is ReservationState.COMMITTED
+        if r._hub is not None:  # noqa: SLF001
+            r._hub.count(0, received=self.num_bytes)  # noqa: SLF001
         if committed:
             r._end_children()  # noqa: SLF001
 

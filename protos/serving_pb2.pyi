@@ -414,13 +414,17 @@ class LoadStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ..., prefix_cache_hits_by_tier: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., kv_peer_fetch_blocks: _Optional[int] = ..., kv_peer_fetch_bytes: _Optional[int] = ..., kv_peer_fetch_seconds: _Optional[float] = ..., kv_peer_fetch_failures: _Optional[_Mapping[str, int]] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
 
 class RankStats(_message.Message):
-    __slots__ = ("rank", "pid", "weight_bytes", "kv_cache_bytes")
+    __slots__ = ("rank", "pid", "weight_bytes", "kv_cache_bytes", "kv_lane_bytes_sent", "kv_lane_bytes_received")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_LANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_LANE_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     weight_bytes: int
     kv_cache_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    kv_lane_bytes_sent: int
+    kv_lane_bytes_received: int
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_lane_bytes_sent: _Optional[int] = ..., kv_lane_bytes_received: _Optional[int] = ...) -> None: ...

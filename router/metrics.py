@@ -79,6 +79,8 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
              splitserve:worker_quantization_info{worker,quantization} (1: the --quantization its weights run with)
              splitserve:worker_rank_weight_bytes{worker,rank}, worker_rank_kv_cache_bytes{worker,rank} (each
              tensor-parallel rank's weights and KV cache shard; rank "0" alone at TP 1)
+             splitserve:kv_lane_bytes_total{worker,rank,direction} (counter; TP > 1: the KV handoff bytes each
+             rank sent from its own cache or took into it, direction sent | received)
              splitserve:cpu_kernels_info{worker,kernel,variant} (1: the C++ CPU kernel build the worker runs,
              variant "x86-64-v4" | "x86-64-v3" | ..., or "torch" where its torch ops run instead)
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total{worker,tier} (tokens; tier
@@ -405,6 +407,16 @@ class WorkerLoadCollector(Collector):
                     rank_kv.add_metric([snapshot.info.worker_id, str(rank.rank)], float(rank.kv_cache_bytes))
         yield rank_weights
         yield rank_kv
+        lane_bytes = CounterMetricFamily(f"{PREFIX}kv_lane_bytes", "KV handoff bytes each tensor-parallel rank of a "
+                                         "worker sent from its own cache or took into it, rank to rank "
+                                         "(kv_transfer/rank_lanes.py).", labels=["worker", "rank", "direction"])
+        for snapshot in snapshots:
+            if snapshot.stats is not None and len(snapshot.stats.ranks) > 1:
+                for rank in snapshot.stats.ranks:
+                    for direction, value in (("sent", rank.kv_lane_bytes_sent),
+                                             ("received", rank.kv_lane_bytes_received)):
+                        lane_bytes.add_metric([snapshot.info.worker_id, str(rank.rank), direction], float(value))
+        yield lane_bytes
 
 
 class RestartCollector(Collector):

@@ -329,8 +329,12 @@ class WorkerRuntime:
         stats.incarnation = self.config.incarnation
         stats.prefix_index_up = self.kv_events.up
         stats.quantization = engine.config.quantization
-        stats.ranks.extend(serving_pb2.RankStats(rank=r.rank, pid=r.pid, weight_bytes=r.weight_bytes,
-                                                 kv_cache_bytes=r.kv_cache_bytes) for r in self._rank_stats)
+        lanes = self.lanes
+        stats.ranks.extend(serving_pb2.RankStats(
+            rank=r.rank, pid=r.pid, weight_bytes=r.weight_bytes, kv_cache_bytes=r.kv_cache_bytes,
+            kv_lane_bytes_sent=lanes.bytes_sent[r.rank] if lanes is not None else 0,
+            kv_lane_bytes_received=lanes.bytes_received[r.rank] if lanes is not None else 0,
+        ) for r in self._rank_stats)
         stats.prefix_cache_hits_by_tier.update(now.prefix_cache_hits_by_tier)
         if now.kv_offload is not None:  # its KV offload tier (--kv-offload-dir)
             stats.kv_offload_bytes.update(write=now.kv_offload.bytes_written, read=now.kv_offload.bytes_read)

@@ -230,12 +230,17 @@ def test_worker_rank_gauges_label_each_tensor_parallel_rank(cluster: Cluster) ->
     from protos import serving_pb2
 
     cluster.decode.load.ranks.extend(serving_pb2.RankStats(rank=r, pid=100 + r, weight_bytes=1000 + r,
-                                                           kv_cache_bytes=50) for r in range(3))
+                                                           kv_cache_bytes=50, kv_lane_bytes_received=7 * r)
+                                     for r in range(3))
     try:
         samples = scrape(cluster.client)
         weights = {(labels["worker"], labels["rank"], v) for labels, v, _ in samples["splitserve:worker_rank_weight_bytes"]}
         kv = {(labels["worker"], labels["rank"], v) for labels, v, _ in samples["splitserve:worker_rank_kv_cache_bytes"]}
         assert weights == {("decode-0", "0", 1000.0), ("decode-0", "1", 1001.0), ("decode-0", "2", 1002.0)}
         assert kv == {("decode-0", str(r), 50.0) for r in range(3)}
+        lanes = {(labels["worker"], labels["rank"], labels["direction"], v)
+                 for labels, v, _ in samples["splitserve:kv_lane_bytes_total"]}
+        assert lanes == {("decode-0", str(r), d, 7.0 * r if d == "received" else 0.0)
+                         for r in range(3) for d in ("sent", "received")}
     finally:
         del cluster.decode.load.ranks[:]
