@@ -140,7 +140,8 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
         model=model_name if config.quantization == "none" else f"{model_name}+{config.quantization}",
         block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
     speculator = _speculator(spec, runner, draft_checkpoint, config, max_model_len)
-    kv_tier = make_tier(config, device, runner.kv_cache, runner.kv_scales, hash_namespace)
+    kv_tier = make_tier(config, device, runner.kv_cache, runner.kv_scales, hash_namespace,
+                        layout=kv_layout(mc, config), ranks=rank_caches_of(runner))
     return EngineParts(
         config=config, device=device, model_config=mc, tokenizer=checkpoint.tokenizer, max_model_len=max_model_len,
         num_kv_blocks=num_kv_blocks, runner=runner, speculator=speculator, hash_namespace=hash_namespace,
@@ -281,6 +282,13 @@ def _speculator(spec: SpeculativeConfig | None, runner: ModelRunner, draft_check
     proposer = make_proposer(spec, runner, draft_checkpoint=draft_checkpoint, max_model_len=max_model_len,
                              attention_backend=config.attention_backend)
     return Speculator(spec, proposer, token_budget=config.max_num_batched_tokens)
+
+
+def rank_caches_of(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """Every rank's (kv_cache, kv_scales), rank 0 first; None where a child's cache is not mapped here."""
+    rank_kv_caches = getattr(runner.model, "rank_kv_caches", None)  # a TensorParallelModel (engine/distributed/)
+    others = rank_kv_caches() if rank_kv_caches is not None else []
+    return None if others is None else [(runner.kv_cache, runner.kv_scales), *others]
 
 
 def kv_layout(model_config: ModelConfig, config: EngineConfig) -> KVLayout:

@@ -29,7 +29,8 @@ class KVBlocks:
     layout: KVLayout
     # Every rank's (kv_cache, kv_scales), rank 0's (the two above) first: at tensor_parallel_size N each holds its
     # rank's KV heads (layout.kv_head_range) of every block id; ranks 1..N-1's are their processes' caches mapped
-    # here (shared memory on cpu, CUDA IPC on a GPU). None where they are not mapped: no handoff can reach them.
+    # here (shared memory on cpu, CUDA IPC on a GPU). None where they are not mapped: only lanes reach them then
+    # (kv_transfer/rank_lanes.py), neither a whole handoff nor a KV offload tier.
     ranks: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] | None = None
 
     def __post_init__(self) -> None:

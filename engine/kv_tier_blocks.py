@@ -6,20 +6,27 @@
     scheduler admits a prompt ─▶ load(b, h): the tier's checked bytes ─▶ kv_cache[:, :, b]
 
 One block's bytes: its KV across every layer, [num_layers, 2, block_size, num_kv_heads, head_dim] in the cache's
-dtype, then for an int8 cache its scales [num_layers, 2, num_kv_heads] float32. Start-up refuses what a tier
-cannot hold yet (tensor parallelism: other ranks hold the other heads; a draft model's own KV).
+dtype, then for an int8 cache its scales [num_layers, 2, num_kv_heads] float32: every KV head, at any
+tensor-parallel size (at TP N rank 0 gathers a block's heads from every rank's cache, which the child ranks share
+with it, and scatters them back: kv_transfer/tp_slices.py `WholeBlocks`), so that a tier's entries are one model's
+whatever the size that wrote them. Start-up refuses what a tier cannot hold yet (a draft model's own KV; TP > 1 on
+cuda).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Sequence
 
 import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.kv_tier import DirectoryStore, KVTier, KVTierError, MemoryStore
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace
+from kv_transfer.layout import KVLayout
+from kv_transfer.tp_slices import WholeBlocks, rank_caches
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +35,15 @@ class TierBlocks:
     """A `LowerTier` (engine/core/kv_cache_manager.py) over one KV cache, and the block pool's `on_evict`."""
 
     def __init__(self, tier: KVTier, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, *,
-                 kind: str) -> None:
+                 kind: str, whole: WholeBlocks | None = None) -> None:
+        """`whole`: at tensor_parallel_size > 1, every rank's cache (a block's bytes are all its heads)."""
         self.tier = tier
         self.kind = kind  # "disk" or "host"
         self._kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self._kv_scales = kv_scales  # int8 only: [num_layers, 2, num_blocks, num_kv_heads]
-        self._kv_shape = (*kv_cache.shape[:2], *kv_cache.shape[3:])
-        self._kv_nbytes = block_nbytes(kv_cache, kv_scales) - _scales_nbytes(kv_scales)
+        self._whole = whole
+        self._kv_shape = whole.kv_shape if whole is not None else (*kv_cache.shape[:2], *kv_cache.shape[3:])
+        self._kv_nbytes = math.prod(self._kv_shape) * kv_cache.element_size()
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.tier
@@ -52,17 +61,27 @@ class TierBlocks:
         if view.readonly:
             view = memoryview(bytearray(view))
         kv = torch.frombuffer(view[:self._kv_nbytes], dtype=self._kv_cache.dtype).view(self._kv_shape)
+        scales = None
+        if self._kv_scales is not None:
+            scales = torch.frombuffer(view[self._kv_nbytes:], dtype=self._kv_scales.dtype).view(
+                *self._kv_shape[:2], -1)
+        if self._whole is not None:
+            self._whole.write(block_id, kv, scales)
+            return True
         self._kv_cache[:, :, block_id].copy_(kv)
         if self._kv_scales is not None:
-            scales = torch.frombuffer(view[self._kv_nbytes:], dtype=self._kv_scales.dtype)
-            self._kv_scales[:, :, block_id].copy_(scales.view(*self._kv_scales.shape[:2], -1))
+            self._kv_scales[:, :, block_id].copy_(scales)
         return True
 
     def _snapshot(self, block_id: int) -> memoryview:
-        kv = self._kv_cache[:, :, block_id].to("cpu", copy=True).contiguous()
-        parts = [_bytes_view(kv)]
-        if self._kv_scales is not None:
-            parts.append(_bytes_view(self._kv_scales[:, :, block_id].to("cpu", copy=True).contiguous()))
+        if self._whole is not None:
+            kv, scales = self._whole.read(block_id)
+        else:
+            kv, scales = self._kv_cache[:, :, block_id], None if self._kv_scales is None else \
+                self._kv_scales[:, :, block_id]
+        parts = [_bytes_view(kv.to("cpu", copy=True).contiguous())]
+        if scales is not None:
+            parts.append(_bytes_view(scales.to("cpu", copy=True).contiguous()))
         return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
     def write_back(self, blocks: list[tuple[int, BlockHash]], timeout_s: float = 10.0) -> int:
@@ -88,6 +107,13 @@ def block_nbytes(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
     return kv_cache.numel() // num_blocks * kv_cache.element_size() + _scales_nbytes(kv_scales)
 
 
+def whole_block_nbytes(whole: WholeBlocks) -> int:
+    """The bytes of one block, every head, as the tier keeps it at tensor_parallel_size > 1."""
+    num_layers, two, _, num_kv_heads, _ = whole.kv_shape
+    scales = num_layers * two * num_kv_heads * 4 if whole.layout.quantized else 0
+    return math.prod(whole.kv_shape) * whole.caches[0].kv_cache.element_size() + scales
+
+
 def _scales_nbytes(kv_scales: torch.Tensor | None) -> int:
     if kv_scales is None:
         return 0
@@ -111,22 +137,31 @@ def check_tier_config(config: EngineConfig, device: torch.device) -> None:
             raise ValueError("--kv-offload-memory and --kv-offload-dir together are not built yet: give one")
     if not config.enable_prefix_caching:
         raise ValueError("a KV offload tier keeps blocks the prefix cache evicts: it needs --enable-prefix-caching")
-    if config.tensor_parallel_size > 1:
-        raise ValueError("a KV offload tier does not run at --tensor-parallel-size > 1 yet (each rank holds its "
-                         "own heads of a block)")
+    if config.tensor_parallel_size > 1 and device.type != "cpu":
+        raise ValueError("a KV offload tier does not run at --tensor-parallel-size > 1 on cuda yet (rank 0 would "
+                         "move every rank's heads of a block through CUDA IPC, untested on hardware)")
     spec = config.speculative_config
     if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
         raise ValueError("a KV offload tier does not keep a draft model's KV: not with draft_model speculation yet")
 
 
 def make_tier(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
-              namespace: BlockHashNamespace) -> TierBlocks | None:
+              namespace: BlockHashNamespace, *, layout: KVLayout | None = None,
+              ranks: Sequence[tuple[torch.Tensor, torch.Tensor | None]] | None = None) -> TierBlocks | None:
     """The tier `config` asks for (checked by `check_tier_config`), started: a directory's entries of this
-    namespace found again. None without one. Raises KVTierError (a ValueError) for a directory it cannot use."""
+    namespace found again. None without one. Raises KVTierError (a ValueError) for a directory it cannot use. At
+    tensor_parallel_size > 1, `layout` is the engine's and `ranks` every rank's (kv_cache, kv_scales), rank 0 first
+    (None: the children's caches are not mapped here, and the tier cannot reach their heads)."""
     check_tier_config(config, device)
     if config.kv_offload_dir is None and config.kv_offload_memory_bytes is None:
         return None
-    nbytes = block_nbytes(kv_cache, kv_scales)
+    whole = None
+    if config.tensor_parallel_size > 1:
+        if layout is None or ranks is None:
+            raise KVTierError("a KV offload tier at --tensor-parallel-size > 1 needs every rank's KV cache, which "
+                              "its child ranks did not share")
+        whole = WholeBlocks(rank_caches(layout, ranks))
+    nbytes = block_nbytes(kv_cache, kv_scales) if whole is None else whole_block_nbytes(whole)
     if config.kv_offload_dir is not None:
         assert config.kv_offload_size_bytes is not None  # EngineConfig checks it
         store: DirectoryStore | MemoryStore = DirectoryStore(config.kv_offload_dir, namespace)
@@ -140,4 +175,4 @@ def make_tier(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor
     tier = KVTier(store, namespace=namespace, size_bytes=size, block_nbytes=nbytes, name=f"kv-tier-{kind}")
     logger.info("KV offload tier (%s): %d blocks of %d bytes found, bound %.2f GiB", kind, len(tier), nbytes,
                 size / (1 << 30))
-    return TierBlocks(tier, kv_cache, kv_scales, kind=kind)
+    return TierBlocks(tier, kv_cache, kv_scales, kind=kind, whole=whole)

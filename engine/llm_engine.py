@@ -32,7 +32,7 @@ from engine.core.request import Request, RequestStatus
 from engine.request.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.stats import EngineStats, RequestStats
-from engine.engine_builder import build_engine_parts, kv_layout
+from engine.engine_builder import build_engine_parts, kv_layout, rank_caches_of
 from engine.input_processor import InputProcessor
 from engine.kv_blocks import KVBlocks
 from engine.kv_peer_blocks import PeerBlocks, TierChain
@@ -523,10 +523,8 @@ def _by_request(produced: list[tuple[Request, int]]) -> list[tuple[Request, list
 
 def _kv_blocks(runner: ModelRunner, layout: KVLayout) -> KVBlocks:
     """The runner's KV cache as handoffs see it, with every tensor-parallel rank's where the model maps them."""
-    rank_caches = getattr(runner.model, "rank_kv_caches", None)  # a TensorParallelModel (engine/distributed/)
-    others = rank_caches() if rank_caches is not None else []
-    ranks = None if others is None else ((runner.kv_cache, runner.kv_scales), *others)
-    return KVBlocks(runner.kv_cache, runner.kv_scales, layout, ranks)
+    ranks = rank_caches_of(runner)
+    return KVBlocks(runner.kv_cache, runner.kv_scales, layout, None if ranks is None else tuple(ranks))
 
 
 @dataclass(frozen=True)

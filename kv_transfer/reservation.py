@@ -84,7 +84,7 @@ class Reservation:
         self._all_lanes: frozenset[tuple[int, int]] | None = None  # the plan's, known at the first lane
         self._hub = lanes
         self._hub_ended = False  # the children were told to forget or cancel this reservation
-        self._children_quiet = threading.Event()  # set once they confirmed the cancel
+        self._children_quiet = threading.Event()  # set once they were told (and answered a cancel)
         if lanes is not None:
             lanes.expect(Expect(transfer_id, request_id, tuple(block_ids), first_block, num_tokens, source_endpoint),
                          self._settled)
@@ -224,14 +224,8 @@ class Reservation:
                 self.done.set()
             if self.state is ReservationState.COMMITTED or self._hub is None:
                 return
-            first, self._hub_ended = not self._hub_ended, True
-        if first:
-            try:
-                self._hub.cancel(self.transfer_id, reason)
-            finally:
-                self._children_quiet.set()
-        else:  # another thread cancels on the children: quiet once it returns
-            self._children_quiet.wait(REPLY_S * 2)
+        self._end_children()
+        self._children_quiet.wait(REPLY_S * 2)  # when another thread is the one cancelling on the children
 
     cancel = fail
 
@@ -240,11 +234,20 @@ class Reservation:
         self._end_children()
 
     def _end_children(self) -> None:
+        """Once: the child ranks forget a committed reservation (no answer awaited: every lane of theirs settled), or
+        cancel any other (answered: then none of them writes into its blocks any more)."""
         with self._lock:
             if self._hub is None or self._hub_ended:
                 return
             self._hub_ended = True
-        self._hub.forget(self.transfer_id)
+            committed = self.state is ReservationState.COMMITTED
+        try:
+            if committed:
+                self._hub.forget(self.transfer_id)
+            else:
+                self._hub.cancel(self.transfer_id, self.error or "the reservation was let go")
+        finally:
+            self._children_quiet.set()
 
 
 class _LaneWrites:

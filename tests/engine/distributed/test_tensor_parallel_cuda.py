@@ -159,3 +159,47 @@ def test_handoffs_between_tp_sizes_on_cuda_give_tp1s_tokens(tiny_checkpoint, mon
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("sender_tp", "receiver_tp", "transport"), [(2, 2, "grpc"), (2, 1, "grpc"), (1, 2, "ipc")])
+def test_lanes_on_cuda_give_tp1s_tokens(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, sender_tp: int,  # noqa: ANN001
+                                        receiver_tp: int, transport: str) -> None:
+    """A handoff as lanes on the GPU (kv_transfer/rank_lanes.py): each child rank sends its heads from its own cuda
+    cache (staged through its own pinned memory) and takes its own into it, no cache mapped into rank 0 on the way;
+    the decode engine's tokens are the colocated TP 1 engine's and every block comes back. (torch's NCCL pairs need
+    two GPUs: not here.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kv_transfer.rank_lanes import send_lanes
+    from kv_transfer.reservation import ReservationState
+    from tests.engine.distributed.test_tp_lanes import PARAMS, PROMPT, Side, reserve, settle
+    from tests.engine.distributed.test_tp_lanes import ENGINE as LANES_ENGINE
+    from tests.engine.kv_harness import steps_until_finished
+    from tests.engine.tiny_model import assert_no_blocks_held, drain, make_engine
+
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")
+    cuda = torch.device("cuda")
+    config = dict(LANES_ENGINE, device="cuda", dtype="float32")
+    reference = make_engine(tiny_checkpoint, **config)
+    reference.add_request("ref", PROMPT, PARAMS)
+    expected = steps_until_finished(reference, "ref")
+    prefill = Side(make_engine(tiny_checkpoint, tensor_parallel_size=sender_tp, **config), transport, cuda)
+    decode = Side(make_engine(tiny_checkpoint, tensor_parallel_size=receiver_tp, **config), transport, cuda)
+    try:
+        reservation, handoff, block_ids = reserve(prefill, decode, "r")
+        try:
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                send_lanes(handoff, own=prefill.own, block_ids=block_ids, endpoints=decode.endpoints,
+                           sender=prefill.sender, ranks=prefill.lanes, timeout_s=60, pool=pool)
+            assert reservation.done.wait(10) and reservation.state is ReservationState.COMMITTED, reservation.error
+        finally:
+            settle(prefill, decode, "r", reservation)
+        decode.engine.commit_remote("r", expected[0], None)
+        assert steps_until_finished(decode.engine, "r") == expected
+        for side in (prefill, decode):
+            drain(side.engine)
+            assert_no_blocks_held(side.engine)
+    finally:
+        prefill.close()
+        decode.close()

@@ -9,6 +9,7 @@ block held on any engine.
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,17 +38,17 @@ PROMPT = PROMPTS[1]  # 10 tokens: 3 blocks of 4
 class Side:
     """An engine with its ranks' lanes started and rank 0's receiver served on a loopback server, over `transport`."""
 
-    def __init__(self, engine, transport: str) -> None:  # noqa: ANN001
+    def __init__(self, engine, transport: str, device: torch.device = torch.device("cpu")) -> None:  # noqa: ANN001
         self.engine = engine
         layout = engine.kv_blocks.layout
-        self.sink = ReservationSink(layout, torch.device("cpu"))
+        self.sink = ReservationSink(layout, device)
         self.server, self.endpoint, self.receiver = serve_receiver(transport, self.sink)
         self.lanes: RankLanes | None = engine.rank_lanes()
         children = [] if self.lanes is None else self.lanes.start(
             transport, layout, OPEN, host="127.0.0.1", advertise_host="", worker_id=f"tp{layout.tensor_parallel_size}",
             serve=True)
         self.endpoints = [self.endpoint, *children]
-        self.sender = make_sender(transport, worker_id="prefill", device=torch.device("cpu"))
+        self.sender = make_sender(transport, worker_id="prefill", device=device)
 
     @property
     def own(self) -> RankCache:
@@ -209,6 +210,18 @@ def test_a_lane_that_comes_again_or_after_a_cancel_is_refused_at_once(sides) -> 
             prefill.lanes.send(1, handoff.with_lane(1, 1), block_ids, decode.endpoints[1], 10).result(timeout=10)
     finally:
         settle(prefill, decode, "cancelled", cancelled)
+
+    # The decode worker's failed-stream path lets go of a reservation (the sink forgets it) before it cancels it.
+    let_go, handoff, block_ids = reserve(prefill, decode, "let-go")
+    try:
+        decode.sink.remove("let-go")  # the children cancel it, and answer
+        started_s = time.monotonic()
+        let_go.cancel("request failed before its first token")
+        assert time.monotonic() - started_s < 2.0, "cancel waited for children that were told already"
+        with pytest.raises(KVTransferError, match="refused: rank 1: no blocks are reserved"):
+            prefill.lanes.send(1, handoff.with_lane(1, 1), block_ids, decode.endpoints[1], 10).result(timeout=10)
+    finally:
+        settle(prefill, decode, "let-go", let_go)
     for side in (prefill, decode):
         drain(side.engine)
         assert_no_blocks_held(side.engine)
