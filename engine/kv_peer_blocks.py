@@ -22,6 +22,7 @@ import torch
 
 from engine.core.kv_cache_manager import LowerTier
 from kv_transfer.block_hash import BlockHash
+from kv_transfer.tp_slices import WholeBlocks
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,13 @@ class PeerBlocks:
 
     kind = "peer"
 
-    def __init__(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, *,
+                 whole: WholeBlocks | None = None) -> None:
+        """`whole`: at tensor_parallel_size > 1, every rank's cache: blocks are staged whole (every KV head, as the
+        holder sent them for a receiver of size 1) and each rank's heads loaded into its cache."""
         self._kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self._kv_scales = kv_scales
+        self._whole = whole
         self._staged: dict[BlockHash, _Staged] = {}
 
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -75,6 +80,9 @@ class PeerBlocks:
         staged = self._staged.get(block_hash)
         if staged is None:
             return False
+        if self._whole is not None:
+            self._whole.write(block_id, staged.kv, staged.scales)
+            return True
         self._kv_cache[:, :, block_id].copy_(staged.kv)
         if self._kv_scales is not None and staged.scales is not None:
             self._kv_scales[:, :, block_id].copy_(staged.scales)

@@ -46,6 +46,7 @@ from engine.spec_decode.speculator import NullSpeculator
 from kv_transfer.block_hash import BlockHash
 from kv_transfer.kv_events import DEVICE, KVEvent
 from kv_transfer.layout import KVLayout
+from kv_transfer.tp_slices import WholeBlocks, rank_caches
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +96,12 @@ class LLMEngine:
                                              announced=self.kv_tier.tier.hashes())
         # Blocks fetched from a peer worker for a prompt about to be admitted (engine/kv_peer_blocks.py), looked up
         # before the offload tier; and the device blocks peers fetch from this one, pinned while they are sent.
-        self.peer_blocks = PeerBlocks(self.runner.kv_cache, self.runner.kv_scales)
+        # At TP > 1 peers' blocks are staged whole and loaded into every rank's cache (where it is mapped here).
+        blocks = self.kv_blocks
+        whole = None
+        if blocks.layout.tensor_parallel_size > 1 and blocks.ranks is not None:
+            whole = WholeBlocks(rank_caches(blocks.layout, blocks.ranks))
+        self.peer_blocks = PeerBlocks(self.runner.kv_cache, self.runner.kv_scales, whole=whole)
         self._tiers = TierChain([self.peer_blocks, *([self.kv_tier] if self.kv_tier is not None else [])])
         self._pinned: dict[str, list[KVBlock]] = {}
         self.kv_cache = KVCacheManager(

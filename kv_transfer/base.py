@@ -148,6 +148,16 @@ class TransferFault:
         return corrupted
 
 
+def check_receivable(sink: KVSink, handoff: KVHandoff) -> None:
+    """Raise KVLayoutMismatch unless `sink` can take `handoff`'s layout: through the sink's own `check(handoff)` when
+    it has one (a sink whose destinations differ in layout: kv_transfer/reservation.py), else against its layout."""
+    check = getattr(sink, "check", None)
+    if check is not None:
+        check(handoff)
+    else:
+        handoff.check_receiver(sink.layout)
+
+
 def write_verified(dest: KVDestination, handoff: KVHandoff, index: int, block: torch.Tensor, crc32c: int) -> None:
     """`dest.write_block(index, block, crc32c)`, a checksum mismatch reported with the handoff and block it hit."""
     try:

@@ -23,7 +23,7 @@ import threading
 import grpc
 import torch
 
-from kv_transfer.base import KVReceiver, KVSender, KVSink, SettleOnce, TransferFault
+from kv_transfer.base import KVReceiver, KVSender, KVSink, SettleOnce, TransferFault, check_receivable
 from kv_transfer.grpc_wire import encode_message
 from kv_transfer.layout import KVHandoff, KVTransferError, KVTransferTimeout, error_from_kind, error_kind
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -160,7 +160,7 @@ class SettlingReceiver(KVReceiver):
 
     def open(self, handoff: KVHandoff) -> SettleOnce:
         """Layout first (before any byte is accepted), then the sink, which may refuse."""
-        handoff.check_receiver(self.sink.layout)
+        check_receivable(self.sink, handoff)
         with self._lock:
             if self._closed:
                 raise KVTransferError("KV receiver is closed")

@@ -30,6 +30,7 @@ from kv_transfer.base import (
     KVSink,
     TransferFault,
     TransferResult,
+    check_receivable,
     write_verified,
 )
 from kv_transfer.block_copy import gather
@@ -114,7 +115,7 @@ class Receiver(KVReceiver):
 
     def open(self, handoff: KVHandoff) -> _Incoming:
         """Check the layout before anything else, then ask the sink (which may refuse with KVTransferError)."""
-        handoff.check_receiver(self.sink.layout)
+        check_receivable(self.sink, handoff)
         return _Incoming(handoff, self.sink.open(handoff))
 
 

@@ -319,8 +319,15 @@ class ReservationSink:
         if reservation is not None:
             reservation.end()
 
+    def check(self, handoff: KVHandoff) -> None:
+        """KVLayoutMismatch unless the reservation `handoff` names (else this worker) takes its layout: a peer fetch
+        at tensor_parallel_size > 1 stages whole blocks, a layout of size 1 (worker/peer_fetch.py)."""
+        with self._lock:
+            reservation = self._reservations.get(handoff.request_id)
+        handoff.check_receiver(self.layout if reservation is None else reservation.layout)
+
     def open(self, handoff: KVHandoff) -> Reservation | _LaneWrites:
-        handoff.check_receiver(self.layout)
+        self.check(handoff)
         with self._lock:
             reservation = self._reservations.get(handoff.request_id)
         if reservation is None:

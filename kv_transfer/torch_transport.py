@@ -48,6 +48,7 @@ from kv_transfer.base import (
     SettleOnce,
     TransferFault,
     TransferResult,
+    check_receivable,
     write_verified,
 )
 from kv_transfer.block_copy import gather
@@ -154,7 +155,7 @@ class Receiver(KVReceiver):
                     f"torch transport backend mismatch: sender uses {request.torch_backend}, "
                     f"receiver (device {self.device}) uses {self.backend}"
                 )
-            handoff.check_receiver(self.sink.layout)
+            check_receivable(self.sink, handoff)
             with self._lock:
                 if self._closed:
                     raise KVTransferError("KV receiver is closed")

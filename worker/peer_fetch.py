@@ -21,14 +21,17 @@ failed fetch reaches the cache: its staging buffer is dropped with its reservati
 write once cancelled. The holder's pins go back however the send ends, the worker's own process holding them (a
 holder killed mid-fetch takes its pins with it; the fetcher's call fails within the timeout).
 
-Tensor parallelism: a fetcher at tensor_parallel_size > 1 does not fetch (its staging would be one cache of all
-heads); a holder at any size sends, its wire plan cutting each block for a receiver of size 1.
+Tensor parallelism: a holder at any size sends, its wire plan cutting each block for a receiver of size 1; a fetcher
+at any size stages whole blocks (every KV head: a layout of size 1), which its admission loads into every rank's
+cache, each rank its heads (engine/kv_peer_blocks.py). A fetcher whose child ranks' caches are not mapped into its
+process does not fetch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import os
 import secrets
@@ -113,8 +116,9 @@ class PeerFetcher:
         layout = runtime.layout
         if not plan.endpoint or plan.endpoint == runtime.endpoint:
             return NOTHING
-        if layout.tensor_parallel_size != 1:
-            self._failed(req, plan, "refused", "a worker at tensor_parallel_size > 1 does not fetch yet")
+        if layout.tensor_parallel_size != 1 and runtime.engine.kv_blocks.ranks is None:
+            self._failed(req, plan, "refused", "its child ranks' KV caches are not mapped here (a peer fetch stages "
+                         "whole blocks that rank 0 loads into every rank)")
             return NOTHING
         # Never the prompt's last token: the step that computes it samples the first output token.
         num_blocks = min(plan.num_blocks, (req.num_tokens - 1) // layout.block_size, len(req.block_hashes))
@@ -124,8 +128,9 @@ class PeerFetcher:
             return NOTHING
         fetch_id = f"peer-fetch-{secrets.token_hex(16)}"
         kv, scales = self._staging(num_blocks - start)
+        whole = dataclasses.replace(layout, tensor_parallel_size=1)  # staged with every head, at any size
         reservation = Reservation(
-            fetch_id, num_blocks * layout.block_size, [0] * start + list(range(num_blocks - start)), kv, layout,
+            fetch_id, num_blocks * layout.block_size, [0] * start + list(range(num_blocks - start)), kv, whole,
             first_block=start, transfer_id=fetch_id, source_endpoint=plan.endpoint, kv_scales=scales)
         self.sink.add(reservation)
         began = time.monotonic()
@@ -169,14 +174,16 @@ class PeerFetcher:
             pass
 
     def _staging(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A buffer of `num_blocks` blocks shaped as the cache's blocks (and its int8 scales), on its device."""
+        """A buffer of `num_blocks` whole blocks (every KV head, whatever the tensor-parallel size) in the cache's
+        dtype (and its int8 scales), on its device."""
         blocks = self.runtime.engine.kv_blocks
-        cache = blocks.kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        kv = torch.empty((*cache.shape[:2], num_blocks, *cache.shape[3:]), dtype=cache.dtype, device=cache.device)
+        lay, cache = blocks.layout, blocks.kv_cache  # [num_layers, 2, num_blocks, block_size, local heads, head_dim]
+        kv = torch.empty((lay.num_layers, 2, num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim),
+                         dtype=cache.dtype, device=cache.device)
         scales = None
         if blocks.kv_scales is not None:  # [num_layers, 2, num_blocks, num_kv_heads]
             s = blocks.kv_scales
-            scales = torch.empty((*s.shape[:2], num_blocks, *s.shape[3:]), dtype=s.dtype, device=s.device)
+            scales = torch.empty((lay.num_layers, 2, num_blocks, lay.num_kv_heads), dtype=s.dtype, device=s.device)
         return kv, scales
 
     def _failed(self, req: Request, plan: serving_pb2.PeerFetch, reason: str, detail: str) -> None:

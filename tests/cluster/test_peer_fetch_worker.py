@@ -146,7 +146,7 @@ def test_failed_fetches_end_in_a_recompute_with_the_same_tokens(cluster) -> None
         assert generate(decode, "corrupt", PROMPT, prefill_endpoint=prefill.endpoint,
                         peer=(holder.endpoint, 10)).token_ids == expected
     finally:
-        sender.fault = None  # type: ignore[attr-defined]
+        sender.fault = TransferFault()  # type: ignore[attr-defined]  # none: what a sender starts with
     assert sum(_failures(prefill).values()) == 3
     assert load(prefill).prefix_cache_hits_by_tier["peer"] == 160  # only the first test's fetch served
     wait_blocks_free(holder, prefill, decode, colocated)
@@ -214,3 +214,26 @@ def test_a_holder_killed_mid_fetch_ends_in_a_recompute(cluster, smollm2_gguf, tm
         wait_blocks_free(prefill, decode)
     finally:
         holder.close()
+
+
+def test_a_worker_at_tp3_fetches_whole_blocks_into_every_rank_and_holds_for_others(cluster,
+                                                                                    smollm2_checkpoint) -> None:
+    """A colocated worker at TP 3 (each rank one of SmolLM2's 3 KV heads) stages the holder's whole blocks and loads
+    each rank's head into that rank's cache: the holder's tokens. Then it holds the prompt for a TP 1 worker, its
+    wire plan cutting each block for a receiver of size 1: the same tokens again."""
+    holder, prefill, decode, colocated, expected = cluster
+    wide = start_worker("colocated", smollm2_checkpoint, worker_id="c3", timeout_s=3.0, tensor_parallel_size=3,
+                        **ENGINE)
+    try:
+        result = generate(wide, "tp3-fetch", PROMPT, peer=(holder.endpoint, 10))
+        assert result.token_ids == expected and result.finish_reason == "length"
+        assert result.messages[0].timings.peer_fetch_bytes == 10 * BLOCK_BYTES
+        stats = load(wide)
+        assert stats.prefix_cache_hits_by_tier["peer"] == 160 and not dict(stats.kv_peer_fetch_failures)
+        assert not wide.runtime.engine.peer_blocks  # unstaged once the request ended
+        _reset_caches(colocated)
+        again = generate(colocated, "from-tp3", PROMPT, peer=(wide.endpoint, 10))
+        assert again.token_ids == expected and again.messages[0].timings.peer_fetch_bytes == 10 * BLOCK_BYTES
+        wait_blocks_free(holder, wide, colocated)
+    finally:
+        wide.stop()
