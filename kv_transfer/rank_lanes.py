@@ -406,7 +406,8 @@ class _LaneWrites:
             raise KVTransferError(f"lane {self.handoff.lane} is {e.lanes.get(self.handoff.lane)}, block dropped")
         indices = self.handoff.wire_indices
         if first not in indices or first + count - 1 not in indices:
-            raise KVTransferError(f"lane {self.handoff.lane}: blocks {first} to {first + count - 1} are not its to write")
+            raise KVTransferError(f"lane {self.handoff.lane}: blocks {first} to {first + count - 1} are not its to "
+                                  "write")
 
     def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
         with self.expected.lock:

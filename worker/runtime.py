@@ -161,8 +161,8 @@ class WorkerRuntime:
         self.rank_endpoints: list[str] = []
         try:
             children = [] if self.lanes is None else self.lanes.start(
-                config.kv_transport, self.layout, config.auth, host=config.host, advertise_host=config.advertise_host or "",
-                worker_id=config.worker_id, serve=config.role == "decode")
+                config.kv_transport, self.layout, config.auth, host=config.host,
+                advertise_host=config.advertise_host or "", worker_id=config.worker_id, serve=config.role == "decode")
         except Exception:
             self.aio.stop()
             self.engine.close()

@@ -39,6 +39,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--loaded-rates", default=None,
                    help="the loaded probe's Poisson rates, comma-separated (default: 0.25 and 0.5 of what its "
                         "prefill worker can prefill)")
+    p.add_argument("--tensor-parallel-sizes", default="",
+                   help="tensor-parallel sizes (each >= 2, comma-separated) to time against size 1 on the same cores, "
+                        "which `plan` then searches for each pool (default: none, size 1 only)")
     add_engine_args(p)
     p.set_defaults(func=run_profile_command)
 
@@ -56,7 +59,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                         "and the gateway's refusals); omitted: steady state")
     q.add_argument("--ttft-slo", type=float, default=None, help="seconds: the TTFT p90 to meet")
     q.add_argument("--tpot-slo", type=float, default=None, help="seconds: the TPOT p90 to meet")
-    q.add_argument("--max-workers", type=int, default=16, help="workers at most, all pools together")
+    q.add_argument("--max-workers", type=int, default=16,
+                   help="workers at most, all pools together (a worker of tensor-parallel size N counts N)")
     q.add_argument("--one-host", action="store_true",
                    help="every worker on the profiled machine, sharing its cores as `serve` splits them")
     q.add_argument("--client-cores", type=float, default=0.0,
@@ -94,7 +98,9 @@ def run_profile_command(args: argparse.Namespace) -> int:
     if loaded_requests < 0:
         raise ValueError(f"--loaded-requests must be >= 0, got {loaded_requests}")
     loaded_rates = _rates(args.loaded_rates)
-    profile = run_profile(config, quick=args.quick, transports=transports, seed=args.seed or 0)
+    tp_sizes = _sizes(args.tensor_parallel_sizes)
+    profile = run_profile(config, quick=args.quick, transports=transports, seed=args.seed or 0,
+                          tensor_parallel_sizes=tp_sizes)
     serving = None
     if args.serving_requests:
         try:
@@ -124,6 +130,17 @@ def run_profile_command(args: argparse.Namespace) -> int:
           + (f" (skipped: {'; '.join(f'{k}: {v}' for k, v in profile.handoff_skipped.items())})"
              if profile.handoff_skipped else ""), file=sys.stderr)
     return 0
+
+
+def _sizes(text: str) -> list[int]:
+    """--tensor-parallel-sizes: integers >= 2, comma-separated ("" for none)."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--tensor-parallel-sizes: integers, comma-separated, got {text!r}") from None
+    if any(size < 2 for size in sizes):
+        raise ValueError(f"--tensor-parallel-sizes: each size >= 2 (size 1 is the profile itself), got {text!r}")
+    return sizes
 
 
 def _measure_serving(profile: Profile, num_requests: int) -> Serving:

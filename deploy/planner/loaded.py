@@ -135,6 +135,8 @@ def loaded_costs(profile: Profile, layout: Layout, options: PlanOptions) -> Load
         return None
     if not layout.colocated and layout.transport != loaded.transport:
         return None
+    if layout.num_ranks != layout.num_workers:  # the probe served size 1; a handoff at other sizes travels as lanes
+        return None
     key = (id(profile), options.serving_overhead_s)
     cached = _CACHE.get(key)
     if cached is None or cached[0] is not profile:  # an id reused by another profile

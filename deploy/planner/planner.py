@@ -3,7 +3,10 @@
     plan(profile, traffic, slo, options) -> Plan(ranked predictions, the recommendation, why none meets)
 
 A layout is a colocated pool of N workers, or a disaggregated one of P prefill + D decode workers, with the
-engine's --max-num-seqs and the gateway's --disagg-prefill-threshold. Its prediction, per request of `isl` prompt
+engine's --max-num-seqs and the gateway's --disagg-prefill-threshold, and each pool's tensor-parallel size among
+those the profile measured (its `tensor_parallel`: each phase's time at size N over size 1's on the same cores,
+which scales that pool's compute; a worker of size N counts N ranks, as many devices, or on one host N shares of
+the cores). Its prediction, per request of `isl` prompt
 tokens (of which `prefix_hit` are cached) and `osl` output tokens, at `rate` requests/s (Poisson):
 
     prefill service  s_p = prefill(n new, c cached), + one intercept per extra chunk of max_num_batched_tokens;
@@ -113,6 +116,10 @@ class Layout:
     max_num_seqs: int
     prefill_threshold_tokens: int = 0  # --disagg-prefill-threshold (disaggregated only)
     transport: str | None = None
+    # tensor-parallel sizes: the colocated pool's (`tp`), the prefill and decode pools' (disaggregated)
+    tp: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def colocated(self) -> bool:
@@ -123,11 +130,29 @@ class Layout:
         return self.num_colocated + self.num_prefill + self.num_decode
 
     @property
+    def num_ranks(self) -> int:
+        """Rank processes (devices, on a GPU) all pools together: a worker of tensor-parallel size N is N."""
+        return self.num_colocated * self.tp + self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    @property
+    def prefill_pool_tp(self) -> int:
+        """The tensor-parallel size prompts are prefilled at (the colocated pool's, or the prefill pool's)."""
+        return self.tp if self.colocated else self.prefill_tp
+
+    @property
+    def decode_pool_tp(self) -> int:
+        return self.tp if self.colocated else self.decode_tp
+
+    @property
     def label(self) -> str:
+        def sized(text: str, tp: int) -> str:
+            return f"{text}(TP{tp})" if tp > 1 else text
+
         if self.colocated:
-            return f"colocated x{self.num_colocated}, seqs {self.max_num_seqs}"
+            return f"{sized('colocated', self.tp)} x{self.num_colocated}, seqs {self.max_num_seqs}"
         threshold = f", local<={self.prefill_threshold_tokens}" if self.prefill_threshold_tokens else ""
-        return f"{self.num_prefill}P+{self.num_decode}D, seqs {self.max_num_seqs}{threshold}"
+        return (f"{sized(f'{self.num_prefill}P', self.prefill_tp)}+{sized(f'{self.num_decode}D', self.decode_tp)}, "
+                f"seqs {self.max_num_seqs}{threshold}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,7 +204,8 @@ class Plan:
         return bool(self.ranked) and self.ranked[0].meets
 
 
-def host_share_slowdown(profile: Profile, num_workers: int, phase: str) -> float:
+def host_share_slowdown(profile: Profile, num_workers: int, phase: str, *, num_ranks: int | None = None,
+                        tp: int = 1) -> float:
     """How many times slower `phase` runs on each of `num_workers` workers sharing the profiled machine's cores,
     each with cpu_count // num_workers threads (at least 1) as `serve` gives them, than on the profile's threads:
 
@@ -187,8 +213,12 @@ def host_share_slowdown(profile: Profile, num_workers: int, phase: str) -> float
         k = 1, measured (profile.one_thread)  ->  that ratio;  1 < k < N  ->  ratio ** (log(N/k) / log N)
         not measured  ->  N / k (linear scaling: an upper bound)
         and x num_workers * k / cpu_count beyond the cores (more workers than cores time-share them)
-    """
-    threads = max(1, profile.cpu_count // max(1, num_workers))
+
+    With tensor parallelism `serve` splits the cores between every rank (`num_ranks` of them): a worker of size
+    `tp` holds tp x (cpu_count // num_ranks) threads, which its size's profiled ratio (measured on the profile's
+    threads, split between its ranks) then scales from."""
+    ranks = num_ranks or num_workers
+    threads = max(1, profile.cpu_count // max(1, ranks)) * tp
     profiled = profile.num_threads
     scale = 1.0
     if threads < profiled:
@@ -197,7 +227,7 @@ def host_share_slowdown(profile: Profile, num_workers: int, phase: str) -> float
             scale = profiled / threads
         else:
             scale = max(1.0, ratio) ** (math.log(profiled / threads) / math.log(profiled))
-    return scale * max(1.0, num_workers * threads / profile.cpu_count)
+    return scale * max(1.0, ranks * (threads // tp) / profile.cpu_count)
 
 
 def contention_slowdown(profile: Profile, phase: str, background_cores: float, threads: int) -> float:
@@ -247,7 +277,7 @@ class LayoutModel:
 
     def __init__(self, profile: Profile, traffic: Traffic, layout: Layout, options: PlanOptions) -> None:
         self.profile, self.traffic, self.layout, self.options = profile, traffic, layout, options
-        self.threads = max(1, profile.cpu_count // max(1, layout.num_workers))
+        self.threads = max(1, profile.cpu_count // max(1, layout.num_ranks)) * layout.decode_pool_tp
         serving = profile.serving
         self.serving_overhead_s = (options.serving_overhead_s if options.serving_overhead_s is not None
                                    else serving.ttft_overhead_s if serving is not None else 0.0)
@@ -256,10 +286,14 @@ class LayoutModel:
         # leaves them a core.
         measured_alike = self.threads >= profile.num_threads or not options.one_host
         self.step_overhead_s = serving.step_overhead_s if serving is not None and measured_alike else 0.0
-        self.prefill_slowdown = self.decode_slowdown = 1.0
+        # Each pool's tensor-parallel size scales its compute by what the profile measured at that size.
+        self.prefill_slowdown = profile.tp_scale(layout.prefill_pool_tp, "prefill")
+        self.decode_slowdown = profile.tp_scale(layout.decode_pool_tp, "decode")
         if options.one_host:
-            self.prefill_slowdown = host_share_slowdown(profile, layout.num_workers, "prefill")
-            self.decode_slowdown = host_share_slowdown(profile, layout.num_workers, "decode")
+            self.prefill_slowdown *= host_share_slowdown(profile, layout.num_workers, "prefill",
+                                                         num_ranks=layout.num_ranks, tp=layout.prefill_pool_tp)
+            self.decode_slowdown *= host_share_slowdown(profile, layout.num_workers, "decode",
+                                                        num_ranks=layout.num_ranks, tp=layout.decode_pool_tp)
         n, c = traffic.num_new_tokens, traffic.num_cached_tokens
         budget = int(profile.engine.get("max_num_batched_tokens") or n) or n
         self.num_chunks = max(1, math.ceil(n / budget))
@@ -421,7 +455,8 @@ def _normal_cdf(x: float) -> float:
 def layouts(profile: Profile, traffic: Traffic, options: PlanOptions) -> list[Layout]:
     """Every layout the search tries: colocated pools of 1..max_workers; disaggregated pools of P + D <= max_workers
     over the transport; each with every --max-num-seqs candidate (the profile's and SEQ_CANDIDATES, within the KV
-    capacity); disaggregated with --disagg-prefill-threshold 0 (see below)."""
+    capacity); disaggregated with --disagg-prefill-threshold 0 (see below); each pool at every tensor-parallel size
+    the profile measured, as long as the ranks (workers x their sizes) stay within max_workers."""
     seq_blocks = math.ceil((traffic.isl + traffic.osl) / profile.kv.block_size)
     kv_slots = profile.kv.num_blocks // max(1, seq_blocks)
     if kv_slots < 1:
@@ -430,25 +465,32 @@ def layouts(profile: Profile, traffic: Traffic, options: PlanOptions) -> list[La
     seqs = sorted({s for s in options.max_num_seqs or (*SEQ_CANDIDATES, profile.max_num_seqs) if s <= kv_slots}
                   or {kv_slots})
     transport = options.transport or ("grpc" if "grpc" in profile.handoff else next(iter(profile.handoff), None))
-    out = [Layout(num_colocated=n, max_num_seqs=s) for n in range(1, options.max_workers + 1) for s in seqs]
+    sizes = profile.tensor_parallel_sizes
+    limit = options.max_workers
+    out = [Layout(num_colocated=n, max_num_seqs=s, tp=t) for t in sizes for n in range(1, limit // t + 1)
+           for s in seqs]
     if transport is None:
         return out  # no handoff measured: disaggregated layouts cannot be priced
     # --disagg-prefill-threshold: with one prompt length every request falls on one side of it, so a threshold
     # at or above the new tokens makes the layout a colocated pool of D with P idle workers (priced, never better);
     # the search keeps 0 (always hand off). A mix of lengths is where it pays, and the traffic model has none yet.
-    out += [Layout(num_prefill=p, num_decode=d, max_num_seqs=s, prefill_threshold_tokens=0, transport=transport)
-            for p in range(1, options.max_workers) for d in range(1, options.max_workers - p + 1) for s in seqs]
+    out += [Layout(num_prefill=p, num_decode=d, max_num_seqs=s, prefill_threshold_tokens=0, transport=transport,
+                   prefill_tp=tp_p, decode_tp=tp_d)
+            for tp_p in sizes for tp_d in sizes for p in range(1, limit // tp_p + 1)
+            for d in range(1, (limit - p * tp_p) // tp_d + 1) for s in seqs]
     return out
 
 
 def check_against_floor(profile: Profile, traffic: Traffic, slo: SLO) -> None:
     """A ValueError when an SLO is below what one request alone takes on the profiled worker (no layout helps)."""
-    prefill_s = profile.prefill.seconds(traffic.num_new_tokens, traffic.num_cached_tokens)
+    fastest = {phase: min(profile.tp_scale(size, phase) for size in profile.tensor_parallel_sizes)
+               for phase in ("prefill", "decode")}  # the best tensor-parallel size the profile measured
+    prefill_s = fastest["prefill"] * profile.prefill.seconds(traffic.num_new_tokens, traffic.num_cached_tokens)
     if slo.ttft_s < prefill_s:
         raise ValueError(f"--ttft-slo {slo.ttft_s} s is below the profile's floor: a lone {traffic.isl}-token prompt "
                          f"({traffic.num_cached_tokens} cached) takes {prefill_s:.3f} s to prefill on the profiled "
                          "worker")
-    step_s = profile.decode.seconds(1, traffic.isl)
+    step_s = fastest["decode"] * profile.decode.seconds(1, traffic.isl)
     if slo.tpot_s < step_s:
         raise ValueError(f"--tpot-slo {slo.tpot_s} s is below the profile's floor: one sequence's decode step at "
                          f"{traffic.isl} tokens takes {step_s:.4f} s on the profiled worker")
@@ -458,10 +500,10 @@ def check_against_floor(profile: Profile, traffic: Traffic, slo: SLO) -> None:
 
 
 def plan(profile: Profile, traffic: Traffic, slo: SLO, options: PlanOptions = PlanOptions()) -> Plan:
-    """Every layout priced, ranked: with a rate, the layouts meeting the SLO by fewest workers, then most goodput,
-    then lowest TTFT p90, and the rest by how far they miss it; without one, the layouts by their highest rate
-    within the SLO per worker, then by that rate. Raises ValueError for an SLO below the profile's floor or a
-    transport it did not measure."""
+    """Every layout priced, ranked: with a rate, the layouts meeting the SLO by fewest ranks (workers, at
+    tensor-parallel size 1), then most goodput, then lowest TTFT p90, and the rest by how far they miss it; without
+    one, the layouts by their highest rate within the SLO per rank, then by that rate. Raises ValueError for an SLO
+    below the profile's floor or a transport it did not measure."""
     check_against_floor(profile, traffic, slo)
     if options.transport is not None and options.transport not in profile.handoff:
         raise ValueError(f"--kv-transport {options.transport}: the profile measured "
@@ -470,14 +512,14 @@ def plan(profile: Profile, traffic: Traffic, slo: SLO, options: PlanOptions = Pl
     if traffic.rate is not None:
         predictions = [m.predict(traffic.rate, slo) for m in models]
         meeting = sorted((p for p in predictions if p.meets),
-                         key=lambda p: (p.layout.num_workers, -p.goodput, p.ttft_p90_s, p.tpot_p90_s))
-        missing = sorted((p for p in predictions if not p.meets), key=lambda p: (_miss(p, slo), p.layout.num_workers))
+                         key=lambda p: (p.layout.num_ranks, -p.goodput, p.ttft_p90_s, p.tpot_p90_s))
+        missing = sorted((p for p in predictions if not p.meets), key=lambda p: (_miss(p, slo), p.layout.num_ranks))
         ranked = _one_per_pool_size([*meeting, *missing])
     else:
         found = [(m, m.max_rate(slo)) for m in models]
         meeting = sorted((p for _, p in found if p is not None),
-                         key=lambda p: (-(p.max_rate or 0) / p.layout.num_workers, -(p.max_rate or 0),
-                                        p.layout.num_workers))
+                         key=lambda p: (-(p.max_rate or 0) / p.layout.num_ranks, -(p.max_rate or 0),
+                                        p.layout.num_ranks))
         missing = sorted((m.predict(1e-6, slo) for m, p in found if p is None), key=lambda p: _miss(p, slo))
         ranked = _one_per_pool_size([*meeting, *missing])
     problem = "" if ranked and ranked[0].meets else _why_not(ranked[0], traffic, slo, options)
@@ -486,10 +528,11 @@ def plan(profile: Profile, traffic: Traffic, slo: SLO, options: PlanOptions = Pl
 
 def _one_per_pool_size(ranked: list[Prediction]) -> list[Prediction]:
     """The first (best) of each pool sizing: layouts that differ only in --max-num-seqs are one row."""
-    seen: set[tuple[int, int, int]] = set()
+    seen: set[tuple[int, ...]] = set()
     out = []
     for p in ranked:
-        key = (p.layout.num_colocated, p.layout.num_prefill, p.layout.num_decode)
+        lay = p.layout
+        key = (lay.num_colocated, lay.num_prefill, lay.num_decode, lay.tp, lay.prefill_tp, lay.decode_tp)
         if key not in seen:
             seen.add(key)
             out.append(p)

@@ -17,6 +17,9 @@ profile.json (schema "splitserve-profile/1"):
     contention {prefill, decode: [{background_cores, slowdown}]}: how many times slower one point of each ran on
                num_threads while other processes kept `background_cores` of the machine busy (absent: not measured;
                `plan --one-host` prices the gateway's and the load generator's CPU with it)
+    tensor_parallel {N: {prefill, decode, threads_per_rank}}: how many times longer one point of each phase took on
+               the engine at tensor-parallel size N (threads_per_rank threads a rank, num_threads // N) than at size 1
+               on num_threads (absent: only size 1 measured; `plan` searches the sizes measured here)
     serving    {num_requests, prompt_tokens, ttft_overhead_s, step_overhead_s, gateway_cpu_per_request_s,
                 gateway_cpu_per_token_s}: a real `serve` of one colocated worker, one request at a time from a
                light client (absent: not measured): its TTFT over the engine's prefill, its inter-token time over
@@ -144,6 +147,15 @@ class ContentionPoint:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TPScale:
+    """A tensor-parallel size's times over size 1's, on the same cores (one point of each phase)."""
+
+    prefill: float
+    decode: float
+    threads_per_rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Serving:
     """What a real `serve` adds to the engine's own times (see the module docstring); all >= 0."""
 
@@ -254,6 +266,8 @@ class Profile:
     contention: dict[str, tuple[ContentionPoint, ...]] = field(default_factory=dict)
     serving: Serving | None = None
     loaded: Loaded | None = None
+    # tensor-parallel size N >= 2 -> its phases' times over size 1's (`profile --tensor-parallel-sizes`)
+    tensor_parallel: dict[int, TPScale] = field(default_factory=dict)
     quick: bool = False
     created: str = ""
     wall_s: float = 0.0
@@ -274,6 +288,15 @@ class Profile:
     @property
     def num_threads(self) -> int:
         return int(self.machine.get("num_threads") or self.cpu_count)
+
+    @property
+    def tensor_parallel_sizes(self) -> tuple[int, ...]:
+        """The sizes a layout may take: 1 and those measured."""
+        return (1, *sorted(self.tensor_parallel))
+
+    def tp_scale(self, size: int, phase: str) -> float:
+        """`phase`'s time at tensor-parallel size `size` over size 1's (1 at size 1)."""
+        return 1.0 if size == 1 else getattr(self.tensor_parallel[size], phase)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -298,6 +321,7 @@ class Profile:
             "contention": {phase: [dataclasses.asdict(p) for p in points] for phase, points in self.contention.items()},
             "serving": None if self.serving is None else dataclasses.asdict(self.serving),
             "loaded": None if self.loaded is None else self.loaded.to_json(),
+            "tensor_parallel": {str(n): dataclasses.asdict(s) for n, s in sorted(self.tensor_parallel.items())},
         }
 
     def write(self, path: str | Path) -> None:
@@ -351,11 +375,23 @@ def profile_from_json(data: Any, *, source: str = "profile") -> Profile:
                         for phase, points in (data.get("contention") or {}).items()},
             serving=None if data.get("serving") is None else _build(Serving, data["serving"], f"{source}: serving"),
             loaded=None if data.get("loaded") is None else loaded_from_json(data["loaded"], source),
+            tensor_parallel={_tp_size(n, source): _build(TPScale, s, f"{source}: tensor_parallel.{n}")
+                             for n, s in (data.get("tensor_parallel") or {}).items()},
             quick=bool(data.get("quick", False)), created=str(data.get("created", "")),
             wall_s=float(data.get("wall_s", 0.0)),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
+
+
+def _tp_size(key: Any, source: str) -> int:
+    try:
+        size = int(key)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 2:
+        raise ValueError(f"{source}: tensor_parallel: sizes are integers >= 2 (1 is the profile itself), got {key!r}")
+    return size
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -368,6 +404,12 @@ def load_profile(path: str | Path) -> Profile:
     profile = profile_from_json(data, source=str(path))
     if any(not ratio > 0 for ratio in profile.one_thread.values()):
         raise ValueError(f"{path}: one_thread: ratios must be positive, got {profile.one_thread}")
+    for size, scale in profile.tensor_parallel.items():
+        if not (scale.prefill > 0 and scale.decode > 0 and scale.threads_per_rank >= 1):
+            raise ValueError(f"{path}: tensor_parallel.{size}: positive ratios and threads_per_rank >= 1, got {scale}")
+    if profile.tensor_parallel and int(profile.engine.get("tensor_parallel_size") or 1) != 1:
+        raise ValueError(f"{path}: tensor_parallel: ratios are over size 1, but the profile ran at size "
+                         f"{profile.engine.get('tensor_parallel_size')}")
     loaded = profile.loaded
     if loaded is not None and not loaded.colocated and loaded.transport not in profile.handoff:
         raise ValueError(f"{path}: loaded: its layout hands KV off over {loaded.transport!r}, which the profile's "

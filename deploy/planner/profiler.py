@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.planner.fit import fit_nonnegative
 from deploy.planner.profile import (ContentionPoint, DecodeFit, DecodePoint, HandoffFit, HandoffPoint, KVCapacity,
-                                    ModelIdentity, PrefillFit, PrefillPoint, Profile, TransportProfile)
+                                    ModelIdentity, PrefillFit, PrefillPoint, Profile, TPScale, TransportProfile)
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -279,11 +279,48 @@ def _machine(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
+def _measure_tensor_parallel(engine: LLMEngine, config: EngineConfig, sizes: Sequence[int],
+                             prefill_point: tuple[int, int], decode_point: tuple[int, int], grid: ProfileGrid,
+                             rng: random.Random, progress: Progress) -> dict[int, TPScale]:
+    """Each size's prefill and decode point against `engine`'s (size 1, on torch's threads), an engine at that size
+    built with those threads split between its ranks (at least one each), then closed."""
+    import dataclasses
+
+    import torch
+
+    from engine.llm_engine import LLMEngine
+
+    if not sizes:
+        return {}
+    threads = torch.get_num_threads()
+    (n, c), (b, ctx) = prefill_point, decode_point
+    base = (min(measure_prefill(engine, n, c, rng) for _ in range(2)),
+            measure_decode(engine, b, ctx, grid.decode_steps, rng))
+    scales = {}
+    for size in sizes:
+        per_rank = max(1, threads // size)
+        progress.start(f"prefill and decode at tensor-parallel size {size} ({per_rank} thread(s) a rank)")
+        wide = LLMEngine(dataclasses.replace(config, tensor_parallel_size=size, num_threads=per_rank))
+        try:
+            measure_prefill(wide, min(64, n), 0, rng)  # its first-call costs out of the figures
+            at = (min(measure_prefill(wide, n, c, rng) for _ in range(2)),
+                  measure_decode(wide, b, ctx, grid.decode_steps, rng))
+        finally:
+            wide.close()
+            torch.set_num_threads(threads)  # building it set this process' threads to its rank 0's
+        scales[size] = TPScale(prefill=at[0] / base[0], decode=at[1] / base[1], threads_per_rank=per_rank)
+        progress.done(f"TP {size}: prefill x{scales[size].prefill:.2f}, decode x{scales[size].decode:.2f}")
+    return scales
+
+
 def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] = ("grpc", "inproc"),
                 seed: int = 0, show_progress: bool = True,
-                grid: ProfileGrid | None = None, log: Callable[[str], None] | None = None) -> Profile:
+                grid: ProfileGrid | None = None, log: Callable[[str], None] | None = None,
+                tensor_parallel_sizes: Sequence[int] = ()) -> Profile:
     """Measure one engine built from `config` over `grid` (QUICK_GRID or FULL_GRID by `quick`) and the handoffs
-    over `transports` (none: skipped); return the profile with its fitted curves."""
+    over `transports` (none: skipped); return the profile with its fitted curves. `tensor_parallel_sizes` (each
+    >= 2; `config` at size 1): an engine at each size, on the same threads split between its ranks, times the
+    one-thread points too, against size 1's (the profile's `tensor_parallel`)."""
     import dataclasses
     import datetime
 
@@ -296,14 +333,22 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
     largest_batch = max(b for b, _ in grid.decode)
     given_max_num_seqs = config.max_num_seqs  # what serve would run with; the profile's engine takes the grid's
     config = dataclasses.replace(config, max_num_seqs=max(config.max_num_seqs, largest_batch))
+    sizes = sorted(set(tensor_parallel_sizes))
+    if sizes and (sizes[0] < 2 or config.tensor_parallel_size != 1):
+        raise ValueError(f"--tensor-parallel-sizes: sizes >= 2 measured against an engine at size 1, got {sizes} "
+                         f"against size {config.tensor_parallel_size}")
     engine = LLMEngine(config)
+    from engine.distributed.sharding import tp_shape
+
+    for size in sizes:  # one clear error naming the model's heads, before minutes of measuring
+        tp_shape(engine.model_config, size)
     longest = engine.max_model_len
     block_size = engine.config.block_size
     prefill_grid = [(n, c - c % block_size) for n, c in grid.prefill
                     if n + c < longest and (c == 0 or engine.config.enable_prefix_caching)]
     decode_grid = [(b, ctx) for b, ctx in grid.decode if ctx + grid.decode_steps + 2 < longest]
     num_points = (len(prefill_grid) * grid.repeats + len(decode_grid) + len(grid.handoff_tokens) * bool(transports)
-                  + (torch.get_num_threads() > 1) + len(grid.contention_cores))
+                  + (torch.get_num_threads() > 1) + len(grid.contention_cores) + len(sizes))
     progress = Progress(num_points + 1, enabled=show_progress)
     rng = random.Random(seed)
     try:
@@ -353,6 +398,7 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
                 contention[phase] += points
             progress.done(f"{background:g} busy cores: prefill x{measured['prefill'][0][1]:.2f}, "
                           f"decode x{measured['decode'][0][1]:.2f}")
+        tensor_parallel = _measure_tensor_parallel(engine, config, sizes, (n, c), (b, ctx), grid, rng, progress)
         handoff_points: dict[str, list[tuple[int, float]]] = {}
         skipped: dict[str, str] = {}
         if transports:
@@ -389,7 +435,7 @@ def run_profile(config: EngineConfig, *, quick: bool, transports: Sequence[str] 
         engine=engine_flags, machine=_machine(engine), versions=_versions(),
         prefill_points=tuple(prefill_points), prefill=prefill_fit,
         decode_points=tuple(decode_points), decode=decode_fit,
-        handoff=handoff, handoff_skipped=skipped, one_thread=one_thread,
+        handoff=handoff, handoff_skipped=skipped, one_thread=one_thread, tensor_parallel=tensor_parallel,
         contention={phase: tuple(ContentionPoint(background_cores=cores, slowdown=slowdown)
                                  for cores, slowdown in points) for phase, points in contention.items() if points},
         kv=KVCapacity(num_blocks=engine.num_kv_blocks, block_size=block_size,

@@ -41,11 +41,17 @@ def serve_flags(profile: Profile, layout: Layout) -> list[str]:
     args = ["--model", profile.model.name]
     if layout.colocated:
         args += ["--colocated-workers", str(layout.num_colocated)]
+        if layout.tp > 1:
+            args += ["--tensor-parallel-size", str(layout.tp)]
     else:
         args += ["--prefill-workers", str(layout.num_prefill), "--decode-workers", str(layout.num_decode)]
         if layout.transport:
             args += ["--kv-transport", layout.transport]
         args += ["--disagg-prefill-threshold", str(layout.prefill_threshold_tokens)]
+        for flag, tp in (("--prefill-tensor-parallel-size", layout.prefill_tp),
+                         ("--decode-tensor-parallel-size", layout.decode_tp)):
+            if tp > 1:
+                args += [flag, str(tp)]
     return args + ["--max-num-seqs", str(layout.max_num_seqs), *_engine_args(profile)]
 
 
@@ -78,8 +84,8 @@ def helm_values(profile: Profile, plan: Plan) -> tuple[dict[str, Any], str]:
         "kvTransport": layout.transport or "grpc",
         "engine": engine,
         "gateway": {"args": ["--disagg-prefill-threshold", str(layout.prefill_threshold_tokens)]},
-        "prefill": {"replicas": layout.num_prefill, "workersPerNode": 1},
-        "decode": {"replicas": layout.num_decode, "workersPerNode": 1},
+        "prefill": {"replicas": layout.num_prefill, "workersPerNode": 1, "tensorParallelSize": layout.prefill_tp},
+        "decode": {"replicas": layout.num_decode, "workersPerNode": 1, "tensorParallelSize": layout.decode_tp},
     }
     return values, note
 

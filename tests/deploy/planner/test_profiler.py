@@ -85,7 +85,7 @@ def test_splitserve_profile_quick_writes_a_profile_plan_reads(tiny_dir: Path, tm
 
     out = tmp_path / "profile.json"
     assert main(["profile", "--model", str(tiny_dir), "--quick", "--num-kv-blocks", "512", "--transports", "inproc",
-                 "--serving-requests", "0", "--out", str(out), "--seed", "0"]) == 0
+                 "--serving-requests", "0", "--out", str(out), "--seed", "0", "--tensor-parallel-sizes", "2"]) == 0
     err = capsys.readouterr().err
     assert "profile: " in err and "decode batch 8 at 256 tokens" in err  # the progress bar named its points
     profile = load_profile(out)
@@ -108,17 +108,31 @@ def test_splitserve_profile_quick_writes_a_profile_plan_reads(tiny_dir: Path, tm
     assert all(p.slowdown > 0 for points in profile.contention.values() for p in points)
     assert profile.serving is None and data["serving"] is None
     assert profile.loaded is None and data["loaded"] is None  # --quick: no loaded probe
+    # size 2 (the tiny model's 2 KV heads, one a rank) on the same threads split between its ranks
+    assert set(profile.tensor_parallel) == {2}
+    scale = profile.tensor_parallel[2]
+    assert scale.prefill > 0 and scale.decode > 0
+    assert scale.threads_per_rank == max(1, data["machine"]["num_threads"] // 2)
+    assert "TP 2: prefill x" in err
     for p in profile.prefill_points:
         assert profile.prefill.seconds(p.num_new_tokens, p.num_cached_tokens) > 0
     # plan reads it: a loose SLO for the tiny model is met (exit 0); the flags name the tiny model's directory
     assert main(["plan", "--profile", str(out), "--isl", "128", "--osl", "16", "--rate", "1", "--ttft-slo", "30",
                  "--tpot-slo", "5", "--max-workers", "2"]) == 0
     assert f"--model {tiny_dir}" in capsys.readouterr().out
+    # with room for a worker of size 2, the search prices pools at that size too
+    assert main(["plan", "--profile", str(out), "--isl", "128", "--osl", "16", "--rate", "1", "--ttft-slo", "30",
+                 "--tpot-slo", "5", "--max-workers", "4", "--json", "--top", "1000"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert {(r["layout"]["tp"], r["layout"]["prefill_tp"], r["layout"]["decode_tp"]) for r in ranked} >= {
+        (2, 1, 1), (1, 2, 1), (1, 1, 2)}
 
 
 @pytest.mark.parametrize("flags, match", [(["--loaded-rates", "1,-2"], "--loaded-rates: positive"),
                                           (["--loaded-rates", "one"], "--loaded-rates: comma-separated"),
-                                          (["--loaded-requests", "-1"], "--loaded-requests must be >= 0")])
+                                          (["--loaded-requests", "-1"], "--loaded-requests must be >= 0"),
+                                          (["--tensor-parallel-sizes", "1"], "each size >= 2"),
+                                          (["--tensor-parallel-sizes", "3"], "tensor_parallel_size 3 does not divide")])
 def test_bad_loaded_probe_flags_are_clear_errors_before_any_measuring(tiny_dir: Path, tmp_path: Path, flags: list[str],
                                                                      match: str,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:

@@ -163,8 +163,8 @@ def test_handoffs_between_tp_sizes_on_cuda_give_tp1s_tokens(tiny_checkpoint, mon
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("sender_tp", "receiver_tp", "transport"), [(2, 2, "grpc"), (2, 1, "grpc"), (1, 2, "ipc")])
-def test_lanes_on_cuda_give_tp1s_tokens(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, sender_tp: int,  # noqa: ANN001
-                                        receiver_tp: int, transport: str) -> None:
+def test_lanes_on_cuda_give_tp1s_tokens(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                        sender_tp: int, receiver_tp: int, transport: str) -> None:
     """A handoff as lanes on the GPU (kv_transfer/rank_lanes.py): each child rank sends its heads from its own cuda
     cache (staged through its own pinned memory) and takes its own into it, no cache mapped into rank 0 on the way;
     the decode engine's tokens are the colocated TP 1 engine's and every block comes back. (torch's NCCL pairs need

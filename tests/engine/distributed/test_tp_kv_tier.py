@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kv_transfer.tp_slices import WholeBlocks, rank_caches
-from tests.engine.test_kv_tier import BLOCK_SIZE, HISTORY, NEXT_TURN, NUM_COMPUTED_BLOCKS, _engine, _returning_chat, _run
+from tests.engine.test_kv_tier import (BLOCK_SIZE, HISTORY, NEXT_TURN, NUM_COMPUTED_BLOCKS, _engine, _returning_chat,
+                                       _run)
 from tests.engine.tiny_model import BlockRefCounter, assert_no_blocks_held, greedy
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
