@@ -78,7 +78,6 @@ def main() -> None:
                                                         advertise_host="", worker_id=name, serve=serve)
             hubs[name] = (hub, [endpoint, *children])
         sender = make_sender(args.transport, worker_id="prefill", device=cpu)
-        pool = ThreadPoolExecutor(max_workers=8)
         block_ids = list(range(args.num_blocks))
         blocks = prefill.kv_blocks
         own = RankCache(layout=blocks.layout, rank=0, kv_cache=blocks.kv_cache, kv_scales=blocks.kv_scales)
@@ -97,7 +96,7 @@ def main() -> None:
             try:
                 if lanes:
                     result = send_lanes(handoff, own=own, block_ids=block_ids, endpoints=hubs["decode"][1],
-                                        sender=sender, ranks=hubs["prefill"][0], timeout_s=60, pool=pool)
+                                        sender=sender, ranks=hubs["prefill"][0], timeout_s=60)
                 else:
                     source = WireBlocks(whole_source_caches, block_ids, handoff.wire, sender=True)
                     result = sender.send(handoff, source, endpoint=endpoint, timeout_s=60)

@@ -49,7 +49,8 @@ from worker.runtime import CALLER_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerS
 logger = logging.getLogger(__name__)
 
 RESERVE_POLL_S = 0.01
-LANE_REPORT_S = 5.0  # how long a committed Prefill reply waits for the child ranks' reports of their lanes
+LANE_REPORT_S = 10.0  # how long a committed Prefill reply waits for the child ranks' reports of their lanes
+LANE_REPORT_POLL_S = 0.002
 # Why a failed Prefill call left the request without KV (kv_transfer/handoff_failure.py); else prefill_failed.
 _PREFILL_CALL_FAILURES = {
     grpc.StatusCode.UNAVAILABLE: "prefill_unavailable",
@@ -125,7 +126,7 @@ class DecodeWorker(RuntimeWorker):
                         yield early
                         return
                     # The other choices compute the prompt here (no KV came for them to share).
-                    reservation.cancel("choice 0 ended on the prefill worker")
+                    await self._cancel(reservation, "choice 0 ended on the prefill worker")
                     await runtime.call(lambda e: e.prefill_choices_here(request_id))
                     num_left -= 1
                     num_completion_tokens += 1
@@ -262,8 +263,9 @@ class DecodeWorker(RuntimeWorker):
             ), []
         # The sender returns only after the receiver committed, so anything else is a protocol error. Lanes to child
         # ranks commit there and reach this reservation through a pipe, which may trail the Prefill reply a little.
-        if reservation.state is ReservationState.RECEIVING:
-            await asyncio.to_thread(reservation.done.wait, LANE_REPORT_S)
+        waited_until = time.monotonic() + LANE_REPORT_S
+        while reservation.state is ReservationState.RECEIVING and time.monotonic() < waited_until:
+            await asyncio.sleep(LANE_REPORT_POLL_S)
         if reservation.state is not ReservationState.COMMITTED:
             raise GenerateFailed(
                 grpc.StatusCode.INTERNAL,
@@ -292,13 +294,39 @@ class DecodeWorker(RuntimeWorker):
         """Free what the request holds, without waiting (this runs on the asyncio loop, maybe cancelled): the
         reservation now, the engine's abort as a command; its future, or None when the engine loop has stopped
         (its stop() aborted everything already)."""
-        if reservation is not None:
-            reservation.cancel(why)  # after this no block write is in flight
-        try:
-            return self.runtime.loop.submit(lambda e: e.abort_request([req.request_id]))
-        except EngineLoopClosed:
-            logger.warning("could not abort %s: engine loop stopped", req.request_id)
-            return None
+        def abort() -> Future[list[RequestOutput]] | None:
+            try:
+                return self.runtime.loop.submit(lambda e: e.abort_request([req.request_id]))
+            except EngineLoopClosed:
+                logger.warning("could not abort %s: engine loop stopped", req.request_id)
+                return None
+
+        if reservation is None or not reservation.cancels_later:
+            if reservation is not None:
+                reservation.cancel(why)  # after this no block write is in flight
+            return abort()
+        # At TP > 1 the child ranks confirm first (a round trip, never on this loop); the blocks go after.
+        aborted: Future[list[RequestOutput]] = Future()
+
+        def then() -> None:
+            inner = abort()
+            if inner is None:
+                aborted.set_result([])
+            else:
+                inner.add_done_callback(lambda f: aborted.set_exception(f.exception()) if f.exception() is not None
+                                        else aborted.set_result(f.result()))
+
+        reservation.fail_later(why, then=then)
+        return aborted
+
+    async def _cancel(self, reservation: Reservation, why: str) -> None:
+        """`reservation.cancel`, its round trip to the child ranks (TP > 1) awaited off this loop."""
+        if not reservation.cancels_later:
+            reservation.cancel(why)
+            return
+        quiet: Future[None] = Future()
+        reservation.fail_later(why, then=lambda: quiet.set_result(None))
+        await asyncio.wrap_future(quiet)
 
     def _prefill_stub(self, endpoint: str) -> serving_pb2_grpc.WorkerStub:
         """An aio stub on this worker's asyncio loop (only called there, so no lock)."""

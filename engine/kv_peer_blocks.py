@@ -44,6 +44,7 @@ class PeerBlocks:
         self._kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self._kv_scales = kv_scales
         self._whole = whole
+        self.loads_every_rank = whole is not None  # at TP > 1: whether staged blocks reach every rank's cache
         self._staged: dict[BlockHash, _Staged] = {}
 
     def __contains__(self, block_hash: BlockHash) -> bool:

@@ -65,7 +65,7 @@ LANE_TRANSPORTS = ("grpc", "torch", "ipc")  # inproc has no processes to go betw
 EXPECT_WAIT_S = 10.0  # how long a child rank holds a lane that arrived before rank 0's Expect for it
 REPLY_S = 10.0  # how long rank 0 waits for a child's answer to Start or Cancel (a live child answers in ms)
 ENDED_KEPT = 4096  # transfer ids a child remembers as ended, so that a late lane is refused at once
-SEND_THREADS = 8  # lanes one rank streams at once
+RECEIVE_THREADS = 16  # a child's gRPC handler threads: lanes it takes at once
 
 
 # ── the control messages (rank 0 ⇄ child) ────────────────────────────────────────────────────────────────────
@@ -173,8 +173,12 @@ def lane_error(text: str, reason: str) -> KVTransferError:
 class RankLanes:
     """Rank 0's end of its children's control pipes (ranks 1..N-1, in order). Thread-safe."""
 
-    def __init__(self, conns: Sequence[Connection], world_size: int) -> None:
+    def __init__(self, conns: Sequence[Connection], world_size: int,
+                 on_stuck: Callable[[str], None] | None = None) -> None:
+        """`on_stuck(why)`: a child did not confirm a cancel in time; it must be stopped before the cancel returns
+        (engine/distributed/rank_group.py fails the group, killing every child), since it might still write."""
         self.world_size = world_size
+        self._on_stuck = on_stuck
         self._conns = list(conns)
         self._send_locks = [threading.Lock() for _ in conns]
         self._lock = threading.Lock()
@@ -185,6 +189,7 @@ class RankLanes:
         # Settled callbacks run here, not on a reader: a callback that fails a reservation cancels it on every
         # child, a round trip whose answer a reader must be free to read.
         self._dispatch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-lanes-settle")
+        self._cancels = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tp-lanes-cancel")  # cancel_later
         self.endpoints: list[str] = []  # ranks 1..N-1's lane endpoints, after start(serve=True)
         # Bytes of the lanes each rank sent out of its own cache and committed into it (rank 0's counted by
         # `count`, its children's from their answers).
@@ -217,7 +222,7 @@ class RankLanes:
             if rank not in gone:
                 self._post(rank, expect)
         for rank, why in gone.items():
-            self._dispatch.submit(on_settled, Settled(expect.transfer_id, (-1, rank), 0, why))
+            self._call_back(on_settled, Settled(expect.transfer_id, (-1, rank), 0, why))
 
     def forget(self, transfer_id: str) -> None:
         """The reservation ended: no child takes its lanes any more (no answer waited for)."""
@@ -233,14 +238,32 @@ class RankLanes:
             self._settle.pop(transfer_id, None)
         futures = [(rank, self._ask(rank, lambda token: Cancel(token, transfer_id, reason)))
                    for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + REPLY_S
         for rank, future in futures:
             try:
-                future.result(timeout=REPLY_S)
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
             except KVTransferError:
                 pass  # gone: its cache went with it
             except TimeoutError:
-                logger.error("tensor-parallel rank %d did not confirm cancelling KV transfer %s in %.0f s", rank,
-                             transfer_id, REPLY_S)
+                why = (f"tensor-parallel rank {rank} did not confirm cancelling KV transfer {transfer_id} within "
+                       f"{REPLY_S:.0f} s")
+                logger.error("%s; stopping the ranks, since it might still write into the blocks", why)
+                if self._on_stuck is not None:
+                    self._on_stuck(why)
+
+    def cancel_later(self, transfer_id: str, reason: str, then: Callable[[], None]) -> None:
+        """`cancel` on a thread of this object's, then `then()` (however the cancel ended): for callers that must
+        not wait (an asyncio loop)."""
+        def run() -> None:
+            try:
+                self.cancel(transfer_id, reason)
+            finally:
+                then()
+
+        try:
+            self._cancels.submit(run)
+        except RuntimeError:  # closed: the children are stopped, nothing of theirs writes any more
+            then()
 
     def send(self, rank: int, handoff: KVHandoff, block_ids: Sequence[int], endpoint: str,
              timeout_s: float, *, fault: TransferFault | None = None) -> Future[TransferResult]:
@@ -273,6 +296,7 @@ class RankLanes:
 
     def close(self) -> None:
         self._dispatch.shutdown(wait=False, cancel_futures=True)
+        self._cancels.shutdown(wait=False)
 
     def _ask(self, rank: int, make: Callable[[int], object]) -> Future[Reply]:
         future: Future[Reply] = Future()
@@ -307,24 +331,38 @@ class RankLanes:
         except (OSError, ValueError):  # the pipe broke (or closed): its reader reports the child gone
             return False
 
+    def _call_back(self, callback: Callable[[Settled], None], message: Settled) -> None:
+        try:
+            self._dispatch.submit(callback, message)
+        except RuntimeError:  # closed: the group is stopping, its reservations with it
+            pass
+
     def _read(self, rank: int, conn: Connection) -> None:
         try:
             while True:
-                message = conn.recv()
-                if isinstance(message, Reply):
-                    with self._lock:
-                        _, future = self._waiting.pop(message.token, (rank, None))
-                    if future is not None:
-                        future.set_result(message)
-                elif isinstance(message, Settled):
-                    with self._lock:
-                        callback = self._settle.get(message.transfer_id)
-                        if message.error is None:
-                            self.bytes_received[rank] += message.num_bytes
-                    if callback is not None:
-                        self._dispatch.submit(callback, message)
-        except (EOFError, OSError):
+                message = conn.recv()  # a broken or garbled pipe ends the child for us (below)
+                try:
+                    self._take(rank, message)
+                except Exception:  # noqa: BLE001 - one message's trouble; the pipe goes on
+                    logger.exception("tensor-parallel rank %d: a KV lane message failed", rank)
+        except Exception as exc:  # noqa: BLE001 - EOF (the child exited), or a pipe we cannot read any more
+            if not isinstance(exc, (EOFError, OSError)):
+                logger.error("tensor-parallel rank %d: its KV lane pipe failed (%s)", rank, exc)
             self._lost(rank)
+
+    def _take(self, rank: int, message: object) -> None:
+        if isinstance(message, Reply):
+            with self._lock:
+                _, future = self._waiting.pop(message.token, (rank, None))
+            if future is not None:
+                future.set_result(message)
+        elif isinstance(message, Settled):
+            with self._lock:
+                callback = self._settle.get(message.transfer_id)
+                if message.error is None:
+                    self.bytes_received[rank] += message.num_bytes
+            if callback is not None:
+                self._call_back(callback, message)
 
     def _lost(self, rank: int) -> None:
         """Child `rank`'s pipe closed (the child died, or the group closed): fail what waits on it, and every
@@ -339,10 +377,7 @@ class RankLanes:
         for future in waiting:
             future.set_exception(KVTransferError(why))
         for transfer_id, callback in callbacks:
-            try:
-                self._dispatch.submit(callback, Settled(transfer_id, (-1, rank), 0, why))
-            except RuntimeError:  # closed
-                return
+            self._call_back(callback, Settled(transfer_id, (-1, rank), 0, why))
 
 
 # ── a child rank ─────────────────────────────────────────────────────────────────────────────────────────────
@@ -472,17 +507,20 @@ class ChildLanes:
         self._start_message: Start | None = None
         self._receiver = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix=f"tp-lane-send{rank}")
 
     def serve_in_background(self) -> None:
         threading.Thread(target=self._serve, name=f"tp-lanes-rank{self.rank}", daemon=True).start()
 
     def _serve(self) -> None:
-        try:
-            while True:
-                self._handle(self.conn.recv())
-        except (EOFError, OSError):
-            return  # rank 0 is gone: this process ends with it (rank_worker watches its parent)
+        while True:
+            try:
+                message = self.conn.recv()
+            except Exception:  # noqa: BLE001 - EOF: rank 0 is gone, and this process ends with it (rank_worker
+                return  # watches its parent); a garbled pipe: rank 0 sees its cancels unanswered and stops us
+            try:
+                self._handle(message)
+            except Exception:  # noqa: BLE001 - one message's trouble; the pipe goes on
+                logger.exception("rank %d: a KV lane message failed", self.rank)
 
     def _reply(self, message: object) -> None:
         try:
@@ -492,15 +530,18 @@ class ChildLanes:
             pass  # rank 0 is gone
 
     def _handle(self, message: object) -> None:
-        if isinstance(message, Send):
-            self._pool.submit(self._send, message)
+        if isinstance(message, Send):  # a thread each: one slow receiver never holds up another's lanes
+            threading.Thread(target=self._send, args=(message,), name=f"tp-lane-send{self.rank}",
+                             daemon=True).start()
         elif isinstance(message, Expect):
             assert self.cache is not None, "Expect before Start"
             with self._cond:
                 self._expected[message.transfer_id] = _Expected(message, self.cache, self._reply)
                 self._cond.notify_all()
         elif isinstance(message, Forget):
-            self._end(message.transfer_id)
+            expected = self._end(message.transfer_id)
+            if expected is not None:  # committed (or let go): a lane still open here writes no more
+                expected.fail("the reservation ended")
         elif isinstance(message, Cancel):
             expected = self._end(message.transfer_id)
             if expected is not None:
@@ -567,7 +608,7 @@ class ChildLanes:
         threading.Thread(target=loop.run_forever, name=f"tp-lanes-grpc{self.rank}", daemon=True).start()
 
         async def make() -> grpc.aio.Server:
-            pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix=f"tp-lane-recv{self.rank}")
+            pool = ThreadPoolExecutor(max_workers=RECEIVE_THREADS, thread_name_prefix=f"tp-lane-recv{self.rank}")
             return grpc.aio.server(migration_thread_pool=pool, options=(*CHANNEL_OPTIONS, *SERVER_KEEPALIVE),
                                    interceptors=server_interceptors(message.auth))
 
@@ -606,17 +647,21 @@ WAIT_SLACK_S = 10.0  # past the handoff's timeout, how long rank 0 waits for a l
 
 
 def send_lanes(handoff: KVHandoff, *, own: RankCache, block_ids: Sequence[int], endpoints: Sequence[str],
-               sender: KVSender, ranks: RankLanes | None, timeout_s: float, pool: ThreadPoolExecutor,
+               sender: KVSender, ranks: RankLanes | None, timeout_s: float,
                wrap: Callable[[KVBlockSource, KVHandoff], KVBlockSource] | None = None) -> TransferResult:
-    """Send `handoff` (the whole of it) as its lanes: rank 0's (`own`, its cache) through `sender` on `pool`'s
-    threads, every other sender rank's by its own process (`ranks`), each lane to its receiver rank's endpoint
+    """Send `handoff` (the whole of it) as its lanes: rank 0's (`own`, its cache) through `sender`, each on a thread
+    of its own, every other sender rank's by its own process (`ranks`), each lane to its receiver rank's endpoint
     (`endpoints`, receiver rank 0 first). Returns once every lane's receiver committed it; otherwise waits until
-    every lane ended (so that no rank still reads the blocks when the caller frees them) and raises the first
-    failure. `wrap` (fault injection) wraps rank 0's source of the lane to receiver rank 0."""
+    every lane ended (so that no rank still reads the blocks when the caller frees them; each lane's send is bounded
+    by `timeout_s`) and raises the first failure that says why (a timeout, a checksum, a refusal) over the others'
+    knock-on errors. `wrap` (fault injection) wraps rank 0's source of the lane to receiver rank 0."""
     start_s = time.monotonic()
     if len(endpoints) != handoff.receiver_tensor_parallel_size:
         raise KVTransferError(f"handoff {handoff.transfer_id}: {len(endpoints)} decode rank endpoints for "
                               f"tensor-parallel size {handoff.receiver_tensor_parallel_size}")
+    lanes = handoff.all_lanes
+    if ranks is None and any(sender_rank > 0 for sender_rank, _ in lanes):
+        raise KVTransferError(f"handoff {handoff.transfer_id}: its lanes {lanes} need this worker's child ranks")
     ended: list[tuple[float, tuple[int, int], BaseException | None]] = []
     ended_lock = threading.Lock()
     futures: list[tuple[tuple[int, int], Future[TransferResult]]] = []
@@ -625,17 +670,17 @@ def send_lanes(handoff: KVHandoff, *, own: RankCache, block_ids: Sequence[int], 
         with ended_lock:
             ended.append((time.monotonic(), lane, future.exception()))
 
-    for sender_rank, receiver_rank in handoff.all_lanes:
+    for sender_rank, receiver_rank in lanes:
         lane = handoff.with_lane(sender_rank, receiver_rank)
         endpoint = endpoints[receiver_rank]
         if sender_rank == 0:
             source: KVBlockSource = WireBlocks(rank_view(own), block_ids, lane.wire, sender=True)
             if wrap is not None and receiver_rank == 0:
                 source = wrap(source, lane)
-            future = pool.submit(sender.send, lane, source, endpoint=endpoint, timeout_s=timeout_s)
-        elif ranks is None:
-            raise KVTransferError(f"handoff {handoff.transfer_id}: sender rank {sender_rank} has no lanes here")
+            future = _on_thread(functools.partial(sender.send, lane, source, endpoint=endpoint, timeout_s=timeout_s),
+                                f"kv-lane-{sender_rank}-{receiver_rank}")
         else:
+            assert ranks is not None
             future = ranks.send(sender_rank, lane, block_ids, endpoint, timeout_s)
         futures.append(((sender_rank, receiver_rank), future))
         future.add_done_callback(functools.partial(note, (sender_rank, receiver_rank)))
@@ -651,10 +696,26 @@ def send_lanes(handoff: KVHandoff, *, own: RankCache, block_ids: Sequence[int], 
             with ended_lock:
                 ended.append((time.monotonic(), lane, KVTransferTimeout(
                     f"handoff {handoff.transfer_id}: lane {lane} did not end within {timeout_s:.3g} s")))
-        except Exception:  # noqa: BLE001 - noted by its callback; the earliest failure is raised below
+        except Exception:  # noqa: BLE001 - noted by its callback; the failure to raise is chosen below
             pass
-    failures = sorted((t, lane, exc) for t, lane, exc in ended if exc is not None)
+    with ended_lock:
+        failures = sorted(((type(exc) is KVTransferError or not isinstance(exc, KVTransferError), t), lane, exc)
+                          for t, lane, exc in ended if exc is not None)
     if failures:
         _, lane, exc = failures[0]
         raise exc if isinstance(exc, KVTransferError) else KVTransferError(f"lane {lane}: {exc}")
     return TransferResult(num_bytes=num_bytes, seconds=time.monotonic() - start_s)
+
+
+def _on_thread(call: Callable[[], TransferResult], name: str) -> Future[TransferResult]:
+    """`call()` on a new daemon thread: a future of its result or exception."""
+    future: Future[TransferResult] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

@@ -25,12 +25,12 @@ import dataclasses
 import enum
 import hmac
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kv_transfer.layout import KVHandoff, KVLayout, KVRefused, KVTransferError
-from kv_transfer.rank_lanes import REPLY_S, Expect, RankLanes, Settled
+from kv_transfer.rank_lanes import Expect, RankLanes, Settled
 from kv_transfer.tp_plan import wire_plan
 from kv_transfer.tp_slices import RankCache, WireBlocks, rank_caches
 
@@ -158,8 +158,8 @@ class Reservation:
 
     def _settled(self, settled: Settled) -> None:
         """A child rank settled one of its lanes (on RankLanes' thread)."""
-        if settled.error is not None:
-            self.fail(f"lane {settled.lane}: {settled.error}" if settled.lane[0] >= 0 else settled.error)
+        if settled.error is not None:  # never waits here: other reservations' reports queue behind this one
+            self.fail_later(f"lane {settled.lane}: {settled.error}" if settled.lane[0] >= 0 else settled.error)
             return
         with self._lock:
             if self.state not in (ReservationState.RESERVED, ReservationState.RECEIVING):
@@ -174,9 +174,9 @@ class Reservation:
                 self._lane_committed(settled.lane, settled.num_bytes)
             committed = self.state is ReservationState.COMMITTED
         if why is not None:
-            self.fail(why)
+            self.fail_later(why)
         elif committed:
-            self._end_children()
+            self._end_children(wait=False)
 
     def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
         """Wire block `index` of the handoff (a whole block at TP 1 → 1, else one rank's run of KV heads of one)."""
@@ -212,42 +212,81 @@ class Reservation:
                 raise KVTransferError(f"request {self.request_id}: cannot commit a transfer that is {self.state.value}")
             self.state = ReservationState.COMMITTED
             self.done.set()
-        self._end_children()
+        self._end_children(wait=False)
+
+    @property
+    def cancels_later(self) -> bool:
+        """Whether cancelling it waits on child ranks (a round trip): callers on an asyncio loop use `fail_later`."""
+        return self._hub is not None
 
     def fail(self, reason: str) -> None:
         """Fail it unless it committed; at TP > 1 fail its lanes on every child rank too. Once this returns no write
-        into its blocks is in flight on any rank (so the owner may free them: `cancel`)."""
+        into its blocks is in flight on any rank (so the owner may free them: `cancel`). Blocks for a round trip to
+        the child ranks (a child that does not answer in time is stopped first: rank_lanes.RankLanes.cancel)."""
+        if self._settle(reason):
+            self._end_children(wait=True)
+
+    cancel = fail
+
+    def fail_later(self, reason: str, then: Callable[[], None] | None = None) -> None:
+        """`fail` without waiting: `then()` runs once no rank writes into its blocks any more (at once where no child
+        rank takes part; else on a thread of RankLanes')."""
+        if self._settle(reason):
+            self._end_children(wait=False, then=then)
+        elif then is not None:
+            then()
+
+    def _settle(self, reason: str) -> bool:
+        """FAILED unless settled; whether the child ranks take part (it did not commit, and it has them)."""
         with self._lock:
             if self.state in (ReservationState.RESERVED, ReservationState.RECEIVING):
                 self.state = ReservationState.FAILED
                 self.error = reason
                 self.done.set()
-            if self.state is ReservationState.COMMITTED or self._hub is None:
-                return
-        self._end_children()
-        self._children_quiet.wait(REPLY_S * 2)  # when another thread is the one cancelling on the children
-
-    cancel = fail
+            return self.state is not ReservationState.COMMITTED and self._hub is not None
 
     def end(self) -> None:
-        """Its owner let go of it (`ReservationSink.remove`): the child ranks forget it, unless they were told."""
-        self._end_children()
+        """Its owner let go of it (`ReservationSink.remove`): the child ranks forget it (cancel it, uncommitted),
+        unless they were told; never waits."""
+        self._end_children(wait=False)
 
-    def _end_children(self) -> None:
+    def _end_children(self, *, wait: bool, then: Callable[[], None] | None = None) -> None:
         """Once: the child ranks forget a committed reservation (no answer awaited: every lane of theirs settled), or
-        cancel any other (answered: then none of them writes into its blocks any more)."""
+        cancel any other (answered: then none of them writes into its blocks any more). `wait`: return only when
+        they are quiet (whoever told them); else `then()` runs when they are."""
         with self._lock:
-            if self._hub is None or self._hub_ended:
-                return
-            self._hub_ended = True
+            first = self._hub is not None and not self._hub_ended
+            if first:
+                self._hub_ended = True
             committed = self.state is ReservationState.COMMITTED
-        try:
-            if committed:
-                self._hub.forget(self.transfer_id)
-            else:
-                self._hub.cancel(self.transfer_id, self.error or "the reservation was let go")
-        finally:
-            self._children_quiet.set()
+        hub = self._hub
+        if hub is None:
+            if then is not None:
+                then()
+            return
+        if not first:  # told already, maybe still being told on another thread
+            if wait:
+                self._children_quiet.wait()
+            elif then is not None:
+                threading.Thread(target=lambda: (self._children_quiet.wait(), then()), daemon=True).start()
+            return
+        if committed:
+            hub.forget(self.transfer_id)
+            self._quiet(then)
+            return
+        reason = self.error or "the reservation was let go"
+        if wait:
+            try:
+                hub.cancel(self.transfer_id, reason)
+            finally:
+                self._quiet(then)
+        else:
+            hub.cancel_later(self.transfer_id, reason, lambda: self._quiet(then))
+
+    def _quiet(self, then: Callable[[], None] | None) -> None:
+        self._children_quiet.set()
+        if then is not None:
+            then()
 
 
 class _LaneWrites:
@@ -293,10 +332,10 @@ class _LaneWrites:
         if r._hub is not None:  # noqa: SLF001
             r._hub.count(0, received=self.num_bytes)  # noqa: SLF001
         if committed:
-            r._end_children()  # noqa: SLF001
+            r._end_children(wait=False)  # noqa: SLF001
 
     def fail(self, reason: str) -> None:
-        self.reservation.fail(f"lane {self.lane}: {reason}")
+        self.reservation.fail_later(f"lane {self.lane}: {reason}")
 
 
 class ReservationSink:

@@ -21,7 +21,6 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import grpc.aio
@@ -35,7 +34,7 @@ from kv_transfer.base import KVBlockSource, TransferResult
 from kv_transfer.handoff_failure import reason_of
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.tp_plan import WirePlan, wire_plan
-from kv_transfer.rank_lanes import LANE_TRANSPORTS, SEND_THREADS, send_lanes
+from kv_transfer.rank_lanes import LANE_TRANSPORTS, send_lanes
 from kv_transfer.tp_slices import RankCache, WireBlocks, rank_caches
 from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
@@ -96,12 +95,10 @@ class PrefillWorker(RuntimeWorker):
         self.sender = self.runtime.sender()
         self._cuts_left = int(os.environ.get(FAULT_KV_CUTS_ENV, "0") or 0)
         self._cuts_lock = threading.Lock()
-        self._lane_pool = ThreadPoolExecutor(max_workers=SEND_THREADS, thread_name_prefix=f"{config.worker_id}-lanes")
         serving_pb2_grpc.add_WorkerServicer_to_server(PrefillServicer(self), self.runtime.server)
 
     def stop(self) -> None:
         self.runtime.stop()  # and its sender
-        self._lane_pool.shutdown(wait=False)
 
     async def prefill(
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -221,8 +218,7 @@ class PrefillWorker(RuntimeWorker):
             # rank to rank: each sender rank streams its own KV heads to each receiver rank's own endpoint
             own = RankCache(layout=layout, rank=0, kv_cache=blocks.kv_cache, kv_scales=blocks.kv_scales)
             result = send_lanes(handoff, own=own, block_ids=block_ids, endpoints=request.decode_rank_endpoints,
-                                sender=self.sender, ranks=runtime.lanes, timeout_s=timeout_s, pool=self._lane_pool,
-                                wrap=wrap)
+                                sender=self.sender, ranks=runtime.lanes, timeout_s=timeout_s, wrap=wrap)
         else:
             source = wrap(HeldBlocks(blocks.kv_cache, block_ids, layout, blocks.kv_scales, ranks=blocks.ranks,
                                      plan=handoff.wire), handoff)

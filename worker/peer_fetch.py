@@ -23,8 +23,8 @@ holder killed mid-fetch takes its pins with it; the fetcher's call fails within 
 
 Tensor parallelism: a holder at any size sends, its wire plan cutting each block for a receiver of size 1; a fetcher
 at any size stages whole blocks (every KV head: a layout of size 1), which its admission loads into every rank's
-cache, each rank its heads (engine/kv_peer_blocks.py). A fetcher whose child ranks' caches are not mapped into its
-process does not fetch.
+cache, each rank its heads (engine/kv_peer_blocks.py), on cpu (on cuda that copy into another process' device memory
+would need a cross-process sync, not built: a fetcher at TP > 1 on cuda does not fetch).
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ class PeerFetcher:
         layout = runtime.layout
         if not plan.endpoint or plan.endpoint == runtime.endpoint:
             return NOTHING
-        if layout.tensor_parallel_size != 1 and runtime.engine.kv_blocks.ranks is None:
-            self._failed(req, plan, "refused", "its child ranks' KV caches are not mapped here (a peer fetch stages "
-                         "whole blocks that rank 0 loads into every rank)")
+        if layout.tensor_parallel_size != 1 and not runtime.engine.peer_blocks.loads_every_rank:
+            self._failed(req, plan, "refused", "at tensor_parallel_size > 1 a peer fetch stages whole blocks that "
+                         "rank 0 loads into every rank's cache: on cpu only")
             return NOTHING
         # Never the prompt's last token: the step that computes it samples the first output token.
         num_blocks = min(plan.num_blocks, (req.num_tokens - 1) // layout.block_size, len(req.block_hashes))

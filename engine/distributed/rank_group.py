@@ -90,7 +90,9 @@ class RankGroup:
                 conn.send(shared)
                 self.ready.append(self._expect(conn, rank, Ready))  # the child's model holds its shard now
                 del shared
-            self.lanes = RankLanes(self.lane_conns, self.world_size)
+            # A child that does not confirm a cancelled handoff in time is stopped (every child, the group failed)
+            # before the cancel returns: it might otherwise still write into blocks the engine frees.
+            self.lanes = RankLanes(self.lane_conns, self.world_size, on_stuck=lambda why: self.fail(why))
             return group
         except BaseException:
             self.close()

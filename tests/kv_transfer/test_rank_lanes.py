@@ -74,3 +74,23 @@ def test_cancel_waits_for_the_childs_answer_and_settlements_reach_their_reservat
     assert done.is_set()
     child.send(Settled("t", (1, 1), 1, None, 64))  # after the cancel: nobody listens for it any more
     lanes.close()
+
+
+def test_a_child_that_does_not_confirm_a_cancel_is_stopped_before_the_cancel_returns(monkeypatch) -> None:  # noqa: ANN001
+    """It might still be writing into the blocks the caller frees next: the group is failed (every child killed)
+    first, through `on_stuck`."""
+    from kv_transfer import rank_lanes
+
+    monkeypatch.setattr(rank_lanes, "REPLY_S", 0.3)
+    parent, child = multiprocessing.Pipe()
+    stuck: list[str] = []
+    lanes = RankLanes([parent], world_size=2, on_stuck=stuck.append)
+    try:
+        lanes.cancel("t", "aborted")  # the child reads nothing, answers nothing
+        assert len(stuck) == 1 and "rank 1 did not confirm cancelling KV transfer t" in stuck[0]
+        assert isinstance(child.recv(), Cancel)
+        done = threading.Event()
+        lanes.cancel_later("u", "aborted", done.set)  # the same, on a thread of its own, then the callback
+        assert done.wait(5) and len(stuck) == 2
+    finally:
+        lanes.close()

@@ -169,8 +169,6 @@ def test_lanes_on_cuda_give_tp1s_tokens(tiny_checkpoint, monkeypatch: pytest.Mon
     cache (staged through its own pinned memory) and takes its own into it, no cache mapped into rank 0 on the way;
     the decode engine's tokens are the colocated TP 1 engine's and every block comes back. (torch's NCCL pairs need
     two GPUs: not here.)"""
-    from concurrent.futures import ThreadPoolExecutor
-
     from kv_transfer.rank_lanes import send_lanes
     from kv_transfer.reservation import ReservationState
     from tests.engine.distributed.test_tp_lanes import PARAMS, PROMPT, Side, reserve, settle
@@ -189,9 +187,8 @@ def test_lanes_on_cuda_give_tp1s_tokens(tiny_checkpoint, monkeypatch: pytest.Mon
     try:
         reservation, handoff, block_ids = reserve(prefill, decode, "r")
         try:
-            with ThreadPoolExecutor(max_workers=4) as pool:
-                send_lanes(handoff, own=prefill.own, block_ids=block_ids, endpoints=decode.endpoints,
-                           sender=prefill.sender, ranks=prefill.lanes, timeout_s=60, pool=pool)
+            send_lanes(handoff, own=prefill.own, block_ids=block_ids, endpoints=decode.endpoints,
+                       sender=prefill.sender, ranks=prefill.lanes, timeout_s=60)
             assert reservation.done.wait(10) and reservation.state is ReservationState.COMMITTED, reservation.error
         finally:
             settle(prefill, decode, "r", reservation)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -71,8 +70,7 @@ def sides(request, tiny_checkpoint):  # noqa: ANN001, ANN201
     reference = make_engine(tiny_checkpoint, **ENGINE)
     reference.add_request("ref", PROMPT, PARAMS)
     expected = steps_until_finished(reference, "ref")
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        yield made, expected, pool
+    yield made, expected
     for side in made.values():
         side.close()
 
@@ -126,14 +124,14 @@ def moved(lanes: RankLanes | None, side: str) -> dict[int, int]:
 @pytest.mark.parametrize(("sender_tp", "receiver_tp"), [(2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (4, 2), (2, 4)])
 def test_each_rank_sends_and_takes_its_own_heads_and_the_answer_is_tp1s(sides, sender_tp: int,
                                                                         receiver_tp: int) -> None:
-    made, expected, pool = sides
+    made, expected = sides
     prefill, decode = made[sender_tp], made[-receiver_tp if receiver_tp == sender_tp else receiver_tp]
     request_id = f"lanes-{sender_tp}-{receiver_tp}"
     sent_before, received_before = moved(prefill.lanes, "sent"), moved(decode.lanes, "received")
     reservation, handoff, block_ids = reserve(prefill, decode, request_id)
     try:
         result = send_lanes(handoff, own=prefill.own, block_ids=block_ids, endpoints=decode.endpoints,
-                            sender=prefill.sender, ranks=prefill.lanes, timeout_s=30, pool=pool)
+                            sender=prefill.sender, ranks=prefill.lanes, timeout_s=30)
         assert reservation.done.wait(5) and reservation.state is ReservationState.COMMITTED, reservation.error
     finally:
         settle(prefill, decode, request_id, reservation)
@@ -162,7 +160,7 @@ def test_each_rank_sends_and_takes_its_own_heads_and_the_answer_is_tp1s(sides, s
 def test_a_corrupted_lane_of_a_child_rank_fails_the_handoff_on_every_rank(sides) -> None:
     """Rank 1 of the prefill flips a byte of its last wire block to decode rank 1: that rank's check fails it, the
     reservation fails, the sender raises the checksum error, and no engine holds a block."""
-    made, _, pool = sides
+    made, _ = sides
     prefill, decode = made[2], made[-2]
     reservation, handoff, block_ids = reserve(prefill, decode, "corrupt")
     lane = handoff.with_lane(1, 1)
@@ -170,7 +168,7 @@ def test_a_corrupted_lane_of_a_child_rank_fails_the_handoff_on_every_rank(sides)
     try:
         with pytest.raises(KVChecksumError, match="lane \\(1, 1\\) from rank 1"):
             send_lanes(handoff, own=prefill.own, block_ids=block_ids, endpoints=decode.endpoints,
-                       sender=prefill.sender, ranks=faulty, timeout_s=30, pool=pool)
+                       sender=prefill.sender, ranks=faulty, timeout_s=30)
         assert reservation.done.wait(5) and reservation.state is ReservationState.FAILED
         assert "lane (1, 1)" in (reservation.error or "")
     finally:
@@ -184,12 +182,12 @@ def test_a_corrupted_lane_of_a_child_rank_fails_the_handoff_on_every_rank(sides)
 def test_a_lane_that_comes_again_or_after_a_cancel_is_refused_at_once(sides) -> None:
     """A child rank takes each lane of a reservation once, and none after rank 0 cancelled it: no late sender
     writes into blocks another request may own by then."""
-    made, _, pool = sides
+    made, _ = sides
     prefill, decode = made[2], made[-2]
     reservation, handoff, block_ids = reserve(prefill, decode, "again")
     try:
         send_lanes(handoff, own=prefill.own, block_ids=block_ids, endpoints=decode.endpoints, sender=prefill.sender,
-                   ranks=prefill.lanes, timeout_s=30, pool=pool)
+                   ranks=prefill.lanes, timeout_s=30)
         assert reservation.done.wait(5) and reservation.state is ReservationState.COMMITTED
         # the same lane again, to decode rank 1 (which forgot the committed reservation)
         with pytest.raises(KVTransferError, match="refused: rank 1: no blocks are reserved"):
@@ -231,7 +229,7 @@ def test_a_lane_that_comes_again_or_after_a_cancel_is_refused_at_once(sides) -> 
 def test_a_whole_handoff_to_a_worker_whose_ranks_take_lanes_only_is_refused(sides) -> None:
     """Where the children's caches are not mapped into rank 0 (a GPU), rank 0 refuses a handoff of every rank's
     heads, naming the lanes, before any byte."""
-    made, _, _ = sides
+    made, _ = sides
     decode = made[2]
     blocks = decode.engine.kv_blocks
     reservation = Reservation("unmapped", 10, [0, 1, 2], blocks.kv_cache, blocks.layout, kv_scales=blocks.kv_scales)
