@@ -146,14 +146,17 @@ class KillDecodeMidStream(Fault):
 
     def inject(self, cluster: Cluster, rng: random.Random) -> str:
         decode = _serving(cluster, "decode")
-        victim, deadline = rng.choice(decode), time.monotonic() + 10
+        victim, running, deadline = rng.choice(decode), 0, time.monotonic() + 10
         while time.monotonic() < deadline:
-            busy = [w for w in rng.sample(decode, len(decode)) if cluster.load(w["endpoint"]).num_requests_running]
-            if busy:
-                victim = busy[0]
+            for worker in rng.sample(decode, len(decode)):
+                # killed the moment it is seen busy: a second look first would let a short stream finish meanwhile
+                running = cluster.load(worker["endpoint"]).num_requests_running
+                if running:
+                    victim = worker
+                    break
+            if running:
                 break
             time.sleep(0.05)
-        running = cluster.load(victim["endpoint"]).num_requests_running
         os.kill(victim["pid"], signal.SIGKILL)
         return f"SIGKILL {victim['worker_id']} (pid {victim['pid']}) running {running} streams"
 

@@ -22,7 +22,7 @@ import torch
 
 from engine.core.kv_cache_manager import LowerTier
 from kv_transfer.block_hash import BlockHash
-from kv_transfer.tp_slices import WholeBlocks
+from kv_transfer.whole_blocks import WholeBlocks
 
 
 @dataclass(frozen=True)

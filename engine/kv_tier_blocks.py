@@ -8,7 +8,7 @@
 One block's bytes: its KV across every layer, [num_layers, 2, block_size, num_kv_heads, head_dim] in the cache's
 dtype, then for an int8 cache its scales [num_layers, 2, num_kv_heads] float32: every KV head, at any
 tensor-parallel size (at TP N rank 0 gathers a block's heads from every rank's cache, which the child ranks share
-with it, and scatters them back: kv_transfer/tp_slices.py `WholeBlocks`), so that a tier's entries are one model's
+with it, and scatters them back: kv_transfer/whole_blocks.py), so that a tier's entries are one model's
 whatever the size that wrote them. Start-up refuses what a tier cannot hold yet (a draft model's own KV; TP > 1 on
 cuda).
 """
@@ -26,7 +26,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.kv_tier import DirectoryStore, KVTier, KVTierError, MemoryStore
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace
 from kv_transfer.layout import KVLayout
-from kv_transfer.tp_slices import WholeBlocks, rank_caches
+from kv_transfer.whole_blocks import WholeBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +107,6 @@ def block_nbytes(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
     return kv_cache.numel() // num_blocks * kv_cache.element_size() + _scales_nbytes(kv_scales)
 
 
-def whole_block_nbytes(whole: WholeBlocks) -> int:
-    """The bytes of one block, every head, as the tier keeps it at tensor_parallel_size > 1."""
-    num_layers, two, _, num_kv_heads, _ = whole.kv_shape
-    scales = num_layers * two * num_kv_heads * 4 if whole.layout.quantized else 0
-    return math.prod(whole.kv_shape) * whole.caches[0].kv_cache.element_size() + scales
-
-
 def _scales_nbytes(kv_scales: torch.Tensor | None) -> int:
     if kv_scales is None:
         return 0
@@ -160,8 +153,8 @@ def make_tier(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor
         if layout is None or ranks is None:
             raise KVTierError("a KV offload tier at --tensor-parallel-size > 1 needs every rank's KV cache, which "
                               "its child ranks did not share")
-        whole = WholeBlocks(rank_caches(layout, ranks))
-    nbytes = block_nbytes(kv_cache, kv_scales) if whole is None else whole_block_nbytes(whole)
+        whole = WholeBlocks(layout, ranks)
+    nbytes = block_nbytes(kv_cache, kv_scales) if whole is None else whole.nbytes
     if config.kv_offload_dir is not None:
         assert config.kv_offload_size_bytes is not None  # EngineConfig checks it
         store: DirectoryStore | MemoryStore = DirectoryStore(config.kv_offload_dir, namespace)

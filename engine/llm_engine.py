@@ -46,7 +46,7 @@ from engine.spec_decode.speculator import NullSpeculator
 from kv_transfer.block_hash import BlockHash
 from kv_transfer.kv_events import DEVICE, KVEvent
 from kv_transfer.layout import KVLayout
-from kv_transfer.tp_slices import WholeBlocks, rank_caches
+from kv_transfer.whole_blocks import WholeBlocks
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +100,7 @@ class LLMEngine:
         blocks = self.kv_blocks
         whole = None
         if blocks.layout.tensor_parallel_size > 1 and blocks.ranks is not None and self.device.type == "cpu":
-            whole = WholeBlocks(rank_caches(blocks.layout, blocks.ranks))
+            whole = WholeBlocks(blocks.layout, blocks.ranks)
         self.peer_blocks = PeerBlocks(self.runner.kv_cache, self.runner.kv_scales, whole=whole)
         self._tiers = TierChain([self.peer_blocks, *([self.kv_tier] if self.kv_tier is not None else [])])
         self._pinned: dict[str, list[KVBlock]] = {}

@@ -14,7 +14,6 @@ when the copy is fused, so the caller must fail the handoff and free the blocks 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ import torch
 
 from kv_transfer.block_copy import gather
 from kv_transfer.layout import KVLayout
-from kv_transfer.tp_plan import WirePlan, plan_tp_handoff, slice_layout
+from kv_transfer.tp_plan import WirePlan, slice_layout
 from kv_transfer.wire_block import read_wire_block, read_wire_blocks, write_wire_block, write_wire_blocks
 
 
@@ -140,48 +139,3 @@ class WireBlocks:
         for slot in range(data.shape[0]):
             self.write_block(first_index + slot, data[slot], None)
 
-
-class WholeBlocks:
-    """Whole blocks (every KV head, as a tensor-parallel size 1 engine holds them) read out of and written into an
-    engine's rank caches, each rank's in place: what a tier below the device cache keeps at any tensor-parallel size.
-
-    A whole block: values [num_layers, 2, block_size, num_kv_heads, head_dim] and, for int8, scales [num_layers, 2,
-    num_kv_heads] float32. `read` takes each head from the lowest rank holding it; `write` puts each head into every
-    rank holding it (both are the plans of a handoff to and from a TP 1 engine, kv_transfer/tp_plan.py)."""
-
-    def __init__(self, caches: Sequence[RankCache]) -> None:
-        self.caches = caches
-        self.layout = caches[0].layout
-        one = dataclasses.replace(self.layout, tensor_parallel_size=1)
-        self._gather = plan_tp_handoff(self.layout, one).slices
-        self._scatter = plan_tp_handoff(one, self.layout).slices
-        first = caches[0].kv_cache
-        lay = self.layout
-        self.kv_shape = (lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        self.kv_dtype = first.dtype
-        self.device = first.device
-
-    def read(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Block `block_id`, every head, in new tensors on the caches' device."""
-        kv = torch.empty(self.kv_shape, dtype=self.kv_dtype, device=self.device)
-        scales = None if not self.layout.quantized else torch.empty(
-            (*self.kv_shape[:2], self.kv_shape[3]), dtype=torch.float32, device=self.device)
-        for s in self._gather:
-            cache = self.caches[s.sender_rank]
-            kv[:, :, :, _run(s.receiver_heads)] = cache.kv_cache[:, :, block_id, :, _run(s.sender_heads)]
-            if scales is not None:
-                assert cache.kv_scales is not None
-                scales[:, :, _run(s.receiver_heads)] = cache.kv_scales[:, :, block_id, _run(s.sender_heads)]
-        return kv, scales
-
-    def write(self, block_id: int, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
-        """Store whole block `kv` (and its `scales`) as block `block_id` of every rank, each rank its heads."""
-        for s in self._scatter:
-            cache = self.caches[s.receiver_rank]
-            cache.kv_cache[:, :, block_id, :, _run(s.receiver_heads)] = kv[:, :, :, _run(s.sender_heads)]
-            if scales is not None and cache.kv_scales is not None:
-                cache.kv_scales[:, :, block_id, _run(s.receiver_heads)] = scales[:, :, _run(s.sender_heads)]
-
-
-def _run(heads: range) -> slice:
-    return slice(heads.start, heads.stop)

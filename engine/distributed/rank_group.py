@@ -18,7 +18,7 @@ import multiprocessing
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,9 @@ from engine.distributed.group import make_group, make_store
 from engine.model.tp_group import TPGroup
 from engine.distributed.rank_worker import Hello, RankSpec, Ready, run_rank
 from engine.distributed.shared_weights import share
-from kv_transfer.rank_lanes import RankLanes
+
+if TYPE_CHECKING:
+    from kv_transfer.rank_lanes import RankLanes
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ class RankGroup:
                 del shared
             # A child that does not confirm a cancelled handoff in time is stopped (every child, the group failed)
             # before the cancel returns: it might otherwise still write into blocks the engine frees.
+            from kv_transfer.rank_lanes import RankLanes  # gRPC's side of the house: imported where it is used
+
             self.lanes = RankLanes(self.lane_conns, self.world_size, on_stuck=lambda why: self.fail(why))
             return group
         except BaseException:

@@ -1,5 +1,5 @@
 """The disk tier below the device KV cache at tensor_parallel_size > 1 (engine/kv_tier_blocks.py with
-kv_transfer/tp_slices.py `WholeBlocks`), over the tiny model (2 KV heads: TP 2 splits them, TP 4 replicates each on
+kv_transfer/whole_blocks.py), over the tiny model (2 KV heads: TP 2 splits them, TP 4 replicates each on
 two ranks), with real rank processes.
 
 A block goes down with every head, gathered from the ranks holding them, and comes back into every rank's cache: a
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_transfer.tp_slices import WholeBlocks, rank_caches
+from kv_transfer.whole_blocks import WholeBlocks
 from tests.engine.test_kv_tier import (BLOCK_SIZE, HISTORY, NEXT_TURN, NUM_COMPUTED_BLOCKS, _engine, _returning_chat,
                                        _run)
 from tests.engine.tiny_model import BlockRefCounter, assert_no_blocks_held, greedy
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 def _whole(engine) -> WholeBlocks:  # noqa: ANN001
     blocks = engine.kv_blocks
-    return WholeBlocks(rank_caches(blocks.layout, blocks.ranks))
+    return WholeBlocks(blocks.layout, blocks.ranks)
 
 
 def _whole_kv_of_cached(engine, hashes) -> dict[bytes, tuple]:  # noqa: ANN001

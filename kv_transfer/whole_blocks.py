@@ -1,0 +1,70 @@
+"""Whole blocks (every KV head, as a tensor-parallel size 1 engine holds them) read out of, and written into, a
+tensor-parallel engine's rank caches, each rank's in place: what a tier below the device cache keeps, and what a peer
+fetch stages, at any tensor-parallel size (engine/kv_tier_blocks.py, engine/kv_peer_blocks.py).
+
+No gRPC: the engine imports this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from kv_transfer.layout import KVLayout
+from kv_transfer.tp_plan import plan_tp_handoff
+
+
+class WholeBlocks:
+    """A whole block: values [num_layers, 2, block_size, num_kv_heads, head_dim] and, for int8, scales [num_layers, 2,
+    num_kv_heads] float32. `read` takes each head from the lowest rank holding it; `write` puts each head into every
+    rank holding it (both are the plans of a handoff to and from a TP 1 engine, kv_transfer/tp_plan.py). `ranks`:
+    every rank's (kv_cache [num_layers, 2, num_blocks, block_size, local heads, head_dim], kv_scales or None), rank
+    0 first (engine/kv_blocks.py `KVBlocks.ranks`)."""
+
+    def __init__(self, layout: KVLayout, ranks: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        if len(ranks) != layout.tensor_parallel_size:
+            raise ValueError(f"{len(ranks)} rank caches for tensor-parallel size {layout.tensor_parallel_size}")
+        self.layout = layout
+        self.ranks = ranks
+        one = dataclasses.replace(layout, tensor_parallel_size=1)
+        self._gather = plan_tp_handoff(layout, one).slices
+        self._scatter = plan_tp_handoff(one, layout).slices
+        first = ranks[0][0]
+        self.kv_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.kv_dtype = first.dtype
+        self.device = first.device
+
+    @property
+    def nbytes(self) -> int:
+        """One whole block's bytes: its values, and an int8 cache's scales."""
+        num_layers, two, block_size, num_kv_heads, head_dim = self.kv_shape
+        scales = num_layers * two * num_kv_heads * 4 if self.layout.quantized else 0
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
+        return num_layers * two * block_size * num_kv_heads * head_dim * element + scales
+
+    def read(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block `block_id`, every head, in new tensors on the caches' device."""
+        kv = torch.empty(self.kv_shape, dtype=self.kv_dtype, device=self.device)
+        scales = None if not self.layout.quantized else torch.empty(
+            (*self.kv_shape[:2], self.kv_shape[3]), dtype=torch.float32, device=self.device)
+        for s in self._gather:
+            cache, cache_scales = self.ranks[s.sender_rank]
+            kv[:, :, :, _run(s.receiver_heads)] = cache[:, :, block_id, :, _run(s.sender_heads)]
+            if scales is not None:
+                assert cache_scales is not None
+                scales[:, :, _run(s.receiver_heads)] = cache_scales[:, :, block_id, _run(s.sender_heads)]
+        return kv, scales
+
+    def write(self, block_id: int, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Store whole block `kv` (and its `scales`) as block `block_id` of every rank, each rank its heads."""
+        for s in self._scatter:
+            cache, cache_scales = self.ranks[s.receiver_rank]
+            cache[:, :, block_id, :, _run(s.receiver_heads)] = kv[:, :, :, _run(s.sender_heads)]
+            if scales is not None and cache_scales is not None:
+                cache_scales[:, :, block_id, _run(s.receiver_heads)] = scales[:, :, _run(s.sender_heads)]
+
+
+def _run(heads: range) -> slice:
+    return slice(heads.start, heads.stop)
