@@ -167,8 +167,9 @@ class Scheduler:
 
     def reserve_remote(self, request: Request) -> bool:
         """Allocate blocks for `request`'s prompt, whose KV will arrive from a prefill worker, and for the first token
-        it decodes. The prompt's longest cached prefix here is taken as it is (shared, nothing to receive):
-        `kv_cache.num_cached_blocks` says how many leading blocks that is. False (and nothing changed) if the pool
+        it decodes. The prompt's longest cached prefix here is taken as it is (shared, nothing to receive), and the
+        blocks after it that the tier below holds are loaded: `kv_cache.num_cached_blocks` says how many leading
+        blocks that is. False (and nothing changed) if the pool
         cannot hold it now, or a waiting request is blocked on blocks (it goes first)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -176,8 +177,13 @@ class Scheduler:
             return False
         hits = self.kv_cache.cached_prefix(request)
         num_hit_tokens = len(hits) * self.kv_cache.block_size
+        # Blocks after those that a tier below the device cache holds (--kv-offload-dir) are loaded here too, into
+        # the blocks reserved for them: they need not travel either.
+        num_loadable = self.kv_cache.num_loadable_blocks(request, len(hits))
         if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens + 1 - num_hit_tokens, hits):
             return False
+        if num_loadable:
+            self.kv_cache.load_blocks(request, len(hits), num_loadable)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         return True

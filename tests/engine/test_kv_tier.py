@@ -190,6 +190,30 @@ def test_another_namespace_on_the_same_dir_is_ignored(tiny_checkpoint, tmp_path:
     assert set(files) <= set(tmp_path.rglob("*.kv"))  # the first namespace's entries untouched
 
 
+def test_a_prompt_whose_kv_arrives_from_a_prefill_worker_loads_its_tiered_head_first(tiny_checkpoint,
+                                                                                    tmp_path: Path) -> None:
+    """A decode worker reserving blocks for a prompt (`reserve_remote`) loads the blocks its tier holds after its
+    device hits into the reserved ones: they count as held, and the prefill worker sends only the rest."""
+    engine = _engine(tiny_checkpoint, tmp_path)
+    first = _run(engine, "turn-1", HISTORY)
+    hashes = engine.make_request("p", HISTORY + first, greedy()).block_hashes
+    computed = _kv_of_cached(engine, hashes)
+    assert len(computed) == NUM_COMPUTED_BLOCKS
+    for i, other in enumerate(OTHERS):  # evicts the history into the tier
+        _run(engine, f"other-{i}", other)
+    assert not any(engine.block_pool.get_cached_block(h) for h in computed)
+    request = engine.make_request("remote", HISTORY + first + NEXT_TURN, greedy())
+    reserved = engine.reserve_remote(request)
+    assert reserved is not None and reserved.num_held_blocks == NUM_COMPUTED_BLOCKS
+    for block_id, block_hash in zip(reserved.block_ids, hashes[:NUM_COMPUTED_BLOCKS], strict=False):
+        assert torch.equal(engine.runner.kv_cache[:, :, block_id], computed[block_hash][0])
+    assert engine.stats().prefix_cache_hits_by_tier["disk"] == NUM_COMPUTED_BLOCKS * BLOCK_SIZE
+    engine.abort_request(["remote"])  # the handoff failed, say: every block back, the loaded ones stay cached
+    assert_no_blocks_held(engine)
+    assert all(engine.block_pool.get_cached_block(h) for h in computed)
+    engine.close()
+
+
 def test_evicting_into_the_tier_keeps_blocks_announced(tiny_checkpoint, tmp_path: Path) -> None:
     engine = _engine(tiny_checkpoint, tmp_path, kv_offload_size_bytes=20 * ENTRY_BYTES)
     events = []
