@@ -24,13 +24,17 @@ def format_table(plan: Plan, *, top: int = 10) -> str:
     the requests refused, and whether it meets the SLO (else what binds)."""
     with_max = plan.traffic.rate is None
     finite = plan.traffic.num_requests is not None  # a finite run: the requests the gateway refuses, too
-    header = f"{'#':>2}  {'layout':34s} {'workers':>7}  {'TTFT p50':>8} {'p90':>6}  {'TPOT p50':>8} {'p90':>6}  " \
+    # With tensor-parallel layouts the count is ranks (a worker of size N is N), what the plan ranks by.
+    ranks = any(p.layout.num_ranks != p.layout.num_workers for p in plan.ranked)
+    header = f"{'#':>2}  {'layout':34s} {'ranks' if ranks else 'workers':>7}  {'TTFT p50':>8} {'p90':>6}  " \
+             f"{'TPOT p50':>8} {'p90':>6}  " \
              f"{'goodput':>8}  " + ("refused  " if finite else "") + ("max rate  " if with_max else "") + "SLO"
     lines = [header, "-" * len(header)]
     for i, p in enumerate(plan.ranked[:top], 1):
         rate = f"{p.max_rate:8.2f}  " if with_max and p.max_rate is not None else ("       -  " if with_max else "")
         refused = f"{p.num_refused:7.1f}  " if finite else ""
-        lines.append(f"{i:>2}  {p.layout.label:34s} {p.layout.num_workers:>7}  {_ms(p.ttft_p50_s):>8} "
+        count = p.layout.num_ranks if ranks else p.layout.num_workers
+        lines.append(f"{i:>2}  {p.layout.label:34s} {count:>7}  {_ms(p.ttft_p50_s):>8} "
                      f"{_ms(p.ttft_p90_s):>6}  {_ms(p.tpot_p50_s):>8} {_ms(p.tpot_p90_s):>6}  {p.goodput:8.2f}  "
                      f"{refused}{rate}{'meets' if p.meets else 'misses: ' + p.binding}")
     return "\n".join(lines)
