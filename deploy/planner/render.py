@@ -12,7 +12,8 @@ from deploy.planner.profile import Profile
 
 # Engine flags a profile records that `serve` should run with too, when they differ from the engine's defaults.
 _ENGINE_FLAGS = {"dtype": ("--dtype", "auto"), "kv_cache_dtype": ("--kv-cache-dtype", "auto"),
-                 "quantization": ("--quantization", "none"), "block_size": ("--block-size", 16)}
+                 "quantization": ("--quantization", "none"), "block_size": ("--block-size", 16),
+                 "load_format": ("--load-format", "auto")}
 
 
 def _ms(seconds: float) -> str:
