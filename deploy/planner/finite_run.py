@@ -258,7 +258,7 @@ class _Simulation:
         # The gateway counts each request's blocks to start (prompt + 1 tokens) against the pool's KV.
         block_size = profile.kv.block_size
         start_blocks = math.ceil((traffic.isl + 1) / block_size)
-        by_blocks = num_decode * profile.kv.num_blocks // max(1, start_blocks)
+        by_blocks = num_decode * model.num_kv_blocks // max(1, start_blocks)
         self.slots = max(1, min(num_decode * layout.max_num_seqs, by_blocks))
         self.in_flight = 0
         self.queue: deque[_Request] = deque()

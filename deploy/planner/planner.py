@@ -179,7 +179,7 @@ class Prediction:
             return None if x is None or math.isinf(x) else round(x, 6)
 
         return {"layout": {**dataclasses.asdict(self.layout), "label": self.layout.label,
-                           "num_workers": self.layout.num_workers,
+                           "num_workers": self.layout.num_workers, "num_ranks": self.layout.num_ranks,
                            "kind": "colocated" if self.layout.colocated else "disaggregated"},
                 "rate": finite(self.rate), "ttft_p50_s": finite(self.ttft_p50_s), "ttft_p90_s": finite(self.ttft_p90_s),
                 "tpot_p50_s": finite(self.tpot_p50_s), "tpot_p90_s": finite(self.tpot_p90_s),
@@ -277,7 +277,13 @@ class LayoutModel:
 
     def __init__(self, profile: Profile, traffic: Traffic, layout: Layout, options: PlanOptions) -> None:
         self.profile, self.traffic, self.layout, self.options = profile, traffic, layout, options
-        self.threads = max(1, profile.cpu_count // max(1, layout.num_ranks)) * layout.decode_pool_tp
+        n, c = traffic.num_new_tokens, traffic.num_cached_tokens
+        self.local = (not layout.colocated) and n <= layout.prefill_threshold_tokens
+        # A prompt prefilled locally (under the threshold) runs on a decode worker, at its size.
+        prefill_tp = layout.decode_pool_tp if self.local else layout.prefill_pool_tp
+        per_rank = max(1, profile.cpu_count // max(1, layout.num_ranks))
+        self.threads = per_rank * layout.decode_pool_tp  # a decode (or colocated) worker's, all its ranks
+        self.prefill_threads = per_rank * prefill_tp
         serving = profile.serving
         self.serving_overhead_s = (options.serving_overhead_s if options.serving_overhead_s is not None
                                    else serving.ttft_overhead_s if serving is not None else 0.0)
@@ -287,14 +293,13 @@ class LayoutModel:
         measured_alike = self.threads >= profile.num_threads or not options.one_host
         self.step_overhead_s = serving.step_overhead_s if serving is not None and measured_alike else 0.0
         # Each pool's tensor-parallel size scales its compute by what the profile measured at that size.
-        self.prefill_slowdown = profile.tp_scale(layout.prefill_pool_tp, "prefill")
+        self.prefill_slowdown = profile.tp_scale(prefill_tp, "prefill")
         self.decode_slowdown = profile.tp_scale(layout.decode_pool_tp, "decode")
         if options.one_host:
             self.prefill_slowdown *= host_share_slowdown(profile, layout.num_workers, "prefill",
-                                                         num_ranks=layout.num_ranks, tp=layout.prefill_pool_tp)
+                                                         num_ranks=layout.num_ranks, tp=prefill_tp)
             self.decode_slowdown *= host_share_slowdown(profile, layout.num_workers, "decode",
                                                         num_ranks=layout.num_ranks, tp=layout.decode_pool_tp)
-        n, c = traffic.num_new_tokens, traffic.num_cached_tokens
         budget = int(profile.engine.get("max_num_batched_tokens") or n) or n
         self.num_chunks = max(1, math.ceil(n / budget))
         self.intercept_s = self.prefill_slowdown * profile.prefill.intercept_s
@@ -304,9 +309,9 @@ class LayoutModel:
         self.ctx = traffic.isl + traffic.osl / 2
         block_size = profile.kv.block_size
         seq_blocks = math.ceil((traffic.isl + traffic.osl) / block_size)
-        self.slots = min(layout.max_num_seqs, profile.kv.num_blocks // max(1, seq_blocks))
+        self.num_kv_blocks = profile.num_kv_blocks(layout.decode_pool_tp)  # each decode (or colocated) worker's
+        self.slots = min(layout.max_num_seqs, self.num_kv_blocks // max(1, seq_blocks))
         prompt_bytes = math.ceil(traffic.isl / block_size) * profile.kv.block_bytes
-        self.local = (not layout.colocated) and n <= layout.prefill_threshold_tokens
         self.handoff_s = 0.0
         if not layout.colocated and not self.local:
             self.handoff_s = profile.handoff[layout.transport].fit.seconds(prompt_bytes) if layout.transport else 0.0
@@ -336,7 +341,7 @@ class LayoutModel:
     def contention(self, rate: float) -> tuple[float, float]:
         """(prefill, decode) slowdowns from the background cores at `rate` (1, 1 off one host)."""
         background = self.background_cores(rate)
-        return (contention_slowdown(self.profile, "prefill", background, self.threads),
+        return (contention_slowdown(self.profile, "prefill", background, self.prefill_threads),
                 contention_slowdown(self.profile, "decode", background, self.threads))
 
     def step_s(self, batch: float, factor: float = 1.0) -> float:
@@ -458,17 +463,21 @@ def layouts(profile: Profile, traffic: Traffic, options: PlanOptions) -> list[La
     capacity); disaggregated with --disagg-prefill-threshold 0 (see below); each pool at every tensor-parallel size
     the profile measured, as long as the ranks (workers x their sizes) stay within max_workers."""
     seq_blocks = math.ceil((traffic.isl + traffic.osl) / profile.kv.block_size)
-    kv_slots = profile.kv.num_blocks // max(1, seq_blocks)
-    if kv_slots < 1:
+    if profile.kv.num_blocks // max(1, seq_blocks) < 1:
         raise ValueError(f"one request of {traffic.isl} + {traffic.osl} tokens needs {seq_blocks} KV blocks; the "
                          f"profiled worker holds {profile.kv.num_blocks}")
-    seqs = sorted({s for s in options.max_num_seqs or (*SEQ_CANDIDATES, profile.max_num_seqs) if s <= kv_slots}
-                  or {kv_slots})
+
+    def seqs(size: int) -> list[int]:
+        """The --max-num-seqs candidates a worker of tensor-parallel size `size` holds the KV of."""
+        kv_slots = profile.num_kv_blocks(size) // max(1, seq_blocks)
+        return sorted({s for s in options.max_num_seqs or (*SEQ_CANDIDATES, profile.max_num_seqs) if s <= kv_slots}
+                      or {max(1, kv_slots)})
+
     transport = options.transport or ("grpc" if "grpc" in profile.handoff else next(iter(profile.handoff), None))
-    sizes = profile.tensor_parallel_sizes
+    sizes = [size for size in profile.tensor_parallel_sizes if size <= options.max_workers]
     limit = options.max_workers
     out = [Layout(num_colocated=n, max_num_seqs=s, tp=t) for t in sizes for n in range(1, limit // t + 1)
-           for s in seqs]
+           for s in seqs(t)]
     if transport is None:
         return out  # no handoff measured: disaggregated layouts cannot be priced
     # --disagg-prefill-threshold: with one prompt length every request falls on one side of it, so a threshold
@@ -477,14 +486,15 @@ def layouts(profile: Profile, traffic: Traffic, options: PlanOptions) -> list[La
     out += [Layout(num_prefill=p, num_decode=d, max_num_seqs=s, prefill_threshold_tokens=0, transport=transport,
                    prefill_tp=tp_p, decode_tp=tp_d)
             for tp_p in sizes for tp_d in sizes for p in range(1, limit // tp_p + 1)
-            for d in range(1, (limit - p * tp_p) // tp_d + 1) for s in seqs]
+            for d in range(1, (limit - p * tp_p) // tp_d + 1) for s in seqs(tp_d)]
     return out
 
 
-def check_against_floor(profile: Profile, traffic: Traffic, slo: SLO) -> None:
+def check_against_floor(profile: Profile, traffic: Traffic, slo: SLO, max_workers: int | None = None) -> None:
     """A ValueError when an SLO is below what one request alone takes on the profiled worker (no layout helps)."""
-    fastest = {phase: min(profile.tp_scale(size, phase) for size in profile.tensor_parallel_sizes)
-               for phase in ("prefill", "decode")}  # the best tensor-parallel size the profile measured
+    sizes = [s for s in profile.tensor_parallel_sizes if max_workers is None or s <= max_workers]
+    fastest = {phase: min(profile.tp_scale(size, phase) for size in sizes)
+               for phase in ("prefill", "decode")}  # the best tensor-parallel size a layout may take
     prefill_s = fastest["prefill"] * profile.prefill.seconds(traffic.num_new_tokens, traffic.num_cached_tokens)
     if slo.ttft_s < prefill_s:
         raise ValueError(f"--ttft-slo {slo.ttft_s} s is below the profile's floor: a lone {traffic.isl}-token prompt "
@@ -504,7 +514,7 @@ def plan(profile: Profile, traffic: Traffic, slo: SLO, options: PlanOptions = Pl
     tensor-parallel size 1), then most goodput, then lowest TTFT p90, and the rest by how far they miss it; without
     one, the layouts by their highest rate within the SLO per rank, then by that rate. Raises ValueError for an SLO
     below the profile's floor or a transport it did not measure."""
-    check_against_floor(profile, traffic, slo)
+    check_against_floor(profile, traffic, slo, options.max_workers)
     if options.transport is not None and options.transport not in profile.handoff:
         raise ValueError(f"--kv-transport {options.transport}: the profile measured "
                          f"{', '.join(profile.handoff) or 'no transport'}")

@@ -17,9 +17,10 @@ profile.json (schema "splitserve-profile/1"):
     contention {prefill, decode: [{background_cores, slowdown}]}: how many times slower one point of each ran on
                num_threads while other processes kept `background_cores` of the machine busy (absent: not measured;
                `plan --one-host` prices the gateway's and the load generator's CPU with it)
-    tensor_parallel {N: {prefill, decode, threads_per_rank}}: how many times longer one point of each phase took on
-               the engine at tensor-parallel size N (threads_per_rank threads a rank, num_threads // N) than at size 1
-               on num_threads (absent: only size 1 measured; `plan` searches the sizes measured here)
+    tensor_parallel {N: {prefill, decode, threads_per_rank, num_kv_blocks}}: how many times longer one point of each
+               phase took on the engine at tensor-parallel size N (threads_per_rank threads a rank, num_threads // N)
+               than at size 1 on num_threads, and the KV blocks it held (absent: only size 1 measured; `plan`
+               searches the sizes measured here)
     serving    {num_requests, prompt_tokens, ttft_overhead_s, step_overhead_s, gateway_cpu_per_request_s,
                 gateway_cpu_per_token_s}: a real `serve` of one colocated worker, one request at a time from a
                light client (absent: not measured): its TTFT over the engine's prefill, its inter-token time over
@@ -153,6 +154,7 @@ class TPScale:
     prefill: float
     decode: float
     threads_per_rank: int
+    num_kv_blocks: int  # the blocks a worker of this size holds with the profiled KV flags (they size each rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +300,10 @@ class Profile:
         """`phase`'s time at tensor-parallel size `size` over size 1's (1 at size 1)."""
         return 1.0 if size == 1 else getattr(self.tensor_parallel[size], phase)
 
+    def num_kv_blocks(self, size: int = 1) -> int:
+        """The KV blocks a worker of tensor-parallel size `size` holds (each rank its heads of each)."""
+        return self.kv.num_blocks if size == 1 else self.tensor_parallel[size].num_kv_blocks
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
@@ -405,8 +411,9 @@ def load_profile(path: str | Path) -> Profile:
     if any(not ratio > 0 for ratio in profile.one_thread.values()):
         raise ValueError(f"{path}: one_thread: ratios must be positive, got {profile.one_thread}")
     for size, scale in profile.tensor_parallel.items():
-        if not (scale.prefill > 0 and scale.decode > 0 and scale.threads_per_rank >= 1):
-            raise ValueError(f"{path}: tensor_parallel.{size}: positive ratios and threads_per_rank >= 1, got {scale}")
+        if not (scale.prefill > 0 and scale.decode > 0 and scale.threads_per_rank >= 1 and scale.num_kv_blocks >= 1):
+            raise ValueError(f"{path}: tensor_parallel.{size}: positive ratios, threads_per_rank >= 1 and "
+                             f"num_kv_blocks >= 1, got {scale}")
     if profile.tensor_parallel and int(profile.engine.get("tensor_parallel_size") or 1) != 1:
         raise ValueError(f"{path}: tensor_parallel: ratios are over size 1, but the profile ran at size "
                          f"{profile.engine.get('tensor_parallel_size')}")

@@ -300,15 +300,19 @@ def _measure_tensor_parallel(engine: LLMEngine, config: EngineConfig, sizes: Seq
     for size in sizes:
         per_rank = max(1, threads // size)
         progress.start(f"prefill and decode at tensor-parallel size {size} ({per_rank} thread(s) a rank)")
-        wide = LLMEngine(dataclasses.replace(config, tensor_parallel_size=size, num_threads=per_rank))
+        wide = None
         try:
+            wide = LLMEngine(dataclasses.replace(config, tensor_parallel_size=size, num_threads=per_rank))
             measure_prefill(wide, min(64, n), 0, rng)  # its first-call costs out of the figures
             at = (min(measure_prefill(wide, n, c, rng) for _ in range(2)),
                   measure_decode(wide, b, ctx, grid.decode_steps, rng))
+            num_kv_blocks = wide.num_kv_blocks
         finally:
-            wide.close()
+            if wide is not None:
+                wide.close()
             torch.set_num_threads(threads)  # building it set this process' threads to its rank 0's
-        scales[size] = TPScale(prefill=at[0] / base[0], decode=at[1] / base[1], threads_per_rank=per_rank)
+        scales[size] = TPScale(prefill=at[0] / base[0], decode=at[1] / base[1], threads_per_rank=per_rank,
+                               num_kv_blocks=num_kv_blocks)
         progress.done(f"TP {size}: prefill x{scales[size].prefill:.2f}, decode x{scales[size].decode:.2f}")
     return scales
 

@@ -77,9 +77,15 @@ def _read(path: Path, schema: str) -> dict[str, Any]:
     return data
 
 
-def _layout(values: dict[str, Any]) -> Layout:
-    names = ("num_colocated", "num_prefill", "num_decode", "max_num_seqs", "prefill_threshold_tokens", "transport")
-    return Layout(**{name: values[name] for name in names if name in values})
+def _layout(values: dict[str, Any], profile: Profile) -> Layout:
+    names = ("num_colocated", "num_prefill", "num_decode", "max_num_seqs", "prefill_threshold_tokens", "transport",
+             "tp", "prefill_tp", "decode_tp")
+    layout = Layout(**{name: values[name] for name in names if name in values})
+    unmeasured = {layout.tp, layout.prefill_tp, layout.decode_tp} - set(profile.tensor_parallel_sizes)
+    if unmeasured:
+        raise ValueError(f"the planned layout {layout.label} runs tensor-parallel size(s) {sorted(unmeasured)}, "
+                         f"which this profile did not measure ({', '.join(map(str, profile.tensor_parallel_sizes))})")
+    return layout
 
 
 def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOptions) -> tuple[list[Comparison],
@@ -96,7 +102,7 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
     t, s = planned["traffic"], planned["slo"]
     slo = SLO(ttft_s=s["ttft_s"], tpot_s=s["tpot_s"])
     traffic = Traffic(isl=t["isl"], osl=t["osl"], prefix_hit=t["prefix_hit"])
-    layout = _layout(report.get("layout") or planned["best"]["layout"])
+    layout = _layout(report.get("layout") or planned["best"]["layout"], profile)
     model = LayoutModel(profile, traffic, layout, options)
     comparisons: list[Comparison] = []
     sustained = []

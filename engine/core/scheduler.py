@@ -182,7 +182,8 @@ class Scheduler:
         num_loadable = self.kv_cache.num_loadable_blocks(request, len(hits))
         if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens + 1 - num_hit_tokens, hits):
             return False
-        if num_loadable:
+        if num_loadable:  # a lookup that hit the tier: counted as one (its hits are, by tier)
+            self.kv_cache.prefix_queries_tokens += request.num_tokens
             self.kv_cache.load_blocks(request, len(hits), num_loadable)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request

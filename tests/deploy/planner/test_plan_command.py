@@ -144,7 +144,8 @@ def test_validate_compares_a_bench_report_with_the_plan(profile_path: Path, tmp_
     # Each run is priced as a finite run of the requests it sent (100: completed + refused).
     profile = load_profile(profile_path)
     traffic = Traffic(isl=1024, osl=256, num_requests=100)
-    layout = Layout(**{k: v for k, v in planned["best"]["layout"].items() if k not in ("label", "num_workers", "kind")})
+    derived = ("label", "num_workers", "num_ranks", "kind")
+    layout = Layout(**{k: v for k, v in planned["best"]["layout"].items() if k not in derived})
     predicted = LayoutModel(profile, traffic, layout, PlanOptions()).predict(2.5, SLO(ttft_s=2, tpot_s=0.15))
     # A report whose numbers are that prediction's at 2.5 req/s, 10% higher, and a run at 40 req/s that missed.
     report = {"schema": "splitserve-bench/1", "runs": [

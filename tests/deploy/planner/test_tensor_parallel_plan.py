@@ -17,7 +17,9 @@ from tests.deploy.planner.synthetic import synthetic_profile
 
 BASE = synthetic_profile()
 # Size 2: prefill at 0.55x size 1's time, decode at 0.8x (its all-reduces eat some of the split).
-WIDE = dataclasses.replace(BASE, tensor_parallel={2: TPScale(prefill=0.55, decode=0.8, threads_per_rank=1)})
+# A worker of size 2 holds twice the blocks (the KV flags size each rank, which holds half of each block).
+WIDE = dataclasses.replace(BASE, tensor_parallel={2: TPScale(prefill=0.55, decode=0.8, threads_per_rank=1,
+                                                             num_kv_blocks=2 * BASE.kv.num_blocks)})
 
 
 def test_a_profile_without_sizes_plans_size_1_only_as_before() -> None:
@@ -95,8 +97,10 @@ def test_the_sizes_survive_the_profiles_json_and_bad_ones_are_clear_errors(tmp_p
     WIDE.write(path)
     assert load_profile(path).tensor_parallel == WIDE.tensor_parallel
     data = json.loads(path.read_text())
-    for bad, match in (({"1": {"prefill": 1, "decode": 1, "threads_per_rank": 1}}, "sizes are integers >= 2"),
-                       ({"2": {"prefill": 0, "decode": 1, "threads_per_rank": 1}}, "positive ratios"),
+    good = {"prefill": 1, "decode": 1, "threads_per_rank": 1, "num_kv_blocks": 8}
+    for bad, match in (({"1": good}, "sizes are integers >= 2"),
+                       ({"2": {**good, "prefill": 0}}, "positive ratios"),
+                       ({"2": {**good, "num_kv_blocks": 0}}, "num_kv_blocks >= 1"),
                        ({"2": {"prefill": 1, "decode": 1}}, "missing threads_per_rank")):
         path.write_text(json.dumps({**data, "tensor_parallel": bad}))
         with pytest.raises(ValueError, match=match):
@@ -104,3 +108,41 @@ def test_the_sizes_survive_the_profiles_json_and_bad_ones_are_clear_errors(tmp_p
     path.write_text(json.dumps({**data, "engine": {**data["engine"], "tensor_parallel_size": 2}}))
     with pytest.raises(ValueError, match="ratios are over size 1, but the profile ran at size 2"):
         load_profile(path)
+
+
+def test_a_pool_at_a_size_holds_that_sizes_kv_blocks() -> None:
+    """The KV flags size each rank: a decode worker of size 2 holds the profile's blocks at that size (here twice
+    size 1's), so its batch is capped by those, and larger --max-num-seqs become candidates."""
+    traffic = Traffic(isl=8000, osl=100, rate=0.1)  # 507 blocks a request: 5 fit at size 1, 11 at size 2
+    one = LayoutModel(WIDE, traffic, Layout(num_prefill=1, num_decode=1, max_num_seqs=64), PlanOptions())
+    two = LayoutModel(WIDE, traffic, Layout(num_prefill=1, num_decode=1, max_num_seqs=64, decode_tp=2),
+                      PlanOptions())
+    assert (one.slots, two.slots) == (5, 11)
+    found = layouts(WIDE, traffic, PlanOptions(max_workers=3))
+    assert {lay.max_num_seqs for lay in found if lay.colocated and lay.tp == 1} == {5}
+    assert {lay.max_num_seqs for lay in found if lay.colocated and lay.tp == 2} == {8}
+
+
+def test_the_floor_counts_only_sizes_the_workers_allow() -> None:
+    traffic = Traffic(isl=2048, osl=32, rate=0.05)
+    slo = SLO(ttft_s=1.2, tpot_s=0.2)  # only a size-2 prefill meets it
+    with pytest.raises(ValueError, match="below the profile's floor"):
+        plan(WIDE, traffic, slo, PlanOptions(max_workers=1))  # no room for a worker of size 2
+
+
+def test_a_prompt_prefilled_locally_runs_at_the_decode_pools_size() -> None:
+    traffic = Traffic(isl=512, osl=32, rate=0.2)
+    local = Layout(num_prefill=1, num_decode=1, max_num_seqs=8, prefill_threshold_tokens=4096, decode_tp=2)
+    remote = Layout(num_prefill=1, num_decode=1, max_num_seqs=8, decode_tp=2)
+    assert LayoutModel(WIDE, traffic, local, PlanOptions()).prefill_slowdown == pytest.approx(0.55)
+    assert LayoutModel(WIDE, traffic, remote, PlanOptions()).prefill_slowdown == 1.0
+
+
+def test_validate_reads_a_planned_layouts_sizes_back() -> None:
+    from deploy.planner.validate import _layout
+
+    planned = Layout(num_prefill=1, num_decode=2, max_num_seqs=16, prefill_tp=2, transport="grpc")
+    values = {**dataclasses.asdict(planned), "label": planned.label, "num_workers": 3, "num_ranks": 4}
+    assert _layout(values, WIDE) == planned
+    with pytest.raises(ValueError, match=r"runs tensor-parallel size\(s\) \[2\], which this profile did not measure"):
+        _layout(values, BASE)
