@@ -116,6 +116,12 @@ def settle(prefill: Side, decode: Side, request_id: str, reservation: Reservatio
         decode.engine.abort_request([request_id])
 
 
+def every_block_back(*sides: Side) -> None:
+    for side in sides:
+        drain(side.engine)
+        assert_no_blocks_held(side.engine)
+
+
 def moved(lanes: RankLanes | None, side: str) -> dict[int, int]:
     return {} if lanes is None else dict(getattr(lanes, f"bytes_{side}"))
 
@@ -151,9 +157,7 @@ def test_each_rank_sends_and_takes_its_own_heads_and_the_answer_is_tp1s(sides, s
         assert sent_after.get(rank, 0) - sent_before.get(rank, 0) == want.get(("sent", rank), 0), rank
     for rank in range(1, receiver_tp):
         assert received_after.get(rank, 0) - received_before.get(rank, 0) == want.get(("received", rank), 0), rank
-    for side in (prefill, decode):
-        drain(side.engine)
-        assert_no_blocks_held(side.engine)
+    every_block_back(prefill, decode)
 
 
 @pytest.mark.parametrize("sides", LANE_TRANSPORTS, indirect=True)
@@ -173,9 +177,7 @@ def test_a_corrupted_lane_of_a_child_rank_fails_the_handoff_on_every_rank(sides)
         assert "lane (1, 1)" in (reservation.error or "")
     finally:
         settle(prefill, decode, "corrupt", reservation)
-    for side in (prefill, decode):
-        drain(side.engine)
-        assert_no_blocks_held(side.engine)
+    every_block_back(prefill, decode)
 
 
 @pytest.mark.parametrize("sides", ["grpc"], indirect=True)
@@ -220,9 +222,7 @@ def test_a_lane_that_comes_again_or_after_a_cancel_is_refused_at_once(sides) -> 
             prefill.lanes.send(1, handoff.with_lane(1, 1), block_ids, decode.endpoints[1], 10).result(timeout=10)
     finally:
         settle(prefill, decode, "let-go", let_go)
-    for side in (prefill, decode):
-        drain(side.engine)
-        assert_no_blocks_held(side.engine)
+    every_block_back(prefill, decode)
 
 
 @pytest.mark.parametrize("sides", ["grpc"], indirect=True)
