@@ -21,8 +21,8 @@ it into its own cache, each wire block under its CRC-32C. No byte of a lane pass
                                                               writes into the blocks any more)
 
 The control pipes are the ranks' own (engine/distributed/rank_group.py makes one per child beside its step pipe):
-`ChildLanes` serves one on a thread of the child, `RankLanes` reads each on a thread of rank 0. A child's lanes end
-with the child: rank 0 sees its pipe close and fails whatever waited on it.
+`ChildLanes` (kv_transfer/child_lanes.py) serves one on a thread of the child, `RankLanes` reads each on a thread of
+rank 0. A child's lanes end with the child: rank 0 sees its pipe close and fails whatever waited on it.
 
 inproc runs no lanes (its two workers share one process; their children do not): it keeps moving every rank's
 heads through rank 0's process, which maps its children's caches (`KVBlocks.ranks`). A sender that gets no
@@ -31,7 +31,6 @@ decode rank endpoints (a decode worker from before lanes) does the same.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import functools
 import itertools
@@ -43,10 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-import torch
-
 from kv_transfer.base import KVBlockSource, KVSender, TransferFault, TransferResult
-from kv_transfer.handoff_failure import reason_of
 from kv_transfer.layout import (
     KVChecksumError,
     KVHandoff,
@@ -55,7 +51,6 @@ from kv_transfer.layout import (
     KVTransferError,
     KVTransferTimeout,
 )
-from kv_transfer.registry import make_receiver, make_sender
 from kv_transfer.tp_slices import RankCache, WireBlocks
 from protos.cluster_auth import ClusterAuth
 
@@ -378,267 +373,6 @@ class RankLanes:
             future.set_exception(KVTransferError(why))
         for transfer_id, callback in callbacks:
             self._call_back(callback, Settled(transfer_id, (-1, rank), 0, why))
-
-
-# ── a child rank ─────────────────────────────────────────────────────────────────────────────────────────────
-
-
-class _Expected:
-    """A child's share of one reservation: the lanes to its rank, each opened once, each settled once."""
-
-    def __init__(self, expect: Expect, cache: RankCache, report: Callable[[Settled], None]) -> None:
-        self.expect = expect
-        self.cache = cache
-        self.report = report
-        self.lock = threading.Lock()
-        self.failed: str | None = None
-        self.lanes: dict[tuple[int, int], str] = {}  # lane → "receiving" | "committed" | "failed"
-
-    def open(self, handoff: KVHandoff) -> _LaneWrites:
-        e, rank = self.expect, self.cache.rank
-        if handoff.lane is None or handoff.lane[1] != rank:
-            raise KVRefused(f"handoff {handoff.transfer_id}: rank {rank}'s endpoint takes only lanes to rank {rank}, "
-                            f"not {'the whole handoff' if handoff.lane is None else f'lane {handoff.lane}'}",
-                            reason="malformed")
-        if e.source_endpoint and handoff.source_endpoint != e.source_endpoint:
-            raise KVRefused(f"request {e.request_id}: KV expected from {e.source_endpoint}, lane {handoff.lane} comes "
-                            f"from {handoff.source_endpoint or 'an unnamed sender'}", reason="wrong_source")
-        if handoff.num_tokens != e.num_tokens or handoff.num_blocks > len(e.block_ids) or \
-                handoff.first_block != e.first_block:
-            raise KVRefused(f"request {e.request_id}: reserved {e.num_tokens} tokens in {len(e.block_ids)} blocks from "
-                            f"block {e.first_block}, lane {handoff.lane} carries {handoff.num_tokens} tokens in "
-                            f"{handoff.num_blocks} blocks from block {handoff.first_block}", reason="block_count")
-        with self.lock:
-            if self.failed is not None:
-                raise KVRefused(f"request {e.request_id}: KV transfer failed ({self.failed}), refusing lane "
-                                f"{handoff.lane}", reason="unknown_transfer")
-            if handoff.lane in self.lanes:
-                raise KVRefused(f"request {e.request_id}: lane {handoff.lane} arrived twice", reason="unknown_transfer")
-            self.lanes[handoff.lane] = "receiving"
-        return _LaneWrites(self, handoff, WireBlocks(rank_view(self.cache), e.block_ids, handoff.wire, sender=False))
-
-    def fail(self, reason: str) -> None:
-        """Refuse every write from now on; returns once none is in flight."""
-        with self.lock:
-            if self.failed is None:
-                self.failed = reason
-
-
-class _LaneWrites:
-    """A KVDestination: one lane's wire blocks into the child's cache."""
-
-    def __init__(self, expected: _Expected, handoff: KVHandoff, blocks: WireBlocks) -> None:
-        self.expected = expected
-        self.handoff = handoff
-        self.blocks = blocks
-        self.num_bytes = 0
-
-    def _check(self, first: int, count: int) -> None:
-        e = self.expected
-        if e.failed is not None:
-            raise KVTransferError(f"request {e.expect.request_id}: transfer failed ({e.failed}), block dropped")
-        if e.lanes.get(self.handoff.lane) != "receiving":
-            raise KVTransferError(f"lane {self.handoff.lane} is {e.lanes.get(self.handoff.lane)}, block dropped")
-        indices = self.handoff.wire_indices
-        if first not in indices or first + count - 1 not in indices:
-            raise KVTransferError(f"lane {self.handoff.lane}: blocks {first} to {first + count - 1} are not its to "
-                                  "write")
-
-    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
-        with self.expected.lock:
-            self._check(index, 1)
-            self.blocks.write_block(index, data, crc32c)
-            self.num_bytes += data.numel() * data.element_size()
-
-    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
-        with self.expected.lock:
-            self._check(first_index, data.shape[0])
-            self.blocks.write_blocks(first_index, data)
-            self.num_bytes += data.numel() * data.element_size()
-
-    def commit(self) -> None:
-        e = self.expected
-        with e.lock:
-            if e.failed is not None or e.lanes.get(self.handoff.lane) != "receiving":
-                raise KVTransferError(f"request {e.expect.request_id}: cannot commit lane {self.handoff.lane} "
-                                      f"({e.failed or e.lanes.get(self.handoff.lane)})")
-            e.lanes[self.handoff.lane] = "committed"
-        e.report(Settled(e.expect.transfer_id, self.handoff.lane, self.handoff.layout.tensor_parallel_size, None,
-                         self.num_bytes))
-
-    def fail(self, reason: str) -> None:
-        e = self.expected
-        with e.lock:
-            if e.lanes.get(self.handoff.lane) != "receiving":
-                return
-            e.lanes[self.handoff.lane] = "failed"
-        e.report(Settled(e.expect.transfer_id, self.handoff.lane, self.handoff.layout.tensor_parallel_size, reason))
-
-
-class _ChildSink:
-    """The KVSink of a child rank's receiver: lanes to this rank of the reservations rank 0 said to expect."""
-
-    def __init__(self, lanes: ChildLanes) -> None:
-        self.lanes = lanes
-        self.layout = lanes.layout
-        self.device = lanes.device
-
-    def open(self, handoff: KVHandoff) -> _LaneWrites:
-        return self.lanes.expected(handoff).open(handoff)
-
-
-class ChildLanes:
-    """A child rank's end of its control pipe: serves it on a thread of its own until the pipe closes."""
-
-    def __init__(self, conn: Connection, *, rank: int, device: torch.device, kv_cache: torch.Tensor,
-                 kv_scales: torch.Tensor | None) -> None:
-        self.conn = conn
-        self.rank = rank
-        self.device = device
-        self.kv_cache = kv_cache
-        self.kv_scales = kv_scales
-        self.layout: KVLayout | None = None
-        self.cache: RankCache | None = None
-        self._send_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._expected: dict[str, _Expected] = {}
-        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._sender = None
-        self._start_message: Start | None = None
-        self._receiver = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def serve_in_background(self) -> None:
-        threading.Thread(target=self._serve, name=f"tp-lanes-rank{self.rank}", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except Exception:  # noqa: BLE001 - EOF: rank 0 is gone, and this process ends with it (rank_worker
-                return  # watches its parent); a garbled pipe: rank 0 sees its cancels unanswered and stops us
-            try:
-                self._handle(message)
-            except Exception:  # noqa: BLE001 - one message's trouble; the pipe goes on
-                logger.exception("rank %d: a KV lane message failed", self.rank)
-
-    def _reply(self, message: object) -> None:
-        try:
-            with self._send_lock:
-                self.conn.send(message)
-        except (OSError, ValueError):
-            pass  # rank 0 is gone
-
-    def _handle(self, message: object) -> None:
-        if isinstance(message, Send):  # a thread each: one slow receiver never holds up another's lanes
-            threading.Thread(target=self._send, args=(message,), name=f"tp-lane-send{self.rank}",
-                             daemon=True).start()
-        elif isinstance(message, Expect):
-            assert self.cache is not None, "Expect before Start"
-            with self._cond:
-                self._expected[message.transfer_id] = _Expected(message, self.cache, self._reply)
-                self._cond.notify_all()
-        elif isinstance(message, Forget):
-            expected = self._end(message.transfer_id)
-            if expected is not None:  # committed (or let go): a lane still open here writes no more
-                expected.fail("the reservation ended")
-        elif isinstance(message, Cancel):
-            expected = self._end(message.transfer_id)
-            if expected is not None:
-                expected.fail(message.reason)  # under its lock: no write is in flight once this returns
-            self._reply(Reply(message.token))
-        elif isinstance(message, Start):
-            try:
-                self._reply(Reply(message.token, endpoint=self._start(message)))
-            except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the worker's start
-                logger.exception("rank %d: starting KV lanes failed", self.rank)
-                self._reply(Reply(message.token, error=f"{type(exc).__name__}: {exc}"))
-
-    def _end(self, transfer_id: str) -> _Expected | None:
-        with self._cond:
-            expected = self._expected.pop(transfer_id, None)
-            self._ended[transfer_id] = None
-            while len(self._ended) > ENDED_KEPT:
-                self._ended.popitem(last=False)
-            self._cond.notify_all()
-        return expected
-
-    def expected(self, handoff: KVHandoff) -> _Expected:
-        """The reservation lane `handoff` belongs to, waiting briefly for rank 0's Expect (which a fast sender may
-        beat here); KVRefused when it never comes or its reservation ended."""
-        deadline = time.monotonic() + EXPECT_WAIT_S
-        with self._cond:
-            while True:
-                expected = self._expected.get(handoff.transfer_id)
-                if expected is not None:
-                    return expected
-                left = deadline - time.monotonic()
-                if handoff.transfer_id in self._ended or left <= 0:
-                    raise KVRefused(f"rank {self.rank}: no blocks are reserved for transfer {handoff.transfer_id} "
-                                    f"(request {handoff.request_id})", reason="unknown_transfer")
-                self._cond.wait(left)
-
-    def _start(self, message: Start) -> str:
-        self.layout = message.layout
-        self.cache = RankCache(layout=message.layout, rank=self.rank, kv_cache=self.kv_cache,
-                               kv_scales=self.kv_scales)
-        self._start_message = message
-        self._sender = self._make_sender()
-        if not message.serve:
-            return ""
-        self._receiver = make_receiver(message.transport, _ChildSink(self))
-        return self._serve_grpc(message)
-
-    def _make_sender(self, fault: TransferFault | None = None) -> KVSender:
-        start = self._start_message
-        assert start is not None
-        sender = make_sender(start.transport, worker_id=f"{start.worker_id}-rank{self.rank}", device=self.device,
-                             auth=start.auth)
-        if fault is not None:
-            sender.fault = fault  # type: ignore[attr-defined]  # every transport's sender reads it
-        return sender
-
-    def _serve_grpc(self, message: Start) -> str:
-        import grpc
-
-        from kv_transfer.grpc_link import CHANNEL_OPTIONS
-        from protos.cluster_auth import SERVER_KEEPALIVE, add_port, server_interceptors
-
-        loop = self._loop = asyncio.new_event_loop()
-        threading.Thread(target=loop.run_forever, name=f"tp-lanes-grpc{self.rank}", daemon=True).start()
-
-        async def make() -> grpc.aio.Server:
-            pool = ThreadPoolExecutor(max_workers=RECEIVE_THREADS, thread_name_prefix=f"tp-lane-recv{self.rank}")
-            return grpc.aio.server(migration_thread_pool=pool, options=(*CHANNEL_OPTIONS, *SERVER_KEEPALIVE),
-                                   interceptors=server_interceptors(message.auth))
-
-        server = asyncio.run_coroutine_threadsafe(make(), loop).result()
-        port = add_port(server, f"{message.host}:0", message.auth)
-        if port == 0:
-            raise RuntimeError(f"cannot bind {message.host}:0")
-        endpoint = f"{message.advertise_host or message.host}:{port}"
-        assert self._receiver is not None
-        self._receiver.attach(server, endpoint)
-        asyncio.run_coroutine_threadsafe(server.start(), loop).result()
-        self._server = server
-        return endpoint
-
-    def _send(self, message: Send) -> None:
-        start_s = time.monotonic()
-        try:
-            assert self.cache is not None and self._sender is not None, "Send before Start"
-            source = WireBlocks(rank_view(self.cache), message.block_ids, message.handoff.wire, sender=True)
-            # a test's fault: a sender of its own, so that no other send misbehaves
-            sender = self._sender if message.fault is None else self._make_sender(message.fault)
-            try:
-                result = sender.send(message.handoff, source, endpoint=message.endpoint, timeout_s=message.timeout_s)
-            finally:
-                if sender is not self._sender:
-                    sender.close()
-            self._reply(Reply(message.token, num_bytes=result.num_bytes, seconds=result.seconds))
-        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the handoff
-            self._reply(Reply(message.token, seconds=time.monotonic() - start_s, error=str(exc) or type(exc).__name__,
-                              reason=reason_of(exc)))
 
 
 # ── a prefill worker's handoff as lanes ──────────────────────────────────────────────────────────────────────

@@ -112,7 +112,7 @@ def _serve(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
         kv_cache.share_memory_()
         if kv_scales is not None:
             kv_scales.share_memory_()
-    from kv_transfer.rank_lanes import ChildLanes
+    from kv_transfer.child_lanes import ChildLanes
 
     ChildLanes(lanes_conn, rank=spec.rank, device=device, kv_cache=kv_cache,
                kv_scales=kv_scales).serve_in_background()
