@@ -10,7 +10,7 @@ DIR/report.json (schema splitserve-bench/1, deploy/planner/validate.py: the serv
 as `splitserve bench` writes them: deploy/bench/report.py, with the requests sent and the gateway's TTFT stage
 histograms over each run), then prints
 `splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
-`colocatedxN`. With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
+`colocatedxN`, a pool at a tensor-parallel size as the plan names it (`1P(TP2)+2D`, `colocated(TP2)x1`). With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
 prediction scales compute times accordingly, and counts AIPerf's own CPU against the workers' cores: the cores
 its processes kept busy while the warm-up's requests ran (a separate run from the checked ones: their CPU from
 /proc, sampled 4 times a second, between the start and end times its summary gives; its start-up before them,
@@ -46,12 +46,15 @@ from deploy.planner.validate import compare_run_dir, format_comparisons  # noqa:
 
 
 def parse_layout(text: str, max_num_seqs: int) -> Layout:
-    if match := re.fullmatch(r"(\d+)P\+(\d+)D", text):
-        return Layout(num_prefill=int(match[1]), num_decode=int(match[2]), max_num_seqs=max_num_seqs,
-                      transport="grpc")
-    if match := re.fullmatch(r"colocatedx(\d+)", text):
-        return Layout(num_colocated=int(match[1]), max_num_seqs=max_num_seqs)
-    raise SystemExit(f"--layout: NP+MD or colocatedxN, got {text!r}")
+    """`NP+MD` or `colocatedxN`, each pool optionally at a tensor-parallel size as the plan's table names it:
+    `1P(TP2)+2D`, `colocated(TP2)x1`."""
+    size = r"(?:\(TP(\d+)\))?"
+    if match := re.fullmatch(rf"(\d+)P{size}\+(\d+)D{size}", text):
+        return Layout(num_prefill=int(match[1]), num_decode=int(match[3]), max_num_seqs=max_num_seqs,
+                      transport="grpc", prefill_tp=int(match[2] or 1), decode_tp=int(match[4] or 1))
+    if match := re.fullmatch(rf"colocated{size}x(\d+)", text):
+        return Layout(num_colocated=int(match[2]), max_num_seqs=max_num_seqs, tp=int(match[1] or 1))
+    raise SystemExit(f"--layout: NP+MD or colocatedxN (a pool's size as NP(TP2)), got {text!r}")
 
 
 def main() -> int:
@@ -94,7 +97,7 @@ def main() -> int:
         warmup_cores = sampler.cores_between(*(aiperf_epoch_s(warmup[k]) for k in ("start_time", "end_time")))
         client_cores = warmup_cores if args.client_cores is None else args.client_cores
         print(f"AIPerf's warm-up kept {warmup_cores:.2f} cores busy; the plan counts {client_cores:.2f}", flush=True)
-        options = PlanOptions(max_workers=max(2, layout.num_workers), one_host=args.one_host,
+        options = PlanOptions(max_workers=max(2, layout.num_ranks), one_host=args.one_host,
                               client_cores=client_cores if args.one_host else 0.0)
         (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
         for i, rate in enumerate(float(r) for r in args.rates.split(",") if r):
@@ -115,7 +118,8 @@ def main() -> int:
         server.stop()
     layout_json = {"num_colocated": layout.num_colocated, "num_prefill": layout.num_prefill,
                    "num_decode": layout.num_decode, "max_num_seqs": layout.max_num_seqs,
-                   "prefill_threshold_tokens": layout.prefill_threshold_tokens, "transport": layout.transport}
+                   "prefill_threshold_tokens": layout.prefill_threshold_tokens, "transport": layout.transport,
+                   "tp": layout.tp, "prefill_tp": layout.prefill_tp, "decode_tp": layout.decode_tp}
     (out / "report.json").write_text(json.dumps({"schema": "splitserve-bench/1", "layout": layout_json,
                                                  "serve_flags": flags, "client_cores": client_cores, "runs": runs},
                                                 indent=1))
