@@ -44,14 +44,8 @@ class _Expected:
             raise KVRefused(f"handoff {handoff.transfer_id}: rank {rank}'s endpoint takes only lanes to rank {rank}, "
                             f"not {'the whole handoff' if handoff.lane is None else f'lane {handoff.lane}'}",
                             reason="malformed")
-        if e.source_endpoint and handoff.source_endpoint != e.source_endpoint:
-            raise KVRefused(f"request {e.request_id}: KV expected from {e.source_endpoint}, lane {handoff.lane} comes "
-                            f"from {handoff.source_endpoint or 'an unnamed sender'}", reason="wrong_source")
-        if handoff.num_tokens != e.num_tokens or handoff.num_blocks > len(e.block_ids) or \
-                handoff.first_block != e.first_block:
-            raise KVRefused(f"request {e.request_id}: reserved {e.num_tokens} tokens in {len(e.block_ids)} blocks from "
-                            f"block {e.first_block}, lane {handoff.lane} carries {handoff.num_tokens} tokens in "
-                            f"{handoff.num_blocks} blocks from block {handoff.first_block}", reason="block_count")
+        handoff.check_reserved(request_id=e.request_id, source_endpoint=e.source_endpoint, num_tokens=e.num_tokens,
+                               num_blocks=len(e.block_ids), first_block=e.first_block)
         with self.lock:
             if self.failed is not None:
                 raise KVRefused(f"request {e.request_id}: KV transfer failed ({self.failed}), refusing lane "

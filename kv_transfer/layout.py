@@ -251,6 +251,21 @@ class KVHandoff:
         ours.check_compatible(self.receiver_layout)
         _ = self.wire  # the plan: refused here, before any byte, when the sizes do not split the heads
 
+    def check_reserved(self, *, request_id: str, source_endpoint: str, num_tokens: int, num_blocks: int,
+                       first_block: int) -> None:
+        """Raise KVRefused unless this handoff fits what the receiver reserved for `request_id`: it comes from
+        `source_endpoint` ("": any), for `num_tokens` tokens in at most `num_blocks` blocks, the first
+        `first_block` of which the receiver holds already."""
+        if source_endpoint and self.source_endpoint != source_endpoint:
+            raise KVRefused(f"request {request_id}: KV expected from {source_endpoint}, the handoff comes from "
+                            f"{self.source_endpoint or 'an unnamed sender'}", reason="wrong_source")
+        if self.num_tokens != num_tokens or self.num_blocks > num_blocks:
+            raise KVRefused(f"request {request_id}: reserved {num_tokens} tokens in {num_blocks} blocks, the handoff "
+                            f"carries {self.num_tokens} tokens in {self.num_blocks} blocks", reason="block_count")
+        if self.first_block != first_block:
+            raise KVRefused(f"request {request_id}: this worker holds the first {first_block} blocks, the handoff "
+                            f"starts at block {self.first_block}", reason="block_count")
+
     @property
     def receiver_layout(self) -> KVLayout:
         """The layout the receiver must have: the sender's, at the receiver's tensor-parallel size."""

@@ -365,9 +365,8 @@ class RankLanes:
         why = f"tensor-parallel rank {rank} is gone (its KV lanes with it)"
         with self._lock:
             self._gone[rank] = why
-            waiting = [future for token, (r, future) in list(self._waiting.items()) if r == rank]
-            for token in [t for t, (r, _) in self._waiting.items() if r == rank]:
-                del self._waiting[token]
+            tokens = [token for token, (r, _) in self._waiting.items() if r == rank]
+            waiting = [self._waiting.pop(token)[1] for token in tokens]
             callbacks = list(self._settle.items())
         for future in waiting:
             future.set_exception(KVTransferError(why))

@@ -110,20 +110,9 @@ class Reservation:
         if self.transfer_id and not hmac.compare_digest(handoff.transfer_id.encode(), self.transfer_id.encode()):
             raise KVRefused(f"request {self.request_id}: no transfer {handoff.transfer_id!r} was reserved",
                             reason="unknown_transfer")
-        if self.source_endpoint and handoff.source_endpoint != self.source_endpoint:
-            raise KVRefused(f"request {self.request_id}: KV expected from {self.source_endpoint}, the handoff "
-                            f"comes from {handoff.source_endpoint or 'an unnamed sender'}", reason="wrong_source")
-        if handoff.num_tokens != self.num_tokens or handoff.num_blocks > len(self.block_ids):
-            raise KVRefused(
-                f"request {self.request_id}: reserved {self.num_tokens} tokens in {len(self.block_ids)} blocks, "
-                f"the handoff carries {handoff.num_tokens} tokens in {handoff.num_blocks} blocks",
-                reason="block_count",
-            )
-        if handoff.first_block != self.first_block:
-            raise KVRefused(
-                f"request {self.request_id}: this worker holds the first {self.first_block} blocks, the handoff "
-                f"starts at block {handoff.first_block}", reason="block_count",
-            )
+        handoff.check_reserved(request_id=self.request_id, source_endpoint=self.source_endpoint,
+                               num_tokens=self.num_tokens, num_blocks=len(self.block_ids),
+                               first_block=self.first_block)
 
     def _open_lane(self, handoff: KVHandoff) -> _LaneWrites:
         assert handoff.lane is not None

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import grpc.aio
@@ -200,7 +200,7 @@ class PrefillWorker(RuntimeWorker):
             receiver_tensor_parallel_size=request.decode_tensor_parallel_size or 1,
         )
         blocks = runtime.engine.kv_blocks
-        faults: list[type] = []
+        faults: list[Callable[[KVBlockSource, KVHandoff], KVBlockSource]] = []  # fault injection, in order
         if len(handoff.block_indices) >= 2 and self._take_cut():
             faults.append(CutHalfWay)
         stall_path = os.environ.get(FAULT_KV_STALL_ENV)
