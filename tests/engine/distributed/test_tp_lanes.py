@@ -217,7 +217,8 @@ def test_a_lane_that_comes_again_or_after_a_cancel_is_refused_at_once(sides) -> 
         decode.sink.remove("let-go")  # the children cancel it, and answer
         started_s = time.monotonic()
         let_go.cancel("request failed before its first token")
-        assert time.monotonic() - started_s < 2.0, "cancel waited for children that were told already"
+        # the old wait was 20 s; a round trip under the suite's load takes far less than 5
+        assert time.monotonic() - started_s < 5.0, "cancel waited for children that were told already"
         with pytest.raises(KVTransferError, match="refused: rank 1: no blocks are reserved"):
             prefill.lanes.send(1, handoff.with_lane(1, 1), block_ids, decode.endpoints[1], 10).result(timeout=10)
     finally:
