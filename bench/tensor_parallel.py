@@ -6,7 +6,8 @@ Dummy weights (float32) of the named shape. For each engine: decode tok/s at bat
 after every request's first token: engine steps end to end, scheduling and sampling included), and the TTFT of one
 2,000-token prompt (its one prefill step). Prints TP 2's figures against TP 1's and, for TP 2, the time rank 0 spent
 in all-reduces per layer and step (two a layer: after attention's o_proj and the MLP's down_proj; rank 0's wait
-includes the other rank's lag to the collective).
+includes the other rank's lag to the collective). TP 2's collectives go through shared memory
+(engine/distributed/shm_collectives.py); `--tp2-gloo` also runs TP 2 over gloo's sockets, what it used before.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.distributed import shm_collectives  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request.sampling_params import SamplingParams  # noqa: E402
 
@@ -73,13 +75,16 @@ def _timer(engine: LLMEngine):  # noqa: ANN202 - the TP group's CollectiveTimer,
     return group.timer if group is not None and group.size > 1 else None
 
 
-def measure(args: argparse.Namespace, tp: int, threads: int) -> dict[str, float]:
+def measure(args: argparse.Namespace, tp: int, threads: int, collectives: str = "shm") -> dict[str, float]:
     start_s = time.perf_counter()
+    os.environ[shm_collectives.ENV] = collectives  # read as the engine starts its ranks
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format="dummy", dtype="float32", tensor_parallel_size=tp, num_threads=threads,
         max_model_len=args.prompt_tokens + 64, max_num_seqs=32, max_num_batched_tokens=max(2048, args.prompt_tokens),
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False, seed=0))
-    print(f"TP {tp} x {threads} thread(s): started in {time.perf_counter() - start_s:.1f} s", flush=True)
+    os.environ.pop(shm_collectives.ENV)
+    print(f"TP {tp} x {threads} thread(s), collectives {collectives}: started in {time.perf_counter() - start_s:.1f} s",
+          flush=True)
     layers = engine.model_config.num_layers
     try:
         decode_rate(engine, 2, 4, "warm")  # first-call costs (oneDNN primitives, allocations) out of the figures
@@ -111,15 +116,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="cores: TP 1 gets them all, TP 2 one a rank")
     p.add_argument("--tp1-one-thread", action="store_true",
                    help="also TP 1 on one thread: what OpenMP's second thread is worth on this machine now")
+    p.add_argument("--tp2-gloo", action="store_true", help="also TP 2 with its collectives over gloo's sockets")
     args = p.parse_args()
     tp1 = measure(args, 1, args.threads)
     tp2 = measure(args, 2, max(1, args.threads // 2))
+    gloo = measure(args, 2, max(1, args.threads // 2), "gloo") if args.tp2_gloo else None
     one = measure(args, 1, 1) if args.tp1_one_thread else None
     print(f"\n{args.model}, dummy float32 weights, {args.threads} cores; decode: medians of {args.reps} runs of "
           f"{args.decode_tokens} tokens; TTFT: best of {args.ttft_reps}")
     print(f"{'':26s} {'TP 1':>10s} {'TP 2':>10s} {'TP2/TP1':>8s}")
     for key, label, unit in (("decode_b1", "decode tok/s, batch 1", 1), ("decode_b32", "decode tok/s, batch 32", 1),
-                             ("ttft", "TTFT 2,000 tokens (s)", 1)):
+                             ("ttft", f"TTFT {args.prompt_tokens:,} tokens (s)", 1)):
         ratio = tp2[key] / tp1[key] if key != "ttft" else tp1[key] / tp2[key]
         print(f"{label:26s} {tp1[key] * unit:10.2f} {tp2[key] * unit:10.2f} {ratio:7.2f}x"
               + ("  (TP1/TP2: >1 is TP 2 faster)" if key == "ttft" else ""))
@@ -128,6 +135,11 @@ def main() -> None:
         print(f"TP 2 all-reduce per layer, batch {batch:2d}: {reduce_ms:.3f} ms of {layer_ms:.3f} ms a layer-step "
               f"({reduce_ms / layer_ms:.0%})")
     print(f"target TP 2 decode at batch 32 >= 0.85x TP 1: {tp2['decode_b32'] / tp1['decode_b32']:.2f}x")
+    if gloo is not None:
+        print(f"TP 2 over gloo: decode {gloo['decode_b1']:.2f} / {gloo['decode_b32']:.2f} tok/s at batch 1 / 32 "
+              f"({tp2['decode_b1'] / gloo['decode_b1']:.2f}x / {tp2['decode_b32'] / gloo['decode_b32']:.2f}x for "
+              f"shared memory), all-reduce {gloo['reduce_b32'] * 1e3:.3f} ms a layer at batch 32, "
+              f"TTFT {gloo['ttft']:.2f} s")
     if one is not None:
         print(f"TP 1 on one thread: decode {one['decode_b1']:.2f} / {one['decode_b32']:.2f} tok/s at batch 1 / 32, "
               f"TTFT {one['ttft']:.2f} s")

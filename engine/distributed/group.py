@@ -59,9 +59,13 @@ def make_store(*, rank: int, world_size: int, port: int, timeout_s: float) -> ob
                          wait_for_workers=False)
 
 
-def make_group(store: object, *, rank: int, world_size: int, device: torch.device, timeout_s: float) -> TPGroup:
-    """This rank's group over `store` (blocks until every rank has joined, or `timeout_s`)."""
+def make_group(store: object, *, rank: int, world_size: int, device: torch.device, timeout_s: float,
+               shm_path: str | None = None) -> TPGroup:
+    """This rank's group over `store` (blocks until every rank has joined, or `timeout_s`); on cpu with `shm_path`
+    (rank 0's shm_collectives.create) its all-reduces and gathers go through that shared memory."""
     import torch.distributed as dist
+
+    from engine.distributed.shm_collectives import ShmCollectives
 
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda" and cuda_backend() == "nccl":  # untested on hardware (one GPU a machine here)
@@ -75,4 +79,7 @@ def make_group(store: object, *, rank: int, world_size: int, device: torch.devic
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         options._timeout = timeout
         group = dist.ProcessGroupGloo(store, rank, world_size, options)
-    return TPGroup(rank=rank, size=world_size, process_group=group)
+    shm = None
+    if device.type == "cpu" and shm_path is not None:
+        shm = ShmCollectives(shm_path, rank=rank, world_size=world_size, timeout_s=timeout_s)
+    return TPGroup(rank=rank, size=world_size, process_group=group, shm=shm)

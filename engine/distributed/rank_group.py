@@ -27,6 +27,7 @@ from engine.distributed.group import make_group, make_store
 from engine.model.tp_group import TPGroup
 from engine.distributed.rank_worker import Hello, RankSpec, Ready, run_rank
 from engine.distributed.shared_weights import share
+from engine.distributed.shm_collectives import SharedFile, ShmCollectives
 
 if TYPE_CHECKING:
     from kv_transfer.rank_lanes import RankLanes
@@ -42,8 +43,9 @@ class RankDiedError(RuntimeError):
 
 class RankGroup:
     def __init__(self, specs: list[RankSpec], *, device: torch.device, dtype: torch.dtype, timeout_s: float,
-                 startup_timeout_s: float) -> None:
-        """`specs`: one per child, ranks 1..N-1 in order (not started until `start`)."""
+                 startup_timeout_s: float, shm_file: SharedFile | None = None) -> None:
+        """`specs`: one per child, ranks 1..N-1 in order (not started until `start`). `shm_file`: the memory of the
+        group's collectives on cpu (the specs name its path), closed here once every child has mapped it."""
         self.specs = specs
         self.device = device
         self.dtype = dtype
@@ -55,6 +57,8 @@ class RankGroup:
         self.lanes: RankLanes | None = None  # rank 0's end of them, once every child is ready
         self.ready: list[Ready] = []
         self.failure: RankDiedError | None = None
+        self.shm_file = shm_file
+        self._shm: ShmCollectives | None = None
         self._closed = False
 
     @property
@@ -86,12 +90,18 @@ class RankGroup:
             for rank, conn in enumerate(self.conns, start=1):
                 self._expect(conn, rank, Hello)
             group = make_group(store, rank=0, world_size=self.world_size, device=self.device,
-                               timeout_s=self.timeout_s)
+                               timeout_s=self.timeout_s,
+                               shm_path=None if self.shm_file is None else self.shm_file.path)
+            self._shm = group.shm  # type: ignore[assignment]
+            if self._shm is not None:
+                self._shm.peers_dead = self.dead
             for rank, conn in enumerate(self.conns, start=1):
                 shared = share(shards(rank), self.dtype)
                 conn.send(shared)
                 self.ready.append(self._expect(conn, rank, Ready))  # the child's model holds its shard now
                 del shared
+            if self.shm_file is not None:
+                self.shm_file.close()  # every rank has it mapped
             # A child that does not confirm a cancelled handoff in time is stopped (every child, the group failed)
             # before the cancel returns: it might otherwise still write into blocks the engine frees.
             from kv_transfer.rank_lanes import RankLanes  # gRPC's side of the house: imported where it is used
@@ -165,6 +175,10 @@ class RankGroup:
         if self._closed:
             return
         self._closed = True
+        if self._shm is not None:
+            self._shm.abort()  # a child waiting in a collective stops waiting
+        if self.shm_file is not None:
+            self.shm_file.close()
         data = step_message.encode(step_message.Shutdown())
         for conn in self.conns:
             try:

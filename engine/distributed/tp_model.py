@@ -22,7 +22,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.distributed import step_message
+from engine.distributed import shm_collectives, step_message
 from engine.distributed.group import rank_devices
 from engine.distributed.rank_group import RankDiedError, RankGroup, start_store
 from engine.distributed.rank_worker import RankSpec, model_weight_bytes
@@ -128,15 +128,17 @@ def launch_tensor_parallel(
     local_config = local_model_config(config, shape)
     devices = rank_devices(device, world_size)
     store, port = start_store(world_size, STARTUP_TIMEOUT_S)
+    shm_file = shm_collectives.create(world_size) if device.type == "cpu" and shm_collectives.supported() else None
     specs = [
         RankSpec(rank=rank, world_size=world_size, store_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
                  device=str(devices[rank]), dtype=dtype_name, num_threads=num_threads, model_config=local_config,
                  max_positions=max_model_len, num_kv_blocks=num_kv_blocks, block_size=block_size,
-                 kv_cache_dtype=kv_cache_dtype, attention_backend=_backend_flag(attention, kv_cache_dtype))
+                 kv_cache_dtype=kv_cache_dtype, attention_backend=_backend_flag(attention, kv_cache_dtype),
+                 shm_path=None if shm_file is None else shm_file.path)
         for rank in range(1, world_size)
     ]
     ranks = RankGroup(specs, device=device, dtype=dtype, timeout_s=COLLECTIVE_TIMEOUT_S,
-                      startup_timeout_s=STARTUP_TIMEOUT_S)
+                      startup_timeout_s=STARTUP_TIMEOUT_S, shm_file=shm_file)
     if consume_weights:
         shards = shard_all(weights, config, shape)
 

@@ -1,11 +1,13 @@
 """A tensor-parallel group as the model's layers see it: this rank's place and the two collectives they need, timed.
 
 The layer kinds of engine/model/parallel_layers.py call these; engine/distributed/group.py builds the process
-group under them (gloo on CPU, NCCL on CUDA). `SINGLE` is the group of one: its collectives are no-ops, so a TP-1
-model runs the same code with no branch.
+group under them (gloo on CPU, NCCL on CUDA; on a CPU host the all-reduce and the gather go through shared memory,
+engine/distributed/shm_collectives.py, the process group keeping the barrier and any CUDA tensor). `SINGLE` is the
+group of one: its collectives are no-ops, so a TP-1 model runs the same code with no branch.
 
 A collective waits at most its group's timeout; a peer that dies mid-collective fails it at once (its sockets
-close). Either way it raises, and the engine reports the dead rank (engine/distributed/rank_group.py).
+close, or rank 0's liveness check and abort end the shared-memory wait). Either way it raises, and the engine
+reports the dead rank (engine/distributed/rank_group.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class TPGroup:
     rank: int
     size: int
     process_group: object | None = None  # a c10d ProcessGroup; None for the group of one
+    # On CPU, the collectives go through shared memory instead (engine/distributed/shm_collectives.py), when set.
+    shm: object | None = None
     timer: CollectiveTimer = field(default_factory=CollectiveTimer)
 
     @property
@@ -43,7 +47,10 @@ class TPGroup:
         if self.size == 1:
             return tensor
         start_s = time.perf_counter()
-        self.process_group.allreduce([tensor]).wait()  # type: ignore[union-attr]
+        if self.shm is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
+            self.shm.all_reduce(tensor)  # type: ignore[attr-defined]
+        else:
+            self.process_group.allreduce([tensor]).wait()  # type: ignore[union-attr]
         self.timer.all_reduce_s += time.perf_counter() - start_s
         self.timer.num_all_reduces += 1
         return tensor
@@ -54,6 +61,9 @@ class TPGroup:
         if self.size == 1:
             return tensor
         tensor = tensor.contiguous()
+        if self.shm is not None and tensor.device.type == "cpu":
+            parts = self.shm.gather(tensor)  # type: ignore[attr-defined]
+            return None if parts is None else torch.cat(parts, dim=-1)
         if self.rank == 0:
             parts = [torch.empty_like(tensor) for _ in range(self.size)]
             self.process_group.gather([parts], [tensor], _gather_options()).wait()  # type: ignore[union-attr]

@@ -1,12 +1,14 @@
 """A tensor-parallel engine (engine/distributed/) against the same engine at TP 1, with real rank processes.
 
-Over the tiny model (4 query / 2 KV heads: TP 2 splits both, TP 4 replicates the KV heads and pads the
-vocabulary): chunked prefill, prefix-cache hits, preemption, n > 1 (seeded sampling: the same draws need the same
-logits), an int8 KV cache, ngram, draft-model and layer-skip speculation and prompt logprobs give TP 1's tokens, with every logits row within
-1e-3 and every block back in the pool; `LLM` and the flag take the size; each rank holds its share of the weights;
-what does not run is refused before any rank starts; a killed rank fails the engine's requests with an error naming
-it (no hang, blocks back), and the ranks die with the engine's process. The llama-3.2-1b shape (32 / 8 heads) runs at
-TP 2 and 4, cut to one layer and an 8k vocabulary to stay cheap. Real SmolLM2 at TP 3: tests/engine/test_exactness.py.
+Over the tiny model (4 query / 2 KV heads: TP 2 splits both, TP 4 replicates the KV heads and pads the vocabulary):
+chunked prefill, prefix-cache hits, preemption, n > 1 (seeded sampling: the same draws need the same logits), an
+int8 KV cache, ngram, draft-model and layer-skip speculation and prompt logprobs give TP 1's tokens, with every
+logits row within 1e-3 and every block back in the pool; `LLM` and the flag take the size; each rank holds its share
+of the weights; what does not run is refused before any rank starts; a killed rank fails the engine's requests with
+an error naming it (no hang, blocks back), and the ranks die with the engine's process. The llama-3.2-1b shape (32 /
+8 heads) runs at TP 2 and 4, cut to one layer and an 8k vocabulary to stay cheap. The collectives go through shared
+memory; gloo's sockets, kept by an environment variable, answer the same. Real SmolLM2 at TP 3:
+tests/engine/test_exactness.py.
 """
 
 from __future__ import annotations
@@ -92,6 +94,28 @@ def test_chunked_prefill_and_prefix_hits_match_tp1(tp2: Pair) -> None:
     tp2.check({f"again{i}": (p + " and more", greedy(6)) for i, p in enumerate(PROMPTS)})  # prompts cached whole
     assert tp2.tpn.kv_cache.prefix_hits_tokens > hits
     assert max(len(ids) for ids in prompt_ids(tp2.tpn, requests).values()) > ENGINE["max_num_batched_tokens"]
+
+
+def test_collectives_over_shared_memory_by_default_and_gloo_answers_the_same(tp2: Pair, tiny_checkpoint,  # noqa: ANN001
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TP engine's all-reduces and logits gathers go through shared memory (engine/distributed/shm_collectives.py)
+    on an x86-64 host; $SPLITSERVE_TP_CPU_COLLECTIVES=gloo keeps gloo's sockets, with the same tokens."""
+    from engine.distributed import shm_collectives
+
+    group = tp2.tpn.runner.model.group
+    assert (group.shm is not None) == shm_collectives.supported()
+    before = group.timer.num_all_reduces
+    requests = {f"r{i}": (p, greedy(6)) for i, p in enumerate(PROMPTS)}
+    want = tp2.check(requests)
+    assert group.timer.num_all_reduces > before
+    monkeypatch.setenv(shm_collectives.ENV, "gloo")
+    gloo = make_engine(tiny_checkpoint, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert gloo.runner.model.group.shm is None
+        assert run(gloo, requests) == want
+        assert_no_blocks_held(gloo)
+    finally:
+        gloo.close()
 
 
 def test_preemption_matches_tp1(tp2: Pair) -> None:
