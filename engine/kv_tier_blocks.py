@@ -9,8 +9,9 @@ One block's bytes: its KV across every layer, [num_layers, 2, block_size, num_kv
 dtype, then for an int8 cache its scales [num_layers, 2, num_kv_heads] float32: every KV head, at any
 tensor-parallel size (at TP N rank 0 gathers a block's heads from every rank's cache, which the child ranks share
 with it, and scatters them back: kv_transfer/whole_blocks.py), so that a tier's entries are one model's
-whatever the size that wrote them. Start-up refuses what a tier cannot hold yet (a draft model's own KV; TP > 1 on
-cuda).
+whatever the size that wrote them. A draft model's own KV is not kept: a loaded block is the target's, as a prefix-cache
+hit is, and the draft catches up over it (engine/spec_decode/draft_model_proposer.py). Start-up refuses what a tier
+cannot run yet (TP > 1 on cuda).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig
 from engine.core.kv_tier import DirectoryStore, KVTier, KVTierError, MemoryStore
 from kv_transfer.block_hash import BlockHash, BlockHashNamespace
 from kv_transfer.layout import KVLayout
@@ -133,9 +134,6 @@ def check_tier_config(config: EngineConfig, device: torch.device) -> None:
     if config.tensor_parallel_size > 1 and device.type != "cpu":
         raise ValueError("a KV offload tier does not run at --tensor-parallel-size > 1 on cuda yet (rank 0 would "
                          "move every rank's heads of a block through CUDA IPC, untested on hardware)")
-    spec = config.speculative_config
-    if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
-        raise ValueError("a KV offload tier does not keep a draft model's KV: not with draft_model speculation yet")
 
 
 def make_tier(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,

@@ -105,6 +105,23 @@ def test_returning_turn_loads_the_evicted_history_from_disk(tiny_checkpoint, tmp
     engine.close()
 
 
+def test_draft_model_speculation_catches_up_over_a_loaded_history(tiny_checkpoint, tmp_path: Path,  # noqa: ANN001
+                                                                    reference) -> None:
+    """A tier brings back the target's KV only, as a prefix-cache hit does: the draft model catches up over the
+    loaded tokens in its first forward, and the answer is the one without tier or speculation."""
+    spec = {"method": "draft_model", "model": str(tiny_checkpoint.path), "num_speculative_tokens": 3,
+            "policy": "fixed"}
+    engine = _engine(tiny_checkpoint, tmp_path, speculative_config=spec)
+    counter = BlockRefCounter(engine)
+    assert _returning_chat(engine) == reference
+    stats = engine.stats()
+    assert stats.prefix_cache_hits_by_tier["disk"] == NUM_COMPUTED_BLOCKS * BLOCK_SIZE
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    assert_no_blocks_held(engine)
+    counter.assert_balanced()
+    engine.close()
+
+
 def test_corrupted_entries_are_recomputed(tiny_checkpoint, tmp_path: Path, reference) -> None:
     engine = _engine(tiny_checkpoint, tmp_path)
     first = _run(engine, "turn-1", HISTORY)
