@@ -111,7 +111,7 @@ run_phase() {
             -k "(cuda or on_a_gpu) and not dying" ;;
     quanttests) phase quanttests 120 $PY -m pytest -q -p no:cacheprovider "${QUANT_TESTS[@]}" ;;
     gemvtests) phase gemvtests 60 $PY -m pytest -q -p no:cacheprovider tests/engine/kernels/test_weight_only_gemv.py ;;
-    tptests) phase tptests 180 $PY -m pytest -q -p no:cacheprovider "${TP_TESTS[@]}" ;;
+    tptests) phase tptests 240 $PY -m pytest -q -p no:cacheprovider "${TP_TESTS[@]}" ;;
     quant_*)  # bench/gpu.py --quantization METHOD: bf16 and METHOD engines on the Llama-1B shape, batch 1 and 256
         local method=${1#quant_}
         if [ -n "$SMOKE" ]; then QUANT_ARGS=("${GPU_ARGS[@]}"); [ "$method" = fp8 ] && method=int8

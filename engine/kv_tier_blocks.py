@@ -9,9 +9,9 @@ One block's bytes: its KV across every layer, [num_layers, 2, block_size, num_kv
 dtype, then for an int8 cache its scales [num_layers, 2, num_kv_heads] float32: every KV head, at any
 tensor-parallel size (at TP N rank 0 gathers a block's heads from every rank's cache, which the child ranks share
 with it, and scatters them back: kv_transfer/whole_blocks.py), so that a tier's entries are one model's
-whatever the size that wrote them. A draft model's own KV is not kept: a loaded block is the target's, as a prefix-cache
-hit is, and the draft catches up over it (engine/spec_decode/draft_model_proposer.py). Start-up refuses what a tier
-cannot run yet (TP > 1 on cuda).
+whatever the size that wrote them. A draft model's own KV is not kept: a loaded block is the target's, as a
+prefix-cache hit is, and the draft catches up over it (engine/spec_decode/draft_model_proposer.py). On cuda at TP > 1
+the children's caches are reached over CUDA IPC (its ordering: kv_transfer/whole_blocks.py).
 """
 
 from __future__ import annotations
@@ -131,9 +131,6 @@ def check_tier_config(config: EngineConfig, device: torch.device) -> None:
             raise ValueError("--kv-offload-memory and --kv-offload-dir together are not built yet: give one")
     if not config.enable_prefix_caching:
         raise ValueError("a KV offload tier keeps blocks the prefix cache evicts: it needs --enable-prefix-caching")
-    if config.tensor_parallel_size > 1 and device.type != "cpu":
-        raise ValueError("a KV offload tier does not run at --tensor-parallel-size > 1 on cuda yet (rank 0 would "
-                         "move every rank's heads of a block through CUDA IPC, untested on hardware)")
 
 
 def make_tier(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,

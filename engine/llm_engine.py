@@ -96,10 +96,11 @@ class LLMEngine:
                                              announced=self.kv_tier.tier.hashes())
         # Blocks fetched from a peer worker for a prompt about to be admitted (engine/kv_peer_blocks.py), looked up
         # before the offload tier; and the device blocks peers fetch from this one, pinned while they are sent.
-        # At TP > 1 peers' blocks are staged whole and loaded into every rank's cache (on cpu: shared memory).
+        # At TP > 1 peers' blocks are staged whole and loaded into every rank's cache (mapped here: shared memory on
+        # cpu, CUDA IPC on cuda).
         blocks = self.kv_blocks
         whole = None
-        if blocks.layout.tensor_parallel_size > 1 and blocks.ranks is not None and self.device.type == "cpu":
+        if blocks.layout.tensor_parallel_size > 1 and blocks.ranks is not None:
             whole = WholeBlocks(blocks.layout, blocks.ranks)
         self.peer_blocks = PeerBlocks(self.runner.kv_cache, self.runner.kv_scales, whole=whole)
         self._tiers = TierChain([self.peer_blocks, *([self.kv_tier] if self.kv_tier is not None else [])])

@@ -2,6 +2,13 @@
 tensor-parallel engine's rank caches, each rank's in place: what a tier below the device cache keeps, and what a peer
 fetch stages, at any tensor-parallel size (engine/kv_tier_blocks.py, engine/kv_peer_blocks.py).
 
+On cuda a child rank's cache is its device memory, mapped into rank 0 over CUDA IPC, and rank 0's copies run on its
+own streams, so the two processes' orders meet only where rank 0 waits:
+- `read` runs between steps. A step's last collective (the logits gather) comes after every KV write of the step
+  in each rank's stream, and rank 0 waited for it, so the child's writes are done.
+- `write` synchronizes the devices it wrote before it returns. The child runs its next forward only after rank 0
+  sends the step, so that forward sees the blocks.
+
 No gRPC: the engine imports this.
 """
 
@@ -35,6 +42,7 @@ class WholeBlocks:
         self.kv_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.kv_dtype = first.dtype
         self.device = first.device
+        self._cuda_devices = sorted({cache.device for cache, _ in ranks if cache.is_cuda}, key=str)
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +72,8 @@ class WholeBlocks:
             cache[:, :, block_id, :, _run(s.receiver_heads)] = kv[:, :, :, _run(s.sender_heads)]
             if scales is not None and cache_scales is not None:
                 cache_scales[:, :, block_id, _run(s.receiver_heads)] = scales[:, :, _run(s.sender_heads)]
+        for device in self._cuda_devices:  # written before the rank's next step reads them (below)
+            torch.cuda.synchronize(device)
 
 
 def _run(heads: range) -> slice:

@@ -23,8 +23,8 @@ holder killed mid-fetch takes its pins with it; the fetcher's call fails within 
 
 Tensor parallelism: a holder at any size sends, its wire plan cutting each block for a receiver of size 1; a fetcher
 at any size stages whole blocks (every KV head: a layout of size 1), which its admission loads into every rank's
-cache, each rank its heads (engine/kv_peer_blocks.py), on cpu (on cuda that copy into another process' device memory
-would need a cross-process sync, not built: a fetcher at TP > 1 on cuda does not fetch).
+cache, each rank its heads (engine/kv_peer_blocks.py): through shared memory on cpu, CUDA IPC on cuda (rank 0's
+copies synchronized before the ranks' next step: kv_transfer/whole_blocks.py).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class PeerFetcher:
             return NOTHING
         if layout.tensor_parallel_size != 1 and not runtime.engine.peer_blocks.loads_every_rank:
             self._failed(req, plan, "refused", "at tensor_parallel_size > 1 a peer fetch stages whole blocks that "
-                         "rank 0 loads into every rank's cache: on cpu only")
+                         "rank 0 loads into every rank's cache, and this engine's rank 0 does not map them")
             return NOTHING
         # Never the prompt's last token: the step that computes it samples the first output token.
         num_blocks = min(plan.num_blocks, (req.num_tokens - 1) // layout.block_size, len(req.block_hashes))

@@ -88,12 +88,18 @@ def test_a_tier_written_at_one_size_serves_a_restart_at_another(tiny_checkpoint,
         reader.close()
 
 
-def test_a_tier_at_tp2_on_cuda_is_refused_before_anything_loads() -> None:
+def test_a_disk_tier_at_tp2_is_taken_on_either_device() -> None:
+    """On cuda too (its GPU test: tests/engine/distributed/test_tensor_parallel_cuda.py); a host-memory tier only
+    there."""
     from engine.config import EngineConfig
     from engine.kv_tier_blocks import check_tier_config
 
     config = EngineConfig(model="/nonexistent", tensor_parallel_size=2, kv_offload_dir="/tmp/x",
                           kv_offload_size_bytes=1 << 20, num_kv_blocks=8)
-    check_tier_config(config, torch.device("cpu"))  # runs on cpu
-    with pytest.raises(ValueError, match="does not run at --tensor-parallel-size > 1 on cuda yet"):
-        check_tier_config(config, torch.device("cuda"))
+    check_tier_config(config, torch.device("cpu"))
+    check_tier_config(config, torch.device("cuda"))
+    host = EngineConfig(model="/nonexistent", tensor_parallel_size=2, kv_offload_memory_bytes=1 << 20,
+                        num_kv_blocks=8)
+    check_tier_config(host, torch.device("cuda"))
+    with pytest.raises(ValueError, match="on cpu the KV cache is already in host memory"):
+        check_tier_config(host, torch.device("cpu"))
