@@ -22,7 +22,7 @@ from kv_transfer.layout import KVHandoff, KVLayout, KVRefused, KVTransferError
 from kv_transfer.rank_lanes import (ENDED_KEPT, EXPECT_WAIT_S, RECEIVE_THREADS, Cancel, Expect, Forget, Reply, Send,
                                     Settled, Start, rank_view)
 from kv_transfer.registry import make_receiver, make_sender
-from kv_transfer.tp_slices import RankCache, WireBlocks
+from kv_transfer.tp_slices import LaneWrites, RankCache, WireBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -62,55 +62,38 @@ class _Expected:
                 self.failed = reason
 
 
-class _LaneWrites:
-    """A KVDestination: one lane's wire blocks into the child's cache."""
+class _LaneWrites(LaneWrites):
+    """One lane's wire blocks into the child's cache, under its expectation's lock."""
 
     def __init__(self, expected: _Expected, handoff: KVHandoff, blocks: WireBlocks) -> None:
+        super().__init__(handoff, blocks, expected.lock)
         self.expected = expected
-        self.handoff = handoff
-        self.blocks = blocks
-        self.num_bytes = 0
 
-    def _check(self, first: int, count: int) -> None:
+    def refusal(self) -> str | None:
         e = self.expected
         if e.failed is not None:
-            raise KVTransferError(f"request {e.expect.request_id}: transfer failed ({e.failed}), block dropped")
-        if e.lanes.get(self.handoff.lane) != "receiving":
-            raise KVTransferError(f"lane {self.handoff.lane} is {e.lanes.get(self.handoff.lane)}, block dropped")
-        indices = self.handoff.wire_indices
-        if first not in indices or first + count - 1 not in indices:
-            raise KVTransferError(f"lane {self.handoff.lane}: blocks {first} to {first + count - 1} are not its to "
-                                  "write")
-
-    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
-        with self.expected.lock:
-            self._check(index, 1)
-            self.blocks.write_block(index, data, crc32c)
-            self.num_bytes += data.numel() * data.element_size()
-
-    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
-        with self.expected.lock:
-            self._check(first_index, data.shape[0])
-            self.blocks.write_blocks(first_index, data)
-            self.num_bytes += data.numel() * data.element_size()
+            return f"request {e.expect.request_id}: transfer failed ({e.failed}), block dropped"
+        if e.lanes.get(self.lane) != "receiving":
+            return f"lane {self.lane} is {e.lanes.get(self.lane)}, block dropped"
+        return None
 
     def commit(self) -> None:
         e = self.expected
         with e.lock:
-            if e.failed is not None or e.lanes.get(self.handoff.lane) != "receiving":
-                raise KVTransferError(f"request {e.expect.request_id}: cannot commit lane {self.handoff.lane} "
-                                      f"({e.failed or e.lanes.get(self.handoff.lane)})")
-            e.lanes[self.handoff.lane] = "committed"
-        e.report(Settled(e.expect.transfer_id, self.handoff.lane, self.handoff.layout.tensor_parallel_size, None,
+            why = self.refusal()
+            if why is not None:
+                raise KVTransferError(f"cannot commit lane {self.lane}: {why}")
+            e.lanes[self.lane] = "committed"
+        e.report(Settled(e.expect.transfer_id, self.lane, self.handoff.layout.tensor_parallel_size, None,
                          self.num_bytes))
 
     def fail(self, reason: str) -> None:
         e = self.expected
         with e.lock:
-            if e.lanes.get(self.handoff.lane) != "receiving":
+            if e.lanes.get(self.lane) != "receiving":
                 return
-            e.lanes[self.handoff.lane] = "failed"
-        e.report(Settled(e.expect.transfer_id, self.handoff.lane, self.handoff.layout.tensor_parallel_size, reason))
+            e.lanes[self.lane] = "failed"
+        e.report(Settled(e.expect.transfer_id, self.lane, self.handoff.layout.tensor_parallel_size, reason))
 
 
 class _ChildSink:

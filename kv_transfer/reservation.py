@@ -32,7 +32,7 @@ import torch
 from kv_transfer.layout import KVHandoff, KVLayout, KVRefused, KVTransferError
 from kv_transfer.rank_lanes import Expect, RankLanes, Settled
 from kv_transfer.tp_plan import wire_plan
-from kv_transfer.tp_slices import RankCache, WireBlocks, rank_caches
+from kv_transfer.tp_slices import LaneWrites, RankCache, WireBlocks, rank_caches
 
 
 class ReservationState(enum.Enum):
@@ -278,44 +278,26 @@ class Reservation:
             then()
 
 
-class _LaneWrites:
-    """A KVDestination: one lane's wire blocks into rank 0's cache (its receiver rank is 0)."""
+class _LaneWrites(LaneWrites):
+    """One lane's wire blocks into rank 0's cache (its receiver rank is 0), under the reservation's lock: its writes
+    and transitions are atomic."""
 
     def __init__(self, reservation: Reservation, handoff: KVHandoff, blocks: WireBlocks) -> None:
+        super().__init__(handoff, blocks, reservation._lock)  # noqa: SLF001
         self.reservation = reservation
-        self.handoff = handoff
-        self.lane = handoff.lane
-        self.blocks = blocks
-        self.num_bytes = 0
 
-    def _check(self, first: int, count: int) -> None:
+    def refusal(self) -> str | None:
         r = self.reservation
         if r.state is not ReservationState.RECEIVING or r._lanes.get(self.lane) != "receiving":  # noqa: SLF001
-            raise KVTransferError(f"request {r.request_id}: transfer is {r.state.value}, lane {self.lane}'s blocks "
-                                  "dropped")
-        indices = self.handoff.wire_indices
-        if first not in indices or first + count - 1 not in indices:
-            raise KVTransferError(f"request {r.request_id}: blocks {first} to {first + count - 1} are not lane "
-                                  f"{self.lane}'s to write")
-
-    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
-        with self.reservation._lock:  # noqa: SLF001 - the reservation's writes and transitions are atomic
-            self._check(index, 1)
-            self.blocks.write_block(index, data, crc32c)
-            self.num_bytes += data.numel() * data.element_size()
-
-    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
-        with self.reservation._lock:  # noqa: SLF001
-            self._check(first_index, data.shape[0])
-            self.blocks.write_blocks(first_index, data)
-            self.num_bytes += data.numel() * data.element_size()
+            return f"request {r.request_id}: transfer is {r.state.value}, lane {self.lane}'s blocks dropped"
+        return None
 
     def commit(self) -> None:
         r = self.reservation
         with r._lock:  # noqa: SLF001
-            if r.state is not ReservationState.RECEIVING or r._lanes.get(self.lane) != "receiving":  # noqa: SLF001
-                raise KVTransferError(f"request {r.request_id}: cannot commit lane {self.lane} of a transfer that is "
-                                      f"{r.state.value}")
+            why = self.refusal()
+            if why is not None:
+                raise KVTransferError(f"cannot commit lane {self.lane}: {why}")
             r._lane_committed(self.lane, self.num_bytes)  # noqa: SLF001
             committed = r.state is ReservationState.COMMITTED
         if r._hub is not None:  # noqa: SLF001

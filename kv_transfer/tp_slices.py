@@ -14,13 +14,14 @@ when the copy is fused, so the caller must fail the handoff and free the blocks 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kv_transfer.block_copy import gather
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.tp_plan import WirePlan, slice_layout
 from kv_transfer.wire_block import read_wire_block, read_wire_blocks, write_wire_block, write_wire_blocks
 
@@ -139,3 +140,40 @@ class WireBlocks:
         for slot in range(data.shape[0]):
             self.write_block(first_index + slot, data[slot], None)
 
+
+class LaneWrites:
+    """A KVDestination for one lane of a handoff (kv_transfer/rank_lanes.py): its wire blocks into a rank's cache,
+    each write made under `lock` only while `refusal()` says nothing and only at the lane's own wire indices, and its
+    bytes counted. Rank 0's (kv_transfer/reservation.py) and a child's (kv_transfer/child_lanes.py) differ in the
+    state they check and in how the lane commits and fails."""
+
+    def __init__(self, handoff: KVHandoff, blocks: WireBlocks, lock: threading.Lock | threading.RLock) -> None:
+        self.handoff = handoff
+        self.lane = handoff.lane
+        self.blocks = blocks
+        self.lock = lock
+        self.num_bytes = 0
+
+    def refusal(self) -> str | None:
+        """Why no block of this lane may be written now (called under `lock`); None while it receives."""
+        raise NotImplementedError
+
+    def _check(self, first: int, count: int) -> None:
+        why = self.refusal()
+        if why is not None:
+            raise KVTransferError(why)
+        indices = self.handoff.wire_indices
+        if first not in indices or first + count - 1 not in indices:
+            raise KVTransferError(f"lane {self.lane}: blocks {first} to {first + count - 1} are not its to write")
+
+    def write_block(self, index: int, data: torch.Tensor, crc32c: int | None = None) -> None:
+        with self.lock:
+            self._check(index, 1)
+            self.blocks.write_block(index, data, crc32c)
+            self.num_bytes += data.numel() * data.element_size()
+
+    def write_blocks(self, first_index: int, data: torch.Tensor) -> None:
+        with self.lock:
+            self._check(first_index, data.shape[0])
+            self.blocks.write_blocks(first_index, data)
+            self.num_bytes += data.numel() * data.element_size()
