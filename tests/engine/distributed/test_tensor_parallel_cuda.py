@@ -210,30 +210,13 @@ def test_a_returning_turn_at_tp2_on_cuda_loads_every_ranks_heads_from_a_tier(tin
     """Issue 35 at TP > 1 on a GPU: an evicted block goes down with every head, rank 0 reading the child's over CUDA
     IPC, and comes back into every rank's device cache (kv_transfer/whole_blocks.py synchronizing its writes before
     the next step): the returning turn answers as the TP 1 engine does without a tier, its history bit for bit."""
-    from tests.engine.distributed.test_tp_kv_tier import _whole_kv_of_cached
-    from tests.engine.test_kv_tier import BLOCK_SIZE, HISTORY, NUM_COMPUTED_BLOCKS, TIER, _engine, _returning_chat
-    from tests.engine.tiny_model import BlockRefCounter, assert_no_blocks_held
+    from tests.engine.distributed.test_tp_kv_tier import check_returning_turn_loads_every_ranks_heads
+    from tests.engine.test_kv_tier import TIER, _engine, _returning_chat
 
     monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")
     on_gpu = dict(device="cuda", dtype="float32")
     expected = _returning_chat(_engine(tiny_checkpoint, **on_gpu))
     where = dict(tier_dir=tmp_path) if tier == "disk" else dict(kv_offload_memory_bytes=TIER["kv_offload_size_bytes"])
     engine = _engine(tiny_checkpoint, **where, **on_gpu, tensor_parallel_size=2)
-    try:
-        assert all(cache.is_cuda for cache, _ in engine.kv_blocks.ranks)
-        counter = BlockRefCounter(engine)
-        computed = {}
-
-        def remember_history_kv(first: list[int]) -> None:
-            hashes = engine.make_request("p", HISTORY + first, greedy()).block_hashes
-            computed.update(_whole_kv_of_cached(engine, hashes))
-
-        assert _returning_chat(engine, remember_history_kv) == expected
-        assert len(computed) == NUM_COMPUTED_BLOCKS
-        loaded = _whole_kv_of_cached(engine, computed)
-        assert all(torch.equal(kv, loaded[h][0]) for h, (kv, _) in computed.items())
-        assert engine.stats().prefix_cache_hits_by_tier[tier] == NUM_COMPUTED_BLOCKS * BLOCK_SIZE
-        assert_no_blocks_held(engine)
-        counter.assert_balanced()
-    finally:
-        engine.close()
+    assert all(cache.is_cuda for cache, _ in engine.kv_blocks.ranks)
+    check_returning_turn_loads_every_ranks_heads(engine, expected, tier)

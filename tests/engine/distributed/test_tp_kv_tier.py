@@ -44,6 +44,12 @@ def test_a_returning_turn_at_tp2_loads_every_ranks_heads_from_disk(tiny_checkpoi
                                                                    kv_cache_dtype: str) -> None:
     expected = _returning_chat(_engine(tiny_checkpoint, kv_cache_dtype=kv_cache_dtype))
     engine = _engine(tiny_checkpoint, tmp_path, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=2)
+    check_returning_turn_loads_every_ranks_heads(engine, expected, "disk", int8=kv_cache_dtype == "int8")
+
+
+def check_returning_turn_loads_every_ranks_heads(engine, expected, tier: str, *, int8: bool = False) -> None:  # noqa: ANN001
+    """`engine` (TP > 1, a tier) answers the returning chat as `expected`, its history loaded from `tier` bit for
+    bit into every rank (an int8 cache's scales too), every block back; closes `engine`."""
     try:
         counter = BlockRefCounter(engine)
         computed = {}
@@ -58,10 +64,10 @@ def test_a_returning_turn_at_tp2_loads_every_ranks_heads_from_disk(tiny_checkpoi
         assert loaded.keys() == computed.keys()
         for block_hash, (kv, scales) in computed.items():  # bit for bit, every head of every rank
             assert torch.equal(kv, loaded[block_hash][0])
-            assert (scales is None) == (kv_cache_dtype == "auto")
+            assert (scales is not None) == int8
             assert scales is None or torch.equal(scales, loaded[block_hash][1])
         stats = engine.stats()
-        assert stats.prefix_cache_hits_by_tier["disk"] == NUM_COMPUTED_BLOCKS * BLOCK_SIZE
+        assert stats.prefix_cache_hits_by_tier[tier] == NUM_COMPUTED_BLOCKS * BLOCK_SIZE
         assert_no_blocks_held(engine)
         counter.assert_balanced()
     finally:
