@@ -47,7 +47,8 @@ def test_a_returning_turn_at_tp2_loads_every_ranks_heads_from_disk(tiny_checkpoi
     check_returning_turn_loads_every_ranks_heads(engine, expected, "disk", int8=kv_cache_dtype == "int8")
 
 
-def check_returning_turn_loads_every_ranks_heads(engine, expected, tier: str, *, int8: bool = False) -> None:  # noqa: ANN001
+def check_returning_turn_loads_every_ranks_heads(engine, expected, tier: str, *,  # noqa: ANN001
+                                                 int8: bool = False) -> None:
     """`engine` (TP > 1, a tier) answers the returning chat as `expected`, its history loaded from `tier` bit for
     bit into every rank (an int8 cache's scales too), every block back; closes `engine`."""
     try:
