@@ -2,12 +2,17 @@
 tensor-parallel engine's rank caches, each rank's in place: what a tier below the device cache keeps, and what a peer
 fetch stages, at any tensor-parallel size (engine/kv_tier_blocks.py, engine/kv_peer_blocks.py).
 
-On cuda a child rank's cache is its device memory, mapped into rank 0 over CUDA IPC, and rank 0's copies run on its
-own streams, so the two processes' orders meet only where rank 0 waits:
-- `read` runs between steps. A step's last collective (the logits gather) comes after every KV write of the step
-  in each rank's stream, and rank 0 waited for it, so the child's writes are done.
-- `write` synchronizes the devices it wrote before it returns. The child runs its next forward only after rank 0
-  sends the step, so that forward sees the blocks.
+On cuda a child rank's cache is its device memory, mapped into rank 0 over CUDA IPC. Every copy between rank 0's
+device and a child's runs on rank 0's current stream (PyTorch runs a cross-device copy on the source device's
+stream, after a two-way barrier with the destination device's), so it comes after the step rank 0 last launched,
+which may still be running (async scheduling). That step's last collective (the logits gather) follows every KV
+write of the step in each child's stream, and rank 0's stream passes it only once every child has reached it, so
+the copy never races a child's write of the same step:
+- `read` copies each head into a tensor on rank 0's device. (The blocks it reads are cached ones, whose KV an
+  earlier step computed.)
+- `write` first moves the block to rank 0's device (a tier's bytes are on the host), so that every copy into a
+  child's cache is one of those, then synchronizes those devices before it returns: the child runs its next
+  forward only after rank 0 sends it that step, so the forward sees the block.
 
 No gRPC: the engine imports this.
 """
@@ -67,12 +72,14 @@ class WholeBlocks:
 
     def write(self, block_id: int, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Store whole block `kv` (and its `scales`) as block `block_id` of every rank, each rank its heads."""
+        kv = kv.to(self.device)
+        scales = None if scales is None else scales.to(self.device)
         for s in self._scatter:
             cache, cache_scales = self.ranks[s.receiver_rank]
             cache[:, :, block_id, :, _run(s.receiver_heads)] = kv[:, :, :, _run(s.sender_heads)]
             if scales is not None and cache_scales is not None:
                 cache_scales[:, :, block_id, _run(s.receiver_heads)] = scales[:, :, _run(s.sender_heads)]
-        for device in self._cuda_devices:  # written before the rank's next step reads them (below)
+        for device in self._cuda_devices:  # written before a child's next step reads them (above)
             torch.cuda.synchronize(device)
 
 

@@ -16,6 +16,9 @@ Ordering: a rank's slot bytes are stored before its sequence number, and read af
 memory model (stores not reordered with stores, loads not with loads) is what makes that safe without fences, so
 `supported()` is x86-64 only, and elsewhere the group keeps gloo.
 
+Waiting: a rank spins, then yields the core, then naps; when the group's ranks have more threads than the host has
+cores (SmolLM2 at TP 3 on two), it naps almost at once, so that a waiting rank leaves the core to one computing.
+
 Failure: a wait gives up after the group's timeout; rank 0 also asks its `peers_dead` (the RankGroup's liveness
 check) every 20 ms, and `abort()` (rank 0's RankGroup, when it closes or fails) ends every rank's wait at once, so
 a dead rank fails the step as promptly as a closed gloo socket did.
@@ -40,6 +43,7 @@ _LINE = 8  # int64 words per 64-byte line: rank r's sequence number is word r * 
 SLOT_BYTES = 2 << 20  # a batch of 256 rows of 2,048 float32 in one piece; more goes in pieces
 _SPIN = 2000  # polls before a wait starts yielding the core
 _YIELD_S = 0.002  # then sleep(0) (a yield) until this long, then 50 µs naps: ranks beyond the cores must get them
+_SPIN_SHARED = 100  # with more ranks' threads than cores: a short spin, then naps at once (the core is another's)
 _LIVENESS_S = 0.02
 ENV = "SPLITSERVE_TP_CPU_COLLECTIVES"  # "shm" (default) or "gloo"
 
@@ -49,11 +53,12 @@ class CollectiveAborted(RuntimeError):
 
 
 def supported() -> bool:
-    """Whether CPU groups use shared memory: on x86-64, unless $SPLITSERVE_TP_CPU_COLLECTIVES=gloo."""
+    """Whether CPU groups use shared memory: on x86-64 Linux, unless $SPLITSERVE_TP_CPU_COLLECTIVES=gloo."""
     choice = os.environ.get(ENV, "shm").strip().lower() or "shm"
     if choice not in ("shm", "gloo"):
         raise ValueError(f"{ENV}={choice!r}: expected shm or gloo")
-    return choice == "shm" and platform.machine().lower() in ("x86_64", "amd64")
+    return (choice == "shm" and platform.machine().lower() in ("x86_64", "amd64")
+            and hasattr(os, "memfd_create") and hasattr(os, "posix_fallocate"))  # Linux
 
 
 class SharedFile:
@@ -107,6 +112,9 @@ class ShmCollectives:
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8, count=2 * world_size * slot_bytes,
                                       offset=HEADER_BYTES)
         self._seq = 0
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        shared = world_size * torch.get_num_threads() > cores  # this rank's threads, as many a rank (the default)
+        self._spin, self._yield_s = (_SPIN_SHARED, 0.0) if shared else (_SPIN, _YIELD_S)
         self._acc: torch.Tensor | None = None  # the float64 sums of groups of 3 or more
 
     def abort(self) -> None:
@@ -178,7 +186,7 @@ class ShmCollectives:
 
     def _wait(self, rank: int, seq: int, words: np.ndarray, abort_at: int) -> None:
         at = rank * _LINE
-        for _ in range(_SPIN):
+        for _ in range(self._spin):
             if words[at] >= seq:
                 return
         start_s = time.monotonic()
@@ -195,4 +203,4 @@ class ShmCollectives:
                 if now_s - start_s > self.timeout_s:
                     raise CollectiveAborted(f"tensor-parallel rank {rank} did not reach a collective within "
                                             f"{self.timeout_s:.0f} s")
-            time.sleep(0 if now_s - start_s < _YIELD_S else 50e-6)
+            time.sleep(0 if now_s - start_s < self._yield_s else 50e-6)

@@ -140,7 +140,11 @@ def launch_tensor_parallel(
     ranks = RankGroup(specs, device=device, dtype=dtype, timeout_s=COLLECTIVE_TIMEOUT_S,
                       startup_timeout_s=STARTUP_TIMEOUT_S, shm_file=shm_file)
     if consume_weights:
-        shards = shard_all(weights, config, shape)
+        try:
+            shards = shard_all(weights, config, shape)
+        except BaseException:
+            ranks.close()  # the collectives' memory too
+            raise
 
         def shard(rank: int) -> dict[str, torch.Tensor]:
             mine, shards[rank] = shards[rank], {}

@@ -47,8 +47,11 @@ class TPGroup:
         if self.size == 1:
             return tensor
         start_s = time.perf_counter()
-        if self.shm is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
-            self.shm.all_reduce(tensor)  # type: ignore[attr-defined]
+        if self.shm is not None and tensor.device.type == "cpu":  # every rank's takes it: none waits in gloo
+            if tensor.is_contiguous():
+                self.shm.all_reduce(tensor)  # type: ignore[attr-defined]
+            else:
+                tensor.copy_(self.shm.all_reduce(tensor.contiguous()))  # type: ignore[attr-defined]
         else:
             self.process_group.allreduce([tensor]).wait()  # type: ignore[union-attr]
         self.timer.all_reduce_s += time.perf_counter() - start_s

@@ -116,7 +116,10 @@ def test_draft_model_speculation_catches_up_over_a_loaded_history(tiny_checkpoin
     assert _returning_chat(engine) == reference
     stats = engine.stats()
     assert stats.prefix_cache_hits_by_tier["disk"] == NUM_COMPUTED_BLOCKS * BLOCK_SIZE
-    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    # The draft is the target itself: a draft that caught up over the loaded history proposes the target's greedy
+    # tokens, so (nearly) all are accepted; one that read garbage KV for it would propose noise.
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
     assert_no_blocks_held(engine)
     counter.assert_balanced()
     engine.close()

@@ -106,8 +106,9 @@ def test_abort_ends_a_wait_at_once() -> None:
     shared.close()
 
 
-def _wait_forever(path: str) -> None:
+def _mapped_then_sleeps(path: str, mapped: multiprocessing.Event) -> None:
     ShmCollectives(path, rank=1, world_size=2, timeout_s=300, slot_bytes=SLOT_BYTES)
+    mapped.set()
     time.sleep(300)
 
 
@@ -116,14 +117,43 @@ def test_a_rank_killed_while_rank_0_waits_fails_the_collective_fast() -> None:
     RankGroup's `dead` in an engine) ends the wait within a fraction of a second, naming it."""
     shared, group = _group_of_two(timeout_s=300)
     ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_wait_forever, args=(shared.path,), daemon=True)
+    mapped = ctx.Event()
+    child = ctx.Process(target=_mapped_then_sleeps, args=(shared.path, mapped), daemon=True)
     child.start()
+    assert mapped.wait(60)
     group.peers_dead = lambda: None if child.is_alive() else f"rank 1 (pid {child.pid}) was killed"
-    threading.Timer(3.0, lambda: os.kill(child.pid, 9)).start()  # type: ignore[arg-type]
+    threading.Timer(1.0, lambda: os.kill(child.pid, 9)).start()  # type: ignore[arg-type]
     start_s = time.monotonic()
     with pytest.raises(CollectiveAborted, match="rank 1 .* was killed"):
         group.all_reduce(torch.ones(8))
-    assert 2.5 < time.monotonic() - start_s < 10
+    assert 0.9 < time.monotonic() - start_s < 10
+    shared.close()
+
+
+def _waits_for_rank_2(path: str, outcome: multiprocessing.Queue) -> None:
+    group = ShmCollectives(path, rank=1, world_size=3, timeout_s=300, slot_bytes=SLOT_BYTES)
+    start_s = time.monotonic()
+    try:
+        group.all_reduce(torch.ones(8))  # rank 2 never comes
+    except CollectiveAborted as exc:
+        outcome.put((str(exc), time.monotonic() - start_s))
+
+
+def test_abort_releases_a_child_waiting_for_another() -> None:
+    """A child (rank 1) waits for rank 2, which never came; rank 0 closing the group (RankGroup.close's abort) ends
+    the child's wait at once, not after the 300 s timeout."""
+    shared = shm_collectives.create(3, SLOT_BYTES)
+    assert shared is not None
+    group = ShmCollectives(shared.path, rank=0, world_size=3, timeout_s=300, slot_bytes=SLOT_BYTES)
+    ctx = multiprocessing.get_context("spawn")
+    outcome = ctx.Queue()
+    child = ctx.Process(target=_waits_for_rank_2, args=(shared.path, outcome), daemon=True)
+    child.start()
+    time.sleep(2.0)
+    group.abort()
+    message, waited_s = outcome.get(timeout=60)
+    assert "closed" in message and waited_s < 60
+    child.join(10)
     shared.close()
 
 
