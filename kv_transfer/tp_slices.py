@@ -107,6 +107,8 @@ class WireBlocks:
         only = caches[0]
         self._whole = (len(caches) == 1 and plan.units_per_block == 1
                        and plan.layout.num_kv_heads == only.num_local_heads)
+        if not sender:
+            _after_rank_0s_stream(caches)
 
     def _unit(self, wire_index: int) -> tuple[RankCache, int, range]:
         block, unit = self.plan.unit(wire_index)
@@ -139,6 +141,19 @@ class WireBlocks:
             return
         for slot in range(data.shape[0]):
             self.write_block(first_index + slot, data[slot], None)
+
+
+def _after_rank_0s_stream(caches: Sequence[RankCache]) -> None:
+    """Order this process' later copies into the children's caches, on cuda devices other than rank 0's, after the
+    work rank 0's stream holds now. Under async scheduling that may be a step still running, whose children may still
+    write blocks just freed and now reserved for this handoff (an aborted request's); the step's last collective
+    comes after those writes in each child's stream, and rank 0's stream passes it only once every child has. On
+    rank 0's own device the copies share its stream already (one stream a device in this engine)."""
+    first = caches[0].kv_cache.device
+    if first.type != "cuda":
+        return
+    for device in {cache.kv_cache.device for cache in caches[1:]} - {first}:
+        torch.cuda.current_stream(device).wait_stream(torch.cuda.current_stream(first))
 
 
 class LaneWrites:
