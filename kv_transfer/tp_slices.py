@@ -143,16 +143,18 @@ class WireBlocks:
             self.write_block(first_index + slot, data[slot], None)
 
 
-def _after_rank_0s_stream(caches: Sequence[RankCache]) -> None:
+def _after_rank_0s_stream(caches: Sequence[RankCache | None]) -> None:
     """Order this process' later copies into the children's caches, on cuda devices other than rank 0's, after the
     work rank 0's stream holds now. Under async scheduling that may be a step still running, whose children may still
     write blocks just freed and now reserved for this handoff (an aborted request's); the step's last collective
     comes after those writes in each child's stream, and rank 0's stream passes it only once every child has. On
     rank 0's own device the copies share its stream already (one stream a device in this engine)."""
+    if caches[0] is None:  # a child rank's own lanes: only its own cache, in its own process
+        return
     first = caches[0].kv_cache.device
     if first.type != "cuda":
         return
-    for device in {cache.kv_cache.device for cache in caches[1:]} - {first}:
+    for device in {cache.kv_cache.device for cache in caches[1:] if cache is not None} - {first}:
         torch.cuda.current_stream(device).wait_stream(torch.cuda.current_stream(first))
 
 
