@@ -60,9 +60,10 @@ def make_store(*, rank: int, world_size: int, port: int, timeout_s: float) -> ob
 
 
 def make_group(store: object, *, rank: int, world_size: int, device: torch.device, timeout_s: float,
-               shm_path: str | None = None) -> TPGroup:
-    """This rank's group over `store` (blocks until every rank has joined, or `timeout_s`); on cpu with `shm_path`
-    (rank 0's shm_collectives.create) its all-reduces and gathers go through that shared memory."""
+               shm_fd: int | None = None) -> TPGroup:
+    """This rank's group over `store` (blocks until every rank has joined, or `timeout_s`); on cpu with `shm_fd`
+    (rank 0's shm_collectives.create, handed to every rank) its all-reduces and gathers go through that shared
+    memory."""
     import torch.distributed as dist
 
     from engine.distributed.shm_collectives import ShmCollectives
@@ -80,6 +81,6 @@ def make_group(store: object, *, rank: int, world_size: int, device: torch.devic
         options._timeout = timeout
         group = dist.ProcessGroupGloo(store, rank, world_size, options)
     shm = None
-    if device.type == "cpu" and shm_path is not None:
-        shm = ShmCollectives(shm_path, rank=rank, world_size=world_size, timeout_s=timeout_s)
+    if device.type == "cpu" and shm_fd is not None:
+        shm = ShmCollectives(shm_fd, rank=rank, world_size=world_size, timeout_s=timeout_s)
     return TPGroup(rank=rank, size=world_size, process_group=group, shm=shm)

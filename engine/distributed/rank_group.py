@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+from multiprocessing import reduction
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,8 @@ class RankGroup:
     def __init__(self, specs: list[RankSpec], *, device: torch.device, dtype: torch.dtype, timeout_s: float,
                  startup_timeout_s: float, shm_file: SharedFile | None = None) -> None:
         """`specs`: one per child, ranks 1..N-1 in order (not started until `start`). `shm_file`: the memory of the
-        group's collectives on cpu (the specs name its path), closed here once every child has mapped it."""
+        group's collectives on cpu (each child is handed its descriptor after its hello), closed here once every
+        child has mapped it."""
         self.specs = specs
         self.device = device
         self.dtype = dtype
@@ -87,11 +89,12 @@ class RankGroup:
                 self.processes.append(process)
                 self.conns.append(parent_end)
                 self.lane_conns.append(lanes_end)
-            for rank, conn in enumerate(self.conns, start=1):
+            for rank, (conn, process) in enumerate(zip(self.conns, self.processes, strict=True), start=1):
                 self._expect(conn, rank, Hello)
+                if self.shm_file is not None:  # the descriptor itself, over the pipe's Unix socket
+                    reduction.send_handle(conn, self.shm_file.fd, process.pid)
             group = make_group(store, rank=0, world_size=self.world_size, device=self.device,
-                               timeout_s=self.timeout_s,
-                               shm_path=None if self.shm_file is None else self.shm_file.path)
+                               timeout_s=self.timeout_s, shm_fd=None if self.shm_file is None else self.shm_file.fd)
             self._shm = group.shm  # type: ignore[assignment]
             if self._shm is not None:
                 self._shm.peers_dead = self.dead

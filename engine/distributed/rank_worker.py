@@ -43,7 +43,7 @@ class RankSpec:
     block_size: int
     kv_cache_dtype: str
     attention_backend: str  # the backend rank 0 chose (concrete, never "auto")
-    shm_path: str | None = None  # the group's shared-memory collectives on cpu (engine/distributed/shm_collectives.py)
+    shm: bool = False  # rank 0 hands over the shared memory of the group's cpu collectives (shm_collectives.py)
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,16 @@ def _serve(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator and every default allocation on this rank's GPU
     conn.send(Hello(pid=os.getpid()))
+    shm_fd = None
+    if spec.shm:
+        from multiprocessing import reduction
+
+        shm_fd = reduction.recv_handle(conn)
     store = make_store(rank=spec.rank, world_size=spec.world_size, port=spec.store_port, timeout_s=spec.timeout_s)
     group = make_group(store, rank=spec.rank, world_size=spec.world_size, device=device, timeout_s=spec.timeout_s,
-                       shm_path=spec.shm_path)
+                       shm_fd=shm_fd)
+    if shm_fd is not None:
+        os.close(shm_fd)  # mapped
     weights = unshare(conn.recv(), device)
     if device.type == "cpu":
         from engine.kernels.registry import load_all

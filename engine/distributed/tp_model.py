@@ -134,7 +134,7 @@ def launch_tensor_parallel(
                  device=str(devices[rank]), dtype=dtype_name, num_threads=num_threads, model_config=local_config,
                  max_positions=max_model_len, num_kv_blocks=num_kv_blocks, block_size=block_size,
                  kv_cache_dtype=kv_cache_dtype, attention_backend=_backend_flag(attention, kv_cache_dtype),
-                 shm_path=None if shm_file is None else shm_file.path)
+                 shm=shm_file is not None)
         for rank in range(1, world_size)
     ]
     ranks = RankGroup(specs, device=device, dtype=dtype, timeout_s=COLLECTIVE_TIMEOUT_S,
