@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
-from multiprocessing import reduction
 from collections.abc import Callable
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 

@@ -47,7 +47,7 @@ class TPGroup:
         if self.size == 1:
             return tensor
         start_s = time.perf_counter()
-        if self.shm is not None and tensor.device.type == "cpu":  # every rank's takes it: none waits in gloo
+        if self.shm is not None and tensor.device.type == "cpu":  # every rank takes it: none waits in gloo
             if tensor.is_contiguous():
                 self.shm.all_reduce(tensor)  # type: ignore[attr-defined]
             else:
