@@ -15,7 +15,7 @@ when the copy is fused, so the caller must fail the handoff and free the blocks 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +107,8 @@ class WireBlocks:
         only = caches[0]
         self._whole = (len(caches) == 1 and plan.units_per_block == 1
                        and plan.layout.num_kv_heads == only.num_local_heads)
-        if not sender:
-            _after_rank_0s_stream(caches)
+        if not sender and caches[0] is not None:  # (None: a child rank's own lanes, in its own process)
+            after_rank_0s_stream(caches[0].kv_cache.device, (c.kv_cache.device for c in caches[1:] if c is not None))
 
     def _unit(self, wire_index: int) -> tuple[RankCache, int, range]:
         block, unit = self.plan.unit(wire_index)
@@ -143,18 +143,16 @@ class WireBlocks:
             self.write_block(first_index + slot, data[slot], None)
 
 
-def _after_rank_0s_stream(caches: Sequence[RankCache | None]) -> None:
-    """Order this process' later copies into the children's caches, on cuda devices other than rank 0's, after the
-    work rank 0's stream holds now. Under async scheduling that may be a step still running, whose children may still
-    write blocks just freed and now reserved for this handoff (an aborted request's); the step's last collective
-    comes after those writes in each child's stream, and rank 0's stream passes it only once every child has. On
-    rank 0's own device the copies share its stream already (one stream a device in this engine)."""
-    if caches[0] is None:  # a child rank's own lanes: only its own cache, in its own process
-        return
-    first = caches[0].kv_cache.device
+def after_rank_0s_stream(first: torch.device, devices: Iterable[torch.device]) -> None:
+    """Order rank 0's later copies into its children's caches (mapped over CUDA IPC, on `devices` other than its
+    own, `first`) after the work rank 0's stream holds now. Under async scheduling that may be a step still running,
+    whose children may still write blocks just freed and now reserved again (an aborted request's); the step's last
+    collective comes after those writes in each child's stream, and rank 0's stream passes it only once every child
+    has. On rank 0's own device the copies share its stream already (one stream a device in this engine). The KV
+    handoffs that rank 0 writes through the children's caches (inproc) and kv_transfer/whole_blocks.py call it."""
     if first.type != "cuda":
         return
-    for device in {cache.kv_cache.device for cache in caches[1:] if cache is not None} - {first}:
+    for device in set(devices) - {first}:
         torch.cuda.current_stream(device).wait_stream(torch.cuda.current_stream(first))
 
 

@@ -2,17 +2,14 @@
 tensor-parallel engine's rank caches, each rank's in place: what a tier below the device cache keeps, and what a peer
 fetch stages, at any tensor-parallel size (engine/kv_tier_blocks.py, engine/kv_peer_blocks.py).
 
-On cuda a child rank's cache is its device memory, mapped into rank 0 over CUDA IPC. Every copy between rank 0's
-device and a child's runs on rank 0's current stream (PyTorch runs a cross-device copy on the source device's
-stream, after a two-way barrier with the destination device's), so it comes after the step rank 0 last launched,
-which may still be running (async scheduling). That step's last collective (the logits gather) follows every KV
-write of the step in each child's stream, and rank 0's stream passes it only once every child has reached it, so
-the copy never races a child's write of the same step:
-- `read` copies each head into a tensor on rank 0's device. (The blocks it reads are cached ones, whose KV an
-  earlier step computed.)
-- `write` first moves the block to rank 0's device (a tier's bytes are on the host), so that every copy into a
-  child's cache is one of those, then synchronizes those devices before it returns: the child runs its next
-  forward only after rank 0 sends it that step, so the forward sees the block.
+On cuda a child rank's cache is its device memory, mapped into rank 0 over CUDA IPC, and rank 0's copies come after
+the step it last launched, which may still be running (async scheduling):
+- `read` copies each head into a tensor on rank 0's device: PyTorch runs a cross-device copy after a two-way
+  barrier with the destination device's stream, rank 0's. (The blocks it reads are cached ones, whose KV an earlier
+  step computed.)
+- `write` orders its copies after rank 0's stream first (kv_transfer/tp_slices.py `after_rank_0s_stream`), then
+  synchronizes the devices it wrote before it returns: the child runs its next forward only after rank 0 sends it
+  that step, so the forward sees the block.
 
 No gRPC: the engine imports this.
 """
@@ -26,6 +23,7 @@ import torch
 
 from kv_transfer.layout import KVLayout
 from kv_transfer.tp_plan import plan_tp_handoff
+from kv_transfer.tp_slices import after_rank_0s_stream
 
 
 class WholeBlocks:
@@ -72,8 +70,7 @@ class WholeBlocks:
 
     def write(self, block_id: int, kv: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Store whole block `kv` (and its `scales`) as block `block_id` of every rank, each rank its heads."""
-        kv = kv.to(self.device)
-        scales = None if scales is None else scales.to(self.device)
+        after_rank_0s_stream(self.device, self._cuda_devices)
         for s in self._scatter:
             cache, cache_scales = self.ranks[s.receiver_rank]
             cache[:, :, block_id, :, _run(s.receiver_heads)] = kv[:, :, :, _run(s.sender_heads)]

@@ -64,24 +64,21 @@ def supported() -> bool:
 class SharedFile:
     """The group's memory: an anonymous file (memfd: no name in /dev/shm to leak, whatever kills rank 0, and not
     bound by a container's small /dev/shm). Rank 0 holds it open while it hands each child the descriptor itself
-    over the child's pipe (engine/distributed/rank_group.py: SCM_RIGHTS, so no /proc access is needed); `path`, its
-    /proc/<pid>/fd entry, is for processes that cannot be handed one (tests). Once every rank has mapped it, `close`
-    drops rank 0's descriptor; the mappings keep the memory until the last rank exits."""
+    over the child's pipe (engine/distributed/rank_group.py: SCM_RIGHTS, so no /proc access is needed). Once every
+    rank has mapped it, `close` drops rank 0's descriptor; the mappings keep the memory until the last rank exits."""
 
     def __init__(self, world_size: int, slot_bytes: int) -> None:
-        self._fd: int | None = os.memfd_create("splitserve-tp-collectives", os.MFD_CLOEXEC)
-        self.fd = self._fd
-        self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        self.fd: int | None = os.memfd_create("splitserve-tp-collectives", os.MFD_CLOEXEC)
         try:  # reserved, not just sized: no memory for it is an error here, not a SIGBUS at the first write
-            os.posix_fallocate(self._fd, 0, _file_bytes(world_size, slot_bytes))
+            os.posix_fallocate(self.fd, 0, _file_bytes(world_size, slot_bytes))
         except OSError:
             self.close()
             raise
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def create(world_size: int, slot_bytes: int = SLOT_BYTES) -> SharedFile | None:
@@ -99,19 +96,14 @@ def _file_bytes(world_size: int, slot_bytes: int) -> int:
 
 
 class ShmCollectives:
-    def __init__(self, file: str | int, *, rank: int, world_size: int, timeout_s: float,
+    def __init__(self, fd: int, *, rank: int, world_size: int, timeout_s: float,
                  slot_bytes: int = SLOT_BYTES) -> None:
-        """`file`: the group's SharedFile, as a descriptor (kept open: the caller's to close) or a path."""
+        """`fd`: the group's SharedFile, this rank's descriptor of it (mapped here; the caller's to close)."""
         if (world_size + 1) * _LINE * 8 > HEADER_BYTES:
             raise ValueError(f"{world_size} ranks do not fit the shared-memory header")
         self.rank, self.world_size, self.timeout_s, self.slot_bytes = rank, world_size, timeout_s, slot_bytes
         self.peers_dead: Callable[[], str | None] | None = None  # rank 0's liveness check (set by its RankGroup)
-        fd = file if isinstance(file, int) else os.open(file, os.O_RDWR)
-        try:
-            self._mm = mmap.mmap(fd, _file_bytes(world_size, slot_bytes))
-        finally:
-            if not isinstance(file, int):
-                os.close(fd)
+        self._mm = mmap.mmap(fd, _file_bytes(world_size, slot_bytes))
         self._words = np.frombuffer(self._mm, dtype=np.int64, count=HEADER_BYTES // 8)
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8, count=2 * world_size * slot_bytes,
                                       offset=HEADER_BYTES)

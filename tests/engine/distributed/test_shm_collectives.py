@@ -33,10 +33,24 @@ def _input(op: int, rank: int) -> tuple[str, torch.Tensor]:
     return kind, torch.randn(rows, cols, generator=g).to(dtype)
 
 
+def _proc_path(shared: shm_collectives.SharedFile) -> str:
+    """The file's /proc entry, which these tests' spawned processes open (an engine hands its children the
+    descriptor itself, over their pipes)."""
+    return f"/proc/{os.getpid()}/fd/{shared.fd}"
+
+
+def _attach(path: str, **kwargs: object) -> ShmCollectives:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return ShmCollectives(fd, **kwargs)  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+
+
 def _run_rank(path: str, rank: int, world_size: int, results: multiprocessing.Queue) -> None:
     torch.set_num_threads(1)
     try:
-        group = ShmCollectives(path, rank=rank, world_size=world_size, timeout_s=30, slot_bytes=SLOT_BYTES)
+        group = _attach(path, rank=rank, world_size=world_size, timeout_s=30, slot_bytes=SLOT_BYTES)
         sums = []
         for op in range(NUM_OPS):
             kind, mine = _input(op, rank)
@@ -65,12 +79,12 @@ def test_sums_and_gathers_equal_torchs_on_every_rank(world_size: int) -> None:
     assert shared is not None
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_run_rank, args=(shared.path, r, world_size, results), daemon=True)
+    procs = [ctx.Process(target=_run_rank, args=(_proc_path(shared), r, world_size, results), daemon=True)
              for r in range(1, world_size)]
     for p in procs:
         p.start()
     try:
-        _run_rank(shared.path, 0, world_size, results)
+        _run_rank(_proc_path(shared), 0, world_size, results)
         reports = sorted(results.get(timeout=120) for _ in range(world_size))
     finally:
         shared.close()
@@ -84,7 +98,7 @@ def test_sums_and_gathers_equal_torchs_on_every_rank(world_size: int) -> None:
 def _group_of_two(timeout_s: float = 30) -> tuple[shm_collectives.SharedFile, ShmCollectives]:
     shared = shm_collectives.create(2, SLOT_BYTES)
     assert shared is not None
-    return shared, ShmCollectives(shared.path, rank=0, world_size=2, timeout_s=timeout_s, slot_bytes=SLOT_BYTES)
+    return shared, ShmCollectives(shared.fd, rank=0, world_size=2, timeout_s=timeout_s, slot_bytes=SLOT_BYTES)
 
 
 def test_a_rank_that_never_comes_times_out() -> None:
@@ -107,7 +121,7 @@ def test_abort_ends_a_wait_at_once() -> None:
 
 
 def _mapped_then_sleeps(path: str, mapped: multiprocessing.Event) -> None:
-    ShmCollectives(path, rank=1, world_size=2, timeout_s=300, slot_bytes=SLOT_BYTES)
+    _attach(path, rank=1, world_size=2, timeout_s=300, slot_bytes=SLOT_BYTES)
     mapped.set()
     time.sleep(300)
 
@@ -118,7 +132,7 @@ def test_a_rank_killed_while_rank_0_waits_fails_the_collective_fast() -> None:
     shared, group = _group_of_two(timeout_s=300)
     ctx = multiprocessing.get_context("spawn")
     mapped = ctx.Event()
-    child = ctx.Process(target=_mapped_then_sleeps, args=(shared.path, mapped), daemon=True)
+    child = ctx.Process(target=_mapped_then_sleeps, args=(_proc_path(shared), mapped), daemon=True)
     child.start()
     assert mapped.wait(60)
     group.peers_dead = lambda: None if child.is_alive() else f"rank 1 (pid {child.pid}) was killed"
@@ -131,7 +145,7 @@ def test_a_rank_killed_while_rank_0_waits_fails_the_collective_fast() -> None:
 
 
 def _waits_for_rank_2(path: str, outcome: multiprocessing.Queue) -> None:
-    group = ShmCollectives(path, rank=1, world_size=3, timeout_s=300, slot_bytes=SLOT_BYTES)
+    group = _attach(path, rank=1, world_size=3, timeout_s=300, slot_bytes=SLOT_BYTES)
     start_s = time.monotonic()
     try:
         group.all_reduce(torch.ones(8))  # rank 2 never comes
@@ -144,10 +158,10 @@ def test_abort_releases_a_child_waiting_for_another() -> None:
     the child's wait at once, not after the 300 s timeout."""
     shared = shm_collectives.create(3, SLOT_BYTES)
     assert shared is not None
-    group = ShmCollectives(shared.path, rank=0, world_size=3, timeout_s=300, slot_bytes=SLOT_BYTES)
+    group = ShmCollectives(shared.fd, rank=0, world_size=3, timeout_s=300, slot_bytes=SLOT_BYTES)
     ctx = multiprocessing.get_context("spawn")
     outcome = ctx.Queue()
-    child = ctx.Process(target=_waits_for_rank_2, args=(shared.path, outcome), daemon=True)
+    child = ctx.Process(target=_waits_for_rank_2, args=(_proc_path(shared), outcome), daemon=True)
     child.start()
     time.sleep(2.0)
     group.abort()
