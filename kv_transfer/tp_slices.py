@@ -15,7 +15,7 @@ when the copy is fused, so the caller must fail the handoff and free the blocks 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from kv_transfer.block_copy import gather
 from kv_transfer.layout import KVHandoff, KVLayout, KVTransferError
 from kv_transfer.tp_plan import WirePlan, slice_layout
+from kv_transfer.whole_blocks import after_rank_0s_stream
 from kv_transfer.wire_block import read_wire_block, read_wire_blocks, write_wire_block, write_wire_blocks
 
 
@@ -141,19 +142,6 @@ class WireBlocks:
             return
         for slot in range(data.shape[0]):
             self.write_block(first_index + slot, data[slot], None)
-
-
-def after_rank_0s_stream(first: torch.device, devices: Iterable[torch.device]) -> None:
-    """Order rank 0's later copies into its children's caches (mapped over CUDA IPC, on `devices` other than its
-    own, `first`) after the work rank 0's stream holds now. Under async scheduling that may be a step still running,
-    whose children may still write blocks just freed and now reserved again (an aborted request's); the step's last
-    collective comes after those writes in each child's stream, and rank 0's stream passes it only once every child
-    has. On rank 0's own device the copies share its stream already (one stream a device in this engine). The KV
-    handoffs that rank 0 writes through the children's caches (inproc) and kv_transfer/whole_blocks.py call it."""
-    if first.type != "cuda":
-        return
-    for device in set(devices) - {first}:
-        torch.cuda.current_stream(device).wait_stream(torch.cuda.current_stream(first))
 
 
 class LaneWrites:

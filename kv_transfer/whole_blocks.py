@@ -7,23 +7,22 @@ the step it last launched, which may still be running (async scheduling):
 - `read` copies each head into a tensor on rank 0's device: PyTorch runs a cross-device copy after a two-way
   barrier with the destination device's stream, rank 0's. (The blocks it reads are cached ones, whose KV an earlier
   step computed.)
-- `write` orders its copies after rank 0's stream first (kv_transfer/tp_slices.py `after_rank_0s_stream`), then
+- `write` orders its copies after rank 0's stream first (`after_rank_0s_stream`, below), then
   synchronizes the devices it wrote before it returns: the child runs its next forward only after rank 0 sends it
   that step, so the forward sees the block.
 
-No gRPC: the engine imports this.
+No gRPC: the engine imports this (and kv_transfer/tp_slices.py, the handoffs' side, `after_rank_0s_stream`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from kv_transfer.layout import KVLayout
 from kv_transfer.tp_plan import plan_tp_handoff
-from kv_transfer.tp_slices import after_rank_0s_stream
 
 
 class WholeBlocks:
@@ -82,3 +81,16 @@ class WholeBlocks:
 
 def _run(heads: range) -> slice:
     return slice(heads.start, heads.stop)
+
+
+def after_rank_0s_stream(first: torch.device, devices: Iterable[torch.device]) -> None:
+    """Order rank 0's later copies into its children's caches (mapped over CUDA IPC, on `devices` other than its
+    own, `first`) after the work rank 0's stream holds now. Under async scheduling that may be a step still running,
+    whose children may still write blocks just freed and now reserved again (an aborted request's); the step's last
+    collective comes after those writes in each child's stream, and rank 0's stream passes it only once every child
+    has. On rank 0's own device the copies share its stream already (one stream a device in this engine). The KV
+    handoffs that rank 0 writes through the children's caches (inproc: kv_transfer/tp_slices.py) and `WholeBlocks` call it."""
+    if first.type != "cuda":
+        return
+    for device in set(devices) - {first}:
+        torch.cuda.current_stream(device).wait_stream(torch.cuda.current_stream(first))
