@@ -89,7 +89,8 @@ def after_rank_0s_stream(first: torch.device, devices: Iterable[torch.device]) -
     whose children may still write blocks just freed and now reserved again (an aborted request's); the step's last
     collective comes after those writes in each child's stream, and rank 0's stream passes it only once every child
     has. On rank 0's own device the copies share its stream already (one stream a device in this engine). The KV
-    handoffs that rank 0 writes through the children's caches (inproc: kv_transfer/tp_slices.py) and `WholeBlocks` call it."""
+    handoffs rank 0 writes through the children's caches (inproc: kv_transfer/tp_slices.py) and `WholeBlocks` call
+    it."""
     if first.type != "cuda":
         return
     for device in set(devices) - {first}:
