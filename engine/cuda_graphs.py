@@ -19,6 +19,14 @@ comes after the next step is launched, whose placeholder input ids `run`'s `feed
 Graphs run only where every kernel of the step is capturable and free of host syncs: the Triton attention backend
 with a cache in the model's dtype. `--enforce-eager` (vLLM's flag) turns them off; `--cuda-graph-sizes` (vLLM's)
 names the buckets.
+
+At tensor_parallel_size > 1 (NCCL only: gloo's collectives go through the host, which no graph holds) every rank
+captures its own shard's step, its all-reduces and the logits gather inside: rank 0 passes its shard here with the
+TensorParallelModel as `peers`, which has each child build the same buckets (engine/distributed/rank_worker.py) and
+capture them in the same order, so the warm-up steps' collectives meet. Each replay sends the children the step's
+inputs first (step_message.Replay: the placeholders already resolved, which reads them back from the device, as an
+eager TP step does), then replays rank 0's graph; the children replay theirs, and the captured collectives meet.
+Untested on hardware here: NCCL needs a GPU per rank, and the machines lent have one.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
@@ -44,16 +54,29 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
+class GraphPeers(Protocol):
+    """The other ranks of a tensor-parallel model (engine/distributed/tp_model.py's TensorParallelModel): each call
+    sends every child the same step first, then runs rank 0's part (`run`); a failure fails the whole group."""
+
+    def capture_graphs(self, run: Callable[[], float], *, sizes: Sequence[int], max_seq_len: int,
+                       block_size: int) -> float: ...
+
+    def replay_graph(self, run: Callable[[], torch.Tensor], *, input_ids: torch.Tensor, positions: torch.Tensor,
+                     slots: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor: ...
+
+
 class DecodeGraphs:
-    """The captured decode steps of one model over one KV cache. Not thread-safe: the engine's step thread only."""
+    """The captured decode steps of one model over one KV cache. Not thread-safe: the engine's step thread only.
+    `peers`: at tensor_parallel_size > 1, rank 0's (with `model` its shard); a child's graphs have none."""
 
     def __init__(
         self, model: LlamaModel, kv_caches: Sequence[torch.Tensor], *, block_size: int, max_seq_len: int,
-        sizes: Sequence[int],
+        sizes: Sequence[int], peers: GraphPeers | None = None,
     ) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"cuda graph sizes must be positive batch sizes, got {list(sizes)}")
         self.model = model
+        self.peers = peers
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
         self.sizes = sorted(set(sizes))
@@ -66,7 +89,7 @@ class DecodeGraphs:
         self._host_np = self._host.numpy()
         self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._flat[: 4 * mb].view(4, mb).unbind(0)
         self.block_tables = self._flat[4 * mb :].view(mb, w)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _EagerReplay, torch.Tensor]] = {}
         self._pool = None
         # The last step's input copy: the host buffer is free once it completed (recorded again every step).
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -94,23 +117,36 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _step(self, batch: int) -> torch.Tensor:
         hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
-        return self.model.compute_logits(hidden)  # [batch, vocab] float32
+        return self.model.compute_logits(hidden)  # [batch, vocab] float32 ([batch, 0] on a child: gathered on 0)
 
     def capture(self) -> float:
         """Capture every bucket, largest first (the smaller ones reuse its memory pool). Returns the seconds it took.
-        The inputs are all padding while capturing: no block is written."""
+        The inputs are all padding while capturing: no block is written. With `peers`, every child captures the
+        same buckets in the same order meanwhile."""
+        if self.peers is not None:
+            return self.peers.capture_graphs(self._capture, sizes=self.sizes, max_seq_len=self.max_seq_len,
+                                             block_size=self.block_size)
+        return self._capture()
+
+    def _capture(self) -> float:
         started = time.perf_counter()
+        cuda = self.model.device.type == "cuda"
         self._fill_padding(0, self.max_batch)
         self._flat.copy_(self._host)
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None
         for batch in reversed(self.sizes):
+            if not cuda:  # one eager step a bucket (a child rank's meets it: the same on every rank)
+                eager = _EagerReplay(lambda b=batch: self._step(b))  # type: ignore[misc]
+                self._graphs[batch] = (eager, eager.logits)
+                continue
             self._step(batch)  # eager first: Triton compiles, cuBLAS picks its kernels, outside the capture
             torch.cuda.synchronize(self.model.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = self._step(batch)
             self._graphs[batch] = (graph, logits)
-        torch.cuda.synchronize(self.model.device)
+        if cuda:
+            torch.cuda.synchronize(self.model.device)
         seconds = time.perf_counter() - started
         logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s", len(self.sizes),
                     self.max_batch, seconds)
@@ -130,6 +166,26 @@ class DecodeGraphs:
         `feed(input_ids)`, if given, writes input ids on the device (async scheduling's placeholders: the previous
         step's sampled tokens) into the graph's [n] input ids, after the host's are copied there."""
         n = len(input_ids)
+        batch = self.load(input_ids, positions, slots, block_tables)
+        if feed is not None:
+            feed(self.input_ids[:n])
+        self.num_replays += 1
+        if self.peers is None:
+            return self._replay(batch)[:n]
+        mb, w = self.max_batch, self.width
+        ids = self.input_ids[:n].cpu() if feed is not None else torch.from_numpy(self._host_np[:n].copy())
+        used = max(min(len(table), w) for table in block_tables)
+        tables = self._host_np[4 * mb : 4 * mb + n * w].reshape(n, w)[:, :used].copy()
+        return self.peers.replay_graph(
+            lambda: self._replay(batch), input_ids=ids, positions=torch.from_numpy(self._host_np[mb : mb + n].copy()),
+            slots=torch.from_numpy(self._host_np[2 * mb : 2 * mb + n].copy()), block_tables=torch.from_numpy(tables),
+        )[:n]
+
+    def load(self, input_ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+             slots: Sequence[int] | np.ndarray, block_tables: Sequence[Sequence[int]] | np.ndarray) -> int:
+        """Write one step's inputs into the graphs' device buffer (padding the rest of its bucket); returns the
+        bucket. A block table's entries past its row's context are never read: they may hold anything."""
+        n = len(input_ids)
         batch = self.bucket(n)
         if batch is None:
             raise ValueError(f"no CUDA graph captured for a batch of {n} (largest: {self.max_batch})")
@@ -143,7 +199,7 @@ class DecodeGraphs:
         tables = h[4 * mb : 4 * mb + batch * w].reshape(batch, w)
         for row, table in enumerate(block_tables):  # blocks past max_seq_len (none a context reads) stay behind
             tables[row, : min(len(table), w)] = table[:w]
-        h[3 * mb : 3 * mb + n] = [p + 1 for p in positions]  # each row attends to its context and its new token
+        h[3 * mb : 3 * mb + n] = h[mb : mb + n] + 1  # each row attends to its context and its new token
         self._fill_padding(n, batch)
         # Earlier replays may still read the device buffer: the copy is ordered after them on the same stream.
         end = 4 * mb + batch * w
@@ -151,12 +207,29 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
             self._copy_pending = True
-        if feed is not None:
-            feed(self.input_ids[:n])
+        return batch
+
+    def replay_inputs(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                      block_tables: np.ndarray) -> None:
+        """A child rank's step (step_message.Replay): rank 0's inputs into this rank's buffer, then its graph."""
         self.num_replays += 1
-        return self._replay(batch)[:n]
+        self._replay(self.load(input_ids, positions, slots, block_tables))
 
     def _replay(self, batch: int) -> torch.Tensor:
         graph, logits = self._graphs[batch]
         graph.replay()
         return logits
+
+
+class _EagerReplay:
+    """On cpu, where the engine never captures (nothing to save: no launches), a bucket's "graph" is its eager step
+    over the same static buffers, into the same logits: what lets the CPU tests run the buckets, the padding and
+    the tensor-parallel ranks' lockstep replays (tests/engine/kernels/test_tp_decode_graphs.py)."""
+
+    def __init__(self, step: Callable[[], torch.Tensor]) -> None:
+        self._step = step
+        self.logits = step()
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        self.logits.copy_(self._step())

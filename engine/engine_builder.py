@@ -259,11 +259,14 @@ def _profile(model: LlamaModel, baseline: MemoryBaseline, config: EngineConfig, 
 def _capture_cuda_graphs(runner: ModelRunner, config: EngineConfig, attention: AttentionBackend,
                          device: torch.device, max_model_len: int) -> float | None:
     """Capture the decode step's CUDA graphs where they can run; the seconds capture took, or None: no graphs
-    (cpu, --enforce-eager, or a backend whose kernels a graph cannot hold)."""
+    (cpu, --enforce-eager, a backend whose kernels a graph cannot hold, or tensor parallelism over gloo)."""
     if device.type != "cuda" or config.enforce_eager:
         return None
-    if config.tensor_parallel_size > 1:
-        logger.info("CUDA graphs off: not captured at tensor_parallel_size > 1 yet")
+    from engine.distributed.group import cuda_backend
+
+    if config.tensor_parallel_size > 1 and cuda_backend() != "nccl":
+        logger.info("CUDA graphs off: the tensor-parallel ranks' %s collectives pass through the host, which no "
+                    "graph can hold", cuda_backend())
         return None
     if attention.name != "triton" or config.kv_cache_dtype != "auto":
         logger.info("CUDA graphs off: the %s attention backend with a %s KV cache runs eagerly",

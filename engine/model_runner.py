@@ -167,8 +167,12 @@ class ModelRunner:
         from engine.cuda_graphs import DecodeGraphs
 
         assert self.kv_scales is None, "CUDA graphs need a KV cache in the model's dtype"
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.block_size,  # type: ignore[arg-type]
-                                   max_seq_len=max_seq_len, sizes=sizes)
+        # At tensor_parallel_size > 1, rank 0's shard is captured here and the TensorParallelModel has each child
+        # capture its own (engine/distributed/tp_model.py).
+        peers = self.model if hasattr(self.model, "replay_graph") else None
+        model = self.model.local if peers is not None else self.model  # type: ignore[attr-defined]
+        self.graphs = DecodeGraphs(model, self.kv_caches, block_size=self.block_size,  # type: ignore[arg-type]
+                                   max_seq_len=max_seq_len, sizes=sizes, peers=peers)  # type: ignore[arg-type]
         return self.graphs.capture()
 
     def _replayable(self, items: list[ScheduledRequest]) -> bool:

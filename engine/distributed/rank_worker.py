@@ -3,8 +3,8 @@
     watch rank 0 (its death ends this process at once) → join the group → take the weight shard → build the model
     and the KV cache shard (handed to rank 0 with Ready: shared memory on cpu, a CUDA IPC handle on a GPU, so that
     a worker's KV handoffs reach this rank's heads) → serve the KV lanes' control pipe on a thread (over gRPC this
-    rank sends and receives its own heads: kv_transfer/rank_lanes.py) → report ready → loop: Forward / Logits from
-    rank 0 → Shutdown
+    rank sends and receives its own heads: kv_transfer/rank_lanes.py) → report ready → loop: Forward / Logits /
+    CaptureGraphs / Replay from rank 0 → Shutdown
 
 Any failure (a collective that fails because a rank died, a broken pipe, an error in the forward) ends the process
 with a non-zero exit code; rank 0 sees it and fails its engine. Nothing here schedules or samples: a child only
@@ -130,10 +130,21 @@ def _serve(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
     conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes, kv_cache=kv_cache,
                     kv_scales=kv_scales))
     drafts: dict[int, LlamaModel] = {}  # a layer-skip draft's cut of the model, by its number of layers
+    graphs = None  # the decode step's CUDA graphs (engine/cuda_graphs.py), once rank 0 has them captured
     with torch.inference_mode():
         while True:
             message = step_message.decode(conn.recv_bytes(), device)
-            if isinstance(message, step_message.Forward) and message.num_layers:
+            if isinstance(message, step_message.Replay):
+                assert graphs is not None, "a graph replayed before any was captured"
+                graphs.replay_inputs(message.input_ids.numpy(), message.positions.numpy(), message.slots.numpy(),
+                                     message.block_tables.numpy())
+            elif isinstance(message, step_message.CaptureGraphs):
+                from engine.cuda_graphs import DecodeGraphs
+
+                graphs = DecodeGraphs(model, kv_caches, block_size=message.block_size,
+                                      max_seq_len=message.max_seq_len, sizes=message.sizes)
+                graphs.capture()
+            elif isinstance(message, step_message.Forward) and message.num_layers:
                 k = message.num_layers
                 draft = drafts.get(k) or drafts.setdefault(k, model.first_layers(k))
                 draft.forward(message.input_ids, message.positions, kv_caches[:k], message.meta)

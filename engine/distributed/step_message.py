@@ -5,10 +5,15 @@ shared memory on the step's path.
                                            included); num_layers > 0: its first num_layers layers only, then the
                                            final norm (a layer-skip draft's forward)
     Logits(hidden)                         compute your slice of the logits of these rows (rank 0 gathers them)
+    CaptureGraphs(sizes, max_seq_len, block_size)
+                                           capture your decode step's CUDA graphs, these buckets, in this order
+                                           (engine/cuda_graphs.py: rank 0 captures its own meanwhile)
+    Replay(input_ids, positions, slots, block_tables)
+                                           replay your graph of this decode step's bucket over these inputs
     Shutdown()                             leave the loop and exit 0
 
-Tensors travel as (dtype, shape, bytes) and come out on the receiver's device; `AttentionMetadata` (its prefill
-chunks included) is rebuilt field by field.
+Tensors travel as (dtype, shape, bytes) and come out on the receiver's device (Replay's on the host);
+`AttentionMetadata` (its prefill chunks included) is rebuilt field by field.
 """
 
 from __future__ import annotations
@@ -37,11 +42,26 @@ class Logits:
 
 
 @dataclass(frozen=True)
+class CaptureGraphs:
+    sizes: tuple[int, ...]  # the decode batch sizes, as rank 0's engine/cuda_graphs.DecodeGraphs takes them
+    max_seq_len: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Replay:
+    input_ids: torch.Tensor  # [n] int64, async scheduling's placeholders resolved
+    positions: torch.Tensor  # [n] int64
+    slots: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [n, W] int64; a row's entries past its context may hold anything
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
 
-StepMessage = Forward | Logits | Shutdown
+StepMessage = Forward | Logits | CaptureGraphs | Replay | Shutdown
 
 
 def encode(message: StepMessage) -> bytes:
@@ -88,7 +108,8 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
-_TYPES: dict[str, type] = {t.__name__: t for t in (Forward, Logits, Shutdown, AttentionMetadata, PrefillChunk)}
+_TYPES: dict[str, type] = {t.__name__: t for t in (Forward, Logits, CaptureGraphs, Replay, Shutdown, AttentionMetadata,
+                                                   PrefillChunk)}
 
 
 def _from_wire(value: Any, device: torch.device) -> Any:
@@ -96,6 +117,8 @@ def _from_wire(value: Any, device: torch.device) -> Any:
         return value.tensor(device)
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], dict):
         cls = _TYPES[value[0]]
+        if cls is Replay:  # its inputs stay on the host: the child's graph copies them into its own device buffer
+            device = torch.device("cpu")
         return cls(**{name: _from_wire(v, device) for name, v in value[1].items()})
     if isinstance(value, tuple):
         return tuple(_from_wire(v, device) for v in value)

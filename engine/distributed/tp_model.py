@@ -15,7 +15,7 @@ engine errors its requests (and frees their blocks) instead of hanging.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -66,6 +66,17 @@ class TensorParallelModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._in_step(step_message.Logits(hidden), lambda: self.local.compute_logits(hidden))
+
+    def capture_graphs(self, run: Callable[[], float], *, sizes: Sequence[int], max_seq_len: int,
+                       block_size: int) -> float:
+        """Have every child capture its decode-step CUDA graphs (engine/cuda_graphs.py) while rank 0's `run`
+        captures its own, bucket for bucket in the same order."""
+        return self._in_step(step_message.CaptureGraphs(tuple(sizes), max_seq_len, block_size), run)
+
+    def replay_graph(self, run: Callable[[], torch.Tensor], *, input_ids: torch.Tensor, positions: torch.Tensor,
+                     slots: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """Send every child one decode step's inputs to replay its graph with, then replay rank 0's (`run`)."""
+        return self._in_step(step_message.Replay(input_ids, positions, slots, block_tables), run)
 
     def first_layers(self, num_layers: int) -> _FirstLayers:
         """A layer-skip draft over every rank: each forward runs every rank's first `num_layers` layers (their

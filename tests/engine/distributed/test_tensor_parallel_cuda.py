@@ -3,8 +3,9 @@
 The GPU machines lent here have one device and NCCL refuses two ranks on one GPU, so the gpu-marked tests run TP 2
 over gloo (`SPLITSERVE_TP_CUDA_BACKEND=gloo`: every rank on cuda:0, each collective through the host): the ranks'
 weights, KV shards, step messages and forwards on CUDA, the collectives' arithmetic the same as NCCL's would be up to
-summation order. With two GPUs or more the NCCL case runs TP 2 for real; with one it checks the refusal. The
-placement rule itself is pure and tested without a GPU.
+summation order, every step eager (gloo's collectives go through the host: no CUDA graph). With two GPUs or more the
+NCCL case runs TP 2 for real, each rank replaying its decode step's CUDA graphs, the collectives inside; with one it
+checks the refusal. The placement rule itself is pure and tested without a GPU.
 
 Quantized shards on CUDA (`--quantization` composes with tensor parallelism, issue 34): int8 at TP 2 gives int8 at
 TP 1's tokens, every logits row within 1e-3 (weight-only: each row-parallel shard's partial product is the same
@@ -58,13 +59,43 @@ def test_tp_on_cuda_with_too_few_gpus_is_refused_before_anything_loads(monkeypat
         engine_builder.build_engine_parts(config)
 
 
-def _check_tp2_matches_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
+def test_graphs_at_tp2_are_captured_under_nccl_and_off_under_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU needed: the builder's decision, on the config (the capture itself: on CPU,
+    tests/engine/kernels/test_tp_decode_graphs.py; over NCCL, the test below with two GPUs)."""
+    from types import SimpleNamespace
+
+    from engine import engine_builder
+    from engine.config import EngineConfig
+
+    captures: list[dict[str, object]] = []
+
+    class Runner:
+        def capture_cuda_graphs(self, **kwargs: object) -> float:
+            captures.append(kwargs)
+            return 0.5
+
+    config = EngineConfig(model="/nonexistent/model", device="cuda", tensor_parallel_size=2, num_kv_blocks=64,
+                          cuda_graph_sizes=[1, 2])
+    triton = SimpleNamespace(name="triton")
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")
+    assert engine_builder._capture_cuda_graphs(Runner(), config, triton, torch.device("cuda"), 128) is None
+    assert captures == []
+    monkeypatch.delenv(CUDA_BACKEND_ENV)
+    assert engine_builder._capture_cuda_graphs(Runner(), config, triton, torch.device("cuda"), 128) == 0.5
+    assert captures == [{"max_seq_len": 128, "sizes": [1, 2]}]
+
+
+def _check_tp2_matches_tp1(tiny_checkpoint, *, graphs: bool) -> None:  # noqa: ANN001
+    """`graphs`: the decode steps replay CUDA graphs on every rank (NCCL), or run eagerly (gloo: not capturable)."""
     pair = Pair(tiny_checkpoint, 2, **CUDA)
     try:
         model = pair.tpn.runner.model
         assert model.local.device.type == "cuda"
+        assert (pair.tpn.runner.graphs is not None) == graphs
         first = pair.check({f"r{i}": (p, greedy(6)) for i, p in enumerate(PROMPTS)})  # chunked prefill: 6 a step
         assert all(first.values())
+        if graphs:
+            assert pair.tpn.runner.graphs.num_replays > 0
         before = pair.tpn.scheduler.num_preemptions
         longer = {f"long{i}": (p, greedy(24)) for i, p in enumerate(PROMPTS)}
         pair.check(longer)
@@ -78,7 +109,7 @@ def _check_tp2_matches_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
 @pytest.mark.gpu
 def test_tp2_over_gloo_on_one_gpu_gives_tp1s_tokens(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")  # the child ranks are spawned with this environment
-    _check_tp2_matches_tp1(tiny_checkpoint)
+    _check_tp2_matches_tp1(tiny_checkpoint, graphs=False)
 
 
 @pytest.mark.gpu
@@ -86,7 +117,7 @@ def test_tp2_over_nccl_runs_with_two_gpus_and_is_refused_with_one(tiny_checkpoin
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CUDA_BACKEND_ENV, raising=False)
     if torch.cuda.device_count() >= 2:
-        _check_tp2_matches_tp1(tiny_checkpoint)
+        _check_tp2_matches_tp1(tiny_checkpoint, graphs=True)  # NCCL inside every rank's graphs
         return
     with pytest.raises(ValueError, match="but 1 CUDA device"):
         Pair(tiny_checkpoint, 2, **CUDA)

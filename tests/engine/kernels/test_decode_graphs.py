@@ -1,8 +1,8 @@
 """The CUDA-graph decode path's inputs (engine/cuda_graphs.py): static buffers, bucket padding, the pinned-copy
 layout. On CPU a "replay" runs the same bucket-sized step eagerly over the same static buffers, under the Triton
-interpreter, so everything but the capture itself is checked here: padding rows (slot -1, length 0) must write no
-block and read none, and a graph step must give the eager step's tokens. On a GPU the real capture is checked
-against --enforce-eager (gpu-marked tests below)."""
+interpreter (the engine's own CPU stand-in, cuda_graphs._EagerReplay), so everything but the capture itself is
+checked here: padding rows (slot -1, length 0) must write no block and read none, and a graph step must give the
+eager step's tokens. On a GPU the real capture is checked against --enforce-eager (gpu-marked tests below)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "a b c
            "Serving language models needs careful scheduling", "one", "two three"]
 
 
-class EagerReplay(DecodeGraphs):
-    """The capture's one stand-in on CPU: the bucket's step run eagerly, over the same static buffers."""
-
-    def _replay(self, batch: int) -> torch.Tensor:
-        return self._step(batch)
+def captured(runner, *, max_seq_len: int, sizes: list[int],  # noqa: ANN001
+             block_size: int | None = None) -> DecodeGraphs:
+    """Decode graphs over the runner's model and cache, "captured" on CPU: the engine's stand-in there
+    (cuda_graphs._EagerReplay) runs each bucket's step eagerly over the same static buffers."""
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, block_size=block_size or runner.block_size,
+                          max_seq_len=max_seq_len, sizes=sizes)
+    graphs.capture()
+    return graphs
 
 
 def _llm(model_dir: Path, device: str, **engine: object):
@@ -84,8 +87,7 @@ def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_di
     llm = _llm(tiny_model_dir, "cpu", async_scheduling=async_scheduling)
     runner = llm.engine.runner
     # Buckets 1, 4, 8: six sequences decode in a bucket of 8 (two padding rows), and fewer as they finish.
-    runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=runner.block_size,
-                                max_seq_len=llm.engine.max_model_len, sizes=[1, 4, 8])
+    runner.graphs = captured(runner, max_seq_len=llm.engine.max_model_len, sizes=[1, 4, 8])
     got = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert got == expected
     assert runner.graphs.num_replays >= params.max_tokens - 1  # every decode step went through the buffers
@@ -101,12 +103,12 @@ def test_padding_rows_write_no_block_and_leave_the_real_rows_alone(tiny_model_di
     kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
     before = kv.clone()
     step = {"input_ids": [7], "positions": [5], "slots": [4 * 4 + 1], "block_tables": [[3, 4]]}  # block 4, offset 1
-    padded = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_seq_len=128, sizes=[8])
+    padded = captured(runner, block_size=4, max_seq_len=128, sizes=[8])  # its capture's step writes nothing either
     logits = padded.run(**step).clone()  # one real row, seven padding rows
     changed = (kv != before).flatten(4).any(-1)  # [layers, 2, blocks, block_size]
     assert changed.nonzero()[:, 2:].unique(dim=0).tolist() == [[4, 1]]  # only the real token's slot was written
     kv.copy_(before)
-    alone = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_seq_len=128, sizes=[1]).run(**step)
+    alone = captured(runner, block_size=4, max_seq_len=128, sizes=[1]).run(**step)
     torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)  # padding changed nothing the real row read
 
 
@@ -115,8 +117,7 @@ def test_a_step_larger_than_every_bucket_runs_eagerly(tiny_model_dir: Path, devi
         pytest.skip("CPU stand-in only")
     llm = _llm(tiny_model_dir, "cpu")
     runner = llm.engine.runner
-    runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=runner.block_size,
-                                max_seq_len=llm.engine.max_model_len, sizes=[2])
+    runner.graphs = captured(runner, max_seq_len=llm.engine.max_model_len, sizes=[2])
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     outs = llm.generate(PROMPTS[:3], params)  # three decodes a step: larger than the one bucket
     assert [len(o.token_ids) for o in outs] == [3, 3, 3]
@@ -132,7 +133,7 @@ def test_a_context_longer_than_the_graphs_runs_eagerly(tiny_model_dir: Path, dev
     expected = _llm(tiny_model_dir, "cpu").generate([prompt], params)[0].token_ids
     llm = _llm(tiny_model_dir, "cpu")
     runner = llm.engine.runner
-    runner.graphs = EagerReplay(runner.model, runner.kv_caches, block_size=4, max_seq_len=12, sizes=[1])
+    runner.graphs = captured(runner, block_size=4, max_seq_len=12, sizes=[1])
     assert llm.generate([prompt], params)[0].token_ids == expected
     assert runner.graphs.num_replays == 3  # positions 9, 10, 11 replayed; 12 and 13 (contexts > 12) ran eagerly
     assert llm.engine.block_pool.num_used_blocks == 0
