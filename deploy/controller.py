@@ -551,6 +551,7 @@ def init_local_ray(*, address: str | None = None) -> None:
     - logging_level=WARNING; worker output still reaches the terminal, prefixed by Ray with the actor and pid.
     - worker_niceness=0 (Ray's default is 15); a cluster joined by address keeps its own setting.
     - the one node gets every pool's resource (deploy/placement.py), so it hosts every pool's workers.
+    - a node whose raylet does not register within Ray's fixed 30 s is started once more.
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
@@ -559,16 +560,32 @@ def init_local_ray(*, address: str | None = None) -> None:
     if address is not None:
         ray.init(address=address, logging_level=logging.WARNING)
         return
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        object_store_memory=128 << 20,
-        resources=local_node_resources(ROLES),
-        # worker_niceness 0: Ray starts its workers at nice 15 by default, which on a busy machine hands the CPU to
-        # everything else first; our workers are the serving path.
-        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False, "worker_niceness": 0},
-    )
+    for attempt in range(1, LOCAL_RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                object_store_memory=128 << 20,
+                resources=local_node_resources(ROLES),
+                # worker_niceness 0: Ray starts its workers at nice 15 by default, which on a busy machine hands the
+                # CPU to everything else first; our workers are the serving path.
+                _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False,
+                                "worker_niceness": 0},
+            )
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if attempt == LOCAL_RAY_START_ATTEMPTS or not str(exc).startswith(RAY_NODE_START_TIMEOUT):
+                raise
+            logger.warning("the local Ray node did not register within Ray's fixed 30 s (a loaded machine?); "
+                           "starting it again (attempt %d of %d)", attempt + 1, LOCAL_RAY_START_ATTEMPTS)
+            ray.shutdown()  # the half-started node's processes
+
+
+# Ray waits a fixed 30 s for a new node's raylet to register with its GCS (ray/_private/node.py, not configurable);
+# on a loaded machine that can pass, and a second start usually succeeds.
+RAY_NODE_START_TIMEOUT = "The current node timed out during startup"
+LOCAL_RAY_START_ATTEMPTS = 2
 
 
 def _drop_auth_notice(record: logging.LogRecord) -> bool:
