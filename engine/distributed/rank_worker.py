@@ -70,7 +70,10 @@ def run_rank(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
         _serve(spec, conn, lanes_conn)
     except (EOFError, BrokenPipeError):  # rank 0 went away: nothing to report to
         os._exit(1)
-    except BaseException:
+    except BaseException as exc:
+        if _closed_by_rank_0(exc):  # rank 0 reports why; a traceback here would only repeat it
+            logger.warning("tensor-parallel rank %d stopped: %s", spec.rank, exc)
+            os._exit(1)
         logger.exception("tensor-parallel rank %d failed", spec.rank)
         os._exit(1)
     os._exit(0)  # no atexit handlers, no group teardown waiting on dead peers
@@ -154,6 +157,12 @@ def _serve(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
                 model.compute_logits(message.hidden)
             else:
                 return
+
+
+def _closed_by_rank_0(exc: BaseException) -> bool:
+    from engine.distributed.shm_collectives import GroupClosed
+
+    return isinstance(exc, GroupClosed)
 
 
 def model_weight_bytes(model: object) -> int:

@@ -52,6 +52,10 @@ class CollectiveAborted(RuntimeError):
     """A shared-memory collective could not complete: a rank died, the group was closed, or it timed out."""
 
 
+class GroupClosed(CollectiveAborted):
+    """Rank 0 closed or failed the group (the abort word) during a collective; rank 0 reports why."""
+
+
 def supported() -> bool:
     """Whether CPU groups use shared memory: on x86-64 Linux, unless $SPLITSERVE_TP_CPU_COLLECTIVES=gloo."""
     choice = os.environ.get(ENV, "shm").strip().lower() or "shm"
@@ -189,7 +193,7 @@ class ShmCollectives:
         next_check_s = start_s + _LIVENESS_S
         while words[at] < seq:
             if words[abort_at]:
-                raise CollectiveAborted("the tensor-parallel group was closed during a collective")
+                raise GroupClosed("the tensor-parallel group was closed during a collective")
             now_s = time.monotonic()
             if now_s >= next_check_s:
                 next_check_s = now_s + _LIVENESS_S

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from engine.distributed import shm_collectives
-from engine.distributed.shm_collectives import CollectiveAborted, ShmCollectives
+from engine.distributed import rank_worker, shm_collectives
+from engine.distributed.shm_collectives import CollectiveAborted, GroupClosed, ShmCollectives
 
 pytestmark = pytest.mark.skipif(not shm_collectives.supported(), reason="shared-memory collectives are x86-64 only")
 
@@ -114,9 +114,11 @@ def test_abort_ends_a_wait_at_once() -> None:
     shared, group = _group_of_two()
     threading.Timer(0.2, group.abort).start()
     start_s = time.monotonic()
-    with pytest.raises(CollectiveAborted, match="closed"):
+    with pytest.raises(GroupClosed, match="closed") as raised:  # a child rank exits on it without a traceback
         group.gather(torch.ones(8))
     assert time.monotonic() - start_s < 5
+    assert rank_worker._closed_by_rank_0(raised.value)
+    assert not rank_worker._closed_by_rank_0(CollectiveAborted("tensor-parallel rank 2 did not reach a collective"))
     shared.close()
 
 
