@@ -537,6 +537,12 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# Ray waits a fixed 30 s for a new node's raylet to register with its GCS (ray/_private/node.py, not configurable);
+# on a loaded machine that can pass, and a second start usually succeeds.
+RAY_NODE_START_TIMEOUT = "The current node timed out during startup"
+LOCAL_RAY_START_ATTEMPTS = 2
+
+
 def init_local_ray(*, address: str | None = None) -> None:
     """Start (or, given `address`, join) the Ray cluster the controller runs on, quietly and small.
 
@@ -581,11 +587,6 @@ def init_local_ray(*, address: str | None = None) -> None:
                            "starting it again (attempt %d of %d)", attempt + 1, LOCAL_RAY_START_ATTEMPTS)
             ray.shutdown()  # the half-started node's processes
 
-
-# Ray waits a fixed 30 s for a new node's raylet to register with its GCS (ray/_private/node.py, not configurable);
-# on a loaded machine that can pass, and a second start usually succeeds.
-RAY_NODE_START_TIMEOUT = "The current node timed out during startup"
-LOCAL_RAY_START_ATTEMPTS = 2
 
 
 def _drop_auth_notice(record: logging.LogRecord) -> bool:
