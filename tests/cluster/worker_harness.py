@@ -13,7 +13,9 @@ from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import OPEN, ClusterAuth, sync_channel
 from worker.config import WorkerConfig
 
-ENGINE = dict(num_kv_blocks=192, max_model_len=1024, max_num_batched_tokens=1024)
+# One torch thread: this process runs a prefill and a decode engine at once, beside another test file (the suite
+# runs two), on two cores.
+ENGINE = dict(num_kv_blocks=192, max_model_len=1024, max_num_batched_tokens=1024, num_threads=1)
 
 
 def engine_config(**overrides: object) -> EngineConfig:

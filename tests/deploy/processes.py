@@ -186,10 +186,15 @@ TEST_KV_CACHE_MEMORY = "256MiB"
 
 def serve_argv(model: str, *flags: str) -> list[str]:
     """`splitserve serve` of `model` on a free port with `flags`; with TEST_KV_CACHE_MEMORY unless `flags` size the
-    KV cache themselves (--kv-cache-memory, --num-kv-blocks)."""
-    sized = any(f.split("=")[0] in ("--kv-cache-memory", "--num-kv-blocks") for f in flags)
-    kv = [] if sized else ["--kv-cache-memory", TEST_KV_CACHE_MEMORY]
-    return [sys.executable, "-m", "deploy.cli", "serve", "--model", model, "--port", "0", *kv, *flags]
+    KV cache themselves (--kv-cache-memory, --num-kv-blocks), and one thread a worker unless they set --num-threads.
+
+    One thread: the suite runs two test files at once on two cores, so a serve has about one core. serve's default
+    would give a colocated worker both cores' threads, and OpenMP's threads waiting at their barriers for a
+    descheduled peer made its steps up to 18x slower beside one busy core (a 4 s test took 75 s)."""
+    named = {f.split("=")[0] for f in flags}
+    kv = [] if named & {"--kv-cache-memory", "--num-kv-blocks"} else ["--kv-cache-memory", TEST_KV_CACHE_MEMORY]
+    threads = [] if "--num-threads" in named else ["--num-threads", "1"]
+    return [sys.executable, "-m", "deploy.cli", "serve", "--model", model, "--port", "0", *kv, *threads, *flags]
 
 
 @contextlib.contextmanager

@@ -143,7 +143,7 @@ def test_bad_loaded_probe_flags_are_clear_errors_before_any_measuring(tiny_dir: 
     assert match in capsys.readouterr().err and not out.exists()
 
 
-@pytest.mark.slow  # the real SmolLM2 (20 s on 2 quiet cores, 85 s loaded) and a real gRPC receiver process
+@pytest.mark.slow  # the real SmolLM2 and a real gRPC receiver process: 84 s on 2 quiet cores, 3 to 5 min loaded
 def test_splitserve_profile_quick_on_the_real_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from deploy.cli import main
 
@@ -162,6 +162,8 @@ def test_splitserve_profile_quick_on_the_real_model(tmp_path: Path, capsys: pyte
     assert profile.serving is not None and profile.serving.num_requests == 6
     assert 200 <= profile.serving.prompt_tokens <= 600 and profile.serving.gateway_cpu_per_token_s >= 0
     capsys.readouterr()
+    # An SLO that a profile measured on a loaded machine still meets: beside a busy core (the suite runs another
+    # file at once) this one measured a TPOT p90 of 0.66 s for the best layout, and plan rightly said none met 0.5 s.
     assert main(["plan", "--profile", str(out), "--model", "smollm2-135m", "--isl", "256", "--osl", "64",
-                 "--ttft-slo", "5", "--tpot-slo", "0.5", "--max-workers", "4"]) == 0
+                 "--ttft-slo", "60", "--tpot-slo", "5", "--max-workers", "4"]) == 0
     assert "splitserve serve --model smollm2-135m" in capsys.readouterr().out
