@@ -114,7 +114,17 @@ class PrefillWorker(RuntimeWorker):
             req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs = runtime.outputs(request_id)
+        # The prompt's block table, read on the engine thread as its prefill finishes. Read later (the send runs on
+        # the loop's executor), it would wait for the step after: with prompts queued, that step starts at once
+        # and the handoff, so this request's first token, waited a whole prefill step (docs/benchmarks.md,
+        # "Pass 12").
+        held: list[list[int]] = []
+
+        def read_held(out: RequestOutput) -> None:
+            if out.finished and out.finish_reason == "prefilled":
+                held.append(runtime.engine.held_block_ids(request_id))
+
+        outputs = runtime.outputs(request_id, on_engine_thread=read_held)
         done = False
         fetched = NOTHING
         try:
@@ -134,7 +144,7 @@ class PrefillWorker(RuntimeWorker):
                 return reply
             try:
                 # The send blocks (its transport's own threads and sockets): on the loop's executor, not on it.
-                result = await asyncio.to_thread(self._hand_off, req, request)
+                result = await asyncio.to_thread(self._hand_off, req, request, held[0] if held else None)
             except (KVTransferError, KeyError) as exc:  # KeyError: aborted meanwhile, its blocks already released
                 self.runtime.transfers.record_failure()
                 logger.warning("KV handoff of %s to %s failed: %s", request_id, request.decode_endpoint, exc)
@@ -182,10 +192,13 @@ class PrefillWorker(RuntimeWorker):
             reply.error = out.error or ""
         return reply
 
-    def _hand_off(self, req: Request, request: serving_pb2.PrefillRequest) -> TransferResult:
-        """Send the held blocks to the decode worker; blocks until the receiver confirmed or the send failed."""
+    def _hand_off(self, req: Request, request: serving_pb2.PrefillRequest,
+                  block_ids: list[int] | None = None) -> TransferResult:
+        """Send the held blocks (`block_ids`, else read between steps) to the decode worker; blocks until the
+        receiver confirmed or the send failed."""
         runtime = self.runtime
-        block_ids = runtime.loop.call(lambda e: e.held_block_ids(req.request_id))
+        if block_ids is None:
+            block_ids = runtime.loop.call(lambda e: e.held_block_ids(req.request_id))
         layout = runtime.layout
         handoff = KVHandoff(
             request_id=req.request_id,

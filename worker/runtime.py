@@ -263,15 +263,25 @@ class WorkerRuntime:
         """`fn(engine)` on the engine thread between steps; its result or exception, awaited."""
         return await asyncio.wrap_future(self.loop.submit(fn))
 
-    def outputs(self, request_id: str, num_choices: int = 1) -> asyncio.Queue[RequestOutput]:
+    def outputs(self, request_id: str, num_choices: int = 1, *,
+                on_engine_thread: Callable[[RequestOutput], None] | None = None) -> asyncio.Queue[RequestOutput]:
         """Listen for `request_id`'s outputs, those of its `num_choices` choices (n > 1) all in one queue (call on
         the asyncio loop, before the request can produce any); undo with `unlisten` (each choice's listener goes
-        by itself after its finished output)."""
+        by itself after its finished output). `on_engine_thread(out)` runs first, on the engine thread right after
+        the step that made `out` (before the next step starts), for what must be read off the engine then."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         aio_loop = asyncio.get_running_loop()
+
+        def listener(out: RequestOutput) -> None:
+            if on_engine_thread is not None:
+                try:
+                    on_engine_thread(out)
+                except Exception:  # noqa: BLE001 - the output must reach its caller all the same
+                    logger.exception("reading %s's output on the engine thread failed", out.request_id)
+            aio_loop.call_soon_threadsafe(queue.put_nowait, out)
+
         for index in range(num_choices):
-            self.loop.listen(choice_request_id(request_id, index),
-                             lambda out: aio_loop.call_soon_threadsafe(queue.put_nowait, out))
+            self.loop.listen(choice_request_id(request_id, index), listener)
         return queue
 
     def unlisten(self, request_id: str, num_choices: int = 1) -> None:
