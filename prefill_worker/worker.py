@@ -114,9 +114,9 @@ class PrefillWorker(RuntimeWorker):
             req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # The prompt's block table, read on the engine thread as its prefill finishes. Read later (the send runs on
-        # the loop's executor), it would wait for the step after: with prompts queued, that step starts at once
-        # and the handoff, so this request's first token, waited a whole prefill step (docs/benchmarks.md,
+        # The prompt's block table is read on the engine thread as its prefill finishes. Asked for later, from the
+        # send's executor thread, it waits for the next step to end: with prompts queued that step starts at once,
+        # and the handoff (so this request's first token) waited a whole prefill step (docs/benchmarks.md,
         # "Pass 12").
         held: list[list[int]] = []
 
