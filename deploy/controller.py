@@ -588,6 +588,5 @@ def init_local_ray(*, address: str | None = None) -> None:
             ray.shutdown()  # the half-started node's processes
 
 
-
 def _drop_auth_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")

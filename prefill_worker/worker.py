@@ -143,8 +143,10 @@ class PrefillWorker(RuntimeWorker):
                 done = True
                 return reply
             try:
+                if not held:  # no longer held as its prefill finished (read_held's error is logged)
+                    raise KeyError(f"request {request_id!r} holds no KV blocks")
                 # The send blocks (its transport's own threads and sockets): on the loop's executor, not on it.
-                result = await asyncio.to_thread(self._hand_off, req, request, held[0] if held else None)
+                result = await asyncio.to_thread(self._hand_off, req, request, held[0])
             except (KVTransferError, KeyError) as exc:  # KeyError: aborted meanwhile, its blocks already released
                 self.runtime.transfers.record_failure()
                 logger.warning("KV handoff of %s to %s failed: %s", request_id, request.decode_endpoint, exc)
@@ -192,13 +194,10 @@ class PrefillWorker(RuntimeWorker):
             reply.error = out.error or ""
         return reply
 
-    def _hand_off(self, req: Request, request: serving_pb2.PrefillRequest,
-                  block_ids: list[int] | None = None) -> TransferResult:
-        """Send the held blocks (`block_ids`, else read between steps) to the decode worker; blocks until the
-        receiver confirmed or the send failed."""
+    def _hand_off(self, req: Request, request: serving_pb2.PrefillRequest, block_ids: list[int]) -> TransferResult:
+        """Send the held blocks `block_ids` to the decode worker; blocks until the receiver confirmed or the send
+        failed."""
         runtime = self.runtime
-        if block_ids is None:
-            block_ids = runtime.loop.call(lambda e: e.held_block_ids(req.request_id))
         layout = runtime.layout
         handoff = KVHandoff(
             request_id=req.request_id,

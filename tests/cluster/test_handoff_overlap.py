@@ -23,16 +23,20 @@ STEP_S = 1.5  # each prefill step sleeps this long first
 TWO_TOKENS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # a handoff, then one decode step
 
 
-def slow_steps(worker, sleep_s: float) -> None:
-    """Every step of `worker`'s engine sleeps `sleep_s` first (on its engine thread, as the step would compute)."""
+def slow_steps(worker, sleep_s: float) -> threading.Event:
+    """Every step of `worker`'s engine sleeps `sleep_s` first (on its engine thread, as the step would compute); the
+    event is set as the first one starts (the engine steps only with a request to run)."""
     engine = worker.runtime.engine
     step = engine.step
+    started = threading.Event()
 
     def slow_step():  # noqa: ANN202
+        started.set()
         time.sleep(sleep_s)
         return step()
 
     engine.step = slow_step
+    return started
 
 
 def test_a_handoff_does_not_wait_for_the_next_prompts_prefill_step(smollm2_checkpoint) -> None:
@@ -41,7 +45,7 @@ def test_a_handoff_does_not_wait_for_the_next_prompts_prefill_step(smollm2_check
     try:
         tok = smollm2_checkpoint.tokenizer
         first, second = (tok.encode(f"Prompt {name}: the rivers of Europe, from the longest, are") for name in "ab")
-        slow_steps(prefill, STEP_S)
+        first_step = slow_steps(prefill, STEP_S)
         done: dict[str, float] = {}
         results = {}
 
@@ -52,6 +56,7 @@ def test_a_handoff_does_not_wait_for_the_next_prompts_prefill_step(smollm2_check
         start = time.monotonic()
         a = threading.Thread(target=run, args=("a", first))
         a.start()
+        assert first_step.wait(60), "the first prompt's prefill step never started"
         time.sleep(STEP_S / 3)  # the second prompt arrives while the first one's step runs: it waits for the next
         b = threading.Thread(target=run, args=("b", second))
         b.start()

@@ -143,7 +143,7 @@ def test_bad_loaded_probe_flags_are_clear_errors_before_any_measuring(tiny_dir: 
     assert match in capsys.readouterr().err and not out.exists()
 
 
-@pytest.mark.slow  # the real SmolLM2 and a real gRPC receiver process: 84 s on 2 quiet cores, 3 to 5 min loaded
+@pytest.mark.slow  # the real SmolLM2 and a real gRPC receiver process: 71 s on 2 quiet cores, 3 to 5 min loaded
 def test_splitserve_profile_quick_on_the_real_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from deploy.cli import main
 
