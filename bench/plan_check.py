@@ -12,11 +12,10 @@ histograms over each run), then prints
 `splitserve plan --profile ... --validate DIR`. `--layout` is `NP+MD` (disaggregated, --kv-transport grpc) or
 `colocatedxN`, a pool at a tensor-parallel size as the plan names it (`1P(TP2)+2D`, `colocated(TP2)x1`). With `--one-host` (the workers share this machine's cores, as `serve` does on one machine) the
 prediction scales compute times accordingly, and counts AIPerf's own CPU against the workers' cores: the cores
-its processes kept busy while the warm-up's requests ran (a separate run from the checked ones: their CPU from
-/proc, sampled 4 times a second, between the start and end times its summary gives; its start-up before them,
-importing and spawning its services, left out), or `--client-cores`. A profile with a loaded probe (its `loaded`:
-a served 1P+1D under AIPerf on this host) already holds AIPerf's share in its disaggregated stage costs: check
-those with `--client-cores 0`. plan.json is written after the warm-up.
+its processes kept busy while each run's requests ran (deploy/bench/client_cpu.py: their CPU from /proc, between
+the start and end times its summary gives; its start-up before them left out), recorded as the run's
+`client_cores` and priced run by run (`plan --validate` without --client-cores does the same), or `--client-cores`
+for every run. plan.json (the plan at the runs' mean client cores, or the flag's) is written after the runs.
 AIPerf requests `--isl` synthetic prompt tokens (stddev 0) and `--osl` output tokens with ignore_eos, streamed,
 each run from its own `--random-seed`, `--seed` + its place in `--rates` (a warm-up of 4 requests first, from
 `--seed` + 1000): give each repeated pass its own `--seed`, or it replays the same arrivals. A run that repeated an
@@ -37,8 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.serve_process import Serve, aiperf  # noqa: E402
 from deploy.bench import stages  # noqa: E402
+from deploy.bench.client_cpu import ClientCpu  # noqa: E402
 from deploy.bench.report import run_from_summary  # noqa: E402
-from deploy.planner.load_probe import Sampler, aiperf_epoch_s  # noqa: E402
+from deploy.planner.load_probe import aiperf_epoch_s  # noqa: E402
 from deploy.planner.planner import SLO, Layout, PlanOptions, Traffic, plan  # noqa: E402
 from deploy.planner.profile import load_profile  # noqa: E402
 from deploy.planner.render import plan_json, serve_flags  # noqa: E402
@@ -71,7 +71,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=7, help="AIPerf's --random-seed of the first rate (+1 each next)")
     p.add_argument("--one-host", action="store_true")
     p.add_argument("--client-cores", type=float, default=None,
-                   help="cores AIPerf keeps busy (default: measured over the warm-up run)")
+                   help="cores AIPerf keeps busy (default: measured over each run's requests)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
@@ -91,19 +91,14 @@ def main() -> int:
     server = Serve(flags, model=profile.model.name, stderr_path=str(out / "serve.log"))
     try:
         # Every run its own prompts (AIPerf's seed): a run repeating an earlier one's would hit the prefix cache.
-        with CpuSampler(exclude=server.proc.pid) as sampler:
-            warmup = aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed",
-                                         str(args.seed + 1000)])
-        warmup_cores = sampler.cores_between(*(aiperf_epoch_s(warmup[k]) for k in ("start_time", "end_time")))
-        client_cores = warmup_cores if args.client_cores is None else args.client_cores
-        print(f"AIPerf's warm-up kept {warmup_cores:.2f} cores busy; the plan counts {client_cores:.2f}", flush=True)
-        options = PlanOptions(max_workers=max(2, layout.num_ranks), one_host=args.one_host,
-                              client_cores=client_cores if args.one_host else 0.0)
-        (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
+        aiperf(server.url, [*workload, "--request-count", "4", "--concurrency", "1", "--random-seed",
+                            str(args.seed + 1000)])  # warm-up: the first requests pay one-time costs
         for i, rate in enumerate(float(r) for r in args.rates.split(",") if r):
             before = stages.scrape(server.url)  # the gateway's TTFT stage histograms, to diff over the run
-            summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
-                                          str(args.num_requests), "--random-seed", str(args.seed + i)])
+            with ClientCpu(exclude=server.proc.pid) as sampler:
+                summary = aiperf(server.url, [*workload, "--request-rate", str(rate), "--request-count",
+                                              str(args.num_requests), "--random-seed", str(args.seed + i)])
+            cores = sampler.cores_between(*(aiperf_epoch_s(summary.get(k)) for k in ("start_time", "end_time")))
             (out / f"aiperf-{rate:g}.json").write_text(json.dumps(summary, indent=1))
             try:
                 deltas = stages.stage_deltas(before, stages.scrape(server.url))
@@ -113,6 +108,7 @@ def main() -> int:
             runs.append(run_from_summary(summary, mode="rate", point=rate, seed=args.seed + i, command=[],
                                          stages=deltas))
             runs[-1]["num_requests_sent"] = args.num_requests  # validate prices a finite run of these
+            runs[-1]["client_cores"] = cores
             print(f"rate {rate}: {json.dumps(runs[-1])}", flush=True)
     finally:
         server.stop()
@@ -120,58 +116,22 @@ def main() -> int:
                    "num_decode": layout.num_decode, "max_num_seqs": layout.max_num_seqs,
                    "prefill_threshold_tokens": layout.prefill_threshold_tokens, "transport": layout.transport,
                    "tp": layout.tp, "prefill_tp": layout.prefill_tp, "decode_tp": layout.decode_tp}
+    measured = [run["client_cores"] for run in runs]
+    client_cores = args.client_cores if args.client_cores is not None else sum(measured) / max(1, len(measured))
+    print(f"AIPerf kept {', '.join(f'{c:.3f}' for c in measured)} cores busy over each run's requests; the plan "
+          f"counts {'those' if args.client_cores is None else f'{client_cores:.2f}'}", flush=True)
+    options = PlanOptions(max_workers=max(2, layout.num_ranks), one_host=args.one_host,
+                          client_cores=client_cores if args.one_host else 0.0)
+    (out / "plan.json").write_text(json.dumps(plan_json(profile, plan(profile, traffic, slo, options)), indent=1))
     (out / "report.json").write_text(json.dumps({"schema": "splitserve-bench/1", "layout": layout_json,
                                                  "serve_flags": flags, "client_cores": client_cores, "runs": runs},
                                                 indent=1))
-    comparisons, summary = compare_run_dir(profile, out, options)
+    comparisons, summary = compare_run_dir(profile, out, options, measured_client=args.client_cores is None)
     print(format_comparisons(comparisons, summary))
     print(f"again: splitserve plan --profile {args.profile} --validate {out}"
-          + (f" --one-host --client-cores {client_cores:.2f}" if args.one_host else ""))
+          + (" --one-host" if args.one_host else "")
+          + (f" --client-cores {client_cores:.2f}" if args.one_host and args.client_cores is not None else ""))
     return 0
-
-
-def _proc_table() -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, CPU seconds: utime + stime) of every process /proc shows."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
-    return table
-
-
-class CpuSampler(Sampler[dict[int, float]]):
-    """Samples the CPU seconds of this process's descendants, but for `exclude`'s subtree (the server), 4 times a
-    second until the `with` block ends; `cores_between(t0, t1)`: the cores they kept busy in that window."""
-
-    def __init__(self, *, exclude: int, period_s: float = 0.25) -> None:
-        super().__init__(self._descendants, period_s=period_s)
-        self.exclude = exclude
-
-    def _descendants(self) -> dict[int, float]:
-        table = _proc_table()
-        out, me = {}, os.getpid()
-        for pid, (_, cpu_s) in table.items():
-            ancestor = pid
-            while ancestor in table and ancestor not in (me, self.exclude, 0, 1):
-                ancestor = table[ancestor][0]
-            if ancestor == me and pid != me:
-                out[pid] = cpu_s
-        return out
-
-    def cores_between(self, start_s: float, end_s: float) -> float:
-        window = self.window(start_s, end_s)
-        if len(window) < 2:
-            return 0.0
-        (t0, first), (t1, _) = window[0], window[-1]
-        last: dict[int, float] = {}
-        for _, cpu in window:  # a process's last sample in the window: one that exits within it still counts
-            last.update(cpu)
-        return sum(cpu_s - first.get(pid, 0.0) for pid, cpu_s in last.items()) / (t1 - t0)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ def _version() -> str:
 def run_bench_command(args: argparse.Namespace) -> int:
     from deploy.bench import html_report, plots, report, stages
     from deploy.bench.aiperf_driver import AIPerfError, aiperf_command, find_aiperf, run_aiperf
+    from deploy.bench.client_cpu import ClientCpu
+    from deploy.planner.load_probe import aiperf_epoch_s
     from deploy.bench.tokenizer import aiperf_tokenizer
     from deploy.bench.workload import aiperf_flags, make_workload
 
@@ -153,7 +155,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 flags += ["--goodput", goodput]
             cmd, artifacts = command(flags, f"{mode}-{point:g}")
             before = stages.scrape(url)
-            summary = run_aiperf(cmd, env=env, artifact_dir=artifacts)
+            with ClientCpu() as client:  # AIPerf's own CPU over its requests (what plan --one-host counts)
+                summary = run_aiperf(cmd, env=env, artifact_dir=artifacts)
             try:
                 deltas = stages.stage_deltas(before, stages.scrape(url))
             except ValueError as exc:  # the run's numbers stand; only its stage breakdown is lost
@@ -164,6 +167,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                               stages=deltas)
             except ValueError as exc:
                 raise AIPerfError(f"{mode} {point:g}: {exc} (its log: {artifacts / 'aiperf.log'})") from None
+            run["client_cores"] = client.cores_between(*(aiperf_epoch_s(summary.get(k))
+                                                         for k in ("start_time", "end_time")))
             report.add_run(result, run, summary)
             _write_json(out / "report.json", result)  # a sweep cut short keeps the points it ran
             print(f"splitserve bench: {mode} {point:g}: {_line(run)}", file=sys.stderr, flush=True)

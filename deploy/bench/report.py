@@ -21,6 +21,8 @@ from AIPerf's summaries, one run per load point.
                "concurrency_mean",                 requests in flight, AIPerf's time average
                "isl_mean", "osl_mean",             tokens per request, as the server counted them
                "seed", "aiperf_command",
+               "client_cores": 0.06,               the cores AIPerf's processes kept busy over its requests
+                                                   (client_cpu.py: what `plan --validate` prices, --one-host)
                "stages": {"prefill": {"count", "sum_s", "mean_s", "p50_s", "p90_s"}, ...}   only where the
                                                    server exports the stage metric (stages.py)
               }]}

@@ -63,8 +63,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                    help="workers at most, all pools together (a worker of tensor-parallel size N counts N)")
     q.add_argument("--one-host", action="store_true",
                    help="every worker on the profiled machine, sharing its cores as `serve` splits them")
-    q.add_argument("--client-cores", type=float, default=0.0,
-                   help="with --one-host: cores the load generator keeps busy on the host while it runs")
+    q.add_argument("--client-cores", type=float, default=None,
+                   help="with --one-host: cores the load generator keeps busy on the host while it runs (default 0; "
+                        "with --validate, what each run measured where its report says)")
     q.add_argument("--serving-overhead-s", type=float, default=None,
                    help="seconds the serving path adds to TTFT (default: the profile's measured serving overhead)")
     q.add_argument("--no-loaded-costs", action="store_true",
@@ -207,12 +208,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     check_model((profile.model.name, profile.model.identity), args.model)
     options = PlanOptions(max_workers=args.max_workers, one_host=args.one_host, transport=args.kv_transport,
-                          client_cores=args.client_cores, serving_overhead_s=args.serving_overhead_s,
+                          client_cores=args.client_cores or 0.0, serving_overhead_s=args.serving_overhead_s,
                           loaded_costs=not args.no_loaded_costs)
     if args.validate is not None:
         from deploy.planner.validate import compare_run_dir, format_comparisons
 
-        comparisons, summary = compare_run_dir(profile, args.validate, options)
+        comparisons, summary = compare_run_dir(profile, args.validate, options,
+                                               measured_client=args.client_cores is None)
         if args.json:
             print(json.dumps({"summary": summary, "comparisons": [  # a stage has no steady state: null, not NaN
                 {**dataclasses.asdict(c), "error": c.error, "steady": None if math.isnan(c.steady) else c.steady}

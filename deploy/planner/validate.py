@@ -17,6 +17,8 @@ DIR holds two files:
                    "ttft_s": {"p50": 0.41, "p90": 0.77},
                    "tpot_s": {"p50": 0.052, "p90": 0.061},
                    "goodput_rps": 1.9,        optional: requests/s meeting both SLOs
+                   "client_cores": 0.06,      optional: the cores the load generator kept busy over its requests
+                                              (deploy/bench/client_cpu.py)
                    "stages": {"prefill": {"count": 200, "mean_s": 0.47}, ...}}]}
                                               optional: our ttft_stage_seconds histograms over the run (stages.py)
 
@@ -29,6 +31,11 @@ histograms, each simulated stage's mean is compared too (router_queue_s, prefill
 kv_transfer_s: where a TTFT misses, which part of it). The highest sustainable rate is compared with
 the highest run rate whose TTFT p90 and TPOT p90 met the plan's SLO with nothing refused (a lower bound, as good
 as the sweep's spacing); predicted for a run of the first run's length, and in steady state.
+
+The load generator's CPU (`--one-host`): with `measured_client` (`plan --validate` without --client-cores), each
+run is priced with the cores its own load generator measured (its `client_cores`; a run without one takes the
+options'), and the highest rate with their mean: the check then asks whether the model is right about the host the
+runs had, not whether a guess about the client was. Otherwise the options' --client-cores prices every run.
 """
 
 from __future__ import annotations
@@ -88,10 +95,11 @@ def _layout(values: dict[str, Any], profile: Profile) -> Layout:
     return layout
 
 
-def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOptions) -> tuple[list[Comparison],
-                                                                                           dict[str, Any]]:
+def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOptions, *,
+                    measured_client: bool = False) -> tuple[list[Comparison], dict[str, Any]]:
     """The comparisons of every run in DIR/report.json with the plan's prediction (see the module docstring), and
-    a summary: the layout, the predicted and the measured highest rates. ValueError for files that do not fit."""
+    a summary: the layout, the client cores priced, the predicted and the measured highest rates. ValueError for
+    files that do not fit."""
     directory = Path(directory)
     planned = _read(directory / "plan.json", PLAN_SCHEMA)
     report = _read(directory / "report.json", REPORT_SCHEMA)
@@ -103,6 +111,10 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
     slo = SLO(ttft_s=s["ttft_s"], tpot_s=s["tpot_s"])
     traffic = Traffic(isl=t["isl"], osl=t["osl"], prefix_hit=t["prefix_hit"])
     layout = _layout(report.get("layout") or planned["best"]["layout"], profile)
+    runs_client = [_client_cores(run, i, directory) for i, run in enumerate(report.get("runs", []))]
+    measured_cores = [c for c in runs_client if c is not None] if measured_client and options.one_host else []
+    if measured_cores:
+        options = dataclasses.replace(options, client_cores=sum(measured_cores) / len(measured_cores))
     model = LayoutModel(profile, traffic, layout, options)
     comparisons: list[Comparison] = []
     sustained = []
@@ -123,8 +135,11 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
         measured["refused"] = num_errors
         num_sent = int(run.get("num_requests_sent") or (int(run.get("num_requests") or 0) + num_errors))
         first_n = first_n or num_sent or None
-        steady = model.predict_steady(float(rate), slo)
-        predicted = model.predict_finite(float(rate), slo, num_sent) if num_sent else steady
+        at = model
+        if measured_cores and runs_client[i] is not None:  # this run's own client
+            at = LayoutModel(profile, traffic, layout, dataclasses.replace(options, client_cores=runs_client[i]))
+        steady = at.predict_steady(float(rate), slo)
+        predicted = at.predict_finite(float(rate), slo, num_sent) if num_sent else steady
         for metric, value in measured.items():
             guess = predicted.num_refused if metric == "refused" else getattr(predicted, metric)
             comparisons.append(Comparison(rate=float(rate), metric=metric, predicted=guess, measured=float(value),
@@ -141,10 +156,21 @@ def compare_run_dir(profile: Profile, directory: str | Path, options: PlanOption
     if first_n is not None:
         best = LayoutModel(profile, dataclasses.replace(traffic, num_requests=first_n), layout, options).max_rate(slo)
     summary = {"layout": layout.label, "predicted_max_rate": None if best is None else best.max_rate,
+               "client_cores": options.client_cores if options.one_host else None,
+               "client_measured": bool(measured_cores),
                "num_requests": first_n,
                "steady_max_rate": None if best_steady is None else best_steady.max_rate,
                "measured_max_rate": max(sustained) if sustained else None}
     return comparisons, summary
+
+
+def _client_cores(run: Any, i: int, directory: Path) -> float | None:
+    value = run.get("client_cores") if isinstance(run, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{directory / 'report.json'}: runs[{i}].client_cores: expected cores >= 0, got {value!r}")
+    return float(value)
 
 
 def _stage_means(run: dict[str, Any]) -> dict[str, float]:
@@ -157,7 +183,11 @@ def _stage_means(run: dict[str, Any]) -> dict[str, float]:
 
 
 def format_comparisons(comparisons: list[Comparison], summary: dict[str, Any]) -> str:
-    lines = [f"layout {summary['layout']}",
+    cores = summary.get("client_cores")
+    client = "" if cores is None else (
+        f", the load generator's CPU as each run measured it (mean {cores:.3f} cores)" if summary.get("client_measured")
+        else f", the load generator at {cores:.2f} cores")
+    lines = [f"layout {summary['layout']}{client}",
              f"{'rate':>6}  {'metric':18s} {'predicted':>10} {'measured':>10} {'error':>8}  {'steady state':>12}"]
     for c in comparisons:
         if c.metric == "refused":

@@ -77,6 +77,7 @@ def test_each_point_is_a_run_with_the_gateways_stages(bench_dir: Path) -> None:
             "peer_fetch": 0}, run["stages"]  # fresh prompts: no head cached on another worker
         assert run["stages"]["prefill"]["mean_s"] > 0
         assert "--request-rate" in run["aiperf_command"]
+        assert 0 < run["client_cores"] < 2, run  # AIPerf's own CPU over its requests, measured (client_cpu.py)
     assert report["plots"] == ["throughput_latency.png", "ttft_itl.png", "goodput.png", "stages.png"]
     for name in report["plots"]:
         assert (bench_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

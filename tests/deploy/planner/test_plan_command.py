@@ -235,3 +235,47 @@ def test_validate_names_what_a_report_lacks(profile_path: Path, tmp_path: Path,
                                                      "runs": [{"rate": 1.0, "ttft_s": {"p50": 0.5}}]}))
     assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir)]) == 2
     assert "runs[0] needs ttft_s and tpot_s with p50 and p90" in capsys.readouterr().err
+
+
+def test_validate_prices_each_run_with_the_client_cpu_it_measured(profile_path: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert main(["plan", "--profile", str(profile_path), *PLAN, "--json"]) == 0
+    (run_dir / "plan.json").write_text(capsys.readouterr().out)
+    planned = json.loads((run_dir / "plan.json").read_text())
+    within = {"ttft_s": {"p50": 0.5, "p90": 1.0}, "tpot_s": {"p50": 0.05, "p90": 0.1}}
+    report = {"schema": "splitserve-bench/1", "runs": [{"rate": 1.0, "num_requests": 40, "client_cores": 0.3, **within},
+                                                       {"rate": 2.0, "num_requests": 40, "client_cores": 0.6, **within}]}
+    (run_dir / "report.json").write_text(json.dumps(report))
+    derived = ("label", "num_workers", "num_ranks", "kind")
+    layout = Layout(**{k: v for k, v in planned["best"]["layout"].items() if k not in derived})
+    profile, slo = load_profile(profile_path), SLO(ttft_s=2, tpot_s=0.15)
+
+    def predicted(rate: float, cores: float) -> float:
+        options = PlanOptions(one_host=True, client_cores=cores)
+        return LayoutModel(profile, Traffic(isl=1024, osl=256), layout, options).predict_finite(rate, slo,
+                                                                                              40).tpot_p50_s
+
+    def tpot_p50(*flags: str) -> tuple[dict[float, float], dict]:
+        assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir), "--json", *flags]) == 0
+        data = json.loads(capsys.readouterr().out)
+        return {c["rate"]: c["predicted"] for c in data["comparisons"] if c["metric"] == "tpot_p50_s"}, data["summary"]
+
+    # --one-host, no --client-cores: each run at the cores its load generator measured, the highest rate at their mean
+    by_rate, summary = tpot_p50("--one-host")
+    assert by_rate == {1.0: pytest.approx(predicted(1.0, 0.3)), 2.0: pytest.approx(predicted(2.0, 0.6))}
+    assert summary["client_cores"] == pytest.approx(0.45) and summary["client_measured"] is True
+    assert predicted(2.0, 0.6) > predicted(2.0, 0.0)  # the client's CPU is priced: it slows the workers
+    # --client-cores given: that figure for every run
+    by_rate, summary = tpot_p50("--one-host", "--client-cores", "0")
+    assert by_rate == {1.0: pytest.approx(predicted(1.0, 0.0)), 2.0: pytest.approx(predicted(2.0, 0.0))}
+    assert summary["client_cores"] == 0 and summary["client_measured"] is False
+    assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir), "--one-host"]) == 0
+    assert "the load generator's CPU as each run measured it (mean 0.450 cores)" in capsys.readouterr().out
+    # not on one host: the client shares no cores with the workers, whatever the report measured
+    assert tpot_p50()[1]["client_cores"] is None
+    report["runs"][1]["client_cores"] = -1
+    (run_dir / "report.json").write_text(json.dumps(report))
+    assert main(["plan", "--profile", str(profile_path), "--validate", str(run_dir), "--one-host"]) == 2
+    assert "runs[1].client_cores: expected cores >= 0, got -1" in capsys.readouterr().err
