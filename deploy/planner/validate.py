@@ -33,8 +33,8 @@ the highest run rate whose TTFT p90 and TPOT p90 met the plan's SLO with nothing
 as the sweep's spacing); predicted for a run of the first run's length, and in steady state.
 
 The load generator's CPU (`--one-host`): with `measured_client` (`plan --validate` without --client-cores), each
-run is priced with the cores its own load generator measured (its `client_cores`; a run without one takes the
-options'), and the highest rate with their mean: the check then asks whether the model is right about the host the
+run is priced with the cores its own load generator measured (its `client_cores`; a run without one, at their
+mean), and the highest rate with their mean: the check then asks whether the model is right about the host the
 runs had, not whether a guess about the client was. Otherwise the options' --client-cores prices every run.
 """
 
