@@ -134,18 +134,23 @@ def test_missing_traffic_flags_and_a_missing_profile_are_clear(tmp_path: Path,
     assert "none.json" in capsys.readouterr().err
 
 
-def test_validate_compares_a_bench_report_with_the_plan(profile_path: Path, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def planned_run(profile_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, dict, Layout]:
+    """A run directory holding `plan --json`'s plan.json of PLAN, that plan, and its best layout."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     assert main(["plan", "--profile", str(profile_path), *PLAN, "--json"]) == 0
     (run_dir / "plan.json").write_text(capsys.readouterr().out)
     planned = json.loads((run_dir / "plan.json").read_text())
+    derived = ("label", "num_workers", "num_ranks", "kind")
+    return run_dir, planned, Layout(**{k: v for k, v in planned["best"]["layout"].items() if k not in derived})
+
+
+def test_validate_compares_a_bench_report_with_the_plan(profile_path: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, planned, layout = planned_run(profile_path, tmp_path, capsys)
     # Each run is priced as a finite run of the requests it sent (100: completed + refused).
     profile = load_profile(profile_path)
     traffic = Traffic(isl=1024, osl=256, num_requests=100)
-    derived = ("label", "num_workers", "num_ranks", "kind")
-    layout = Layout(**{k: v for k, v in planned["best"]["layout"].items() if k not in derived})
     predicted = LayoutModel(profile, traffic, layout, PlanOptions()).predict(2.5, SLO(ttft_s=2, tpot_s=0.15))
     # A report whose numbers are that prediction's at 2.5 req/s, 10% higher, and a run at 40 req/s that missed.
     report = {"schema": "splitserve-bench/1", "runs": [
@@ -197,10 +202,7 @@ def test_validate_compares_a_bench_report_with_the_plan(profile_path: Path, tmp_
 
 def test_validate_counts_no_run_that_refused_requests_as_sustained(profile_path: Path, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    assert main(["plan", "--profile", str(profile_path), *PLAN, "--json"]) == 0
-    (run_dir / "plan.json").write_text(capsys.readouterr().out)
+    run_dir, _, _ = planned_run(profile_path, tmp_path, capsys)
     within = {"ttft_s": {"p50": 0.5, "p90": 1.0}, "tpot_s": {"p50": 0.05, "p90": 0.1}}
     (run_dir / "report.json").write_text(json.dumps({"schema": "splitserve-bench/1", "runs": [
         {"rate": 1.0, "num_requests": 40, **within},
@@ -239,17 +241,12 @@ def test_validate_names_what_a_report_lacks(profile_path: Path, tmp_path: Path,
 
 def test_validate_prices_each_run_with_the_client_cpu_it_measured(profile_path: Path, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    assert main(["plan", "--profile", str(profile_path), *PLAN, "--json"]) == 0
-    (run_dir / "plan.json").write_text(capsys.readouterr().out)
-    planned = json.loads((run_dir / "plan.json").read_text())
+    run_dir, _, layout = planned_run(profile_path, tmp_path, capsys)
     within = {"ttft_s": {"p50": 0.5, "p90": 1.0}, "tpot_s": {"p50": 0.05, "p90": 0.1}}
-    report = {"schema": "splitserve-bench/1", "runs": [{"rate": 1.0, "num_requests": 40, "client_cores": 0.3, **within},
-                                                       {"rate": 2.0, "num_requests": 40, "client_cores": 0.6, **within}]}
+    report = {"schema": "splitserve-bench/1", "runs": [
+        {"rate": 1.0, "num_requests": 40, "client_cores": 0.3, **within},
+        {"rate": 2.0, "num_requests": 40, "client_cores": 0.6, **within}]}
     (run_dir / "report.json").write_text(json.dumps(report))
-    derived = ("label", "num_workers", "num_ranks", "kind")
-    layout = Layout(**{k: v for k, v in planned["best"]["layout"].items() if k not in derived})
     profile, slo = load_profile(profile_path), SLO(ttft_s=2, tpot_s=0.15)
 
     def predicted(rate: float, cores: float) -> float:
