@@ -1,4 +1,5 @@
-"""`splitserve serve --kv-cache-dtype int8` with 1 prefill + 1 decode worker over gRPC: the handoff carries int8
+"""`splitserve serve --kv-cache-dtype int8` with 1 prefill + 1 decode worker over the torch transport (gloo; the
+suite's one local serve over it: test_serve_openai.py serves grpc and ipc): the handoff carries int8
 blocks and their scales, so the disaggregated cluster answers what the colocated int8 engine answers, token for
 token; it moves int8's bytes (about a quarter of float32's), fits ~4x float32's blocks in the same
 --kv-cache-memory, and every block comes back, after an aborted stream too.
@@ -57,7 +58,7 @@ def colocated_int8(smollm2_checkpoint) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def int8_cluster(smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[ServeProcess, str]]:
-    argv = serve_argv(smollm2_gguf, "--prefill-workers", "1", "--decode-workers", "1", "--kv-transport", "grpc",
+    argv = serve_argv(smollm2_gguf, "--prefill-workers", "1", "--decode-workers", "1", "--kv-transport", "torch",
                       "--kv-cache-dtype", "int8", "--kv-cache-memory", "256MiB", "--max-model-len", "1024",
                       "--kv-transfer-timeout", "20",
                       "--disagg-prefill-threshold", "0")  # the short prompt through the KV handoff too
