@@ -43,7 +43,6 @@ from kv_transfer import native_build
 from kv_transfer.native_build import NativeModule
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <nmmintrin.h>
 #include <algorithm>
 #include <cstring>
@@ -262,7 +261,7 @@ py::tuple frame_crc32c(py::bytes head, at::Tensor src, py::bytes tail, int64_t c
   auto out = py::reinterpret_steal<py::bytes>(raw);
   char* p = PyBytes_AS_STRING(raw);
   std::memcpy(p, head_ptr, head_len);
-  const auto dst = torch::from_blob(p + head_len, src.sizes(), src.options());  // contiguous, inside `out`
+  const auto dst = at::from_blob(p + head_len, src.sizes(), src.options());  // contiguous, inside `out`
   const auto ps = pieces(dst, src);
   uint32_t sum;
   {

@@ -72,9 +72,18 @@ class NativeBuildError(RuntimeError):
     """A build that failed, timed out, or waited too long for another process's."""
 
 
+# What a module's source and bindings need: ATen (at::Tensor and its ops), pybind11 with torch's Tensor casters, and
+# torch::wrap_pybind_function. Not <torch/extension.h>: it adds the C++ frontend (autograd, nn, optim, ...), which no
+# kernel uses, and compiling it took ~35 CPU-s of each kernel's ~45 (deploy/setup.sh builds four).
+EXTENSION_HEADERS = (
+    "#include <ATen/ATen.h>\n#include <torch/csrc/utils/pybind.h>\n#include <torch/csrc/Exceptions.h>\n"
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class NativeModule:
-    """One C++ extension. `source` includes <torch/extension.h>; each of `functions` is exported under its name."""
+    """One C++ extension: `source` is C++ on ATen (EXTENSION_HEADERS come first); each of `functions` is exported
+    under its name."""
 
     name: str
     source: str
@@ -83,7 +92,7 @@ class NativeModule:
 
     def full_source(self) -> str:
         bindings = "".join(f'  m.def("{f}", torch::wrap_pybind_function({f}), "{f}");\n' for f in self.functions)
-        return f"{self.source}\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{bindings}}}\n"
+        return f"{EXTENSION_HEADERS}{self.source}\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{bindings}}}\n"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,6 @@ from kv_transfer import native_build
 from kv_transfer.native_build import NativeModule
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <cmath>
@@ -30,12 +29,12 @@ _SOURCE = r"""
 using Vec = at::vec::Vectorized<float>;
 
 // x: [T, H, D] float32, any row strides, the last dim contiguous; cos, sin: [T, D] float32 contiguous.
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.stride(2) == 1, "x: [T, H, D] float32");
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x: [T, H, D] float32");
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2),
               "cos/sin: [T, D]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
-              sin.scalar_type() == torch::kFloat32, "cos/sin: contiguous float32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat, "cos/sin: contiguous float32");
   const int64_t num_tokens = x.size(0), num_heads = x.size(1), dim = x.size(2), half = dim / 2;
   TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
   const int64_t st = x.stride(0), sh = x.stride(1);
@@ -60,12 +59,12 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 // x: [T, N] float32 contiguous; ms: [T] float32 (mean of squares per row); w: [N] float32.
-torch::Tensor rms_norm_scale(torch::Tensor x, torch::Tensor ms, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: [T, N] float32");
-  TORCH_CHECK(ms.numel() == x.size(0) && ms.is_contiguous() && ms.scalar_type() == torch::kFloat32, "ms: [T]");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() && w.scalar_type() == torch::kFloat32,
+at::Tensor rms_norm_scale(at::Tensor x, at::Tensor ms, at::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: [T, N] float32");
+  TORCH_CHECK(ms.numel() == x.size(0) && ms.is_contiguous() && ms.scalar_type() == at::kFloat, "ms: [T]");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() && w.scalar_type() == at::kFloat,
               "w: [N] float32");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t rows = x.size(0), n = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* mp = ms.data_ptr<float>();
@@ -88,11 +87,11 @@ torch::Tensor rms_norm_scale(torch::Tensor x, torch::Tensor ms, torch::Tensor w,
 // with), then a separate multiply; the same Vectorized ops here, so the same bits, where N is a multiple of the
 // vector width (torch's vector loop takes two vectors a step; what is left over, it and this op do in scalar code,
 // with std::exp).
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.stride(1) == 1 &&
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.stride(1) == 1 &&
               gate_up.size(1) % 2 == 0, "gate_up: [T, 2N] float32");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({rows, n}, gate_up.options());
+  auto out = at::empty({rows, n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const Vec one(1.f);

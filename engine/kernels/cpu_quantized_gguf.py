@@ -443,32 +443,32 @@ inline RowsFn rows_for(int64_t isa) {
 }  // namespace qk
 
 // The Q8 activations of x [T, K] float32: (q int8 [T, K], d float32 [T, K/32]).
-std::tuple<torch::Tensor, torch::Tensor> quantize_q8(torch::Tensor x) {
+std::tuple<at::Tensor, at::Tensor> quantize_q8(at::Tensor x) {
   TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [T, K] float32");
   TORCH_CHECK(x.size(1) % qk::QK == 0, "x: K must be a multiple of 32");
   const int64_t T = x.size(0), K = x.size(1);
-  auto q = torch::empty({T, K}, x.options().dtype(torch::kInt8));
-  auto d = torch::empty({T, K / qk::QK}, x.options());
-  auto s = torch::empty({T, K / qk::QK}, x.options());
+  auto q = at::empty({T, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({T, K / qk::QK}, x.options());
+  auto s = at::empty({T, K / qk::QK}, x.options());
   qk::quantize_rows_q8(x.data_ptr<float>(), T, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
   return {q, d};
 }
 
 // y [T, O] = q8(x) @ dequantize(w).T; w: uint8 [O, K/32 * block bytes], GGUF blocks as stored; fmt 0/1/2 =
 // Q4_0/Q4_1/Q8_0; isa -1 = the best this CPU runs.
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t isa) {
+at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t fmt, int64_t isa) {
   TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
   TORCH_CHECK(fmt >= qk::kQ4_0 && fmt <= qk::kQ8_0, "unknown GGUF format code ", fmt);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.device().is_cpu(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [T, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
               "w: contiguous CPU uint8 [O, bytes]");
   const int64_t T = x.size(0), K = x.size(1), O = w.size(0), nb = K / qk::QK;
   TORCH_CHECK(K > 0 && K % qk::QK == 0, "x: K = ", K, " is not a positive multiple of 32");
   TORCH_CHECK(w.size(1) == nb * qk::block_bytes(fmt), "w: ", w.size(1), " bytes a row, ", K, " inputs need ",
               nb * qk::block_bytes(fmt));
   const qk::RowsFn rows = qk::rows_for(isa);
-  auto y = torch::empty({T, O}, x.options());
+  auto y = at::empty({T, O}, x.options());
   if (T == 0 || O == 0) return y;
   // The Q8 activations, in buffers this thread keeps (a GEMV is a few microseconds: allocations show).
   thread_local std::vector<int8_t> q;

@@ -131,16 +131,16 @@ inline void int8_batch(const int8_t* w, int64_t K, const float* x, int64_t T, co
 }  // namespace qk
 
 // y [T, O] = (x @ w.T) * scales; x [T, K] float32, w int8 [O, K], scales float32 [O].
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+at::Tensor int8_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
   TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [T, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.device().is_cpu(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [T, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
               "w: contiguous CPU int8 [O, K]");
   TORCH_CHECK(w.size(1) == x.size(1), "w has ", w.size(1), " inputs, x ", x.size(1));
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == w.size(0) && scales.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == w.size(0) && scales.scalar_type() == at::kFloat &&
               scales.is_contiguous() && scales.device().is_cpu(), "scales: contiguous CPU float32 [O]");
   const int64_t T = x.size(0), K = x.size(1), O = w.size(0);
-  auto y = torch::empty({T, O}, x.options());
+  auto y = at::empty({T, O}, x.options());
   if (T == 0 || O == 0) return y;
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();

@@ -53,7 +53,6 @@ ISA_AUTO, ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI = -1, 0, 1, 2
 ISA_NAMES = {ISA_AVX2: "avx2", ISA_AVXVNNI: "avxvnni", ISA_AVX512VNNI: "avx512vnni"}
 
 _COMMON = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>

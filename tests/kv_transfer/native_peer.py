@@ -11,7 +11,7 @@ from kv_transfer import native_build
 
 TINY = native_build.NativeModule(
     name="peer_answer",
-    source="#include <torch/extension.h>\nint64_t answer() { return 42; }\n",
+    source="int64_t answer() { return 42; }\n",
     functions=("answer",),
 )
 
