@@ -23,6 +23,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
   touch "$stamp"
 fi
+# Nothing compiles on the request path: the kernels are built here, once per machine. Without a compiler the
+# engine runs its torch ops instead (slower, same results), so a failed build warns but does not stop set-up.
+# The build (~100 CPU-s on a fresh machine) runs in the background while AIPerf and Chromium download and install.
+.venv/bin/python -m deploy.cli build-kernels &
+kernels_pid=$!
 # `splitserve bench` drives AIPerf, which is no dependency of splitserve (its own venv, .venv-aiperf, pinned to the
 # version the bench was written against), and its test checks the HTML report in headless Chromium (Debian's
 # chromium and chromium-driver, through apt-get as root). Only with the test extras; what cannot be installed
@@ -41,7 +46,5 @@ if [[ ",$EXTRAS," == *",test,"* ]]; then
     fi
   fi
 fi
-# Nothing compiles on the request path: the kernels are built here, once per machine. Without a compiler the
-# engine runs its torch ops instead (slower, same results), so a failed build warns but does not stop set-up.
-.venv/bin/python -m deploy.cli build-kernels \
+wait "$kernels_pid" \
   || echo "setup: the C++ CPU kernels did not build (see above); the engine will run its torch ops" >&2

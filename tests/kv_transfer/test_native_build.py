@@ -105,7 +105,10 @@ def test_a_cpu_that_fits_no_variant_runs_torch_ops_with_one_warning(fresh_cache:
 
 
 def test_a_failed_build_falls_back_and_leaves_nothing_behind(fresh_cache: Path) -> None:
-    broken = NativeModule(name="broken", source="#error this kernel does not compile\n", functions=())
+    # The forced include of a missing header fails the compile at once, before the ~8 s of EXTENSION_HEADERS that
+    # precede the #error.
+    broken = NativeModule(name="broken", source="#error this kernel does not compile\n", functions=(),
+                          cflags=("-include", "no_such_header.h"))
     assert native_build.load(broken) is None
     status = {s.kernel: s for s in native_build.statuses()}["broken"]
     assert status.variant == native_build.FALLBACK
