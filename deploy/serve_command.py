@@ -43,7 +43,7 @@ from deploy.serve_args import (
 )
 from deploy.worker_directory import WorkerDirectory, build_cluster_gateway_app
 from engine.engine_args import add_engine_args
-from kv_transfer.native_build import cpu_kernels_disabled
+from kv_transfer.native_build import cpu_kernels_disabled, recorded_ready
 
 if TYPE_CHECKING:
     from deploy.controller import ControllerConfig
@@ -117,9 +117,10 @@ def require_device(device: str) -> None:
 def build_kernels_ahead() -> None:
     """Compile the C++ CPU kernels once, here, before any worker starts: the workers then only load them, and
     the first request after /health turns 200 costs what any other does. In a child process (this one stays
-    torch-free), its report on stderr. A failed build is reported and serving goes on: the workers' engines run
+    torch-free), its report on stderr; not at all when build-kernels last recorded every kernel built for this
+    machine (deploy/setup.sh runs it). A failed build is reported and serving goes on: the workers' engines run
     the torch ops instead (see kv_transfer/native_build.py)."""
-    if cpu_kernels_disabled():
+    if cpu_kernels_disabled() or recorded_ready():
         return
     command = [sys.executable, "-m", "deploy.cli", "build-kernels"]
     sys.stderr.flush()

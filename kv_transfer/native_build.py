@@ -12,6 +12,7 @@ starts (a worker on a host nobody built for); every engine loads its kernels bef
     load(module)          the extension for this CPU's variant, built first if missing; None: run the torch ops
     build(module, v)      build one variant if missing, without loading it (so any variant, on any x86-64 CPU)
     statuses()            what this process runs: a KernelStatus per module it asked for (logs, /metrics)
+    recorded_ready()      whether `build-kernels` recorded this CPU's every kernel built (record_ready), torch-free
 
 The cache: $SPLITSERVE_KERNEL_CACHE, else $SPLITSERVE_CACHE/kernels, else ~/.cache/splitserve/kernels; under
 it one folder per torch version and Python, holding per build:
@@ -167,15 +168,55 @@ def selected_variant() -> tuple[Variant | None, str]:
 
 
 # -- where a build lives -------------------------------------------------------------------------------------
+def _cache_base() -> Path:
+    base = os.environ.get(KERNEL_CACHE_ENV)
+    if base:
+        return Path(base)
+    return Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve") / "kernels"
+
+
 def cache_root() -> Path:
     import torch
 
-    base = os.environ.get(KERNEL_CACHE_ENV)
-    if base:
-        root = Path(base)
-    else:
-        root = Path(os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve") / "kernels"
-    return root / f"torch-{torch.__version__}-{sys.implementation.cache_tag}"
+    return _cache_base() / f"torch-{torch.__version__}-{sys.implementation.cache_tag}"
+
+
+# -- "every kernel is built", read without torch (serve's parent) ------------------------------------------------
+_KERNEL_SOURCE_DIRS = ("engine/kernels", "kv_transfer")  # every NativeModule is declared in a file of these
+
+
+def _ready_stamp() -> Path:
+    """Where `build-kernels` records that this CPU's variant of every kernel is built. Its name is a digest of what
+    those builds depend on that can be read without importing torch: the interpreter, torch's installed version,
+    the CPU's flags, the variables that steer the variant, and every file of the folders declaring the kernels (an
+    edit to any of them is a new name: at worst one check too many, never a stale build taken as current)."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(json.dumps([_RECIPE, sys.executable, sys.version, version("torch"),
+                                        sorted(read_cpu_flags()), os.environ.get("ATEN_CPU_CAPABILITY")]).encode())
+    for folder in _KERNEL_SOURCE_DIRS:
+        for path in sorted((_PACKAGE_ROOT / folder).glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return _cache_base() / "ready" / f"{digest.hexdigest()[:16]}.json"
+
+
+def record_ready(builds: list[Path]) -> None:
+    """Note that `builds` (complete build folders) are every kernel this CPU loads (build-kernels, after building)."""
+    stamp = _ready_stamp()
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    tmp = stamp.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps([str(b) for b in builds]))
+    os.replace(tmp, stamp)
+
+
+def recorded_ready() -> bool:
+    """Whether build-kernels recorded every kernel built for what this process would load, and those builds are
+    still there. Torch-free: serve's parent asks it before paying for a build-kernels process (~2 CPU-s)."""
+    try:
+        builds = json.loads(_ready_stamp().read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(builds) and all(Path(b).is_dir() for b in builds)
 
 
 @dataclass(frozen=True, kw_only=True)

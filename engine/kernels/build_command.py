@@ -1,6 +1,7 @@
 """`splitserve build-kernels`: compile the C++ CPU kernels into the kernel cache ahead of serving.
 
-`deploy/setup.sh` runs it (this CPU's variant), `serve` runs it before any worker starts, and an image build
+`deploy/setup.sh` runs it (this CPU's variant), `serve` runs it before any worker starts (unless it recorded
+every kernel built: native_build.recorded_ready), and an image build
 (deploy/docker/) runs it with `--all-variants` (every variant, so the image runs on CPUs other than the builder's).
 `--dry-run` lists the builds it would run, one line each, and compiles nothing. Every flag may come from the
 environment (`SPLITSERVE_ALL_VARIANTS=1`, `SPLITSERVE_DRY_RUN=1`; deploy/cli.py applies deploy/env_defaults.py), so
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         futures = [pool.submit(native_build.build, module, variant) for module, variant in jobs]
     num_failed = 0
+    builds = []
     for (module, variant), future in zip(jobs, futures, strict=True):
         try:
             result = future.result()
@@ -56,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
             num_failed += 1
             print(f"{module.name} ({variant.name}): FAILED: {exc}", flush=True)
             continue
+        builds.append(result.path.parent)
         done = f"built in {result.build_s:.1f} s" if result.built else "already built"
         print(f"{module.name} ({variant.name}): {done} ({result.path.parent.name})", flush=True)
+    if not num_failed and not args.all_variants:  # what this CPU loads, all built: serve need not ask again
+        native_build.record_ready(builds)
     return 1 if num_failed else 0

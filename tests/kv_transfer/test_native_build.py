@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,50 @@ def test_a_failed_build_falls_back_and_leaves_nothing_behind(fresh_cache: Path) 
     assert len(leftovers) == 1 and leftovers[0].endswith(".lock"), leftovers  # no temporary folder, no build
     with open(root / leftovers[0]) as lock:  # and the lock is free
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_build_kernels_records_every_kernel_built_and_serve_then_starts_no_build_process(tmp_path, monkeypatch):
+    """`build-kernels` (a real run, over copies of this machine's builds: no compile) records that every kernel this
+    CPU loads is built; serve's parent reads that without torch and starts no build-kernels process. A build folder
+    removed, or a variable that changes the variant, and serve asks again."""
+    from deploy import serve_command
+    from engine.kernels.registry import native_modules
+
+    variant, reason = native_build.selected_variant()
+    if variant is None:
+        pytest.skip(f"this CPU runs no variant: {reason}")
+    machine_builds = [native_build.complete_build(module, variant) for module in native_modules()]
+    if None in machine_builds:
+        pytest.skip("this machine's kernel cache lacks a build (deploy/setup.sh builds them)")
+    cache = tmp_path / "cache"
+    for built in machine_builds:
+        shutil.copytree(built, cache / built.parent.name / built.name)
+    monkeypatch.setenv(native_build.KERNEL_CACHE_ENV, str(cache))
+    monkeypatch.delenv(native_build.DISABLE_ENV, raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    started: list[list[str]] = []
+    real_run = subprocess.run
+    monkeypatch.setattr(subprocess, "run",  # serve's call; the test's own build-kernels run is real_run
+                        lambda command, **_: started.append(command) or subprocess.CompletedProcess(command, 0))
+    assert not native_build.recorded_ready()
+    serve_command.build_kernels_ahead()
+    assert len(started) == 1 and started[0][-1] == "build-kernels"  # nothing recorded yet: serve asks
+
+    done = real_run([sys.executable, "-m", "deploy.cli", "build-kernels"], env=_env(cache), cwd=REPO_ROOT,
+                    capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.count("already built") == len(machine_builds), done.stdout
+    assert native_build.recorded_ready()
+    serve_command.build_kernels_ahead()
+    assert len(started) == 1  # recorded: no process started
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # another variant may load: not what was recorded
+    assert not native_build.recorded_ready()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert native_build.recorded_ready()
+    shutil.rmtree(next(cache.glob("*/block_copy-*")))
+    assert not native_build.recorded_ready()
+    serve_command.build_kernels_ahead()
+    assert len(started) == 2
 
 
 # -- builds across processes (real compiles) ------------------------------------------------------------------
