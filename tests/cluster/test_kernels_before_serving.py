@@ -3,8 +3,8 @@ built once, in the parent, before any worker starts, and the cached ones are not
 them; the first request after /health turns 200 costs what the next ones do; /metrics says which variant every
 worker runs; the embedded Redis prefix index is up and both workers publish to it; SIGINT leaves nothing running.
 
-The cache starts with this machine's builds of every kernel but one (`deploy/setup.sh` made them): a compile costs
-~60 s on two cores, and one is as good a witness of "built before the workers start" as three.
+The cache starts with this machine's builds of every kernel but one (`deploy/setup.sh` made them): the four cost
+~100 CPU-s to compile, and one is as good a witness of "built before the workers start" as four.
 """
 
 from __future__ import annotations
