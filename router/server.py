@@ -93,9 +93,9 @@ def load_tokenizer(model: str, load_format: str = "auto") -> tuple[Tokenizer, in
     if path.is_dir():
         config = json.loads((Path(path) / "config.json").read_text())
         return Tokenizer.from_hf_dir(path), int(config["max_position_embeddings"])
-    from gguf import GGUFReader
+    from engine.loader.gguf_reader import open_gguf
 
-    reader = GGUFReader(path)  # parsed once for both: parsing dominates the cost
+    reader = open_gguf(Path(path))  # parsed once for both (the fast reader a worker's load uses): parsing dominates
     architecture = reader.get_field("general.architecture").contents()
     context_length = int(reader.get_field(f"{architecture}.context_length").contents())
     return Tokenizer.from_gguf(reader), context_length
