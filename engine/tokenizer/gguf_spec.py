@@ -30,13 +30,9 @@ TOKEN_TYPE_USER_DEFINED = 4
 
 def spec_from_gguf(source: str | os.PathLike[str] | GGUFReader) -> TokenizerSpec:
     """The tokenizer a GGUF file describes; ValueError naming the problem when it is not one we can run."""
-    from pathlib import Path
-
     from gguf import GGUFReader  # numpy-only, but keep the import cost off code paths that never see a GGUF
 
-    from engine.loader.gguf_reader import open_gguf  # the fast parse of a 50k-token vocabulary
-
-    reader = source if isinstance(source, GGUFReader) else open_gguf(Path(source))
+    reader = source if isinstance(source, GGUFReader) else GGUFReader(source)
     where = str(getattr(reader.data, "filename", None) or source)
     fields = _Fields(reader, where)
 
