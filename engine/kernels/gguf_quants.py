@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType
 # 1.6 s here with numpy's).
 _CHUNK_BLOCKS = 1 << 15
 
-_DecodeBlocks = Callable[[torch.Tensor], torch.Tensor]  # [num_blocks, block_bytes] uint8 -> [num_blocks, block_size] f32
+_DecodeBlocks = Callable[[torch.Tensor], torch.Tensor]  # [num_blocks, block_bytes] uint8 -> [num_blocks, block_size]
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
