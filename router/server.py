@@ -95,7 +95,7 @@ def load_tokenizer(model: str, load_format: str = "auto") -> tuple[Tokenizer, in
         return Tokenizer.from_hf_dir(path), int(config["max_position_embeddings"])
     from engine.loader.gguf_reader import open_gguf
 
-    reader = open_gguf(Path(path))  # parsed once for both (the fast reader a worker's load uses): parsing dominates
+    reader = open_gguf(path)  # parsed once for both (the fast reader a worker's load uses): parsing dominates
     architecture = reader.get_field("general.architecture").contents()
     context_length = int(reader.get_field(f"{architecture}.context_length").contents())
     return Tokenizer.from_gguf(reader), context_length

@@ -2,7 +2,7 @@
 can leave half-done or locked.
 
 The process tests build a tiny extension (tests/kv_transfer/native_peer.py) into a fresh cache each; one build
-is ~8 CPU-s of compiling the torch header it includes, so they are marked slow.
+is ~10 CPU-s of compiling ATen's headers (native_build.EXTENSION_HEADERS), so they are marked slow.
 """
 
 from __future__ import annotations
