@@ -10,7 +10,8 @@ tiers below the device cache that the KV cache manager looks them up in.
 
 Staged blocks are no cache of their own: they are never announced to the prefix index (the blocks the admission
 copies into the device cache are, as any computed block), never evicted into a tier, and they go when the fetching
-request ends. Everything here runs on the engine's thread.
+request ends. Everything here runs under the engine's lock: on its thread, or on a worker's thread while a step
+computes (a fetch staging its blocks: worker/engine_loop.py's `call_now`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ output. The workers read it through `stats()`, `kv_blocks` and the methods below
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -105,6 +107,10 @@ class LLMEngine:
         self.peer_blocks = PeerBlocks(self.runner.kv_cache, self.runner.kv_scales, whole=whole)
         self._tiers = TierChain([self.peer_blocks, *([self.kv_tier] if self.kv_tier is not None else [])])
         self._pinned: dict[str, list[KVBlock]] = {}
+        # Held by whoever touches the engine (a step, a worker's command), and let go while a step computes: what
+        # touches only the block pool and the staged peer blocks (a peer's pin) may then take it instead of waiting
+        # for the step to end (worker/engine_loop.py's `call_now`). Reentrant: a command may step.
+        self.lock = threading.RLock()
         self.kv_cache = KVCacheManager(
             self.block_pool, block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             tier=self._tiers,
@@ -340,7 +346,22 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step of the recipe; the outputs of the requests that produced tokens or ended in it. With async
-        scheduling: launch a step, then read the one launched before it, whose outputs these are."""
+        scheduling: launch a step, then read the one launched before it, whose outputs these are. Under `lock`,
+        which it lets go of while the step computes (`_computing`)."""
+        with self.lock:
+            return self._step()
+
+    @contextlib.contextmanager
+    def _computing(self):  # noqa: ANN202
+        """The model's forward (and the draft's, and the wait for the device): `lock` is free meanwhile. Nothing
+        that runs under it elsewhere may touch the step's requests, the runner or the cache rows being written."""
+        self.lock.release()
+        try:
+            yield
+        finally:
+            self.lock.acquire()
+
+    def _step(self) -> list[RequestOutput]:
         previous = self._in_flight  # cleared once read: a schedule that raises leaves it for the next step
         outs: list[RequestOutput] = []
         num_read = 0
@@ -372,15 +393,17 @@ class LLMEngine:
 
     def _launch(self, scheduled: SchedulerOutput) -> _InFlight:
         """Queue the step on the device."""
-        self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
-        started_s = time.perf_counter()
-        return _InFlight(scheduled, self.runner.launch(scheduled), started_s)
+        with self._computing():
+            self.speculator.draft(scheduled)  # a model proposer drafts into the slots just allocated
+            started_s = time.perf_counter()
+            return _InFlight(scheduled, self.runner.launch(scheduled), started_s)
 
     def _read(self, step: _InFlight) -> list[RequestOutput]:
         """Read a launched step's tokens and update, postprocess and output its requests (those finished since it
         was launched, its tokens for them are discarded)."""
         try:
-            sampled, logprobs, prompt_logprobs = step.launched.result()
+            with self._computing():
+                sampled, logprobs, prompt_logprobs = step.launched.result()
             self.speculator.observe_step(step.scheduled, sampled, time.perf_counter() - step.started_s)
         except Exception as exc:
             logger.exception("engine step failed")

@@ -4,7 +4,9 @@
                     ◀── listener(output) ◀──────────────────────── every RequestOutput, routed by request id
 
 The engine is single-threaded: everything that touches it (add, abort, reserve, commit, stats) runs on the loop
-thread through `call`, between steps. Listeners are called on the loop thread and must not block (hand outputs to
+thread through `call`, between steps, under the engine's lock. `call_now` runs a short function on its caller's
+thread under that lock instead, which a step lets go of while it computes: a peer's pin of cached blocks need not
+wait for a long prefill step to end. Listeners are called on the loop thread and must not block (hand outputs to
 a queue). A request's listener is dropped after its finished output.
 
 The loop sleeps on its wake event (set by every command) when there is nothing to schedule, and also when a step
@@ -77,6 +79,15 @@ class EngineLoop:
         """Run `fn(engine)` on the loop thread between steps; return its result or raise its exception."""
         return self.submit(fn).result(timeout_s)
 
+    def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on this thread under the engine's lock: between steps, or while a step computes, without
+        waiting for it to end. Only for what touches the block pool, the prefix cache and the staged peer blocks
+        (LLMEngine._computing): never the requests, the runner or the KV cache's rows."""
+        if self._stopped.is_set():
+            raise EngineLoopClosed("the engine loop has stopped")
+        with self.engine.lock:
+            return fn(self.engine)
+
     def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         if self._stopped.is_set():
             raise EngineLoopClosed("the engine loop has stopped")
@@ -121,8 +132,9 @@ class EngineLoop:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = fn(self.engine)
-                self.engine.publish_kv_events()  # an admission or an abort can evict cached blocks
+                with self.engine.lock:
+                    result = fn(self.engine)
+                    self.engine.publish_kv_events()  # an admission or an abort can evict cached blocks
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
                 continue

@@ -123,7 +123,7 @@ class PeerFetcher:
         # Never the prompt's last token: the step that computes it samples the first output token.
         num_blocks = min(plan.num_blocks, (req.num_tokens - 1) // layout.block_size, len(req.block_hashes))
         hashes = tuple(req.block_hashes[:num_blocks])
-        start = await runtime.call(lambda e: e.num_leading_blocks_held(hashes)) if hashes else 0
+        start = await runtime.call_now(lambda e: e.num_leading_blocks_held(hashes)) if hashes else 0
         if start >= num_blocks:
             return NOTHING
         fetch_id = f"peer-fetch-{secrets.token_hex(16)}"
@@ -144,7 +144,7 @@ class PeerFetcher:
                 raise KVTransferError(f"the holder replied, the fetch is {reservation.state.value}: "
                                       f"{reservation.error or ''}")
             staged = hashes[start:]
-            await runtime.call(lambda e: e.stage_peer_blocks(staged, kv, scales))
+            await runtime.call_now(lambda e: e.stage_peer_blocks(staged, kv, scales))
         except grpc.aio.AioRpcError as exc:
             self._failed(req, plan, _RPC_REASONS.get(exc.code(), "transfer"), f"{exc.code().name}: {exc.details()}")
             return NOTHING
@@ -227,7 +227,7 @@ class PeerFetcher:
                                 "FetchBlocks needs a fetch id, a receiver, and blocks after first_block")
         pin_id = request.fetch_id
         try:
-            block_ids = await self.runtime.call(lambda e: e.pin_cached_blocks(pin_id, hashes[first:]))
+            block_ids = await self.runtime.call_now(lambda e: e.pin_cached_blocks(pin_id, hashes[first:]))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if block_ids is None:

@@ -263,6 +263,11 @@ class WorkerRuntime:
         """`fn(engine)` on the engine thread between steps; its result or exception, awaited."""
         return await asyncio.wrap_future(self.loop.submit(fn))
 
+    async def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` under the engine's lock on a thread of the executor, during a step's compute if one runs
+        (EngineLoop.call_now: only what touches the block pool and the staged peer blocks)."""
+        return await asyncio.to_thread(self.loop.call_now, fn)
+
     def outputs(self, request_id: str, num_choices: int = 1, *,
                 on_engine_thread: Callable[[RequestOutput], None] | None = None) -> asyncio.Queue[RequestOutput]:
         """Listen for `request_id`'s outputs, those of its `num_choices` choices (n > 1) all in one queue (call on

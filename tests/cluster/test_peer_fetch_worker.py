@@ -176,6 +176,45 @@ def test_a_fetch_that_stalls_times_out_and_the_holder_unpins(cluster, monkeypatc
     # and unpinned when it ends (it fails: the fetch was cancelled)
     wait_blocks_free(holder, prefill, decode, timeout_s=30)
 
+
+def test_a_fetch_from_a_busy_holder_does_not_wait_for_its_step(cluster, monkeypatch) -> None:
+    """The holder is computing a long step (its forward slowed to STEP_S, as a long prefill would take): its pin
+    of the cached blocks takes the engine's lock while the forward runs, and the fetch ends long before the step
+    does. Pinned between steps instead, it waited for the step to end."""
+    import threading
+
+    holder, _, _, colocated, expected = cluster
+    step_s = 3.0
+    model = holder.runtime.engine.runner.model
+    forward = model.forward
+    computing, slow = threading.Event(), threading.Event()
+    slow.set()
+
+    def slow_forward(*args, **kwargs):
+        if slow.is_set():
+            computing.set()
+            time.sleep(step_s)  # sleeps without the GIL, as a forward computes
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow_forward)
+    busy = threading.Thread(target=lambda: generate(holder, "busy", OTHER))
+    busy.start()
+    try:
+        assert computing.wait(60)
+        _reset_caches(colocated)
+        began = time.monotonic()
+        result = generate(colocated, "from-busy", PROMPT, peer=(holder.endpoint, 10))
+        took = time.monotonic() - began
+    finally:
+        slow.clear()
+        busy.join(60)
+    assert result.token_ids == expected
+    fetched = result.messages[0].timings
+    assert fetched.peer_fetch_bytes == 10 * BLOCK_BYTES
+    assert fetched.peer_fetch_s < step_s / 2 and took < step_s, (fetched.peer_fetch_s, took)
+    wait_blocks_free(holder, colocated)
+
+
 def test_a_holder_killed_mid_fetch_ends_in_a_recompute(cluster, smollm2_gguf, tmp_path) -> None:
     """A holder in a process of its own stalls half-way through its send (a fault file), and is SIGKILLed there:
     the fetcher's call fails at once, it computes the prompt itself, and nothing leaks on the fetching side."""

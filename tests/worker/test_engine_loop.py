@@ -6,9 +6,11 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from engine.request.sampling_params import SamplingParams
 from tests.engine.tiny_model import assert_no_blocks_held, make_engine
-from worker.engine_loop import EngineLoop
+from worker.engine_loop import EngineLoop, EngineLoopClosed
 
 
 def test_a_loop_that_can_schedule_nothing_sleeps_and_wakes_on_a_command(tiny_checkpoint) -> None:
@@ -155,3 +157,50 @@ def test_a_commands_outputs_reach_the_listeners_before_its_caller_hears_it_ran(t
     finally:
         loop.stop()
     assert_no_blocks_held(engine)
+
+
+def test_call_now_runs_while_a_step_computes_and_waits_for_a_command(tiny_checkpoint) -> None:
+    """`call_now` (a peer's pin of cached blocks) takes the engine's lock while a step's forward runs, without
+    waiting for the step to end: here the forward itself waits for the call, which a loop holding the lock through
+    the whole step would not let run. A command holds the lock throughout: `call_now` waits for it to end."""
+    engine = make_engine(tiny_checkpoint)
+    model = engine.runner.model
+    forward = model.forward
+    in_forward, called = threading.Event(), threading.Event()
+    saw_the_call: list[bool] = []
+
+    def waiting_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not saw_the_call:  # the first forward only
+            in_forward.set()
+            saw_the_call.append(called.wait(5.0))
+        return forward(*args, **kwargs)
+
+    model.forward = waiting_forward
+    loop = EngineLoop(engine, name="test-loop")
+    finished = threading.Event()
+    loop.listen("a", lambda out: finished.set() if out.finished else None)
+    loop.start()
+    try:
+        loop.call(lambda e: e.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=3, temperature=0.0)))
+        assert in_forward.wait(10.0)
+        started = time.monotonic()
+        assert loop.call_now(lambda e: e.block_pool.num_used_blocks) > 0  # the prompt's blocks, allocated
+        called.set()
+        assert time.monotonic() - started < 2.0
+        assert finished.wait(10.0)
+        assert saw_the_call == [True]
+
+        gate, in_command, done = threading.Event(), threading.Event(), threading.Event()
+        held = loop.submit(lambda e: (in_command.set(), gate.wait(10.0)))
+        assert in_command.wait(5.0)
+        threading.Thread(target=lambda: (loop.call_now(lambda e: None), done.set()), daemon=True).start()
+        assert not done.wait(0.3), "call_now ran while a command held the engine"
+        gate.set()
+        assert done.wait(5.0)
+        held.result(5.0)
+        assert loop.call(lambda e: e.block_pool.num_used_blocks) == 0
+    finally:
+        loop.stop()
+    assert_no_blocks_held(engine)
+    with pytest.raises(EngineLoopClosed):
+        loop.call_now(lambda e: None)
