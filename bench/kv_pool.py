@@ -291,6 +291,9 @@ def busy_holder(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             "fetch_decisions": totals.get("splitserve:kv_peer_fetch_decisions_total{decision=fetch}", 0.0),
             "recompute_decisions": totals.get("splitserve:kv_peer_fetch_decisions_total{decision=recompute}", 0.0),
             "fetch_failures": totals.get("splitserve:kv_peer_fetch_failures_total", 0.0),
+            # The fetches' mean wall (the gateway's TTFT stage: the fetcher's call, the holder's pin and send).
+            "fetch_s_mean": (totals.get("splitserve:ttft_stage_seconds_sum{stage=peer_fetch}", 0.0)
+                             / max(totals.get("splitserve:ttft_stage_seconds_count{stage=peer_fetch}", 0.0), 1.0)),
         }
         print(f"busy holder, {name}: {json.dumps(results[name])}", flush=True)
     base, fetch = results["recompute"], results["peer fetch"]
