@@ -3,7 +3,8 @@
     SPLITSERVE_PREFILL_WORKERS=3 splitserve head ...     is    splitserve head --prefill-workers 3 ...
 
 Precedence: a flag on the command line, then its environment variable, then the flag's own default. The value is
-parsed as the flag would parse it (its `type`, its `choices`); an on/off flag (`--x` / `--no-x`, or a bare
+parsed as the flag would parse it (its `type`, its `choices`; a flag of several values takes the variable's
+words); an on/off flag (`--x` / `--no-x`, or a bare
 `--x`) takes 1/true/yes/on or 0/false/no/off. A bad value is a ValueError naming the variable, so the command
 exits 2 with a clear message, as for a bad flag. Containers (the Helm chart) configure the commands this way.
 """
@@ -44,12 +45,19 @@ def _parse(action: argparse.Action, name: str, raw: str) -> object:
             raise ValueError(f"${name} must be one of {'/'.join(_TRUE + _FALSE)}, got {raw!r}")
         on = value in _TRUE
         return (not on) if isinstance(action, argparse._StoreFalseAction) else on
+    if action.nargs in ("+", "*"):  # a flag of several values (--served-model-name a b): the variable's words
+        return [_value(action, name, word) for word in raw.split()]
+    value = _value(action, name, raw)
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag (--api-key): the variable is one value
+        return [value]
+    return value
+
+
+def _value(action: argparse.Action, name: str, raw: str) -> object:
     try:
         value = action.type(raw) if callable(action.type) else raw
     except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
         raise ValueError(f"${name}: {exc or 'invalid value'} (got {raw!r})") from None
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"${name} must be one of {', '.join(map(str, action.choices))}, got {raw!r}")
-    if isinstance(action, argparse._AppendAction):  # a repeatable flag (--api-key): the variable is one value
-        return [value]
     return value

@@ -47,6 +47,9 @@ class GatewayTls:
 class GatewayConfig:
     """The gateway's own settings, whatever model it serves; the defaults are the commands' (README's tables)."""
 
+    # The names a request's `model` may carry, as vLLM's --served-model-name: the first is the one /v1/models lists
+    # first; empty: the --model it serves, as given.
+    served_model_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"  # the router's HTTP address
     port: int = checked(within(0, 65535), default=8000)  # 0: any free port (the ready line names it)
     request_timeout_s: float = checked(POSITIVE, default=600.0)  # one request, end to end, the gateway's queue too
@@ -95,7 +98,16 @@ class GatewayConfig:
     tls: GatewayTls | None = None
 
     def __post_init__(self) -> None:
+        check_served_model_names(self.served_model_names, allow_none=True)
         check_fields(self)
+
+
+def check_served_model_names(names: tuple[str, ...], *, allow_none: bool = False) -> None:
+    """Names, none blank, none twice; `allow_none`: or no name at all."""
+    if (not names and not allow_none) or any(not name.strip() for name in names):
+        raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"served_model_names names a model twice: {names!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,15 +138,16 @@ class RouterConfig(GatewayConfig):
     block_size: int = checked(POSITIVE, default=16)
 
     def __post_init__(self) -> None:
-        if not self.served_model_names or any(not name for name in self.served_model_names):
-            raise ValueError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
+        check_served_model_names(self.served_model_names)
         check_fields(self)
 
     @classmethod
     def serving(cls, gateway: GatewayConfig, *, served_model_names: tuple[str, ...], max_model_len: int,
                 mode: str, block_size: int) -> RouterConfig:
-        """`gateway`'s settings, every one of them, for the model these name."""
+        """`gateway`'s settings, every one of them, for the model these name (the gateway's own names, if it has
+        any, over `served_model_names`)."""
         settings = {f.name: getattr(gateway, f.name) for f in dataclasses.fields(GatewayConfig)}
+        served_model_names = settings.pop("served_model_names") or served_model_names
         return cls(**settings, served_model_names=served_model_names, max_model_len=max_model_len, mode=mode,
                    block_size=block_size)
 

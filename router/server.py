@@ -57,9 +57,9 @@ def build_router_app(
     is the workers') through the workers `worker_provider` lists.
 
     A factory, so it does I/O: resolves the model (fetching a registered one on first use) and loads its
-    tokenizer. The served name is `served.model`; the context length `served.max_model_len`, else the
-    checkpoint's. `auth`: the cluster secret (and TLS) of the calls to the workers. `redis_url`: the prefix index
-    (None: route by load only). `access`, `admin`, `restart_counts`: create_app's (router/app.py);
+    tokenizer. The API's names for the model are `config.served_model_names`, else `served.model`; the context
+    length `served.max_model_len`, else the checkpoint's. `auth`: the cluster secret (and TLS) of the calls to the
+    workers. `redis_url`: the prefix index (None: route by load only). `access`, `admin`, `restart_counts`: create_app's (router/app.py);
     `pool_controller`: what `config.autoscaler` resizes.
     """
     tokenizer, context_length = load_tokenizer(served.model, served.load_format)

@@ -50,12 +50,13 @@ def test_flags_reach_their_fields() -> None:
         "gateway", "--colocated", "127.0.0.1:9", "--host", "::1", "--port", "0", "--request-timeout", "9",
         "--no-admission-control", "--max-queued-requests", "3", "--queue-timeout", "1.5", "--max-migrations", "0",
         "--admin-token", "t", "--routing-policy", "round-robin", "--disagg-prefill-threshold", "0",
-        "--api-key", "k", "--api-key-file", "keys", "--metrics-require-key"])
+        "--api-key", "k", "--api-key-file", "keys", "--metrics-require-key", "--served-model-name", "llama", "l3"])
     config = gateway_config_from_args(args)
     assert config == dataclasses.replace(
         GatewayConfig(), host="::1", port=0, request_timeout_s=9.0, admission_control=False, max_queued_requests=3,
         queue_timeout_s=1.5, max_migrations=0, admin_token="t", routing_policy="round-robin",
-        disagg_prefill_threshold_tokens=0, api_keys=("k",), api_key_file="keys", metrics_require_key=True)
+        disagg_prefill_threshold_tokens=0, api_keys=("k",), api_key_file="keys", metrics_require_key=True,
+        served_model_names=("llama", "l3"))
 
 
 @pytest.mark.parametrize(
@@ -65,6 +66,8 @@ def test_flags_reach_their_fields() -> None:
         (["--request-timeout", "-1"], "--request-timeout must be positive, got -1.0"),
         (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0, got -1"),
         (["--port", "65536"], "--port must be in 0..65535, got 65536"),
+        (["--served-model-name", "a", "a"], "--served-model-name names a model twice: ('a', 'a')"),
+        (["--served-model-name", "a", ""], "--served-model-name must be non-empty names, got ('a', '')"),
     ],
 )
 def test_a_bad_value_is_named_by_its_flag(flags: list[str], message: str) -> None:

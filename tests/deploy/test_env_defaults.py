@@ -44,6 +44,18 @@ def test_a_repeatable_flag_takes_the_variable_as_one_value() -> None:
     assert p.parse_args([]).api_key == ["sk-test"]
 
 
+def test_a_flag_of_several_values_takes_the_variables_words() -> None:
+    # `--served-model-name a b` from $SPLITSERVE_SERVED_MODEL_NAME="a b", each word checked as the flag's values are
+    p = argparse.ArgumentParser()
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--sizes", nargs="+", type=int, default=None)
+    apply_env_defaults(p, {"SPLITSERVE_SERVED_MODEL_NAME": "llama-3 my-alias", "SPLITSERVE_SIZES": "1 2"})
+    args = p.parse_args([])
+    assert (args.served_model_name, args.sizes) == (["llama-3", "my-alias"], [1, 2])
+    with pytest.raises(ValueError, match=r"\$SPLITSERVE_SIZES"):
+        apply_env_defaults(p, {"SPLITSERVE_SIZES": "1 two"})
+
+
 def test_an_empty_variable_is_unset() -> None:
     p = _parser()
     apply_env_defaults(p, {"SPLITSERVE_PREFILL_WORKERS": ""})

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from router.config import RouterConfig
+from router.config import GatewayConfig, RouterConfig
 from router.config_checks import (
     AT_LEAST_ONE,
     AT_LEAST_ZERO,
@@ -85,3 +85,20 @@ def test_the_router_config_says_what_it_said_before(change: dict[str, object], m
     with pytest.raises(ValueError) as raised:
         RouterConfig(**{"served_model_names": ("m",), "max_model_len": 64, **change})  # type: ignore[arg-type]
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (("m", " "), "served_model_names must be non-empty names, got ('m', ' ')"),
+        (("m", "m"), "served_model_names names a model twice: ('m', 'm')"),
+    ],
+)
+def test_served_model_names_are_names_none_twice(names: tuple[str, ...], message: str) -> None:
+    """The router's names and the gateway's own (--served-model-name, which may also be none: the --model's)."""
+    for config in (lambda: RouterConfig(served_model_names=names, max_model_len=64),
+                   lambda: GatewayConfig(served_model_names=names)):
+        with pytest.raises(ValueError) as raised:
+            config()
+        assert str(raised.value) == message
+    assert GatewayConfig().served_model_names == ()

@@ -44,3 +44,26 @@ def test_build_router_app_with_the_real_tokenizer(fakes: dict[str, FakeWorker], 
     prompt = list(decode.requests[0].prompt_token_ids)
     # SmolLM2's ChatML: <|im_start|> is id 1, and the template adds its default system prompt.
     assert prompt[0] == 1 and prompt.count(1) == 3 and len(prompt) > 20
+
+
+@pytest.mark.slow
+def test_served_model_names_are_the_apis_names_for_the_model(fakes: dict[str, FakeWorker], smollm2_gguf: str) -> None:
+    """`--served-model-name llama-3 alias` (vLLM's flag): /v1/models lists those, the first first; a request
+    naming either is served and answered under the name it used; --model's own name is then no name of it."""
+    for fake in fakes.values():
+        fake.reset()
+    config = GatewayConfig(served_model_names=("llama-3", "alias"))
+    app = build_router_app(config, ServedEngine(model=MODEL, mode="colocated"),
+                           lambda: [info_of(fakes["colocated-0"])])
+    server = RouterServer(app).start()
+    try:
+        with httpx.Client(base_url=server.url) as client:
+            assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["llama-3", "alias"]
+            for name in ("llama-3", "alias"):
+                response = client.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
+                assert response.status_code == 200, response.text
+                assert response.json()["model"] == name
+            response = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert response.status_code == 404 and "llama-3, alias" in response.json()["error"]["message"]
+    finally:
+        server.stop()
