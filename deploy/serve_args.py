@@ -30,6 +30,9 @@ API_KEY_ENV = "SPLITSERVE_API_KEY"  # router.api_keys.API_KEY_ENV (not imported 
 GATEWAY_FLAGS = (
     ConfigFlag("--host", "host", "the router's address (0.0.0.0: every interface)"),
     ConfigFlag("--port", "port", "the router's port; 0 picks a free one", type=int),
+    ConfigFlag("--chat-template", "chat_template",
+               "the chat template /v1/chat/completions renders, over the model's own: a Jinja file's path, or the "
+               "template itself (vLLM's flag)"),
     ConfigFlag("--request-timeout", "request_timeout_s",
                "seconds one request may take end to end, the gateway's queue included", type=float),
     ConfigFlag("--admission-control", "admission_control",

@@ -50,6 +50,8 @@ class GatewayConfig:
     # The names a request's `model` may carry, as vLLM's --served-model-name: the first is the one /v1/models lists
     # first; empty: the --model it serves, as given.
     served_model_names: tuple[str, ...] = ()
+    # vLLM's --chat-template: a Jinja chat template, or a file holding one, over the model's own (None: the model's)
+    chat_template: str | None = None
     host: str = "127.0.0.1"  # the router's HTTP address
     port: int = checked(within(0, 65535), default=8000)  # 0: any free port (the ready line names it)
     request_timeout_s: float = checked(POSITIVE, default=600.0)  # one request, end to end, the gateway's queue too

@@ -13,6 +13,7 @@ caller (the `splitserve serve` command, tests) shuts down programmatically.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -59,10 +60,13 @@ def build_router_app(
     A factory, so it does I/O: resolves the model (fetching a registered one on first use) and loads its
     tokenizer. The API's names for the model are `config.served_model_names`, else `served.model`; the context
     length `served.max_model_len`, else the checkpoint's. `auth`: the cluster secret (and TLS) of the calls to the
-    workers. `redis_url`: the prefix index (None: route by load only). `access`, `admin`, `restart_counts`: create_app's (router/app.py);
-    `pool_controller`: what `config.autoscaler` resizes.
+    workers. `redis_url`: the prefix index (None: route by load only). `access`, `admin`, `restart_counts`:
+    create_app's (router/app.py); `pool_controller`: what `config.autoscaler` resizes. `config.chat_template`: the
+    operator's chat template over the model's (`read_chat_template`).
     """
     tokenizer, context_length = load_tokenizer(served.model, served.load_format)
+    if config.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(read_chat_template(config.chat_template))
     router_config = RouterConfig.serving(
         config, served_model_names=(served.model,), mode=served.mode, block_size=served.block_size,
         max_model_len=served.max_model_len if served.max_model_len is not None else context_length)
@@ -76,6 +80,32 @@ def build_router_app(
                                    live_workers=registry.incarnations)
     return create_app(router_config, registry, tokenizer, prefix_index=prefix_index, restart_counts=restart_counts,
                       admin=admin, access=access, pool_controller=pool_controller)
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's template, as vLLM reads it: the file `value` names, else `value` itself when it holds a
+    Jinja tag. ValueError (naming the flag) for neither, an unreadable file, or a template that does not parse."""
+    from engine.tokenizer.chat_template import ChatTemplate
+
+    try:
+        is_file = os.path.isfile(value)
+    except (OSError, ValueError):  # a template too long for a path, or holding a NUL
+        is_file = False
+    if is_file:
+        try:
+            with open(value, encoding="utf-8") as file:
+                source = file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template: cannot read {value}: {exc}") from None
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"--chat-template: no file {value!r}, and no Jinja template either ({{{{ }}}} or {{% %}})")
+    try:
+        ChatTemplate(source)
+    except ValueError as exc:
+        raise ValueError(f"--chat-template: {exc}") from None
+    return source
 
 
 def load_tokenizer(model: str, load_format: str = "auto") -> tuple[Tokenizer, int]:

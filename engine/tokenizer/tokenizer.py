@@ -13,6 +13,8 @@ Streaming output goes through `detokenizer.IncrementalDetokenizer`, which produc
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -124,6 +126,15 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template.source if self._chat_template is not None else None
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer with `source` as its chat template instead of the model's (vLLM's --chat-template); the
+        vocabulary is shared, not rebuilt. ValueError when the template does not parse."""
+        template = ChatTemplate(source)
+        clone = copy.copy(self)
+        clone.spec = dataclasses.replace(self.spec, chat_template=source)
+        clone._chat_template = template
+        return clone
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True

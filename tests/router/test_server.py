@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from router.config import GatewayConfig, ServedEngine
-from router.server import RouterServer, build_router_app
+from router.server import RouterServer, build_router_app, read_chat_template
 from tests.router.conftest import MODEL, info_of
 from tests.router.fake_worker import FakeWorker
 
@@ -67,3 +67,43 @@ def test_served_model_names_are_the_apis_names_for_the_model(fakes: dict[str, Fa
             assert response.status_code == 404 and "llama-3, alias" in response.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_read_chat_template_takes_a_file_or_the_template_itself(tmp_path) -> None:
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    assert read_chat_template(str(path)) == template == read_chat_template(template)
+    (tmp_path / "latin1.jinja").write_bytes(b"{{ '\xe9' }}")
+    for value, message in ((str(tmp_path / "missing.jinja"), "no file .*missing.jinja.*no Jinja template either"),
+                           (str(tmp_path), "no file"),
+                           ("{% for m in messages %}", "chat template does not parse"),
+                           (str(tmp_path / "latin1.jinja"), "cannot read .*latin1.jinja: 'utf-8' codec can't decode")):
+        with pytest.raises(ValueError, match=f"^--chat-template: {message}"):
+            read_chat_template(value)
+
+
+@pytest.mark.slow
+def test_a_chat_template_over_the_models_renders_the_chat_prompt(fakes: dict[str, FakeWorker], smollm2_gguf: str,
+                                                                  tmp_path) -> None:
+    """--chat-template FILE: /v1/chat/completions sends the decode worker the operator's template's rendering of the
+    messages, not SmolLM2's ChatML."""
+    from router.server import load_tokenizer
+
+    for fake in fakes.values():
+        fake.reset()
+    path = tmp_path / "chat.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    app = build_router_app(GatewayConfig(chat_template=str(path)), ServedEngine(model=MODEL, mode="colocated"),
+                           lambda: [info_of(fakes["colocated-0"])])
+    server = RouterServer(app).start()
+    try:
+        with httpx.Client(base_url=server.url) as client:
+            response = client.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 2})
+            assert response.status_code == 200, response.text
+    finally:
+        server.stop()
+    tokenizer, _ = load_tokenizer(MODEL)
+    expected = tokenizer.encode("[user] What is 2+2?\n", add_special_tokens=False)
+    assert list(fakes["colocated-0"].requests[0].prompt_token_ids) == expected

@@ -72,3 +72,15 @@ def test_model_without_template(smollm_like: Tokenizer) -> None:
     assert bare.chat_template is None
     with pytest.raises(ValueError, match="has no chat template"):
         bare.apply_chat_template(USER_HI)
+
+
+def test_with_chat_template_replaces_the_models_template_only_in_the_copy(smollm_like: Tokenizer) -> None:
+    """vLLM's --chat-template: the gateway's tokenizer renders the operator's template; the vocabulary is shared,
+    the original keeps the model's template."""
+    own = smollm_like.chat_template
+    custom = smollm_like.with_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert custom.apply_chat_template(USER_HI) == "<user>hi"
+    assert custom.chat_template != own and smollm_like.chat_template == own
+    assert custom.encode("hello there") == smollm_like.encode("hello there")
+    with pytest.raises(ValueError, match="does not parse"):
+        smollm_like.with_chat_template("{% for m in messages %}")
