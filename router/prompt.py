@@ -55,9 +55,11 @@ def chat_prompt_token_ids(
                 for index, message in enumerate(request.messages)]
     messages = tool_messages(request, messages, tools)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                             extra=request.chat_template_kwargs)
     except ValueError as error:
-        raise bad_request(str(error), "messages") from error
+        param = "chat_template_kwargs" if str(error).startswith("chat_template_kwargs") else "messages"
+        raise bad_request(str(error), param) from error
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     if not token_ids:
         raise bad_request("the rendered chat prompt is empty", "messages")

@@ -140,6 +140,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, object] | None = None  # vLLM's: more variables for the chat template
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool = True
@@ -187,6 +188,7 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
         check_text(request.tool_choice, param="tool_choice")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    _check_json_text(request.chat_template_kwargs, "chat_template_kwargs")
 
 
 def check_text(text: str, *, param: str, where: str | None = None, allow_nul: bool = True) -> None:
@@ -281,6 +283,21 @@ def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
         check_text(stop, param="stop", where=where)
         if len(stop) > MAX_STOP_STRING_CHARS:
             raise bad_request(f"{where} must be at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}", "stop")
+
+
+def _check_json_text(value: object, param: str, where: str | None = None) -> None:
+    """Every string in the JSON value `param` (keys too): valid Unicode, no NUL (a chat template writes them into
+    the prompt)."""
+    where = where or param
+    if isinstance(value, str):
+        check_text(value, param=param, where=where, allow_nul=False)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_json_text(key, param, f"a key of {where}")
+            _check_json_text(item, param, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json_text(item, param, f"{where}[{index}]")
 
 
 def _check_message_text(message: ChatMessage, where: str) -> None:

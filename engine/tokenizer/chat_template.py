@@ -6,7 +6,8 @@ text: `trim_blocks` and `lstrip_blocks` on, the `loopcontrols` extension, a `toj
 as is, and the globals `raise_exception` and `strftime_now`.
 
 Variables a template sees: `messages`, `add_generation_prompt`, `bos_token`, `eos_token` (when the model has
-them), and `tools`/`documents` set to None, as HF passes them, so `{% if tools is not none %}` stays false.
+them), and `tools`/`documents` set to None, as HF passes them, so `{% if tools is not none %}` stays false; and a
+request's own (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`), under any other name (`RESERVED_VARIABLES`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+# The variables `render` sets itself: a request's `chat_template_kwargs` may not name them.
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"})
 
 
 class ChatTemplate:
@@ -39,10 +44,16 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text. ValueError for bad messages or when the template itself raises."""
+        """The prompt text; `extra`: more variables, none of `RESERVED_VARIABLES`. ValueError for bad messages, a
+        reserved name in `extra`, or when the template itself raises."""
         validate_messages(messages)
+        reserved = sorted(RESERVED_VARIABLES.intersection(extra or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
         variables: dict[str, Any] = {
+            **(extra or {}),
             # Copies: the sandbox forbids mutating them, and the caller's objects stay untouched either way.
             "messages": [dict(message) for message in messages],
             "add_generation_prompt": add_generation_prompt,

@@ -137,13 +137,14 @@ class Tokenizer:
         return clone
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+        extra: Mapping[str, object] | None = None,
     ) -> str:
         """The prompt text for `messages` (a list of {"role", "content"} string dicts), not yet tokenized.
 
         Encode the result with `add_special_tokens=False`: the template already writes any BOS the model wants
         (HF's `apply_chat_template(tokenize=True)` does the same). ValueError when the model has no chat template
-        or the messages are malformed.
+        or the messages are malformed. `extra`: more variables for the template (vLLM's `chat_template_kwargs`).
         """
         if self._chat_template is None:
             raise ValueError(f"{self.spec.source or 'this model'} has no chat template; send a plain prompt instead")
@@ -152,6 +153,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.spec.bos_token_id),
             eos_token=self._token_text(self.spec.eos_token_id),
+            extra=extra,
         )
 
     def _token_text(self, token_id: int | None) -> str | None:

@@ -142,6 +142,28 @@ def test_chat_prompts() -> None:
     assert TOKENIZER.decode(no_prompt, skip_special_tokens=False).endswith("hi<|im_end|>\n")
 
 
+def test_chat_template_kwargs_reach_the_template() -> None:
+    """vLLM's `chat_template_kwargs`: more variables the template sees (e.g. `enable_thinking`); the request's own
+    fields (messages, add_generation_prompt, ...) cannot be set through them; their text is held to the rules of
+    the messages' (it becomes prompt text)."""
+    tokenizer = TOKENIZER.with_chat_template(
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}{{ messages[0].content }}"
+        "{{ suffix | default('') }}")
+    assert chat_prompt_token_ids(chat(), tokenizer) == tokenizer.encode("hi", add_special_tokens=False)
+    request = chat(chat_template_kwargs={"enable_thinking": False, "suffix": "!"})
+    check_chat_request(request)
+    assert chat_prompt_token_ids(request, tokenizer) == tokenizer.encode("/no_think hi!", add_special_tokens=False)
+    with pytest.raises(ApiError) as error:
+        chat_prompt_token_ids(chat(chat_template_kwargs={"messages": [], "add_generation_prompt": 1}), tokenizer)
+    assert error.value.param == "chat_template_kwargs"
+    assert "may not set add_generation_prompt, messages" in error.value.message
+    for bad, where in (({"a": {"b": ["ok", "\ud800"]}}, "chat_template_kwargs.a.b[1]"),
+                       ({"\x00": 1}, "a key of chat_template_kwargs")):
+        with pytest.raises(ApiError) as error:
+            check_chat_request(chat(chat_template_kwargs=bad))
+        assert error.value.param == "chat_template_kwargs" and error.value.message.startswith(where), bad
+
+
 def test_fit_max_tokens() -> None:
     fit = {"num_prompt_tokens": 10, "max_model_len": 32, "prompt_param": "prompt", "max_tokens_param": "max_tokens"}
     assert fit_max_tokens(None, default=16, **fit) == 16
