@@ -33,6 +33,9 @@ GATEWAY_FLAGS = (
     ConfigFlag("--chat-template", "chat_template",
                "the chat template /v1/chat/completions renders, over the model's own: a Jinja file's path, or the "
                "template itself (vLLM's flag)"),
+    ConfigFlag("--generation-config", "generation_config",
+               "the model's sampling defaults for what a request leaves unset (vLLM's flag): auto (its "
+               "generation_config.json, if any), vllm (none), or a folder holding one"),
     ConfigFlag("--request-timeout", "request_timeout_s",
                "seconds one request may take end to end, the gateway's queue included", type=float),
     ConfigFlag("--admission-control", "admission_control",
@@ -201,7 +204,8 @@ def pools_from_args(args: argparse.Namespace, *,
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.health_check_failure_threshold < 1:
-        raise ValueError(f"--health-check-failure-threshold must be at least 1, got {args.health_check_failure_threshold}")
+        raise ValueError("--health-check-failure-threshold must be at least 1, got "
+                         f"{args.health_check_failure_threshold}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.redis_url is not None and not args.prefix_index:
@@ -235,7 +239,8 @@ def pools_from_args(args: argparse.Namespace, *,
     # The cores are split between worker processes, every rank of a tensor-parallel worker one (all workers share
     # one under --kv-transport inproc), so that they do not oversubscribe them, at the largest pools the autoscaler
     # may make; --num-threads overrides.
-    num_processes = num_prefill * tp["prefill"] + num_decode * tp["decode"] + num_colocated * engine.tensor_parallel_size
+    num_processes = (num_prefill * tp["prefill"] + num_decode * tp["decode"]
+                     + num_colocated * engine.tensor_parallel_size)
     if autoscaler is not None:
         num_processes = (autoscaler.policy.prefill.max_workers * tp["prefill"]
                          + autoscaler.policy.decode.max_workers * tp["decode"])

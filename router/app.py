@@ -204,9 +204,13 @@ def create_app(
         fitted = fit_max_tokens(max_tokens, default=default_max_tokens, num_prompt_tokens=len(token_ids),
                                 max_model_len=config.max_model_len, prompt_param="messages" if chat else "prompt",
                                 max_tokens_param=max_tokens_param)
+        generation = config.generation_defaults  # the model's generation_config.json: its cap, its sampling
+        if generation.max_new_tokens is not None:
+            fitted = min(fitted, generation.max_new_tokens)
+        params = to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs,
+                                    defaults=generation.sampling)
         job = GenerationJob(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                            prompt_token_ids=token_ids,
-                            params=to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs))
+                            prompt_token_ids=token_ids, params=params)
         spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat), tools=tools)
         return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.config_checks import AT_LEAST_ONE, AT_LEAST_ZERO, POSITIVE, check_fields, checked, one_of, within
+from router.generation_config import NONE as NO_GENERATION_DEFAULTS
+from router.generation_config import GenerationDefaults
 from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
 
@@ -52,6 +54,9 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()
     # vLLM's --chat-template: a Jinja chat template, or a file holding one, over the model's own (None: the model's)
     chat_template: str | None = None
+    # vLLM's --generation-config: the model's sampling defaults from its generation_config.json ("auto"), none
+    # ("vllm"), or a folder's (router/generation_config.py)
+    generation_config: str = "auto"
     host: str = "127.0.0.1"  # the router's HTTP address
     port: int = checked(within(0, 65535), default=8000)  # 0: any free port (the ready line names it)
     request_timeout_s: float = checked(POSITIVE, default=600.0)  # one request, end to end, the gateway's queue too
@@ -135,6 +140,8 @@ class RouterConfig(GatewayConfig):
 
     served_model_names: tuple[str, ...]
     max_model_len: int = checked(POSITIVE)
+    # what `generation_config` found: a request's unset sampling fields and its max_tokens cap
+    generation_defaults: GenerationDefaults = NO_GENERATION_DEFAULTS
     # "disaggregated": prefill + decode pools; "colocated": one pool runs both
     mode: str = checked(one_of(MODES), default="disaggregated")
     block_size: int = checked(POSITIVE, default=16)
@@ -145,13 +152,14 @@ class RouterConfig(GatewayConfig):
 
     @classmethod
     def serving(cls, gateway: GatewayConfig, *, served_model_names: tuple[str, ...], max_model_len: int,
-                mode: str, block_size: int) -> RouterConfig:
+                mode: str, block_size: int,
+                generation_defaults: GenerationDefaults = NO_GENERATION_DEFAULTS) -> RouterConfig:
         """`gateway`'s settings, every one of them, for the model these name (the gateway's own names, if it has
         any, over `served_model_names`)."""
         settings = {f.name: getattr(gateway, f.name) for f in dataclasses.fields(GatewayConfig)}
         served_model_names = settings.pop("served_model_names") or served_model_names
         return cls(**settings, served_model_names=served_model_names, max_model_len=max_model_len, mode=mode,
-                   block_size=block_size)
+                   block_size=block_size, generation_defaults=generation_defaults)
 
     @property
     def target_role(self) -> str:

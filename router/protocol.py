@@ -16,7 +16,9 @@ them on the wire.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
+from types import MappingProxyType
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -233,10 +235,11 @@ def num_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> i
 
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
-    structured_outputs: GrammarSpec | None = None,
+    structured_outputs: GrammarSpec | None = None, defaults: Mapping[str, object] = MappingProxyType({}),
 ) -> SamplingParams:
     """The workers' SamplingParams for `request`, generating at most `max_tokens` (already fitted to the context),
-    its output following `structured_outputs` (router/structured.py, router/tools.py) when given.
+    its output following `structured_outputs` (router/structured.py, router/tools.py) when given; `defaults`: the
+    model's values of the fields the request leaves unset (router/generation_config.py).
 
     Validated by the engine's `SamplingParams.validate()` and fit for the wire (`check_fits_wire`); a bad value is a
     400 naming the parameter.
@@ -245,7 +248,8 @@ def to_sampling_params(
     logprobs = num_logprobs(request)
     if best_of is not None and best_of > request.n and logprobs is None:
         logprobs = 0  # the best choices are those of highest cumulative logprob: the router ranks them
-    same_named = {name: getattr(request, name) for name in BODY_FIELDS if getattr(request, name) is not None}
+    same_named = {name: value for name, value in defaults.items() if name in BODY_FIELDS}
+    same_named.update({name: getattr(request, name) for name in BODY_FIELDS if getattr(request, name) is not None})
     params = SamplingParams(
         **same_named,
         best_of=best_of,

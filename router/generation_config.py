@@ -1,0 +1,86 @@
+"""The model's own sampling defaults, as vLLM takes them (`--generation-config`, default "auto").
+
+    generation_config.json (HF)  ──▶  GenerationDefaults: the sampling fields it sets to other than HF's defaults
+                                      (repetition_penalty, temperature, top_k, top_p, min_p), and max_new_tokens
+    a request's unset field      ──▶  the model's value (router/protocol.py's `to_sampling_params`)
+    max_new_tokens               ──▶  a cap on every request's max_tokens, and the default when a request sets none
+
+`--generation-config auto` reads the file in the model's directory (a GGUF file or a dummy shape has none: nothing
+changes), `vllm` reads none, and a folder's path reads that folder's file, which must be there. As vLLM does, a
+value equal to HF's own default is no override (a file's `"top_k": 50` leaves top-k off). A file that does not
+parse, or a value of the wrong kind, is a clear error at start-up. Torch-free: the gateway reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+logger = logging.getLogger(__name__)
+
+FILE = "generation_config.json"
+AUTO, VLLM = "auto", "vllm"
+# transformers' GenerationConfig defaults of the fields vLLM takes: a file's value equal to these overrides nothing.
+HF_DEFAULTS: Mapping[str, float | int | None] = MappingProxyType(
+    {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None})
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """`sampling`: SamplingParams field -> the model's value, for requests that leave the field unset;
+    `max_new_tokens`: at most this many tokens a request (None: no cap)."""
+
+    sampling: Mapping[str, float | int] = field(default_factory=lambda: MappingProxyType({}))
+    max_new_tokens: int | None = None
+
+
+NONE = GenerationDefaults()
+
+
+def load_generation_defaults(setting: str, model_path: str | os.PathLike[str] | None) -> GenerationDefaults:
+    """`--generation-config`'s defaults: `setting` "auto" (the file in `model_path`, when it is a directory holding
+    one), "vllm" (none) or a folder's path (its file). ValueError naming the flag for a folder without the file, a
+    file that does not parse, or a value of the wrong kind."""
+    if setting == VLLM:
+        return NONE
+    folder = model_path if setting == AUTO else setting
+    if folder is None or not os.path.isdir(folder):
+        if setting == AUTO:
+            return NONE
+        raise ValueError(f"--generation-config {setting}: no such folder (or 'auto', 'vllm')")
+    path = os.path.join(folder, FILE)
+    if not os.path.isfile(path):
+        if setting == AUTO:
+            return NONE
+        raise ValueError(f"--generation-config {setting}: no {FILE} there")
+    try:
+        with open(path, encoding="utf-8") as file:
+            raw = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--generation-config: cannot read {path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--generation-config: {path} holds no JSON object")
+    sampling: dict[str, float | int] = {}
+    for name, default in HF_DEFAULTS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or (name == "top_k" and
+                                                                             not isinstance(value, int)):
+            raise ValueError(f"--generation-config: {path}: {name} must be a number, got {value!r}")
+        if value != default:
+            sampling[name] = value
+    max_new_tokens = raw.get("max_new_tokens")
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                       or max_new_tokens < 1):
+        raise ValueError(f"--generation-config: {path}: max_new_tokens must be a positive integer, "
+                         f"got {max_new_tokens!r}")
+    defaults = GenerationDefaults(MappingProxyType(sampling), max_new_tokens)
+    if defaults != NONE:
+        logger.info("the model's %s overrides the default sampling parameters: %s%s (--generation-config vllm: "
+                    "not)", FILE, sampling, f", max_new_tokens {max_new_tokens}" if max_new_tokens else "")
+    return defaults
