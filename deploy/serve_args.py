@@ -36,6 +36,9 @@ GATEWAY_FLAGS = (
     ConfigFlag("--generation-config", "generation_config",
                "the model's sampling defaults for what a request leaves unset (vLLM's flag): auto (its "
                "generation_config.json, if any), vllm (none), or a folder holding one"),
+    ConfigFlag("--override-generation-config", "override_generation_config",
+               "a JSON object of temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens over what "
+               "--generation-config gives (vLLM's flag), e.g. '{\"temperature\": 0.5}'"),
     ConfigFlag("--request-timeout", "request_timeout_s",
                "seconds one request may take end to end, the gateway's queue included", type=float),
     ConfigFlag("--admission-control", "admission_control",

@@ -57,6 +57,7 @@ class GatewayConfig:
     # vLLM's --generation-config: the model's sampling defaults from its generation_config.json ("auto"), none
     # ("vllm"), or a folder's (router/generation_config.py)
     generation_config: str = "auto"
+    override_generation_config: str | None = None  # a JSON object of the same keys, over what generation_config gave
     host: str = "127.0.0.1"  # the router's HTTP address
     port: int = checked(within(0, 65535), default=8000)  # 0: any free port (the ready line names it)
     request_timeout_s: float = checked(POSITIVE, default=600.0)  # one request, end to end, the gateway's queue too

@@ -73,7 +73,8 @@ def build_router_app(
     router_config = RouterConfig.serving(
         config, served_model_names=(served.model,), mode=served.mode, block_size=served.block_size,
         max_model_len=served.max_model_len if served.max_model_len is not None else context_length,
-        generation_defaults=load_generation_defaults(config.generation_config, model_path))
+        generation_defaults=load_generation_defaults(config.generation_config, model_path,
+                                                     config.override_generation_config))
     registry = WorkerRegistry(worker_provider, **({"auth": auth} if auth is not None else {}))
     prefix_index = None
     if redis_url is not None:

@@ -51,13 +51,15 @@ def test_flags_reach_their_fields() -> None:
         "--no-admission-control", "--max-queued-requests", "3", "--queue-timeout", "1.5", "--max-migrations", "0",
         "--admin-token", "t", "--routing-policy", "round-robin", "--disagg-prefill-threshold", "0",
         "--api-key", "k", "--api-key-file", "keys", "--metrics-require-key", "--served-model-name", "llama", "l3",
-        "--chat-template", "chat.jinja", "--generation-config", "vllm"])
+        "--chat-template", "chat.jinja", "--generation-config", "vllm",
+        "--override-generation-config", '{"temperature": 0.5}'])
     config = gateway_config_from_args(args)
     assert config == dataclasses.replace(
         GatewayConfig(), host="::1", port=0, request_timeout_s=9.0, admission_control=False, max_queued_requests=3,
         queue_timeout_s=1.5, max_migrations=0, admin_token="t", routing_policy="round-robin",
         disagg_prefill_threshold_tokens=0, api_keys=("k",), api_key_file="keys", metrics_require_key=True,
-        served_model_names=("llama", "l3"), chat_template="chat.jinja", generation_config="vllm")
+        served_model_names=("llama", "l3"), chat_template="chat.jinja", generation_config="vllm",
+        override_generation_config='{"temperature": 0.5}')
 
 
 @pytest.mark.parametrize(

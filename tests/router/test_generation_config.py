@@ -59,6 +59,19 @@ def test_a_bad_file_is_an_error_naming_the_flag(tmp_path: Path, config: object, 
         load_generation_defaults("auto", folder)
 
 
+def test_the_override_sets_its_keys_over_the_file_or_over_nothing(tmp_path: Path) -> None:
+    folder = _folder(tmp_path / "model", LLAMA_3)
+    over = load_generation_defaults("auto", folder, '{"temperature": 0.3, "top_k": 50, "max_new_tokens": 64}')
+    assert dict(over.sampling) == {"temperature": 0.3, "top_p": 0.9, "top_k": 50} and over.max_new_tokens == 64
+    alone = load_generation_defaults("vllm", folder, '{"repetition_penalty": 1.1}')
+    assert dict(alone.sampling) == {"repetition_penalty": 1.1} and alone.max_new_tokens is None
+    for override, message in (("{", "not JSON"), ("[1]", "holds no JSON object"),
+                              ('{"temprature": 0.3}', "unknown keys temprature"),
+                              ('{"max_new_tokens": -1}', "max_new_tokens must be a positive integer")):
+        with pytest.raises(ValueError, match=f"^--override-generation-config.*{message}"):
+            load_generation_defaults("vllm", None, override)
+
+
 def test_a_folder_must_hold_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="^--generation-config .*: no generation_config.json there"):
         load_generation_defaults(str(tmp_path), None)
@@ -70,15 +83,18 @@ def test_the_models_defaults_reach_the_worker_for_what_a_request_leaves_unset(
         fakes: dict[str, FakeWorker], tmp_path: Path) -> None:
     """An HF model directory with Llama 3's generation_config.json, served over a fake colocated worker: a request
     without temperature / top_p gets the model's, one with them keeps its own, and max_tokens is capped at
-    max_new_tokens (the completion default of 16 and a request's 10 alike); with "vllm", none of it."""
+    max_new_tokens (the completion default of 16 and a request's 10 alike); with "vllm", none of it; with an
+    override, its keys."""
     from tests.engine.tiny_model import write_tiny_checkpoint
 
     model = _folder(write_tiny_checkpoint(tmp_path / "tiny"), LLAMA_3)
     worker = fakes["colocated-0"]
-    for setting, expected in (("auto", [(0.6, 0.9, 5), (0.2, 0.5, 5), (0.6, 0.9, 5)]),
-                              ("vllm", [(1.0, 1.0, 16), (0.2, 0.5, 10), (1.0, 1.0, None)])):
+    for setting, override, expected in (
+            ("auto", None, [(0.6, 0.9, 5), (0.2, 0.5, 5), (0.6, 0.9, 5)]),
+            ("vllm", None, [(1.0, 1.0, 16), (0.2, 0.5, 10), (1.0, 1.0, None)]),
+            ("auto", '{"temperature": 0.7, "max_new_tokens": 8}', [(0.7, 0.9, 8), (0.2, 0.5, 8), (0.7, 0.9, 8)])):
         worker.reset()
-        app = build_router_app(GatewayConfig(generation_config=setting),
+        app = build_router_app(GatewayConfig(generation_config=setting, override_generation_config=override),
                                ServedEngine(model=str(model), mode="colocated"), lambda: [info_of(worker)])
         server = RouterServer(app).start()
         try:
