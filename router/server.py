@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from router.app import create_app
-from engine.loader.model_registry import resolve_model
 from router.config import GatewayConfig, GatewayTls, RouterConfig, ServedEngine
 from router.generation_config import load_generation_defaults
 from router.worker_registry import WorkerProvider, WorkerRegistry
@@ -69,6 +68,8 @@ def build_router_app(
     tokenizer, context_length = load_tokenizer(served.model, served.load_format)
     if config.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(read_chat_template(config.chat_template))
+    from engine.loader.model_registry import resolve_model
+
     model_path = None if served.load_format == "dummy" else resolve_model(served.model)
     router_config = RouterConfig.serving(
         config, served_model_names=(served.model,), mode=served.mode, block_size=served.block_size,
