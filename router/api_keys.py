@@ -7,8 +7,9 @@
                     (router/rate_limit.py) gets 429 with Retry-After. The key's id is left in the request's
                     state (`api_key_id`) for the token charge and the metrics.
 
-Guarded: /v1 and everything under it; /metrics with `metrics_require_key`. Open: /health, /openapi.json (the
-request schema, no data), /admin/* (its own token, router/admin.py).
+Guarded: /v1 and everything under it, /tokenize and /detokenize (vLLM leaves those open; they cost this
+gateway's CPU); /metrics with `metrics_require_key`. Open: /health, /openapi.json (the request schema, no data),
+/admin/* (its own token, router/admin.py).
 
 A key is compared in constant time against every accepted key (no early exit). Keys are never logged nor put in
 metrics: a key is named by its id, "key-" + the first 8 hex digits of its SHA-256.
@@ -30,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.errors import error_body
 from router.rate_limit import RateLimiter, retry_after_header
+from router.tokenize_api import TOKENIZE_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +131,8 @@ class ApiKeyGuard:
         self._on_admitted = on_admitted
 
     def guarded(self, path: str) -> bool:
-        return path == "/v1" or path.startswith("/v1/") or (self.access.metrics_require_key and path == "/metrics")
+        return (path == "/v1" or path.startswith("/v1/") or path in TOKENIZE_PATHS
+                or (self.access.metrics_require_key and path == "/metrics"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.guarded(scope["path"]):

@@ -64,6 +64,7 @@ from router.responses import ResponseHeader
 from router.resumable_stream import ResumableStream
 from router.streaming import OutputSpec, collect_response, sse_events
 from router.structured import structured_outputs_of
+from router.tokenize_api import install_tokenize_routes
 from router.tools import plan_tools
 from router.worker_registry import WorkerRegistry
 
@@ -244,6 +245,8 @@ def create_app(
         return _StreamResponse(opened, sse_events(opened, spec))
 
     app.openapi = without_validation_errors(app)  # type: ignore[method-assign]
+
+    install_tokenize_routes(app, config, tokenizer)
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:

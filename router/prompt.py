@@ -4,9 +4,10 @@ Completions take text (tokenized with the model's own special-token policy, e.g.
 Chat renders the model's chat template and tokenizes the result with `add_special_tokens=False`: the template
 writes any BOS itself. Every problem is a 400 naming the field.
 
-Token ids a client writes (a prompt of ids, stop_token_ids, logit_bias keys) must lie in [0, vocab_size): the router holds the
-tokenizer, so it refuses them here rather than letting a worker fail the request. The text was checked by
-`check_*_request` (router/protocol.py) before it gets here: it encodes as UTF-8.
+Token ids a client writes (a prompt of ids, stop_token_ids, logit_bias keys; /detokenize's) must lie in
+[0, vocab_size): the router holds the tokenizer, so it refuses them here (`check_in_vocab`) rather than letting a
+worker fail the request. The text was checked by `check_*_request` (router/protocol.py) before it gets here: it
+encodes as UTF-8.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer
 
     A 400 for ids outside the vocabulary, in the prompt or in `stop_token_ids`.
     """
-    _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
-    _check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
+    check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
+    check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -38,7 +39,7 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer
         token_ids = tokenizer.encode(prompt)
     else:
         token_ids = [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
-        _check_in_vocab(token_ids, tokenizer, "prompt", what="prompt token ids")
+        check_in_vocab(token_ids, tokenizer, "prompt", what="prompt token ids")
     if not token_ids:
         raise bad_request("prompt must not be empty", "prompt")
     return token_ids
@@ -49,8 +50,8 @@ def chat_prompt_token_ids(
 ) -> list[int]:
     """The token ids of the chat template rendered over `request.messages` (tool turns and the `tools` plan's
     tool prompt written in by router/tools.py); a 400 for `stop_token_ids` outside the vocabulary."""
-    _check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
-    _check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
+    check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
+    check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
     messages = [{"role": message.role, "content": _text_of(message, index)}
                 for index, message in enumerate(request.messages)]
     messages = tool_messages(request, messages, tools)
@@ -100,9 +101,10 @@ def fit_max_tokens(
     return requested
 
 
-def _check_in_vocab(
+def check_in_vocab(
     token_ids: list[int] | None, tokenizer: Tokenizer, param: str, *, what: str | None = None
 ) -> None:
+    """A 400 naming `param` for the first id outside [0, vocab_size)."""
     vocab_size = tokenizer.vocab_size
     bad = next((token_id for token_id in token_ids or () if not 0 <= token_id < vocab_size), None)
     if bad is not None:

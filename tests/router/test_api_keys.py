@@ -76,6 +76,9 @@ def test_open_routes_and_metrics(keyed: RouterServer, fakes: dict[str, FakeWorke
         assert 'splitserve:api_key_rejections_total{reason="missing_key"} 2.0' in text
         assert 'splitserve:api_key_rejections_total{reason="invalid_key"} 1.0' in text
         assert KEY not in text and OTHER_KEY not in text
+        for path, body in (("/tokenize", {"prompt": "Say hi"}), ("/detokenize", {"tokens": [72, 105]})):
+            assert http.post(path, json=body).status_code == 401  # keyed as /v1/* (vLLM leaves them open)
+            assert http.post(path, json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     guarded = _serve(fakes, tokenizer, AccessControl(ring=ApiKeyRing([KEY]), metrics_require_key=True))
     try:
         with httpx.Client(base_url=guarded.url, timeout=30.0) as http:

@@ -155,7 +155,8 @@ def test_openapi_json_describes_both_endpoints(cluster: Cluster) -> None:
     for path in ENDPOINTS:  # the errors it answers with, in OpenAI's shape; no FastAPI 422 (a bad body is a 400)
         responses = schema["paths"][path]["post"]["responses"]
         assert set(responses) == {"200", "400", "404", "413", "429", "503", "504"}, responses
-        assert responses["429"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+        error_schema = responses["429"]["content"]["application/json"]["schema"]
+        assert error_schema == {"$ref": "#/components/schemas/ErrorResponse"}
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     for page in ("/docs", "/redoc"):  # the schema only: no HTML pages
         assert cluster.client.get(page).status_code == 404
@@ -200,6 +201,21 @@ def test_no_completion_body_the_served_schema_generates_is_a_5xx(fuzzed_app: Fas
 @served_chat.parametrize()
 @fuzz_settings(max_examples=120)
 def test_no_chat_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
+    _served_body_is_not_a_5xx(fuzzed_app, case)
+
+
+served_tokenize, served_detokenize = (_endpoint(OPENAPI, path) for path in ("/tokenize", "/detokenize"))
+
+
+@served_tokenize.parametrize()
+@fuzz_settings(max_examples=80)
+def test_no_tokenize_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
+    _served_body_is_not_a_5xx(fuzzed_app, case)
+
+
+@served_detokenize.parametrize()
+@fuzz_settings(max_examples=40)
+def test_no_detokenize_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
     _served_body_is_not_a_5xx(fuzzed_app, case)
 
 
