@@ -25,7 +25,8 @@ C = TypeVar("C")
 
 @dataclasses.dataclass(frozen=True)
 class ConfigFlag:
-    """`option` (a long flag) sets the config field `field`; `type`, `action`, `choices` as argparse takes them."""
+    """`option` (a long flag) sets the config field `field`; `type`, `action`, `choices`, `nargs` as argparse takes
+    them (a flag of several values sets a tuple field)."""
 
     option: str
     field: str
@@ -33,6 +34,7 @@ class ConfigFlag:
     type: Callable[[str], Any] | None = None
     action: str | type[argparse.Action] | None = None
     choices: Sequence[str] | None = None
+    nargs: str | None = None
 
     @property
     def dest(self) -> str:
@@ -54,7 +56,8 @@ def add_config_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
     """Add each flag to `parser`, defaulting to its field's default."""
     for flag in flags:
         options = {name: value for name, value in (("type", flag.type), ("action", flag.action),
-                                                    ("choices", flag.choices)) if value is not None}
+                                                    ("choices", flag.choices), ("nargs", flag.nargs))
+                   if value is not None}
         parser.add_argument(flag.option, default=field_default(config_class, flag.field), help=flag.help, **options)
 
 
@@ -64,9 +67,14 @@ def config_from_flags(config_class: type[C], flags: Iterable[ConfigFlag], args: 
     the environment) over them. A field's failed check is a ValueError naming its flag ("--x must be ...")."""
     flags = tuple(flags)
     try:
-        return config_class(**{**{flag.field: getattr(args, flag.dest) for flag in flags}, **fields})
+        return config_class(**{**{flag.field: _value(flag, args) for flag in flags}, **fields})
     except FieldValueError as exc:
         option = next((flag.option for flag in flags if flag.field == exc.field), None)
         if option is None:
             raise
         raise ValueError(f"{option} {exc.problem}") from None
+
+
+def _value(flag: ConfigFlag, args: argparse.Namespace) -> Any:
+    value = getattr(args, flag.dest)
+    return tuple(value) if flag.nargs is not None and isinstance(value, list) else value

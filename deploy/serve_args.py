@@ -16,7 +16,7 @@ from engine.engine_args import engine_config_from_args
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.registry import TRANSPORTS
 from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
-from router.config import GatewayConfig, GatewayTls, check_served_model_names
+from router.config import GatewayConfig, GatewayTls
 from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
 
@@ -28,6 +28,9 @@ API_KEY_ENV = "SPLITSERVE_API_KEY"  # router.api_keys.API_KEY_ENV (not imported 
 
 # The router's flags: each sets the GatewayConfig field it names (router/config.py), whose default it takes.
 GATEWAY_FLAGS = (
+    ConfigFlag("--served-model-name", "served_model_names",
+               "the model's name(s) in the API, as vLLM's: a request's `model` must be one of them, and /v1/models "
+               "lists them, the first first (default: --model as given)", nargs="+"),
     ConfigFlag("--host", "host", "the router's address (0.0.0.0: every interface)"),
     ConfigFlag("--port", "port", "the router's port; 0 picks a free one", type=int),
     ConfigFlag("--chat-template", "chat_template",
@@ -80,9 +83,6 @@ SECURITY_FLAGS = (
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     """The router's flags (`serve`, `gateway`)."""
     add_config_flags(p, GatewayConfig, GATEWAY_FLAGS)
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model's name(s) in the API, as vLLM's: a request's `model` must be one of them, and "
-                        "/v1/models lists them, the first first (default: --model as given)")
     security = p.add_argument_group("security (docs/security.md)")
     security.add_argument("--api-key", action="append", default=None,
                           help=f"an API key /v1/* accepts as `Authorization: Bearer <key>`; repeatable (default: "
@@ -166,15 +166,9 @@ def gateway_config_from_args(args: argparse.Namespace, *, flags: Iterable[Config
         raise ValueError("rate limits and --metrics-require-key are per API key: give --api-key or --api-key-file")
     tls = (GatewayTls(keyfile=args.ssl_keyfile, certfile=args.ssl_certfile, ca_certs=args.ssl_ca_certs)
            if args.ssl_keyfile is not None else None)
-    served_model_names = tuple(args.served_model_name or ())
-    try:
-        check_served_model_names(served_model_names, allow_none=True)
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("served_model_names", "--served-model-name", 1)) from None
     return config_from_flags(
         GatewayConfig, (*GATEWAY_FLAGS, *SECURITY_FLAGS, *flags), args,
         admin_token=args.admin_token or os.environ.get("SPLITSERVE_ADMIN_TOKEN") or None, api_keys=api_keys,
-        served_model_names=served_model_names,
         rate_limits=rate_limits, tls=tls, **fields)
 
 

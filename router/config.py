@@ -16,7 +16,16 @@ import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from router.config_checks import AT_LEAST_ONE, AT_LEAST_ZERO, POSITIVE, check_fields, checked, one_of, within
+from router.config_checks import (
+    AT_LEAST_ONE,
+    AT_LEAST_ZERO,
+    POSITIVE,
+    FieldValueError,
+    check_fields,
+    checked,
+    one_of,
+    within,
+)
 from router.generation_config import NONE as NO_GENERATION_DEFAULTS
 from router.generation_config import GenerationDefaults
 from router.rate_limit import RateLimits
@@ -113,9 +122,9 @@ class GatewayConfig:
 def check_served_model_names(names: tuple[str, ...], *, allow_none: bool = False) -> None:
     """Names, none blank, none twice; `allow_none`: or no name at all."""
     if (not names and not allow_none) or any(not name.strip() for name in names):
-        raise ValueError(f"served_model_names must be non-empty names, got {names!r}")
+        raise FieldValueError("served_model_names", f"must be non-empty names, got {names!r}")
     if len(set(names)) != len(names):
-        raise ValueError(f"served_model_names names a model twice: {names!r}")
+        raise FieldValueError("served_model_names", f"names a model twice: {names!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

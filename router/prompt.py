@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.tokenizer.chat_template import check_extra_variables
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.tools import ToolPlan, tool_messages
@@ -56,11 +57,14 @@ def chat_prompt_token_ids(
                 for index, message in enumerate(request.messages)]
     messages = tool_messages(request, messages, tools)
     try:
+        check_extra_variables(request.chat_template_kwargs)
+    except ValueError as error:
+        raise bad_request(str(error), "chat_template_kwargs") from error
+    try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
                                              extra=request.chat_template_kwargs)
     except ValueError as error:
-        param = "chat_template_kwargs" if str(error).startswith("chat_template_kwargs") else "messages"
-        raise bad_request(str(error), param) from error
+        raise bad_request(str(error), "messages") from error
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     if not token_ids:
         raise bad_request("the rendered chat prompt is empty", "messages")

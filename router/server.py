@@ -65,12 +65,12 @@ def build_router_app(
     create_app's (router/app.py); `pool_controller`: what `config.autoscaler` resizes. `config.chat_template`: the
     operator's chat template over the model's (`read_chat_template`).
     """
+    from engine.loader.model_registry import resolve_model
+
     tokenizer, context_length = load_tokenizer(served.model, served.load_format)
     if config.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(read_chat_template(config.chat_template))
-    from engine.loader.model_registry import resolve_model
-
-    model_path = None if served.load_format == "dummy" else resolve_model(served.model)
+    model_path = None if served.load_format == "dummy" else resolve_model(served.model)  # its generation config
     router_config = RouterConfig.serving(
         config, served_model_names=(served.model,), mode=served.mode, block_size=served.block_size,
         max_model_len=served.max_model_len if served.max_model_len is not None else context_length,

@@ -49,9 +49,7 @@ class ChatTemplate:
         """The prompt text; `extra`: more variables, none of `RESERVED_VARIABLES`. ValueError for bad messages, a
         reserved name in `extra`, or when the template itself raises."""
         validate_messages(messages)
-        reserved = sorted(RESERVED_VARIABLES.intersection(extra or {}))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
+        check_extra_variables(extra)
         variables: dict[str, Any] = {
             **(extra or {}),
             # Copies: the sandbox forbids mutating them, and the caller's objects stay untouched either way.
@@ -68,6 +66,13 @@ class ChatTemplate:
             return self._template.render(**variables)
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template failed: {error}") from error
+
+
+def check_extra_variables(extra: Mapping[str, Any] | None) -> None:
+    """ValueError when `extra` (a request's `chat_template_kwargs`) names a variable `render` sets itself."""
+    reserved = sorted(RESERVED_VARIABLES.intersection(extra or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
 
 
 def validate_messages(messages: object) -> None:
