@@ -33,13 +33,15 @@ import grpc
 import grpc.aio
 
 from engine.core.request import Request
+from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint
-from engine.outputs import RequestOutput
+from engine.outputs import RemoteReservation, RequestOutput
 from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
 from kv_transfer.handoff_failure import REASON_KEY, REASONS
 from kv_transfer.reservation import Reservation, ReservationState
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import aio_channel
+from worker.admissions import Admission
 from worker.config import WorkerConfig
 from worker.convert import output_to_response
 from worker.engine_loop import EngineLoopClosed
@@ -113,9 +115,10 @@ class DecodeWorker(RuntimeWorker):
         num_completion_tokens = 0
         first = True  # the first message carries the stage timings
         prompt_logprobs: list[serving_pb2.TokenLogprobs] = []  # disaggregated: computed by the prefill worker
+        admission = runtime.admissions.enter()  # a waiting request in load reports until the engine holds it
         try:
             if request.prefill_endpoint:
-                reservation = await self._reserve(req, request.prefill_endpoint)
+                reservation = await self._reserve(req, request.prefill_endpoint, admission)
                 timings.decode_queue_s = time.monotonic() - arrival_s
                 early, prompt_logprobs = await self._prefill_remote(req, request, reservation, timings)
                 if early is not None:  # the first token ended it on the prefill worker: no KV came
@@ -138,7 +141,7 @@ class DecodeWorker(RuntimeWorker):
                     fetched = await runtime.peer.fetch(req, request.peer_fetch)
                     timings.peer_fetch_s, timings.peer_fetch_bytes = fetched.seconds, fetched.num_bytes
                 try:
-                    await runtime.call(lambda e: e.enqueue(req))
+                    await runtime.call(admission.then(lambda e: e.enqueue(req)))
                 except ValueError as exc:
                     raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             while num_left:
@@ -168,6 +171,7 @@ class DecodeWorker(RuntimeWorker):
             released = True  # and nothing more of this attempt may touch the id, which the retry may hold by now
             await context.abort(exc.code, str(exc), exc.trailing_metadata)
         finally:
+            admission.leave()
             runtime.peer.release(fetched)
             if not released:
                 runtime.unlisten(request_id, num_choices)
@@ -175,14 +179,22 @@ class DecodeWorker(RuntimeWorker):
                     self._abandon(req, reservation)
                 self.sink.remove(request_id)
 
-    async def _reserve(self, req: Request, prefill_endpoint: str) -> Reservation:
-        """Blocks for the request to start, waiting while the pool is full (decode queue). Registers the
-        reservation, which accepts one handoff: from `prefill_endpoint`, under a fresh random transfer id."""
+    async def _reserve(self, req: Request, prefill_endpoint: str, admission: Admission) -> Reservation:
+        """Blocks for the request to start, waiting while the pool is full (decode queue; `admission` counts it
+        as waiting until it has its blocks). Registers the reservation, which accepts one handoff: from
+        `prefill_endpoint`, under a fresh random transfer id."""
         runtime = self.runtime
         deadline = time.monotonic() + self.config.kv_transfer_timeout_s
+
+        def reserve(engine: LLMEngine) -> RemoteReservation | None:
+            reserved = engine.reserve_remote(req)
+            if reserved is not None:
+                admission.leave()  # held by the engine from here (num_requests_receiving_kv)
+            return reserved
+
         while True:
             try:
-                reserved = await runtime.call(lambda e: e.reserve_remote(req))
+                reserved = await runtime.call(reserve)
             except ValueError as exc:
                 raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if reserved is not None:

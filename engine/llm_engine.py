@@ -516,6 +516,7 @@ class LLMEngine:
         return EngineStats(
             num_requests_running=self.scheduler.num_running,
             num_requests_waiting=self.scheduler.num_waiting,
+            num_requests_receiving_kv=self.scheduler.num_receiving_kv,
             num_queued_prompt_tokens=self.scheduler.num_queued_prompt_tokens,
             kv_blocks_used=self.block_pool.num_used_blocks,
             kv_blocks_free=self.block_pool.num_free_blocks,

@@ -125,13 +125,14 @@ class PrefillWorker(RuntimeWorker):
                 held.append(runtime.engine.held_block_ids(request_id))
 
         outputs = runtime.outputs(request_id, on_engine_thread=read_held)
+        admission = runtime.admissions.enter()  # a waiting request in load reports until the engine queues it
         done = False
         fetched = NOTHING
         try:
             # The router found the prompt's head cached on a peer and priced fetching it below computing it.
             fetched = await runtime.peer.fetch(req, gen.peer_fetch) if gen.HasField("peer_fetch") else NOTHING
             try:
-                await runtime.call(lambda e: e.enqueue(req))
+                await runtime.call(admission.then(lambda e: e.enqueue(req)))
             except ValueError as exc:
                 done = True  # nothing was queued
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -161,6 +162,7 @@ class PrefillWorker(RuntimeWorker):
             reply.timings.kv_transfer_bytes = result.num_bytes
             return reply
         finally:
+            admission.leave()
             runtime.peer.release(fetched)
             runtime.loop.unlisten(request_id)
             if not done:  # the decode worker gave up (its client left, or it timed out): abort, held blocks too

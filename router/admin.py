@@ -142,6 +142,7 @@ async def _pools(admin: AdminApi, registry: WorkerRegistry) -> list[dict[str, An
                 "healthy": snapshot.healthy,  # type: ignore[union-attr]
                 "num_requests_running": stats.num_requests_running,
                 "num_requests_waiting": stats.num_requests_waiting,
+                "num_requests_receiving_kv": stats.num_requests_receiving_kv,
                 "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
                 "kv_cache_usage": stats.kv_cache_usage,
             },

@@ -331,6 +331,8 @@ class WorkerLoadCollector(Collector):
         gauges = {
             "num_requests_running": ("Requests running on the worker.", lambda s: s.num_requests_running),
             "num_requests_waiting": ("Requests waiting on the worker.", lambda s: s.num_requests_waiting),
+            "num_requests_receiving_kv": ("Requests whose prompt KV is on its way to the (decode) worker.",
+                                          lambda s: s.num_requests_receiving_kv),
             "kv_cache_usage_perc": ("KV-cache usage, 0-1 (1 = all blocks in use).", lambda s: s.kv_cache_usage),
             "kv_blocks_used": ("KV blocks referenced by requests.", lambda s: s.kv_blocks_used),
             "kv_blocks_total": ("KV blocks the worker has.", lambda s: s.kv_blocks_total),

@@ -60,6 +60,7 @@ class WorkerLoad:
     healthy: bool
     num_running: int = 0
     num_waiting: int = 0
+    num_receiving_kv: int = 0  # a decode worker's requests whose prompt KV is on its way (theirs to decode)
     num_pending: int = 0  # requests this router sent it since the load was read (not in the counts yet)
     kv_blocks_free: int = 0  # net of the blocks the pending requests will take
     kv_blocks_total: int = 0  # 0: not reported, so room is not checked
@@ -69,7 +70,7 @@ class WorkerLoad:
 
     @property
     def num_queued(self) -> int:
-        return self.num_running + self.num_waiting + self.num_pending
+        return self.num_running + self.num_waiting + self.num_receiving_kv + self.num_pending
 
     def can_ever_hold(self, num_blocks: int) -> bool:
         return self.kv_blocks_total == 0 or num_blocks <= self.kv_blocks_total

@@ -285,6 +285,7 @@ def _load_of(worker: _Worker) -> WorkerLoad:
         healthy=worker.healthy,
         num_running=stats.num_requests_running,
         num_waiting=stats.num_requests_waiting,
+        num_receiving_kv=stats.num_requests_receiving_kv,
         num_pending=worker.num_pending,
         kv_blocks_free=max(stats.kv_blocks_free - worker.num_pending_blocks, 0),
         kv_blocks_total=stats.kv_blocks_total,

@@ -3,11 +3,11 @@
     handler threads ──call(fn)──▶ command queue ──▶ loop thread: run commands, then engine.step()
                     ◀── listener(output) ◀──────────────────────── every RequestOutput, routed by request id
 
-The engine is single-threaded: everything that touches it (add, abort, reserve, commit, stats) runs on the loop
-thread through `call`, between steps, under the engine's lock. `call_now` runs a short function on its caller's
-thread under that lock instead, which a step lets go of while it computes: a peer's pin of cached blocks need not
-wait for a long prefill step to end. Listeners are called on the loop thread and must not block (hand outputs to
-a queue). A request's listener is dropped after its finished output.
+The engine is single-threaded: everything that changes it (add, abort, reserve, commit) runs on the loop thread
+through `call`, between steps, under the engine's lock. `call_now` runs a short function on its caller's thread
+under that lock instead, which a step lets go of while it computes: a peer's pin of cached blocks, or the router's
+load poll, need not wait for a long prefill step to end. Listeners are called on the loop thread and must not block
+(hand outputs to a queue). A request's listener is dropped after its finished output.
 
 The loop sleeps on its wake event (set by every command) when there is nothing to schedule, and also when a step
 could schedule nothing (requests waiting for blocks that only a command, an abort or a commit, frees): it never
@@ -81,8 +81,9 @@ class EngineLoop:
 
     def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on this thread under the engine's lock: between steps, or while a step computes, without
-        waiting for it to end. Only for what touches the block pool, the prefix cache and the staged peer blocks
-        (LLMEngine._computing): never the requests, the runner or the KV cache's rows."""
+        waiting for it to end. Only for what touches the block pool, the prefix cache and the staged peer blocks,
+        or reads the engine's stats (LLMEngine._computing): never what changes the requests, the runner or the KV
+        cache's rows."""
         if self._stopped.is_set():
             raise EngineLoopClosed("the engine loop has stopped")
         with self.engine.lock:

@@ -53,6 +53,7 @@ from kv_transfer.registry import make_receiver, make_sender
 from kv_transfer.reservation import ReservationSink
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import CALLER_KEEPALIVE, SERVER_KEEPALIVE, add_port, server_interceptors
+from worker.admissions import Admissions
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop, EngineLoopClosed
 from worker.event_loop_thread import EventLoopThread
@@ -145,6 +146,7 @@ class WorkerRuntime:
         self.kv_events = self._make_publisher()
         self.engine.kv_event_sink = self.kv_events.publish
         self.transfers = TransferCounters(lock=threading.Lock())
+        self.admissions = Admissions()  # requests its handlers took in that the engine does not hold yet
         self.aio = EventLoopThread(f"{config.worker_id}-grpc")
         self.server: grpc.aio.Server = self.aio.run(self._make_server())
         port = add_port(self.server, f"{config.host}:{config.port}", config.auth)
@@ -265,7 +267,7 @@ class WorkerRuntime:
 
     async def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
         """`fn(engine)` under the engine's lock on a thread of the executor, during a step's compute if one runs
-        (EngineLoop.call_now: only what touches the block pool and the staged peer blocks)."""
+        (EngineLoop.call_now: only what touches the block pool and the staged peer blocks, or reads the stats)."""
         return await asyncio.to_thread(self.loop.call_now, fn)
 
     def outputs(self, request_id: str, num_choices: int = 1, *,
@@ -315,12 +317,16 @@ class WorkerRuntime:
         )
 
     async def load_stats(self) -> serving_pb2.LoadStats:
-        engine = self.engine  # its config, size and namespace are fixed at start; its stats are read on its thread
-        now = await self.call(lambda e: e.stats(take_finished=False))
+        """The engine's gauges and counters, read under its lock while a step computes, not after the step: during
+        a long prefill the router's poll gets an answer. The requests whose queueing still waits for the step
+        boundary count as waiting (worker/admissions.py)."""
+        engine = self.engine  # its config, size and namespace are fixed at start
+        now, admitting = await self.call_now(lambda e: (e.stats(take_finished=False), self.admissions.count))
         namespace = engine.hash_namespace
         stats = serving_pb2.LoadStats(
             num_requests_running=now.num_requests_running,
-            num_requests_waiting=now.num_requests_waiting,
+            num_requests_waiting=now.num_requests_waiting + admitting,
+            num_requests_receiving_kv=now.num_requests_receiving_kv,
             num_queued_prompt_tokens=now.num_queued_prompt_tokens,
             kv_blocks_used=now.kv_blocks_used,
             kv_blocks_free=now.kv_blocks_free,

@@ -215,6 +215,11 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_receiving_kv(self) -> int:
+        """Requests with blocks reserved for a KV handoff still on its way (a decode worker's): in neither queue."""
+        return sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING_FOR_REMOTE_KV)
+
+    @property
     def num_queued_prompt_tokens(self) -> int:
         """Prompt tokens not yet computed, over the waiting and running requests (a waiting prompt, the rest of a
         chunked prefill, a preempted request's prompt): the prefill work queued here, an autoscaling signal."""

@@ -60,6 +60,7 @@ class EngineStats:
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
+    num_requests_receiving_kv: int = 0  # a decode worker's reservations whose prompt KV is on its way
     num_queued_prompt_tokens: int = 0  # prompt tokens the waiting and running requests have yet to compute
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0

@@ -15,7 +15,7 @@ import pytest
 from engine.request.sampling_params import SamplingParams
 from kv_transfer.base import TransferFault
 from protos import serving_pb2
-from tests.cluster.worker_harness import StreamResult, start_worker, stub, wait_blocks_free
+from tests.cluster.worker_harness import StreamResult, slowed_forward, start_worker, stub, wait_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -177,7 +177,7 @@ def test_a_fetch_that_stalls_times_out_and_the_holder_unpins(cluster, monkeypatc
     wait_blocks_free(holder, prefill, decode, timeout_s=30)
 
 
-def test_a_fetch_from_a_busy_holder_does_not_wait_for_its_step(cluster, monkeypatch) -> None:
+def test_a_fetch_from_a_busy_holder_does_not_wait_for_its_step(cluster) -> None:
     """The holder is computing a long step (its forward slowed to STEP_S, as a long prefill would take): its pin
     of the cached blocks takes the engine's lock while the forward runs, and the fetch ends long before the step
     does. Pinned between steps instead, it waited for the step to end."""
@@ -185,29 +185,18 @@ def test_a_fetch_from_a_busy_holder_does_not_wait_for_its_step(cluster, monkeypa
 
     holder, _, _, colocated, expected = cluster
     step_s = 3.0
-    model = holder.runtime.engine.runner.model
-    forward = model.forward
-    computing, slow = threading.Event(), threading.Event()
-    slow.set()
-
-    def slow_forward(*args, **kwargs):
-        if slow.is_set():
-            computing.set()
-            time.sleep(step_s)  # sleeps without the GIL, as a forward computes
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", slow_forward)
     busy = threading.Thread(target=lambda: generate(holder, "busy", OTHER))
-    busy.start()
     try:
-        assert computing.wait(60)
-        _reset_caches(colocated)
-        began = time.monotonic()
-        result = generate(colocated, "from-busy", PROMPT, peer=(holder.endpoint, 10))
-        took = time.monotonic() - began
+        with slowed_forward(holder, step_s) as computing:
+            busy.start()
+            assert computing.wait(60)
+            _reset_caches(colocated)
+            began = time.monotonic()
+            result = generate(colocated, "from-busy", PROMPT, peer=(holder.endpoint, 10))
+            took = time.monotonic() - began
     finally:
-        slow.clear()
-        busy.join(60)
+        if busy.ident is not None:  # started
+            busy.join(60)
     assert result.token_ids == expected
     fetched = result.messages[0].timings
     assert fetched.peer_fetch_bytes == 10 * BLOCK_BYTES

@@ -3,7 +3,10 @@ to them over gRPC the way the router does."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -92,3 +95,24 @@ def wait_blocks_free(*workers, timeout_s: float = 10.0) -> None:
             raise AssertionError("KV blocks still in use: " + "; ".join(
                 f"{load.worker_id}: {load.kv_blocks_used} used" for load in loads))
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def slowed_forward(worker, sleep_s: float) -> Iterator[threading.Event]:
+    """Inside the block, every forward of `worker`'s model sleeps `sleep_s` first, without the GIL and without the
+    engine's lock (the step computes: LLMEngine._computing), as a long prefill would take; the event is set as the
+    first such forward starts. On the way out the model's forward is its own again."""
+    model = worker.runtime.engine.runner.model
+    forward = model.forward
+    computing = threading.Event()
+
+    def slow_forward(*args, **kwargs):  # noqa: ANN202
+        computing.set()
+        time.sleep(sleep_s)
+        return forward(*args, **kwargs)
+
+    model.forward = slow_forward
+    try:
+        yield computing
+    finally:
+        del model.forward  # the instance attribute goes: the class's forward again

@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.router.conftest import MAX_MODEL_LEN, MODEL, Cluster, info_of, serve_router
 from tests.router.fake_worker import FakeWorker, Script
 
-WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_blocks_used",
-                 "kv_blocks_total", "worker_healthy"]
+WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "num_requests_receiving_kv", "kv_cache_usage_perc",
+                 "kv_blocks_used", "kv_blocks_total", "worker_healthy"]
 WORKER_COUNTERS = ["prefix_cache_queries", "prefix_cache_hits", "kv_transfer_bytes", "num_preemptions",
                    "kv_transfers", "kv_transfer_failures"]
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
@@ -42,6 +42,7 @@ def test_metrics_after_a_request(cluster: Cluster) -> None:
     before = scrape(cluster.client)
     cluster.decode.load.num_requests_running = 3
     cluster.decode.load.num_requests_waiting = 2
+    cluster.decode.load.num_requests_receiving_kv = 4
     cluster.decode.load.kv_blocks_used = 25
     cluster.decode.load.kv_cache_usage = 0.25
     cluster.prefill.load.prefix_cache_queries = 100
@@ -59,6 +60,7 @@ def test_metrics_after_a_request(cluster: Cluster) -> None:
         assert workers == {"prefill-0", "decode-0"}, name
     assert value(samples, "splitserve:num_requests_running", worker="decode-0") == 3
     assert value(samples, "splitserve:num_requests_waiting", worker="decode-0") == 2
+    assert value(samples, "splitserve:num_requests_receiving_kv", worker="decode-0") == 4
     assert value(samples, "splitserve:kv_blocks_used", worker="decode-0") == 25
     assert value(samples, "splitserve:kv_cache_usage_perc", worker="decode-0") == 0.25
     assert value(samples, "splitserve:prefix_cache_queries_total", worker="prefill-0") == 100

@@ -16,10 +16,10 @@ from router.routing import (
 
 
 def load(worker_id: str, role: str = "decode", *, healthy: bool = True, running: int = 0, waiting: int = 0,
-         pending: int = 0, free: int = 100, total: int = 100) -> WorkerLoad:
+         receiving: int = 0, pending: int = 0, free: int = 100, total: int = 100) -> WorkerLoad:
     return WorkerLoad(worker_id=worker_id, role=role, endpoint=f"{worker_id}:1", healthy=healthy,
-                      num_running=running, num_waiting=waiting, num_pending=pending, kv_blocks_free=free,
-                      kv_blocks_total=total)
+                      num_running=running, num_waiting=waiting, num_receiving_kv=receiving, num_pending=pending,
+                      kv_blocks_free=free, kv_blocks_total=total)
 
 
 def test_num_blocks_needed_counts_the_prompt_and_one_token() -> None:
@@ -35,6 +35,8 @@ def test_decode_fewest_queued_then_most_free_blocks_then_id() -> None:
     loads = [load("b", pending=1), load("a", running=1)]
     assert pick_decode_worker(loads, num_blocks=1).worker_id == "a"  # ties on queue and blocks: by id
     assert pick_decode_worker([load("a", pending=2), load("b", running=1)], num_blocks=1).worker_id == "b"
+    # Requests whose prompt KV is still on its way are the worker's to decode: they count as its queue.
+    assert pick_decode_worker([load("a", receiving=2), load("b", running=1)], num_blocks=1).worker_id == "b"
 
 
 def test_decode_skips_unhealthy_and_other_roles() -> None:
