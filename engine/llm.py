@@ -3,22 +3,43 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.loader.model_registry import resolve_model
 from engine.outputs import RequestOutput
+from engine.request.generation_config import AUTO, GenerationDefaults, load_generation_defaults
 from engine.request.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Batch generation over one in-process engine. Keyword arguments are `EngineConfig` fields."""
+    """Batch generation over one in-process engine. Keyword arguments are `EngineConfig` fields, and vLLM's
+    `generation_config` ("auto": the model's generation_config.json, if it has one; "vllm": none; or a folder
+    holding one) and `override_generation_config` (a dict of the same keys over it), which give
+    `get_default_sampling_params()`: what `generate` and `chat` sample with when given no SamplingParams."""
 
-    def __init__(self, model: str = "smollm2-135m", **engine_args: object) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))  # type: ignore[arg-type]
+    def __init__(self, model: str = "smollm2-135m", *, generation_config: str = AUTO,
+                 override_generation_config: Mapping[str, object] | None = None, **engine_args: object) -> None:
+        config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
+        # Read first: a bad setting is an error before the weights load (resolving fetches a registered model once;
+        # the engine finds it fetched).
+        model_path = None if config.load_format == "dummy" else resolve_model(config.model)
+        override = None if override_generation_config is None else json.dumps(dict(override_generation_config))
+        self.generation_defaults: GenerationDefaults = load_generation_defaults(generation_config, model_path,
+                                                                                override)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """As vLLM's: SamplingParams() with the model's generation config over it (its sampling values, and its
+        max_new_tokens as max_tokens)."""
+        defaults = self.generation_defaults
+        cap = {} if defaults.max_new_tokens is None else {"max_tokens": defaults.max_new_tokens}
+        return SamplingParams(**defaults.sampling, **cap)  # type: ignore[arg-type]
 
     @property
     def tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer
@@ -37,7 +58,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")

@@ -16,6 +16,8 @@ import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.request.generation_config import NONE as NO_GENERATION_DEFAULTS
+from engine.request.generation_config import GenerationDefaults
 from router.config_checks import (
     AT_LEAST_ONE,
     AT_LEAST_ZERO,
@@ -26,8 +28,6 @@ from router.config_checks import (
     one_of,
     within,
 )
-from router.generation_config import NONE as NO_GENERATION_DEFAULTS
-from router.generation_config import GenerationDefaults
 from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
 
@@ -64,7 +64,7 @@ class GatewayConfig:
     # vLLM's --chat-template: a Jinja chat template, or a file holding one, over the model's own (None: the model's)
     chat_template: str | None = None
     # vLLM's --generation-config: the model's sampling defaults from its generation_config.json ("auto"), none
-    # ("vllm"), or a folder's (router/generation_config.py)
+    # ("vllm"), or a folder's (engine/request/generation_config.py)
     generation_config: str = "auto"
     override_generation_config: str | None = None  # a JSON object of the same keys, over what generation_config gave
     host: str = "127.0.0.1"  # the router's HTTP address

@@ -239,7 +239,7 @@ def to_sampling_params(
 ) -> SamplingParams:
     """The workers' SamplingParams for `request`, generating at most `max_tokens` (already fitted to the context),
     its output following `structured_outputs` (router/structured.py, router/tools.py) when given; `defaults`: the
-    model's values of the fields the request leaves unset (router/generation_config.py).
+    model's values of the fields the request leaves unset (engine/request/generation_config.py).
 
     Validated by the engine's `SamplingParams.validate()` and fit for the wire (`check_fits_wire`); a bad value is a
     400 naming the parameter.

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from engine.request.generation_config import load_generation_defaults
 from router.app import create_app
 from router.config import GatewayConfig, GatewayTls, RouterConfig, ServedEngine
-from router.generation_config import load_generation_defaults
 from router.worker_registry import WorkerProvider, WorkerRegistry
 
 if TYPE_CHECKING:

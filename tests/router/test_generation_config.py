@@ -1,5 +1,6 @@
-"""--generation-config (router/generation_config.py): the model's generation_config.json gives the sampling values a
-request leaves unset and caps max_tokens, as vLLM's default "auto" does; "vllm" reads none; a folder reads its own."""
+"""--generation-config (engine/request/generation_config.py): the model's generation_config.json gives the sampling
+values a request leaves unset and caps max_tokens, as vLLM's default "auto" does; "vllm" reads none; a folder reads
+its own."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.request.generation_config import NONE, load_generation_defaults
 from router.config import GatewayConfig, ServedEngine
-from router.generation_config import NONE, load_generation_defaults
 from router.server import RouterServer, build_router_app
 from tests.router.conftest import info_of
 from tests.router.fake_worker import FakeWorker

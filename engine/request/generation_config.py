@@ -45,11 +45,11 @@ NONE = GenerationDefaults()
 
 
 def load_generation_defaults(setting: str, model_path: str | os.PathLike[str] | None,
-                             override: str | None = None) -> GenerationDefaults:
+                             override: str | Mapping[str, object] | None = None) -> GenerationDefaults:
     """`--generation-config`'s defaults: `setting` "auto" (the file in `model_path`, when it is a directory holding
-    one), "vllm" (none) or a folder's path (its file); `override`: --override-generation-config's JSON object, over
-    them. ValueError naming the flag for a folder without the file, a file or an override that does not parse, or
-    a value of the wrong kind."""
+    one), "vllm" (none) or a folder's path (its file); `override`: --override-generation-config's JSON object (its
+    text, or parsed: `LLM(override_generation_config={...})`), over them. ValueError naming the flag for a folder
+    without the file, a file or an override that does not parse, or a value of the wrong kind."""
     sampling: dict[str, float | int] = {}
     max_new_tokens = None
     path = _file(setting, model_path)
@@ -61,11 +61,8 @@ def load_generation_defaults(setting: str, model_path: str | os.PathLike[str] | 
             raise ValueError(f"--generation-config: cannot read {path}: {exc}") from None
         sampling, max_new_tokens = _values(raw, f"--generation-config: {path}", keep_defaults=False)
     if override is not None:
-        try:
-            raw = json.loads(override)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--override-generation-config: not JSON: {exc}") from None
-        unknown = sorted(set(raw) - {*HF_DEFAULTS, "max_new_tokens"}) if isinstance(raw, dict) else []
+        raw = parse_override(override) if isinstance(override, str) else dict(override)
+        unknown = sorted(set(raw) - {*HF_DEFAULTS, "max_new_tokens"})
         if unknown:
             raise ValueError(f"--override-generation-config: unknown keys {', '.join(unknown)} (it takes "
                              f"{', '.join([*HF_DEFAULTS, 'max_new_tokens'])})")
@@ -77,6 +74,17 @@ def load_generation_defaults(setting: str, model_path: str | os.PathLike[str] | 
         logger.info("the model's %s overrides the default sampling parameters: %s%s (--generation-config vllm: "
                     "not)", FILE, sampling, f", max_new_tokens {max_new_tokens}" if max_new_tokens else "")
     return defaults
+
+
+def parse_override(text: str) -> dict[str, object]:
+    """--override-generation-config's text: a JSON object, else ValueError naming the flag."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--override-generation-config: not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--override-generation-config holds no JSON object")
+    return raw
 
 
 def _file(setting: str, model_path: str | os.PathLike[str] | None) -> str | None:
