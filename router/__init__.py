@@ -17,3 +17,14 @@ Imports nothing heavy, and the whole package never imports torch or ray: the rou
     app.py              create_app: the FastAPI routes
     server.py           serving an app with uvicorn (blocking, or in a background thread)
 """
+
+
+def package_version() -> str:
+    """splitserve's installed version ("unknown" when run from a source tree that was never installed): GET
+    /version, and the bench reports."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("splitserve")
+    except PackageNotFoundError:
+        return "unknown"

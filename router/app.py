@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from router import package_version
 from router.admin import AdminApi, install_admin_routes
 from router.admission import Admission
 from router.admission_guard import AdmissionGuard
@@ -269,6 +270,11 @@ def create_app(
         workers = [{"worker_id": s.info.worker_id, "role": s.info.role, "healthy": s.healthy}
                    for s in registry.snapshots()]
         return JSONResponse({"status": "ok", "mode": config.mode, "workers": workers})
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        """As vLLM's: the server's version, open like /health."""
+        return {"version": package_version()}
 
     @app.get("/live")
     async def live() -> JSONResponse:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.bench.workload import WORKLOADS
+from router import package_version
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -94,15 +95,6 @@ def served_model(url: str, *, timeout_s: float = 10.0) -> str:
     return str(data[0]["id"])
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("splitserve")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def run_bench_command(args: argparse.Namespace) -> int:
     from deploy.bench import html_report, plots, report, stages
     from deploy.bench.aiperf_driver import AIPerfError, aiperf_command, find_aiperf, run_aiperf
@@ -140,7 +132,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     result = report.new_report(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                url=url, model=model, workload=workload.as_json(), mode=mode, points=points, slo=slo,
-                               splitserve_version=_version())
+                               splitserve_version=package_version())
     try:
         if args.warmup > 0:
             cmd, artifacts = command([*aiperf_flags(workload, num_requests=args.warmup), "--request-count",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -64,6 +65,7 @@ def test_open_routes_and_metrics(keyed: RouterServer, fakes: dict[str, FakeWorke
     with httpx.Client(base_url=keyed.url, timeout=30.0) as http:
         assert http.get("/health").status_code == 200
         assert http.get("/openapi.json").status_code == 200
+        assert http.get("/version").json() == {"version": version("splitserve")}  # vLLM's, open like /health
         # refused before its body is read: a malformed body without a key is a 401, not a 400
         assert http.post("/v1/completions", content=b"{not json").status_code == 401
         assert http.get("/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
