@@ -34,6 +34,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                         "kvTransport": "torch"},
     "kuberay": {"rayCluster": {"kuberay": True}, "prefill": {"replicas": 2}, "decode": {"replicas": 3}},
     "everything-on": {"gateway": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"},
+                                  "servedModelName": ["smol", "gpt-4o-mini"], "chatTemplate": "{{ messages }}",
                                   "ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
                                               "tls": {"secretName": "llm-example-com-tls"}}},
                       "prefill": {"autoscaling": {"enabled": True}}, "decode": {"autoscaling": {"enabled": True}},
@@ -369,11 +370,43 @@ def test_servicemonitor_and_dashboard(rendered: dict[str, list[dict]]) -> None:
         ({"prefill": {"gpus": -1}}, "/prefill/gpus"),
         ({"gateway": {"service": {"type": "Ingress"}}}, "/gateway/service/type"),
         ({"modle": "typo"}, "modle"),
+        ({"gateway": {"servedModelName": "smol"}}, "/gateway/servedModelName"),
+        ({"gateway": {"servedModelName": ["smol", "smol"]}}, "/gateway/servedModelName"),
+        ({"gateway": {"servedModelName": [" "]}}, "/gateway/servedModelName/0"),
     ],
 )
 def test_the_schema_rejects_bad_values(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmValuesError, match=re.escape(message)):
         render(values)
+
+
+def test_the_gateway_serves_its_names_and_the_chat_template_it_mounts(rendered: dict[str, list[dict]]) -> None:
+    """gateway.servedModelName and gateway.chatTemplate become the gateway's own flags, as its parser reads them:
+    the template from a ConfigMap mounted where the flag points, its digest on the pod so that a change rolls it."""
+    from deploy.cli import build_parser
+    from deploy.serve_args import gateway_config_from_args
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    objects = render({"gateway": {"servedModelName": ["smol", "gpt-4o-mini"], "chatTemplate": template,
+                                  "args": ["--queue-timeout", "5"]}})
+    deployment = find(objects, "Deployment", "gateway")
+    container = containers(deployment)[0]
+    config = gateway_config_from_args(build_parser().parse_args(["gateway", *container["args"]]))
+    assert config.served_model_names == ("smol", "gpt-4o-mini") and config.queue_timeout_s == 5
+    path = Path(config.chat_template)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "chat-template")
+    assert str(path.parent) == mount["mountPath"] and mount["readOnly"]
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "chat-template")
+    config_map = find(objects, "ConfigMap", "chat-template")
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert config_map["data"] == {path.name: template}
+    digest = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/chat-template"]
+    other = find(render({"gateway": {"chatTemplate": template + " "}}), "Deployment", "gateway")
+    assert other["spec"]["template"]["metadata"]["annotations"]["checksum/chat-template"] != digest
+    # Neither set: no flag, no ConfigMap, no mount.
+    default = find(rendered["defaults"], "Deployment", "gateway")
+    assert not [a for a in containers(default)[0]["args"] if "chat-template" in a or "served-model-name" in a]
+    assert not [o for o in rendered["defaults"] if o["kind"] == "ConfigMap" and "chat-template" in o["metadata"]["name"]]
 
 
 def test_values_yaml_has_the_keys_the_issue_lists() -> None:
