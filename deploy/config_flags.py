@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -39,6 +40,17 @@ class ConfigFlag:
     @property
     def dest(self) -> str:
         return self.option.removeprefix("--").replace("-", "_")
+
+
+def json_string_list(text: str) -> tuple[str, ...]:
+    """An argparse `type`: a JSON list of strings (vLLM's form for list flags: '["https://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r} (e.g. '[\"https://a.example\"]')")
+    return tuple(value)
 
 
 def field_default(config_class: type, name: str) -> Any:

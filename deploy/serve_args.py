@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from deploy.autoscale_args import autoscaler_from_args
-from deploy.config_flags import ConfigFlag, add_config_flags, config_from_flags
+from deploy.config_flags import ConfigFlag, add_config_flags, config_from_flags, json_string_list
 from engine.engine_args import engine_config_from_args
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.registry import TRANSPORTS
@@ -77,6 +77,14 @@ GATEWAY_FLAGS = (
 SECURITY_FLAGS = (
     ConfigFlag("--api-key-file", "api_key_file", "a file of API keys, one per line (# comments); re-read on SIGHUP"),
     ConfigFlag("--metrics-require-key", "metrics_require_key", "/metrics needs an API key too", action="store_true"),
+    ConfigFlag("--allowed-origins", "allowed_origins",
+               'CORS: the origins a browser may call the API from, a JSON list as vLLM\'s (default ["*"]; "[]": no '
+               "CORS headers)", type=json_string_list),
+    ConfigFlag("--allowed-methods", "allowed_methods", "CORS: the methods allowed, a JSON list (default [\"*\"])",
+               type=json_string_list),
+    ConfigFlag("--allowed-headers", "allowed_headers", "CORS: the request headers allowed, a JSON list (default "
+               "[\"*\"])", type=json_string_list),
+    ConfigFlag("--allow-credentials", "allow_credentials", "CORS: allow credentials (cookies)", action="store_true"),
 )
 
 

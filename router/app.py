@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
@@ -156,10 +157,14 @@ def create_app(
         # it), after the API key's check
         app.add_middleware(AdmissionGuard, admission=admission,
                            on_refused=lambda reason: metrics.request_failure.labels(reason=reason).inc())
-    if access is not None:  # added last: outermost, so a request without a key is refused before its body is read
+    if access is not None:  # outside those, so a request without a key is refused before its body is read
         app.add_middleware(ApiKeyGuard, access=access,
                            on_rejected=lambda reason: metrics.api_key_rejections.labels(reason=reason).inc(),
                            on_admitted=lambda kid: metrics.api_key_requests.labels(key_id=kid).inc())
+    if config.allowed_origins:  # outermost: a browser's preflight carries no key, and a 401 or 429 its headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)
     install_error_handlers(app)
     app.state.metrics = metrics
     app.state.registry = registry

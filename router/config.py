@@ -113,6 +113,13 @@ class GatewayConfig:
     metrics_require_key: bool = False
     rate_limits: RateLimits = field(default_factory=RateLimits)
     tls: GatewayTls | None = None
+    # CORS, as vLLM's flags and defaults: which origins (web pages) a browser lets call the API, with which methods
+    # and headers, and whether with credentials (cookies); no origin: no CORS headers at all. The API key still
+    # applies to every call from any origin (docs/security.md).
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         check_served_model_names(self.served_model_names, allow_none=True)
