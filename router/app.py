@@ -52,7 +52,7 @@ from router.errors import GENERATION_ERRORS, bad_request, error_body, install_er
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
 from router.prefix_routing import PrefixIndex
-from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens
+from router.prompt import chat_prompt_token_ids, completion_prompt_token_ids, fit_max_tokens, truncate_prompt
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -207,7 +207,8 @@ def create_app(
         """What both endpoints do with a checked request: tokenize its prompt (in a thread: it may be long), fit
         `max_tokens` (else `default_max_tokens`, else all that fits) to the context, and generate."""
         chat = isinstance(body, ChatCompletionRequest)
-        token_ids = await asyncio.to_thread(prompt_token_ids)
+        whole = await asyncio.to_thread(prompt_token_ids)
+        token_ids = truncate_prompt(whole, body.truncate_prompt_tokens, config.max_model_len)
         fitted = fit_max_tokens(max_tokens, default=default_max_tokens, num_prompt_tokens=len(token_ids),
                                 max_model_len=config.max_model_len, prompt_param="messages" if chat else "prompt",
                                 max_tokens_param=max_tokens_param)
@@ -218,7 +219,8 @@ def create_app(
                                     defaults=generation.sampling)
         job = GenerationJob(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                             prompt_token_ids=token_ids, params=params)
-        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat), tools=tools)
+        truncated = len(token_ids) < len(whole)
+        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat, truncated=truncated), tools=tools)
         return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:
@@ -323,7 +325,8 @@ def create_app(
 
 
 def _output_spec(
-    body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer, *, chat: bool
+    body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer, *, chat: bool,
+    truncated: bool = False,
 ) -> OutputSpec:
     return OutputSpec(
         header=ResponseHeader(request_id=job.request_id, created=int(time.time()), model=body.model, chat=chat),
@@ -332,16 +335,20 @@ def _output_spec(
         include_usage=body.include_usage,
         n=body.n,
         num_choices=job.params.num_sequences,
-        echo=_echo_text(body, job, tokenizer),
+        echo=_echo_text(body, job, tokenizer, truncated),
         prompt_token_ids=tuple(job.prompt_token_ids),
         prompt_logprobs=body.prompt_logprobs is not None,
     )
 
 
-def _echo_text(body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer) -> str | None:
-    """Completions' echo: the prompt as the client sent it (a text), or its token ids decoded, as vLLM does."""
+def _echo_text(body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer,
+               truncated: bool = False) -> str | None:
+    """Completions' echo: the prompt as the client sent it (a text), or its token ids decoded, as vLLM does; cut by
+    `truncate_prompt_tokens`, the tokens kept, decoded (what the model saw, and what echo's logprobs are of)."""
     if not isinstance(body, CompletionRequest) or not body.echo:
         return None
+    if truncated:
+        return tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False)
     prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
         body.prompt[0], str | list) else body.prompt
     if isinstance(prompt, str):

@@ -71,6 +71,22 @@ def chat_prompt_token_ids(
     return token_ids
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: max_model_len of them; None: all); a
+    400 naming the field for a value below -1, 0, or over max_model_len."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1:
+        raise bad_request(f"truncate_prompt_tokens must be -1 (max_model_len) or positive, got {keep}",
+                          "truncate_prompt_tokens")
+    if keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}); "
+                          "please select a smaller truncation size", "truncate_prompt_tokens")
+    return token_ids[-keep:]
+
+
 def fit_max_tokens(
     requested: int | None,
     *,

@@ -70,6 +70,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     prompt_logprobs: int | None = None  # vLLM's
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: max_model_len)
     user: str | None = None
     # Structured outputs (router/structured.py): OpenAI's response_format, vLLM's guided fields and object.
     response_format: dict[str, object] | None = None

@@ -89,3 +89,32 @@ def test_n_choices_echo_and_logit_bias(client: openai.OpenAI, cluster: Cluster) 
             texts[c.index] += c.delta.content or ""
     assert texts == {0: "Hel", 1: "Hel"}
     assert sorted(c.index for chunk in chunks for c in chunk.choices if c.finish_reason) == [0, 1]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.OpenAI, cluster: Cluster) -> None:
+    """vLLM's field (the client passes it in `extra_body`): the workers get the last k tokens, usage and echo are
+    of those; -1 keeps max_model_len of them; a value out of range is a 400 naming the field."""
+    from tests.router.conftest import MAX_MODEL_LEN
+    from tests.router.fake_worker import token_ids_of
+
+    echoed = client.completions.create(model=MODEL, prompt="Say hello there", max_tokens=2, echo=True, logprobs=1,
+                                       extra_body={"truncate_prompt_tokens": 5})
+    assert list(cluster.decode.requests[-1].prompt_token_ids) == token_ids_of("there")
+    assert echoed.usage is not None and echoed.usage.prompt_tokens == 5
+    choice = echoed.choices[0]
+    assert choice.text == "thereHe" and choice.logprobs is not None and choice.logprobs.tokens[:5] == list("there")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 40}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage is not None and chat.usage.prompt_tokens == 7
+    assert len(cluster.decode.requests[-1].prompt_token_ids) == 7
+    kept = client.completions.create(model=MODEL, prompt="y" * (MAX_MODEL_LEN + 20), max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN - 1})
+    assert kept.usage is not None and kept.usage.prompt_tokens == MAX_MODEL_LEN - 1
+    short = client.completions.create(model=MODEL, prompt="abc", max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert short.usage is not None and short.usage.prompt_tokens == 3  # nothing to cut
+    for bad in (0, -2, MAX_MODEL_LEN + 1):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": bad})
+        assert refused.value.body["param"] == "truncate_prompt_tokens", bad
