@@ -84,13 +84,16 @@ class LLM:
         self,
         conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *, add_generation_prompt: bool = True, continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (with the generation prompt) to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with the generation prompt, or, as vLLM's
+        `continue_final_message` with `add_generation_prompt=False`, ending inside the last message), then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [
-            self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
-                                  add_special_tokens=False)
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message),
+                add_special_tokens=False)
             for c in conversations  # type: ignore[union-attr]
         ]
         return self.generate(prompts, params)

@@ -62,7 +62,8 @@ def chat_prompt_token_ids(
         raise bad_request(str(error), "chat_template_kwargs") from error
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                             extra=request.chat_template_kwargs)
+                                             extra=request.chat_template_kwargs,
+                                             continue_final_message=request.continue_final_message)
     except ValueError as error:
         raise bad_request(str(error), "messages") from error
     token_ids = tokenizer.encode(text, add_special_tokens=False)

@@ -143,6 +143,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the prompt ends inside the last message, for the model to go on
     chat_template_kwargs: dict[str, object] | None = None  # vLLM's: more variables for the chat template
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
@@ -191,6 +192,9 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
         check_text(request.tool_choice, param="tool_choice")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if request.continue_final_message and request.add_generation_prompt:  # vLLM's rule (the latter defaults true)
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: set "
+                          "add_generation_prompt to false", "continue_final_message")
     _check_json_text(request.chat_template_kwargs, "chat_template_kwargs")
 
 

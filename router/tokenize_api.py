@@ -46,6 +46,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # the tokenizer's special tokens around a prompt (BOS); a chat's come from its template, as in vLLM
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, object] | None = None
@@ -75,6 +76,7 @@ def install_tokenize_routes(app: FastAPI, config: RouterConfig, tokenizer: Token
         else:
             chat = ChatCompletionRequest(model=body.model or config.served_model_names[0], messages=body.messages,
                                          add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message,
                                          chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
             check_chat_request(chat)
             token_ids = await asyncio.to_thread(chat_prompt_token_ids, chat, tokenizer, plan_tools(chat))

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
 
+# Follows the last message's content while `continue_final_message` renders (HF's method); never in a real message.
+_CONTINUE_MARKER = "<|splitserve-continue-final-message|> "
+
+
 class Tokenizer:
     """Immutable after construction; every method is safe to call from several threads."""
 
@@ -138,23 +142,39 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
-        extra: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None, *, continue_final_message: bool = False,
     ) -> str:
         """The prompt text for `messages` (a list of {"role", "content"} string dicts), not yet tokenized.
 
         Encode the result with `add_special_tokens=False`: the template already writes any BOS the model wants
         (HF's `apply_chat_template(tokenize=True)` does the same). ValueError when the model has no chat template
         or the messages are malformed. `extra`: more variables for the template (vLLM's `chat_template_kwargs`).
+        `continue_final_message` (HF's and vLLM's): the text ends with the last message's content, left open for the
+        model to go on with it (whatever the template writes after that content, its end of turn, is cut).
         """
         if self._chat_template is None:
             raise ValueError(f"{self.spec.source or 'this model'} has no chat template; send a plain prompt instead")
-        return self._chat_template.render(
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ValueError("continue_final_message needs a last message with text content")
+            # A marker after the last message's content shows where it ends once rendered; what follows is cut.
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARKER}]
+        text = self._chat_template.render(
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.spec.bos_token_id),
             eos_token=self._token_text(self.spec.eos_token_id),
             extra=extra,
         )
+        if not continue_final_message:
+            return text
+        end = text.rfind(_CONTINUE_MARKER.strip())
+        if end < 0:
+            raise ValueError("continue_final_message: the chat template does not write the last message's content")
+        # As HF's: a template that keeps the content's spacing keeps it here too; one that strips it, strips it.
+        return text[:end] if text.startswith(_CONTINUE_MARKER, end) else text[:end].rstrip()
 
     def _token_text(self, token_id: int | None) -> str | None:
         return self._bpe.id_to_token(token_id) if token_id is not None else None

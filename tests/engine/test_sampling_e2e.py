@@ -309,6 +309,10 @@ def test_chat_applies_the_template_and_generates(tiny_llm) -> None:
     assert tok.decode(expected_prompt, skip_special_tokens=False).endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert out.token_ids == direct.token_ids and len(out.token_ids) == 6
     assert [len(o.token_ids) for o in both] == [6, 2] and both[0].token_ids == out.token_ids
+    # vLLM's continue_final_message: the prompt ends inside the assistant's partial answer
+    partial = [*conversation, {"role": "assistant", "content": "Hello to"}]
+    (cont,) = tiny_llm.chat(partial, greedy(max_tokens=2), add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("<|im_start|>assistant\nHello to")
     assert_no_blocks_held(tiny_llm.engine)
 
 

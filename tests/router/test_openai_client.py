@@ -118,3 +118,20 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client: openai.Ope
             client.completions.create(model=MODEL, prompt="abc", max_tokens=1,
                                       extra_body={"truncate_prompt_tokens": bad})
         assert refused.value.body["param"] == "truncate_prompt_tokens", bad
+
+
+def test_continue_final_message_sends_the_prompt_open_inside_the_last_message(client: openai.OpenAI,
+                                                                               cluster: Cluster) -> None:
+    """vLLM's field (with add_generation_prompt false): the prompt ends with the assistant's partial text; both
+    true is a 400 naming the field."""
+    from tests.router.fake_worker import token_ids_of
+
+    messages = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "The colour is"}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                   extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    prompt = list(cluster.decode.requests[-1].prompt_token_ids)
+    assert prompt[-len(token_ids_of("The colour is")):] == token_ids_of("The colour is")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    assert refused.value.body["param"] == "continue_final_message"

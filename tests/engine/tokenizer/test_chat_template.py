@@ -84,3 +84,21 @@ def test_with_chat_template_replaces_the_models_template_only_in_the_copy(smollm
     assert custom.encode("hello there") == smollm_like.encode("hello there")
     with pytest.raises(ValueError, match="does not parse"):
         smollm_like.with_chat_template("{% for m in messages %}")
+
+
+def test_continue_final_message_ends_inside_the_last_message(smollm_like: Tokenizer) -> None:
+    """HF's and vLLM's continue_final_message: what the template writes after the last message's content is cut;
+    a template that trims the content trims it here too; one that does not write it is a clear error."""
+    partial = [*USER_HI, {"role": "assistant", "content": "Sure, "}]
+    keeps = smollm_like.with_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}")
+    assert keeps.apply_chat_template(partial, add_generation_prompt=False,
+                                     continue_final_message=True) == "<user>hi</s><assistant>Sure, "
+    trims = smollm_like.with_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>"
+                                           "{% endfor %}")
+    assert trims.apply_chat_template(partial, add_generation_prompt=False,
+                                     continue_final_message=True) == "<user>hi</s><assistant>Sure,"
+    drops = smollm_like.with_chat_template("{% for m in messages %}<{{ m.role }}>{% endfor %}")
+    with pytest.raises(ValueError, match="does not write the last message's content"):
+        drops.apply_chat_template(partial, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        keeps.apply_chat_template(partial, continue_final_message=True)

@@ -153,6 +153,14 @@ def test_smol_chat_template_matches_hf(smol: Tokenizer, smol_hf) -> None:
     for add_generation_prompt in (True, False):
         expected = smol_hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt)
         assert smol.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt) == expected
+    # continue_final_message: the prompt ends inside the last (assistant) message, as HF cuts it
+    partial = [*MESSAGES, {"role": "assistant", "content": "  Sure: 日本語 "}]
+    expected = smol_hf.apply_chat_template(partial, tokenize=False, add_generation_prompt=False,
+                                           continue_final_message=True)
+    ours = smol.apply_chat_template(partial, add_generation_prompt=False, continue_final_message=True)
+    assert ours == expected and ours.endswith("assistant\n  Sure: 日本語 ")  # its spacing kept, as HF keeps it
+    with pytest.raises(ValueError, match="cannot both be true"):
+        smol.apply_chat_template(partial, continue_final_message=True)
 
 
 def test_smol_streaming_matches_decode(smol: Tokenizer) -> None:
