@@ -34,6 +34,10 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def reset_prefix_cache(self) -> bool:
+        """As vLLM's: forget the cached KV blocks (False, nothing changed, while a request holds blocks)."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """As vLLM's: SamplingParams() with the model's generation config over it (its sampling values, and its
         max_new_tokens as max_tokens)."""

@@ -466,6 +466,11 @@ class LLMEngine:
         return self.outputs.finish(request, stats, error)
 
     # -- observability ---------------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every block the prefix cache holds on the device (the KV events say AllBlocksCleared;
+        a KV offload tier keeps its blocks). Refused (False, nothing changed) while any block is held."""
+        return self.block_pool.reset_prefix_cache()
+
     def publish_kv_events(self) -> None:
         """The recipe's last step (and after anything that changes the cache outside a step: the serving loop
         calls it after every command): the block pool's events go to `kv_event_sink`, or are dropped, so that

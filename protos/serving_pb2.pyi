@@ -261,6 +261,18 @@ class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset", "kv_blocks_used")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    kv_blocks_used: int
+    def __init__(self, reset: _Optional[bool] = ..., kv_blocks_used: _Optional[int] = ...) -> None: ...
+
 class HealthResponse(_message.Message):
     __slots__ = ("ok", "worker_id", "role", "model", "incarnation", "engine_model", "load_format", "block_size", "max_model_len", "kv_cache_dtype", "quantization")
     OK_FIELD_NUMBER: _ClassVar[int]

@@ -8,7 +8,7 @@
                     state (`api_key_id`) for the token charge and the metrics.
 
 Guarded: /v1 and everything under it, /tokenize and /detokenize (vLLM leaves those open; they cost this
-gateway's CPU); /metrics with `metrics_require_key`. Open: /health, /live, /version, /openapi.json (the request
+gateway's CPU), /reset_prefix_cache (router/cache_api.py); /metrics with `metrics_require_key`. Open: /health, /live, /version, /openapi.json (the request
 schema, no data), /admin/* (its own token, router/admin.py).
 
 A key is compared in constant time against every accepted key (no early exit). Keys are never logged nor put in
@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.errors import error_body
 from router.rate_limit import RateLimiter, retry_after_header
+from router.cache_api import RESET_PATHS
 from router.tokenize_api import TOKENIZE_PATHS
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class ApiKeyGuard:
         self._on_admitted = on_admitted
 
     def guarded(self, path: str) -> bool:
-        return (path == "/v1" or path.startswith("/v1/") or path in TOKENIZE_PATHS
+        return (path == "/v1" or path.startswith("/v1/") or path in TOKENIZE_PATHS or path in RESET_PATHS
                 or (self.access.metrics_require_key and path == "/metrics"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -46,6 +46,7 @@ from router.admission_guard import AdmissionGuard
 from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
 from router.autoscaler import Autoscaler, ScalableCluster
 from router.body_limit import BodyLimit
+from router.cache_api import install_cache_routes
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob
 from router.errors import GENERATION_ERRORS, bad_request, error_body, install_error_handlers, without_validation_errors
@@ -255,6 +256,7 @@ def create_app(
     app.openapi = without_validation_errors(app)  # type: ignore[method-assign]
 
     install_tokenize_routes(app, config, tokenizer)
+    install_cache_routes(app, registry)
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:

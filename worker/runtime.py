@@ -415,6 +415,12 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
         # Not behind the drain gate: like a KV handoff, a draining worker still serves what it holds.
         return await self.runtime.peer.serve(request, context)
 
+    async def ResetPrefixCache(self, request: serving_pb2.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext) -> serving_pb2.ResetPrefixCacheResponse:
+        # Between steps, as a command: the index hears AllBlocksCleared right after (EngineLoop._run_commands).
+        reset, used = await self.runtime.call(lambda e: (e.reset_prefix_cache(), e.block_pool.num_used_blocks))
+        return serving_pb2.ResetPrefixCacheResponse(reset=reset, kv_blocks_used=used)
+
 
 def chosen_k_counts(stats: EngineStats, spec: SpeculativeConfig | dict | None) -> list[int]:
     """How often the speculation policy chose each k in 0..num_speculative_tokens (LoadStats' dense form of

@@ -340,3 +340,43 @@ def test_conditional_disaggregation_prefills_a_short_tail_on_the_decode_worker(c
     remote = complete(cluster.gateway(threshold=0).url, follow_up, max_tokens=8)
     assert remote["choices"][0]["text"] == second["choices"][0]["text"]
     wait_blocks_free(*cluster.workers)
+
+
+def test_reset_prefix_cache_empties_every_worker_and_the_index(cluster, gateway) -> None:
+    """vLLM's POST /reset_prefix_cache: every worker forgets its cached blocks between two steps, and its index
+    entries with them; the next turn of a family computes it all again. A worker that holds blocks (a request
+    running) refuses: 409 naming it, and its cache is left as it was."""
+    import contextlib
+    import threading
+
+    from tests.cluster.worker_harness import slowed_forward
+
+    prompt = FAMILIES[0] + "Is the archive open on Sundays?"
+    complete(gateway, prompt)
+    assert cached_tokens(complete(gateway, prompt)) > 0
+    wait_blocks_free(*cluster.workers)
+    with contextlib.ExitStack() as slowed:
+        computing = [slowed.enter_context(slowed_forward(w, 2.0)) for w in cluster.prefill]
+        busy = threading.Thread(target=complete, args=(gateway, SYSTEM[1] + "When is the last train?"))
+        busy.start()
+        deadline = time.monotonic() + 60
+        while not any(event.is_set() for event in computing):  # one of them computes the prompt
+            assert time.monotonic() < deadline, "the prompt's prefill never started"
+            time.sleep(0.01)
+        held = {w.worker_id for w in cluster.prefill if w.runtime.engine.block_pool.num_used_blocks}
+        refused = httpx.post(f"{gateway}/reset_prefix_cache", timeout=60)
+    busy.join(120)
+    assert refused.status_code == 409 and not refused.json()["reset"], refused.text
+    by_worker = {w["worker_id"]: w for w in refused.json()["workers"]}
+    assert set(by_worker) == {w.worker_id for w in cluster.workers}
+    assert held and all(not by_worker[wid]["reset"] and by_worker[wid]["kv_blocks_used"] > 0 for wid in held)
+    wait_blocks_free(*cluster.workers)
+    reset = httpx.post(f"{gateway}/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200 and reset.json()["reset"], reset.text
+    assert all(not pool_hashes(w) for w in cluster.workers)
+    deadline = time.monotonic() + 20
+    while any(index_hashes(cluster, w) for w in cluster.workers):
+        assert time.monotonic() < deadline, "the index still lists blocks after the reset"
+        time.sleep(0.1)
+    assert cached_tokens(complete(gateway, prompt)) == 0  # cold again
+    wait_blocks_free(*cluster.workers)

@@ -282,6 +282,16 @@ def test_prefix_cache_hit_on_a_repeated_prompt(tiny_engine) -> None:
     assert after.prefix_cache_hits - before.prefix_cache_hits == 20
     assert second.token_ids == first.token_ids
     assert_no_blocks_held(tiny_engine)
+    # vLLM's reset_prefix_cache: refused while a request holds blocks, then the next turn computes it all
+    tiny_engine.add_request("running", prompt, greedy())
+    tiny_engine.step()
+    assert not tiny_engine.reset_prefix_cache() and tiny_engine.block_pool.cached_block_hashes()
+    drain(tiny_engine)
+    assert tiny_engine.reset_prefix_cache() and not tiny_engine.block_pool.cached_block_hashes()
+    tiny_engine.add_request("cold", prompt, greedy())
+    cold = finals(drain(tiny_engine))["cold"]
+    assert cold.stats is not None and cold.stats.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+    assert_no_blocks_held(tiny_engine)
 
 
 def test_blocks_shared_by_prefix_hits_are_freed_once_per_reference(tiny_engine) -> None:

@@ -76,6 +76,9 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
     load: serving_pb2.LoadStats = field(default_factory=serving_pb2.LoadStats)
     load_status: grpc.StatusCode | None = None  # GetLoad fails with this
     health: serving_pb2.HealthResponse | None = None  # what Health answers (None: ok, with its id and role)
+    # ResetPrefixCache: fails with this status, else answers this (None: reset)
+    reset_status: grpc.StatusCode | None = None
+    reset_reply: serving_pb2.ResetPrefixCacheResponse | None = None
     requests: list[serving_pb2.GenerateRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -97,6 +100,7 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
         self.load = serving_pb2.LoadStats(worker_id=self.worker_id, role=self.role, kv_blocks_free=100,
                                           kv_blocks_total=100)
         self.load_status = None
+        self.reset_status = self.reset_reply = None
         with self.changed:
             self.requests.clear()
             self.aborts.clear()
@@ -194,6 +198,11 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
         if self.load_status is not None:
             context.abort(self.load_status, "scripted GetLoad failure")
         return self.load
+
+    def ResetPrefixCache(self, request, context):  # type: ignore[no-untyped-def]
+        if self.reset_status is not None:
+            context.abort(self.reset_status, "scripted ResetPrefixCache failure")
+        return self.reset_reply or serving_pb2.ResetPrefixCacheResponse(reset=True)
 
 
 def _logprobs(token_id: int, num_top: int) -> serving_pb2.TokenLogprobs:
