@@ -193,8 +193,8 @@ class DecodeWorker(RuntimeWorker):
             return reserved
 
         while True:
-            try:
-                reserved = await runtime.call(reserve)
+            try:  # while a step computes: a decode step need not end first (EngineLoop.call_now)
+                reserved = await runtime.call_now(reserve)
             except ValueError as exc:
                 raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if reserved is not None:
@@ -285,7 +285,7 @@ class DecodeWorker(RuntimeWorker):
             )
         self.runtime.transfers.record(reservation.num_bytes, reply.timings.kv_transfer_s)
         first_logprobs = logprobs_from_proto(reply.first_logprobs) if reply.HasField("first_logprobs") else None
-        await self.runtime.call(
+        await self.runtime.call_now(  # its first token out at once, its first decode in the next step
             lambda e: e.commit_remote(req.request_id, reply.first_token_id, first_logprobs, reply.num_cached_tokens)
         )
         return None, prompt_logprobs

@@ -81,13 +81,19 @@ class EngineLoop:
 
     def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on this thread under the engine's lock: between steps, or while a step computes, without
-        waiting for it to end. Only for what touches the block pool, the prefix cache and the staged peer blocks,
-        or reads the engine's stats (LLMEngine._computing): never what changes the requests, the runner or the KV
-        cache's rows."""
+        waiting for it to end; then, as after a command, the KV events go out, the outputs `fn` returns go to their
+        listeners (before any later step's), and the loop wakes. Only for what leaves the step that computes alone
+        (LLMEngine._computing): the block pool, the prefix cache and the staged peer blocks, the engine's stats, a
+        decode worker's reservation and commit of a request that no step has run yet; never the requests of the
+        step, the runner's inputs or the KV cache's rows they read."""
         if self._stopped.is_set():
             raise EngineLoopClosed("the engine loop has stopped")
         with self.engine.lock:
-            return fn(self.engine)
+            result = fn(self.engine)
+            self.engine.publish_kv_events()
+            self._deliver(result)
+        self._wake.set()  # a committed request waits for the next step
+        return result
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         if self._stopped.is_set():
@@ -142,11 +148,15 @@ class EngineLoop:
             # The outputs (e.g. abort_request's final ones) go to the listeners of now, before the caller hears the
             # command ran: a caller that unlistened, aborted and then let a retry of the same id listen must not
             # have the retry's listener handed the aborted attempt's output.
-            if isinstance(result, list) and result and isinstance(result[0], RequestOutput):
-                self._dispatch(result)
-            elif isinstance(result, RequestOutput):
-                self._dispatch([result])
+            self._deliver(result)
             future.set_result(result)
+
+    def _deliver(self, result: object) -> None:
+        """A command's outputs, if it returned any (one RequestOutput or a list of them), to their listeners."""
+        if isinstance(result, list) and result and isinstance(result[0], RequestOutput):
+            self._dispatch(result)
+        elif isinstance(result, RequestOutput):
+            self._dispatch([result])
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -267,7 +267,7 @@ class WorkerRuntime:
 
     async def call_now(self, fn: Callable[[LLMEngine], T]) -> T:
         """`fn(engine)` under the engine's lock on a thread of the executor, during a step's compute if one runs
-        (EngineLoop.call_now: only what touches the block pool and the staged peer blocks, or reads the stats)."""
+        (EngineLoop.call_now says what may: what leaves the computing step alone)."""
         return await asyncio.to_thread(self.loop.call_now, fn)
 
     def outputs(self, request_id: str, num_choices: int = 1, *,

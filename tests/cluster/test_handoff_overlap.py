@@ -15,6 +15,8 @@ import time
 import pytest
 
 from engine.request.sampling_params import SamplingParams
+from engine.request.wire import sampling_params_to_proto
+from protos import serving_pb2
 from tests.cluster.worker_harness import generate, start_worker, stub, wait_blocks_free
 
 pytestmark = pytest.mark.slow
@@ -67,6 +69,44 @@ def test_a_handoff_does_not_wait_for_the_next_prompts_prefill_step(smollm2_check
         # The first request's handoff ran during the second prompt's step, so it finished about one step before
         # the second. Waiting for that step to end instead, it finished with the second (0.1 s apart).
         assert done["b"] - done["a"] > STEP_S / 2, (done["a"] - start, done["b"] - start)
+        wait_blocks_free(prefill, decode)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_handoff_does_not_wait_for_the_decode_workers_step(smollm2_checkpoint) -> None:
+    """The decode worker is in a long decode step (its forward slowed to STEP_S * 2) when a disaggregated request
+    arrives: its blocks are reserved, and its KV committed with its first token, while that step computes
+    (EngineLoop.call_now), so the first token comes as soon as the prefill worker sends it. Done between steps, the
+    reservation and the commit each waited for a step to end, and the first token with them."""
+    from tests.cluster.worker_harness import slowed_forward
+
+    prefill = start_worker("prefill", smollm2_checkpoint, worker_id="p-busy-decode")
+    decode = start_worker("decode", smollm2_checkpoint, worker_id="d-busy-decode")
+    step_s = STEP_S * 2
+    try:
+        tok = smollm2_checkpoint.tokenizer
+        # a stream the decode worker runs colocated, keeping it in (slowed) decode steps
+        busy_ids = tok.encode("A long story about the sea:")
+        long_run = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        busy = threading.Thread(target=lambda: generate(stub(decode), "busy", busy_ids, long_run))
+        with slowed_forward(decode, step_s) as computing:
+            busy.start()
+            assert computing.wait(60), "the decode worker never stepped"
+            time.sleep(0.2)  # well inside that step
+            request = serving_pb2.GenerateRequest(
+                request_id="arriving", prompt_token_ids=tok.encode("The capital of France is"),
+                params=sampling_params_to_proto(TWO_TOKENS), prefill_endpoint=prefill.endpoint)
+            began = time.monotonic()
+            stream = stub(decode).Generate(request, timeout=120)
+            first = next(stream)
+            first_token_s = time.monotonic() - began
+        rest = list(stream)
+        busy.join(120)
+        assert len(first.token_ids) == 1 and not first.error, first
+        assert [m.finish_reason for m in rest if m.finish_reason] == ["length"]
+        assert first_token_s < step_s / 2, f"the first token took {first_token_s:.2f}s: it waited for the step"
         wait_blocks_free(prefill, decode)
     finally:
         prefill.stop()
