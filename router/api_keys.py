@@ -8,8 +8,8 @@
                     state (`api_key_id`) for the token charge and the metrics.
 
 Guarded: /v1 and everything under it, /tokenize and /detokenize (vLLM leaves those open; they cost this
-gateway's CPU), /reset_prefix_cache (router/cache_api.py); /metrics with `metrics_require_key`. Open: /health, /live, /version, /openapi.json (the request
-schema, no data), /admin/* (its own token, router/admin.py).
+gateway's CPU), /reset_prefix_cache (router/cache_api.py); /metrics with `metrics_require_key`. Open: /health,
+/live, /version, /openapi.json (the request schema, no data), /admin/* (its own token, router/admin.py).
 
 A key is compared in constant time against every accepted key (no early exit). Keys are never logged nor put in
 metrics: a key is named by its id, "key-" + the first 8 hex digits of its SHA-256.

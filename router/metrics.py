@@ -73,7 +73,8 @@ From the cluster controller (`restart_counts`), label values for every pool in t
                                                             restart_failed (see deploy/controller.py)
 
 Read from each worker's latest LoadStats at scrape time (label `worker` = worker_id):
-    gauges   splitserve:num_requests_running, splitserve:num_requests_waiting, splitserve:kv_blocks_used,
+    gauges   splitserve:num_requests_running, splitserve:num_requests_waiting, splitserve:num_requests_receiving_kv
+             (a decode worker's requests whose prompt KV is on its way), splitserve:kv_blocks_used,
              splitserve:kv_blocks_total, splitserve:kv_cache_usage_perc (a 0-1 fraction, as in vLLM),
              splitserve:worker_healthy (1/0),
              splitserve:worker_quantization_info{worker,quantization} (1: the --quantization its weights run with)
@@ -84,8 +85,8 @@ Read from each worker's latest LoadStats at scrape time (label `worker` = worker
              splitserve:cpu_kernels_info{worker,kernel,variant} (1: the C++ CPU kernel build the worker runs,
              variant "x86-64-v4" | "x86-64-v3" | ..., or "torch" where its torch ops run instead)
     counters splitserve:prefix_cache_queries_total, splitserve:prefix_cache_hits_total{worker,tier} (tokens; tier
-             device, or disk / host: the KV offload tier's, or peer: fetched from another worker), splitserve:kv_offload_bytes_total{worker,direction}
-             (write, read: the KV offload tier's),
+             device, or disk / host: the KV offload tier's, or peer: fetched from another worker),
+             splitserve:kv_offload_bytes_total{worker,direction} (write, read: the KV offload tier's),
              splitserve:kv_transfer_bytes_total, splitserve:num_preemptions_total,
              splitserve:kv_transfers_total, splitserve:kv_transfer_failures_total,
              splitserve:kv_transfers_rejected_total{worker,reason} (KV pushes a decode worker refused before any

@@ -3,11 +3,12 @@
     handler threads ──call(fn)──▶ command queue ──▶ loop thread: run commands, then engine.step()
                     ◀── listener(output) ◀──────────────────────── every RequestOutput, routed by request id
 
-The engine is single-threaded: everything that changes it (add, abort, reserve, commit) runs on the loop thread
-through `call`, between steps, under the engine's lock. `call_now` runs a short function on its caller's thread
-under that lock instead, which a step lets go of while it computes: a peer's pin of cached blocks, or the router's
-load poll, need not wait for a long prefill step to end. Listeners are called on the loop thread and must not block
-(hand outputs to a queue). A request's listener is dropped after its finished output.
+The engine is single-threaded: everything that changes it (add, abort) runs on the loop thread through `call`,
+between steps, under the engine's lock. `call_now` runs a short function on its caller's thread under that lock
+instead, which a step lets go of while it computes: a peer's pin of cached blocks, the router's load poll, or a
+decode worker's reservation and commit of a handoff need not wait for a long step to end. Listeners are called on
+the loop thread (or a `call_now`'s, under the lock) and must not block (hand outputs to a queue). A request's
+listener is dropped after its finished output.
 
 The loop sleeps on its wake event (set by every command) when there is nothing to schedule, and also when a step
 could schedule nothing (requests waiting for blocks that only a command, an abort or a commit, frees): it never

@@ -404,10 +404,12 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
     ) -> serving_pb2.HealthResponse:
         return self.runtime.health()
 
-    async def GetLoad(self, request: serving_pb2.LoadRequest, context: grpc.aio.ServicerContext) -> serving_pb2.LoadStats:
+    async def GetLoad(self, request: serving_pb2.LoadRequest,
+                      context: grpc.aio.ServicerContext) -> serving_pb2.LoadStats:
         return await self.runtime.load_stats()
 
-    async def Abort(self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> serving_pb2.AbortResponse:
+    async def Abort(self, request: serving_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> serving_pb2.AbortResponse:
         return serving_pb2.AbortResponse(found=await self.runtime.abort(request.request_id))
 
     async def FetchBlocks(self, request: serving_pb2.FetchBlocksRequest,

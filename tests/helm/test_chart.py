@@ -406,7 +406,7 @@ def test_the_gateway_serves_its_names_and_the_chat_template_it_mounts(rendered: 
     # Neither set: no flag, no ConfigMap, no mount.
     default = find(rendered["defaults"], "Deployment", "gateway")
     assert not [a for a in containers(default)[0]["args"] if "chat-template" in a or "served-model-name" in a]
-    assert not [o for o in rendered["defaults"] if o["kind"] == "ConfigMap" and "chat-template" in o["metadata"]["name"]]
+    assert not [o for o in of_kind(rendered["defaults"], "ConfigMap") if "chat-template" in o["metadata"]["name"]]
 
 
 def test_values_yaml_has_the_keys_the_issue_lists() -> None:
