@@ -25,13 +25,14 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, generation_config: str = AUTO,
                  override_generation_config: Mapping[str, object] | None = None, **engine_args: object) -> None:
         config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
-        # Read first: a bad setting is an error before the weights load (resolving fetches a registered model once;
-        # the engine finds it fetched).
-        model_path = None if config.load_format == "dummy" else resolve_model(config.model)
         override = None if override_generation_config is None else json.dumps(dict(override_generation_config))
-        self.generation_defaults: GenerationDefaults = load_generation_defaults(generation_config, model_path,
-                                                                                override)
+        # Checked before the weights load: a folder without the file, an override that does not parse. The model's
+        # own file ("auto") is read once the engine has found the model (its device checked, its weights loaded).
+        defaults = load_generation_defaults(generation_config, None, override)
         self.engine = LLMEngine(config)
+        if generation_config == AUTO and config.load_format != "dummy":
+            defaults = load_generation_defaults(AUTO, resolve_model(config.model), override)
+        self.generation_defaults: GenerationDefaults = defaults
         self._ids = itertools.count()
 
     def reset_prefix_cache(self) -> bool:
