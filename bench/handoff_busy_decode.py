@@ -8,9 +8,13 @@ timed at the client from sending it to its first streamed token. The two modes a
 workers; the baseline's decode worker has `call_now` replaced by `call` (every reservation and commit waits for the
 step that runs to end, as before).
 
-    PYTHONPATH=. python bench/handoff_busy_decode.py [--streams 16] [--requests 10] [--rounds 3]
+    PYTHONPATH=. python bench/handoff_busy_decode.py [--streams 16] [--requests 10] [--rounds 3] [--interval 1.2]
 
-Prints per mode the TTFT p50 and mean, the decode worker's mean step time meanwhile, and ours / baseline.
+One after another (the default), a mode whose requests end sooner sends them more often, which costs the busy
+streams more; `--interval` sends them at fixed times instead, so that both modes offer the same load.
+
+Prints per mode the TTFT p50 and mean, the decode worker's mean step time meanwhile and its busy streams' tokens a
+second (what the handoffs cost them), and ours / baseline.
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--transport", default="grpc")
+    p.add_argument("--interval", type=float, default=None,
+                   help="send the timed requests this many seconds apart (an open loop: the same load in both modes); "
+                        "default: one after another, each when the previous one ended")
     args = p.parse_args()
     checkpoint = load_checkpoint("smollm2-135m")
     prefill = start("prefill", checkpoint, args.transport, 512)
@@ -89,6 +96,7 @@ def main() -> None:
 
     recording = threading.Event()
     decode.runtime.engine.step = timed_step
+    streamed, counted = [0], threading.Lock()  # the busy streams' tokens while the requests were timed
 
     def keep_busy(index: int) -> None:
         n = 0
@@ -96,9 +104,12 @@ def main() -> None:
             request = serving_pb2.GenerateRequest(
                 request_id=f"busy-{index}-{n}", prompt_token_ids=[rng.randrange(3, vocab) for _ in range(32)],
                 params=sampling_params_to_proto(SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
-            for _ in stub.Generate(request, timeout=600):
+            for msg in stub.Generate(request, timeout=600):
                 if stop.is_set():
                     break
+                if recording.is_set():
+                    with counted:
+                        streamed[0] += len(msg.token_ids)
             n += 1
 
     busy = [threading.Thread(target=keep_busy, args=(i,), daemon=True) for i in range(args.streams)]
@@ -107,22 +118,42 @@ def main() -> None:
     time.sleep(5)  # the streams' prompts computed: the worker decodes at batch --streams
     ttft: dict[str, list[float]] = {mode: [] for mode in MODES}
     step_s: dict[str, list[float]] = {mode: [] for mode in MODES}
+    busy_tokens_s: dict[str, list[float]] = {mode: [] for mode in MODES}
     params = sampling_params_to_proto(SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     try:
         for r in range(args.rounds):
             for mode in MODES:
                 decode.runtime.call_now = own_call_now if mode == "ours" else decode.runtime.call
                 steps.clear()
+                streamed[0] = 0
+                began = time.perf_counter()
                 recording.set()
-                for i in range(args.requests):
-                    request = serving_pb2.GenerateRequest(
-                        request_id=f"{mode}-{r}-{i}", prefill_endpoint=prefill.endpoint, params=params,
-                        prompt_token_ids=[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)])
-                    ttft[mode].append(first_token_s(stub, request))
+                requests = [serving_pb2.GenerateRequest(
+                    request_id=f"{mode}-{r}-{i}", prefill_endpoint=prefill.endpoint, params=params,
+                    prompt_token_ids=[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)])
+                    for i in range(args.requests)]
+                if args.interval is None:  # one after another
+                    ttft[mode].extend(first_token_s(stub, request) for request in requests)
+                else:  # at fixed times, whatever the TTFT: both modes offer the same load
+                    timed: list[float] = []
+
+                    def send(at_s: float, request: serving_pb2.GenerateRequest) -> None:
+                        time.sleep(max(at_s - time.perf_counter(), 0.0))
+                        timed.append(first_token_s(stub, request))
+
+                    senders = [threading.Thread(target=send, args=(began + i * args.interval, request))
+                               for i, request in enumerate(requests)]
+                    for sender in senders:
+                        sender.start()
+                    for sender in senders:
+                        sender.join()
+                    ttft[mode].extend(timed)
                 recording.clear()
+                busy_tokens_s[mode].append(streamed[0] / (time.perf_counter() - began))
                 step_s[mode].append(statistics.mean(steps) if steps else 0.0)
                 print(f"round {r} {mode:8s}: TTFT p50 {statistics.median(ttft[mode][-args.requests:]) * 1e3:7.1f} ms, "
-                      f"decode step {step_s[mode][-1] * 1e3:6.1f} ms", flush=True)
+                      f"decode step {step_s[mode][-1] * 1e3:6.1f} ms, busy streams "
+                      f"{busy_tokens_s[mode][-1]:6.1f} tok/s", flush=True)
     finally:
         stop.set()
         decode.runtime.call_now = own_call_now
@@ -130,11 +161,13 @@ def main() -> None:
         decode.stop()
     summary = {mode: {"ttft_p50_s": round(statistics.median(ttft[mode]), 4),
                       "ttft_mean_s": round(statistics.mean(ttft[mode]), 4),
-                      "decode_step_s": round(statistics.mean(step_s[mode]), 4)} for mode in MODES}
+                      "decode_step_s": round(statistics.mean(step_s[mode]), 4),
+                      "busy_tokens_s": round(statistics.mean(busy_tokens_s[mode]), 1)} for mode in MODES}
     summary["ratio_ttft_p50"] = round(summary["ours"]["ttft_p50_s"] / summary["baseline"]["ttft_p50_s"], 3)
     summary["ratio_ttft_mean"] = round(summary["ours"]["ttft_mean_s"] / summary["baseline"]["ttft_mean_s"], 3)
+    summary["ratio_busy_tokens_s"] = round(summary["ours"]["busy_tokens_s"] / summary["baseline"]["busy_tokens_s"], 3)
     summary["config"] = {"streams": args.streams, "requests": args.requests, "rounds": args.rounds,
-                         "prompt_tokens": args.prompt_tokens, "transport": args.transport}
+                         "prompt_tokens": args.prompt_tokens, "transport": args.transport, "interval": args.interval}
     print(json.dumps(summary, indent=1))
 
 
