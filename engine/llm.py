@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 
 from engine.config import EngineConfig
@@ -25,7 +24,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, generation_config: str = AUTO,
                  override_generation_config: Mapping[str, object] | None = None, **engine_args: object) -> None:
         config = EngineConfig(model=model, **engine_args)  # type: ignore[arg-type]
-        override = None if override_generation_config is None else json.dumps(dict(override_generation_config))
+        override = override_generation_config
         # Checked before the weights load: a folder without the file, an override that does not parse. The model's
         # own file ("auto") is read once the engine has found the model (its device checked, its weights loaded).
         defaults = load_generation_defaults(generation_config, None, override)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.tokenizer.chat_template import check_extra_variables
+from engine.tokenizer.chat_template import check_continuation, check_extra_variables
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.tools import ToolPlan, tool_messages
@@ -60,6 +60,10 @@ def chat_prompt_token_ids(
         check_extra_variables(request.chat_template_kwargs)
     except ValueError as error:
         raise bad_request(str(error), "chat_template_kwargs") from error
+    try:  # add_generation_prompt defaults true: the request sets it false to continue its last message
+        check_continuation(request.add_generation_prompt, request.continue_final_message)
+    except ValueError as error:
+        raise bad_request(str(error), "continue_final_message") from error
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
                                              extra=request.chat_template_kwargs,

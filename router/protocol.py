@@ -192,9 +192,6 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
         check_text(request.tool_choice, param="tool_choice")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    if request.continue_final_message and request.add_generation_prompt:  # vLLM's rule (the latter defaults true)
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: set "
-                          "add_generation_prompt to false", "continue_final_message")
     _check_json_text(request.chat_template_kwargs, "chat_template_kwargs")
 
 

@@ -68,6 +68,14 @@ class ChatTemplate:
             raise ValueError(f"chat template failed: {error}") from error
 
 
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """ValueError for both at once (HF's and vLLM's rule): a prompt cannot end inside the last message and open a
+    new one."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
+                         "add_generation_prompt to false")
+
+
 def check_extra_variables(extra: Mapping[str, Any] | None) -> None:
     """ValueError when `extra` (a request's `chat_template_kwargs`) names a variable `render` sets itself."""
     reserved = sorted(RESERVED_VARIABLES.intersection(extra or {}))

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from engine.tokenizer.bpe import ByteLevelBPE
-from engine.tokenizer.chat_template import ChatTemplate
+from engine.tokenizer.chat_template import ChatTemplate, check_continuation
 from engine.tokenizer.pre_tokenizer import PreTokenizer
 from engine.tokenizer.spec import TokenizerSpec
 
@@ -154,9 +154,8 @@ class Tokenizer:
         """
         if self._chat_template is None:
             raise ValueError(f"{self.spec.source or 'this model'} has no chat template; send a plain prompt instead")
+        check_continuation(add_generation_prompt, continue_final_message)
         if continue_final_message:
-            if add_generation_prompt:
-                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise ValueError("continue_final_message needs a last message with text content")
             # A marker after the last message's content shows where it ends once rendered; what follows is cut.
