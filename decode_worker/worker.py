@@ -186,15 +186,18 @@ class DecodeWorker(RuntimeWorker):
         runtime = self.runtime
         deadline = time.monotonic() + self.config.kv_transfer_timeout_s
 
-        def reserve(engine: LLMEngine) -> RemoteReservation | None:
-            reserved = engine.reserve_remote(req)
+        def reserve(engine: LLMEngine, preempt: bool = False) -> RemoteReservation | None:
+            reserved = engine.reserve_remote(req, preempt=preempt)
             if reserved is not None:
                 admission.leave()  # held by the engine from here (num_requests_receiving_kv)
             return reserved
 
+        by_priority = runtime.engine.config.scheduling_policy == "priority"
         while True:
             try:  # while a step computes: a decode step need not end first (EngineLoop.call_now)
                 reserved = await runtime.call_now(reserve)
+                if reserved is None and by_priority:  # lower-priority running requests may make room, between steps
+                    reserved = await runtime.call(functools.partial(reserve, preempt=True))
             except ValueError as exc:
                 raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if reserved is not None:

@@ -122,11 +122,12 @@ def worker_list_from_args(args: argparse.Namespace) -> WorkerList | None:
     return WorkerList(prefill=prefill, decode=decode, colocated=colocated)
 
 
-def _engine_of(answer: serving_pb2.HealthResponse) -> tuple[str, str, int, int, str]:
-    return (answer.engine_model, answer.load_format, answer.block_size, answer.max_model_len, answer.kv_cache_dtype)
+def _engine_of(answer: serving_pb2.HealthResponse) -> tuple[str, str, int, int, str, str]:
+    return (answer.engine_model, answer.load_format, answer.block_size, answer.max_model_len, answer.kv_cache_dtype,
+            answer.scheduling_policy or "fcfs")
 
 
-_ENGINE_FIELDS = ("model", "load format", "block size", "max model len", "KV cache dtype")
+_ENGINE_FIELDS = ("model", "load format", "block size", "max model len", "KV cache dtype", "scheduling policy")
 
 
 def check_workers(workers: WorkerList,
@@ -151,7 +152,8 @@ def check_workers(workers: WorkerList,
                       zip(_ENGINE_FIELDS, _engine_of(first[1]), _engine_of(answer), strict=True) if a != b]
             raise ValueError(f"the workers run different engines: {first[0]} ({first[1].worker_id}) and {endpoint} "
                              f"({answer.worker_id}) differ in {', '.join(differ)}; start every worker with the "
-                             "same --model, --load-format, --block-size, --max-model-len and --kv-cache-dtype")
+                             "same --model, --load-format, --block-size, --max-model-len, --kv-cache-dtype and "
+                             "--scheduling-policy")
         infos.append(WorkerInfo(worker_id=answer.worker_id, role=role, endpoint=endpoint,
                                 incarnation=answer.incarnation))
     ids = [info.worker_id for info in infos]
@@ -162,7 +164,8 @@ def check_workers(workers: WorkerList,
     assert first is not None  # a WorkerList is never empty
     answer = first[1]
     served = ServedEngine(model=answer.engine_model, load_format=answer.load_format, block_size=answer.block_size,
-                          max_model_len=answer.max_model_len, mode=workers.mode)
+                          max_model_len=answer.max_model_len, mode=workers.mode,
+                          scheduling_policy=answer.scheduling_policy or "fcfs")
     return infos, served
 
 

@@ -105,6 +105,7 @@ def build_cluster_gateway_app(config: GatewayConfig, controller: ControllerConfi
     prefix index (None: routing by load), and `directory` what the admin API and the autoscaler resize."""
     served = ServedEngine(model=controller.engine.model, load_format=controller.engine.load_format,
                           block_size=controller.engine.block_size, max_model_len=controller.engine.max_model_len,
+                          scheduling_policy=controller.engine.scheduling_policy,
                           mode="colocated" if controller.num_colocated_workers else "disaggregated")
     return build_gateway_app(config, served, directory, auth=controller.auth, redis_url=redis_url,
                              pool_controller=directory)

@@ -7,6 +7,7 @@ import re
 
 from engine.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig,
                            SpeculativeConfig)
+from engine.request.sampling_params import SCHEDULING_POLICIES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 
@@ -39,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
+                   help="fcfs: requests start in arrival order; priority: by each request's `priority` (lower first), "
+                        "then arrival, a running request of lower priority preempted for a waiting one of higher")
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )
@@ -113,6 +117,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory,

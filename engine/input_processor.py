@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.fork import choice_params, choice_request_id
 from engine.core.request import Request
-from engine.request.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams, check_priority
 from engine.tokenizer.tokenizer import Tokenizer
 from kv_transfer.block_hash import BlockHashNamespace
 
@@ -31,11 +31,13 @@ class InputProcessor:
         max_model_len: int,
         hash_namespace: BlockHashNamespace | None,
         use_grammars: Callable[[GrammarCompilerCache], None],
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """`hash_namespace`: what the requests hash their blocks in (None: no prefix caching). `use_grammars` is
         called once, with the grammar compiler cache made for the first request that has a grammar (the runner
-        builds its matchers from it)."""
+        builds its matchers from it). `scheduling_policy` "fcfs" takes only requests of priority 0."""
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.hash_namespace = hash_namespace
@@ -54,6 +56,7 @@ class InputProcessor:
         ValueError). `remote_decode` (a prefill worker's request): only choice 0, whose KV is handed off after its
         first token; the decode worker forks the others."""
         params.validate()
+        check_priority(params.priority, self.scheduling_policy)
         if params.structured_outputs is not None:
             self.grammar_compilers().compile(params.structured_outputs)
         prompt_ids = self._prompt_ids(prompt)

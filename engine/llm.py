@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -53,8 +54,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *, priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in input order. A prompt is text or a list of token ids.
+        """One finished output per prompt, in input order. A prompt is text or a list of token ids. `priority`
+        (vLLM's): one per prompt, lower first; it needs `scheduling_policy="priority"`.
 
         All prompts are validated before any is queued, so a bad one raises without touching the engine.
         """
@@ -66,6 +69,10 @@ class LLM:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+            per_prompt = [dataclasses.replace(p, priority=rank) for p, rank in zip(per_prompt, priority, strict=True)]
         for p in per_prompt:
             p.validate()
             if p.num_sequences > 1:  # one finished output per prompt is this API's contract

@@ -120,11 +120,13 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                policy=config.scheduling_policy,
             ),
             self.kv_cache,
         )
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+            scheduling_policy=config.scheduling_policy,
             hash_namespace=self.hash_namespace if config.enable_prefix_caching else None,
             use_grammars=self.runner.use_grammars)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -305,11 +307,12 @@ class LLMEngine:
     def unstage_peer_blocks(self, block_hashes: Sequence[BlockHash]) -> None:
         self.peer_blocks.unstage(block_hashes)
 
-    def reserve_remote(self, request: Request) -> RemoteReservation | None:
+    def reserve_remote(self, request: Request, *, preempt: bool = False) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
-        here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`."""
+        here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`. `preempt`
+        (priority policy, between steps only): running requests it outranks may give their blocks up for it."""
         self._check_choice_ids_free(request)
-        if not self.scheduler.reserve_remote(request):
+        if not self.scheduler.reserve_remote(request, preempt=preempt):
             return None
         self.outputs.add(request)
         self._num_prompt_tokens += request.num_prompt_tokens

@@ -2,7 +2,8 @@
 bounded queue; beyond the bound it is refused at once (429, with Retry-After), before any worker sees it.
 
     refused = admission.refuse_on_arrival()         a full queue refuses any request, before its body is read
-    ticket = await admission.acquire(num_blocks)    FIFO wait; AdmissionRefused when refused or timed out
+    ticket = await admission.acquire(num_blocks, priority)   FIFO (or priority) wait; AdmissionRefused when
+                                                             refused or timed out
     ... dispatch, stream ...
     ticket.release()                                idempotent: room for the next request
 
@@ -26,6 +27,12 @@ Room is counted by this router, per request, from dispatch to the end of its str
     unreported     a worker reporting no max_num_seqs or no KV size leaves that bound off (None: unbounded)
     disabled       `admission_control` False (`serve --no-admission-control`): every request is dispatched at once
                    and the engines queue it, as vLLM does
+    by priority    the workers' --scheduling-policy priority (`by_priority`): the queue is kept in the order of
+                   (priority, arrival), lower first, and a request goes at once only where it would head the queue;
+                   its expected wait counts the requests queued ahead of it. A full queue makes room for a request
+                   by refusing (429 "queue_full") the lowest-ranked waiters it strictly outranks, if that makes
+                   room; else it is refused itself. A request's priority is in its body, so the early refusal
+                   (`refuse_on_arrival`) refuses nothing.
 
 Decisions are the pure functions below (`fits`, `may_queue`, `expected_wait_s`, `retry_after_s`); `Admission`
 only keeps the queue and the counts. The counts are this router's own: several gateway replicas each admit up to
@@ -36,6 +43,7 @@ the full capacity (the engines then queue the excess themselves). The settings (
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import time
 from collections import deque
@@ -144,18 +152,20 @@ class _Waiter:
     num_blocks: int
     future: asyncio.Future[Ticket]
     enqueued_s: float
+    priority: int = 0
 
 
 class Admission:
     """The queue and the in-flight counts of one router, on its event loop, for the pool of `role` and with
-    `config`'s admission settings. `update(loads)` after every load poll (capacity may have grown: the queue
-    moves)."""
+    `config`'s admission settings; `by_priority`: the queue in priority order (see the module docstring).
+    `update(loads)` after every load poll (capacity may have grown: the queue moves)."""
 
     def __init__(self, config: GatewayConfig, *, role: str, clock: Callable[[], float] = time.monotonic,
                  on_refused: Callable[[str], None] | None = None,
-                 on_admitted: Callable[[float], None] | None = None) -> None:
+                 on_admitted: Callable[[float], None] | None = None, by_priority: bool = False) -> None:
         self.config = config
         self.role = role
+        self.by_priority = by_priority
         self._clock = clock
         self._on_refused = on_refused or (lambda reason: None)
         self._on_admitted = on_admitted or (lambda queued_s: None)
@@ -173,20 +183,24 @@ class Admission:
         self.capacity = Capacity.of(loads, self.role)
         self._drain()
 
-    async def acquire(self, num_blocks: int) -> Ticket:
-        """A ticket once the request may be dispatched; AdmissionRefused when it may not wait, or waited past the
-        queue timeout. Cancelled (the client left): it leaves the queue."""
+    async def acquire(self, num_blocks: int, priority: int = 0) -> Ticket:
+        """A ticket once the request may be dispatched; AdmissionRefused when it may not wait, waited past the
+        queue timeout, or (by priority) lost its place to a higher priority. Cancelled (the client left): it leaves
+        the queue."""
         if not self.config.admission_control:
             self._on_admitted(0.0)
             return Ticket(None, num_blocks, 0.0, self._clock())
-        if not self._queue and fits(self.capacity, self.in_flight, num_blocks):
+        place = self._place(priority)
+        if place == 0 and fits(self.capacity, self.in_flight, num_blocks):
             return self._admit(num_blocks, queued_s=0.0)
-        refused = self._refusal(num_blocks)
+        refused, displaced = self._refusal(num_blocks, place=place, priority=priority)
         if refused is not None:
             self._on_refused(refused.reason)
             raise refused
-        waiter = _Waiter(num_blocks, asyncio.get_running_loop().create_future(), self._clock())
-        self._queue.append(waiter)
+        for lower in displaced:
+            self._displace(lower)
+        waiter = _Waiter(num_blocks, asyncio.get_running_loop().create_future(), self._clock(), priority)
+        self._queue.insert(place, waiter)
         self._queued_blocks += num_blocks
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), self.config.queue_timeout_s)
@@ -200,7 +214,7 @@ class Admission:
                 retry_after_s=retry_after_s(expected_wait_s(len(self._queue) + 1, self.mean_hold_s, self.capacity)),
             ) from None
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 waiter.future.result().release()  # admitted as the client left
             else:
                 self._leave(waiter)
@@ -211,21 +225,40 @@ class Admission:
         gateway may answer before it reads (parses, tokenizes) a request's body. A request of one block is the
         smallest, and the bounds only tighten with size, so one refused at one block is refused at any size. A
         refusal is counted as `acquire`'s are."""
-        if not self.config.admission_control or (not self._queue and fits(self.capacity, self.in_flight, 1)):
+        if (not self.config.admission_control or self.by_priority
+                or (not self._queue and fits(self.capacity, self.in_flight, 1))):
             return None
-        refused = self._refusal(1)
+        refused, _ = self._refusal(1, place=len(self._queue))
         if refused is not None:
             self._on_refused(refused.reason)
         return refused
 
     # -- internals -------------------------------------------------------------------------------------------
-    def _refusal(self, num_blocks: int) -> AdmissionRefused | None:
-        """Why a request of `num_blocks` that does not fit now may not wait either (429), else None."""
-        queued = Usage(num_requests=len(self._queue), num_blocks=self._queued_blocks)
-        wait_s = expected_wait_s(queued.num_requests + 1, self.mean_hold_s, self.capacity)
-        if may_queue(self.capacity, queued, num_blocks, max_queued_requests=self.config.max_queued_requests,
-                     wait_s=wait_s, queue_timeout_s=self.config.queue_timeout_s):
-            return None
+    def _place(self, priority: int) -> int:
+        """Where a request of `priority` joins the queue: at the back, or by priority behind its equals."""
+        if not self.by_priority:
+            return len(self._queue)
+        return bisect.bisect_right(self._queue, priority, key=lambda waiter: waiter.priority)
+
+    def _refusal(self, num_blocks: int, *, place: int, priority: int = 0) -> tuple[AdmissionRefused | None,
+                                                                                  list[_Waiter]]:
+        """Why a request of `num_blocks` that does not fit now may not wait either (429), else None and the
+        waiters it displaces to wait (by priority: the fewest lowest-ranked ones it outranks that make room).
+        `place`: where it would join the queue."""
+        queued = total = Usage(num_requests=len(self._queue), num_blocks=self._queued_blocks)
+        wait_s = expected_wait_s(place + 1, self.mean_hold_s, self.capacity)
+        displaced: list[_Waiter] = []
+        lower = reversed(self._queue) if self.by_priority else iter(())
+        while not may_queue(self.capacity, queued, num_blocks, max_queued_requests=self.config.max_queued_requests,
+                            wait_s=wait_s, queue_timeout_s=self.config.queue_timeout_s):
+            waiter = next(lower, None)
+            if waiter is None or waiter.priority <= priority:
+                return self._queue_full(total, wait_s), []
+            displaced.append(waiter)
+            queued = Usage(num_requests=queued.num_requests - 1, num_blocks=queued.num_blocks - waiter.num_blocks)
+        return None, displaced
+
+    def _queue_full(self, queued: Usage, wait_s: float) -> AdmissionRefused:
         return AdmissionRefused(
             "queue_full",
             f"the server is at capacity ({self.in_flight.num_requests} requests running, {queued.num_requests} "
@@ -246,6 +279,15 @@ class Admission:
         self.mean_hold_s = held_s if self.mean_hold_s == 0 else self.mean_hold_s + _HOLD_WEIGHT * (
             held_s - self.mean_hold_s)
         self._drain()
+
+    def _displace(self, waiter: _Waiter) -> None:
+        """Refuse a queued request whose place a higher priority takes."""
+        self._queue.remove(waiter)
+        self._queued_blocks -= waiter.num_blocks
+        self._on_refused("queue_full")
+        waiter.future.set_exception(AdmissionRefused(
+            "queue_full", "the queue is full and a request of higher priority took this one's place; retry later",
+            retry_after_s=retry_after_s(expected_wait_s(len(self._queue), self.mean_hold_s, self.capacity))))
 
     def _leave(self, waiter: _Waiter) -> None:
         if waiter in self._queue:

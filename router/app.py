@@ -109,7 +109,8 @@ def create_app(
         metrics.registry.register(PrefixIndexCollector(prefix_index.client))
     admission = Admission(config, role=config.target_role,
                           on_refused=lambda reason: metrics.admission_rejections.labels(reason=reason).inc(),
-                          on_admitted=metrics.admission_queue_time.observe)
+                          on_admitted=metrics.admission_queue_time.observe,
+                          by_priority=config.scheduling_policy == "priority")
     metrics.admission_queue_requests.set_function(lambda: admission.num_queued)
     metrics.admission_in_flight_requests.set_function(lambda: admission.in_flight.num_requests)
     registry.add_listener(lambda: admission.update(registry.loads()))
@@ -217,7 +218,7 @@ def create_app(
         if generation.max_new_tokens is not None:
             fitted = min(fitted, generation.max_new_tokens)
         params = to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs,
-                                    defaults=generation.sampling)
+                                    defaults=generation.sampling, scheduling_policy=config.scheduling_policy)
         job = GenerationJob(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                             prompt_token_ids=token_ids, params=params)
         truncated = len(token_ids) < len(whole)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from engine.request.generation_config import NONE as NO_GENERATION_DEFAULTS
 from engine.request.generation_config import GenerationDefaults
+from engine.request.sampling_params import SCHEDULING_POLICIES
 from router.config_checks import (
     AT_LEAST_ONE,
     AT_LEAST_ZERO,
@@ -144,6 +145,7 @@ class ServedEngine:
     block_size: int = 16
     max_model_len: int | None = None  # None: the checkpoint's context length
     mode: str = "disaggregated"  # or "colocated"
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: "priority" orders the gateway's queue too
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +164,8 @@ class RouterConfig(GatewayConfig):
     # "disaggregated": prefill + decode pools; "colocated": one pool runs both
     mode: str = checked(one_of(MODES), default="disaggregated")
     block_size: int = checked(POSITIVE, default=16)
+    # the workers' --scheduling-policy: "priority" admits the gateway's queue by request priority; "fcfs" takes only 0
+    scheduling_policy: str = checked(one_of(SCHEDULING_POLICIES), default="fcfs")
 
     def __post_init__(self) -> None:
         check_served_model_names(self.served_model_names)
@@ -169,14 +173,15 @@ class RouterConfig(GatewayConfig):
 
     @classmethod
     def serving(cls, gateway: GatewayConfig, *, served_model_names: tuple[str, ...], max_model_len: int,
-                mode: str, block_size: int,
+                mode: str, block_size: int, scheduling_policy: str = "fcfs",
                 generation_defaults: GenerationDefaults = NO_GENERATION_DEFAULTS) -> RouterConfig:
         """`gateway`'s settings, every one of them, for the model these name (the gateway's own names, if it has
         any, over `served_model_names`)."""
         settings = {f.name: getattr(gateway, f.name) for f in dataclasses.fields(GatewayConfig)}
         served_model_names = settings.pop("served_model_names") or served_model_names
         return cls(**settings, served_model_names=served_model_names, max_model_len=max_model_len, mode=mode,
-                   block_size=block_size, generation_defaults=generation_defaults)
+                   block_size=block_size, scheduling_policy=scheduling_policy,
+                   generation_defaults=generation_defaults)
 
     @property
     def target_role(self) -> str:

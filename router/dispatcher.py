@@ -297,7 +297,7 @@ class Dispatcher:
         cancelled meanwhile, it leaves the queue, or the call is cancelled and aborted."""
         num_blocks = num_blocks_needed(len(job.prompt_token_ids), self._config.block_size)
         try:
-            ticket = await self._admission.acquire(num_blocks)
+            ticket = await self._admission.acquire(num_blocks, job.params.priority)
         except AdmissionRefused as refused:
             tracker.failed(refused.reason)
             raise ApiError.from_refusal(refused) from None

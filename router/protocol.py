@@ -24,7 +24,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request.grammar_spec import GrammarSpec
-from engine.request.sampling_params import BODY_FIELDS, SamplingParams
+from engine.request.sampling_params import BODY_FIELDS, SamplingParams, check_priority
 from engine.request.wire import check_fits_wire
 from router.errors import ApiError, bad_request
 
@@ -71,6 +71,7 @@ class _SamplingFields(BaseModel):
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     prompt_logprobs: int | None = None  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: max_model_len)
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values are served first
     user: str | None = None
     # Structured outputs (router/structured.py): OpenAI's response_format, vLLM's guided fields and object.
     response_format: dict[str, object] | None = None
@@ -238,10 +239,12 @@ def num_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> i
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
     structured_outputs: GrammarSpec | None = None, defaults: Mapping[str, object] = MappingProxyType({}),
+    scheduling_policy: str = "fcfs",
 ) -> SamplingParams:
     """The workers' SamplingParams for `request`, generating at most `max_tokens` (already fitted to the context),
     its output following `structured_outputs` (router/structured.py, router/tools.py) when given; `defaults`: the
-    model's values of the fields the request leaves unset (engine/request/generation_config.py).
+    model's values of the fields the request leaves unset (engine/request/generation_config.py);
+    `scheduling_policy`: the workers' (a priority other than 0 needs "priority").
 
     Validated by the engine's `SamplingParams.validate()` and fit for the wire (`check_fits_wire`); a bad value is a
     400 naming the parameter.
@@ -264,6 +267,7 @@ def to_sampling_params(
     try:
         params.validate()
         check_fits_wire(params)
+        check_priority(params.priority, scheduling_policy)
     except ValueError as error:
         raise bad_request(str(error), _param_of(str(error), request)) from error
     return params

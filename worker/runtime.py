@@ -314,6 +314,7 @@ class WorkerRuntime:
             max_model_len=self.engine.max_model_len,
             kv_cache_dtype=self.engine.config.kv_cache_dtype,
             quantization=self.engine.config.quantization,
+            scheduling_policy=self.engine.config.scheduling_policy,
         )
 
     async def load_stats(self) -> serving_pb2.LoadStats:

@@ -29,6 +29,16 @@ Progress, always: a full pool can never leave requests holding blocks while no s
   the blocks that would free up for it.
 The blocks then still held are a reservation's, whose handoff commits (and so joins the queue) or is aborted.
 
+Priority (`policy="priority"`, vLLM's --scheduling-policy priority): every queue is kept in the order of each
+request's `(priority, arrival)`, lower first: the waiting queue, where a preempted request goes back to its place
+by that order, and the running list, whose last request is then the one a shortage preempts. The running requests
+that the head of the waiting queue outranks (a strictly lower priority value) are scheduled after its admission,
+so that their prompt chunks do not take the token budget first. And a waiting request that cannot start (the batch
+is full, or its blocks are not there) and outranks the last running request takes its place: that request is
+preempted (unscheduled from the step, had the step scheduled it) and the head admitted in the same step; nothing
+preempted in a step is admitted again in it. "fcfs" (the default) is arrival order, and a request's priority must
+be 0 (engine/input_processor.py refuses another).
+
 Async scheduling (engine/core/overlap.py): `schedule(in_flight=...)` builds the step after one whose output is not
 in yet, as if that step had run; `can_schedule_ahead` says when that is safe. Outputs then come in step order, each
 step's `update_from_output` after the one before it.
@@ -36,6 +46,7 @@ step's `update_from_output` after the one before it.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,6 +56,7 @@ from engine.core.fork import num_shared_blocks
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.overlap import finishes_with_in_flight_token, needs_host_tokens
 from engine.core.request import Request, RequestStatus
+from engine.request.sampling_params import SCHEDULING_POLICIES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,11 +64,14 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    policy: str = "fcfs"  # or "priority": see the module docstring
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
 @dataclass
@@ -120,13 +135,14 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # prefilled, blocks held for the KV handoff
         self.num_preemptions = 0
         self.head_blocked = False  # the last schedule could not get blocks for the head of the waiting queue
+        self.by_priority = config.policy == "priority"
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string, error): unqueue it and free its blocks. Idempotent.
@@ -165,23 +181,32 @@ class Scheduler:
         self.kv_cache.free(request)
         return True
 
-    def reserve_remote(self, request: Request) -> bool:
+    def reserve_remote(self, request: Request, *, preempt: bool = False) -> bool:
         """Allocate blocks for `request`'s prompt, whose KV will arrive from a prefill worker, and for the first token
         it decodes. The prompt's longest cached prefix here is taken as it is (shared, nothing to receive), and the
         blocks after it that the tier below holds are loaded: `kv_cache.num_cached_blocks` says how many leading
         blocks that is. False (and nothing changed) if the pool
-        cannot hold it now, or a waiting request is blocked on blocks (it goes first)."""
+        cannot hold it now, or a waiting request is blocked on blocks (it goes first, unless `request` outranks it).
+
+        `preempt` (priority policy; between steps only: a step in flight uses the running requests' blocks): when
+        the running requests `request` outranks hold enough blocks to make room, they give them up, lowest first."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.head_blocked and self.waiting:
+        if self.head_blocked and self.waiting and not self._outranks(request, self.waiting[0]):
             return False
         hits = self.kv_cache.cached_prefix(request)
         num_hit_tokens = len(hits) * self.kv_cache.block_size
         # Blocks after those that a tier below the device cache holds (--kv-offload-dir) are loaded here too, into
         # the blocks reserved for them: they need not travel either.
         num_loadable = self.kv_cache.num_loadable_blocks(request, len(hits))
-        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens + 1 - num_hit_tokens, hits):
-            return False
+        num_new = request.num_prompt_tokens + 1 - num_hit_tokens
+        if not self.kv_cache.allocate_slots(request, num_new, hits):
+            if not (preempt and self._preemption_makes_room(request, num_new, hits)):
+                return False
+            while not self.kv_cache.allocate_slots(request, num_new, hits):
+                if not self._outranks_last_running(request):  # the count was short: the rest keep their blocks
+                    return False
+                self._preempt(self.running[-1])
         if num_loadable:  # a lookup that hit the tier: counted as one (its hits are, by tier)
             self.kv_cache.prefix_queries_tokens += request.num_tokens
             self.kv_cache.load_blocks(request, len(hits), num_loadable)
@@ -199,8 +224,8 @@ class Scheduler:
         request.append_output_token(first_token_id)
         request.status = RequestStatus.WAITING
         request.kv_in_place = True
-        self.waiting.append(request)
-        self.waiting.extend(self._fork(request))
+        for queued in (request, *self._fork(request)):
+            self._enqueue(queued)
         status = self._token_stop_status(request, first_token_id)
         if status is not None:
             self.finish_request(request.request_id, status)
@@ -234,11 +259,28 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         ahead = {} if in_flight is None else in_flight.tokens_by_request()
+        # Priority: the running requests the head of the waiting queue outranks come after its admission, so that
+        # their prompt chunks cannot take the budget it needs (with fcfs, or no such head, all come first).
+        split = len(self.running)
+        if self.waiting and self.by_priority:
+            split = bisect.bisect_right(self.running, self.waiting[0].sampling_params.priority,
+                                        key=lambda r: r.sampling_params.priority)
+        first, then = self.running[:split], self.running[split:]
+        budget = self._schedule_running(out, first, budget, ahead, in_flight)
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget, may_preempt=in_flight is None)
+        budget = self._schedule_running(out, then, budget, ahead, in_flight)
+        self._schedule_drafts(out, budget)
+        return out
 
-        for request in list(self.running):
+    def _schedule_running(self, out: SchedulerOutput, requests: list[Request], budget: int,
+                          ahead: dict[str, tuple[int, bool]], in_flight: SchedulerOutput | None) -> int:
+        """Each of `requests` (running, in order) its next tokens within `budget`; returns the budget left. Without
+        a step in flight, one that cannot get its blocks preempts the last running request (itself, at worst)."""
+        for request in requests:
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             num_in_flight, placeholder = ahead.get(request.request_id, (0, False))
             if placeholder and finishes_with_in_flight_token(request, self.config.max_model_len):
@@ -249,7 +291,7 @@ class Scheduler:
                 continue
             if in_flight is not None:
                 if not self.kv_cache.allocate_slots(request, num_in_flight + num_new):
-                    break  # never with can_schedule_ahead: it counted these blocks
+                    break  # can_schedule_ahead counted these blocks; only a request admitted before it takes them
                 out.scheduled.append(self._scheduled(request, num_new, start=start, placeholder=placeholder))
                 budget -= num_new
                 continue
@@ -263,17 +305,15 @@ class Scheduler:
                 continue
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-
-        if not out.preempted:
-            budget = self._admit_waiting(out, budget)
-        self._schedule_drafts(out, budget)
-        return out
+        return budget
 
     def can_schedule_ahead(self, in_flight: SchedulerOutput) -> bool:
         """Whether the step after `in_flight` can be scheduled before its output is in (engine/core/overlap.py):
         no request it samples for and that goes on needs that token on the host, and every running request's next
         tokens fit in the free blocks (so `schedule(in_flight=...)` preempts nothing; counted without the token
         budget's cap, so never too few)."""
+        if self.priority_preemption_due():
+            return False
         ahead = in_flight.tokens_by_request()
         num_blocks = 0
         for request in self.running:
@@ -309,11 +349,19 @@ class Scheduler:
             item.block_ids = self.kv_cache.block_ids(request.request_id)
             budget -= num_drafts
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit from the head of the waiting queue; returns the budget left."""
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, *, may_preempt: bool = True) -> int:
+        """Admit from the head of the waiting queue; returns the budget left. `may_preempt` (priority policy): a
+        head that outranks the last running request may take its place (not while a step is in flight)."""
         self.head_blocked = False
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if request.request_id in out.preempted:  # it gave its place up in this very step
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                if not (may_preempt and self._outranks_last_running(request)):
+                    break
+                budget = self._preempt_scheduled(out, budget)
+                continue
             num_loadable = 0
             if request.kv_in_place:  # its prompt KV came from a prefill worker: blocks in place, no lookup
                 hits, num_hit_tokens = [], request.num_computed_tokens
@@ -324,6 +372,9 @@ class Scheduler:
             num_loadable_tokens = num_loadable * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_hit_tokens - num_loadable_tokens, budget)
             if not self._allocate_for_head(request, num_loadable_tokens + num_new, hits):
+                if may_preempt and self._outranks_last_running(request):
+                    budget = self._preempt_scheduled(out, budget)
+                    continue
                 self.head_blocked = True
                 break
             self.waiting.popleft()
@@ -340,10 +391,52 @@ class Scheduler:
                     request.num_cached_tokens = num_hit_tokens
             request.kv_in_place = False
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort_right(self.running, request, key=_rank)
+            else:
+                self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return budget
+
+    def _outranks(self, request: Request, other: Request) -> bool:
+        """Priority policy: whether `request` has a strictly lower priority value than `other`."""
+        return self.by_priority and request.sampling_params.priority < other.sampling_params.priority
+
+    def _outranks_last_running(self, request: Request) -> bool:
+        """Whether `request` outranks the last running request (the lowest ranked), which it may then displace."""
+        return bool(self.running) and self._outranks(request, self.running[-1])
+
+    def _preemption_makes_room(self, request: Request, num_new_tokens: int, hits: list) -> bool:
+        """Whether the free blocks and those only the running requests `request` outranks hold (a shared block
+        stays) make room for `num_new_tokens` after `hits`."""
+        size = self.kv_cache.block_size
+        num_needed = -(-(len(hits) * size + num_new_tokens) // size) - len(hits)
+        num_needed += sum(1 for block in hits if block.ref_cnt == 0)  # cached, free: a hit takes it off the list
+        freeable = sum(1 for victim in self.running if self._outranks(request, victim)
+                       for block_id in self.kv_cache.block_ids(victim.request_id)
+                       if self.kv_cache.pool.blocks[block_id].ref_cnt == 1)
+        return self.kv_cache.pool.num_free_blocks + freeable >= num_needed
+
+    def _preempt_scheduled(self, out: SchedulerOutput, budget: int) -> int:
+        """Preempt the last running request for a higher-priority head; if this step scheduled it, unschedule it
+        and give its tokens back to the budget. Returns the budget."""
+        victim = self.running[-1]
+        for i, item in enumerate(out.scheduled):
+            if item.request is victim:
+                budget += item.num_new_tokens
+                del out.scheduled[i]
+                break
+        self._preempt(victim)
+        out.preempted.append(victim.request_id)
+        return budget
+
+    def priority_preemption_due(self) -> bool:
+        """Whether the next synchronous schedule would preempt for the head of the waiting queue (priority
+        policy): it outranks the last running request and cannot start, the batch being full or its blocks not
+        there last time."""
+        return bool(self.waiting) and self._outranks_last_running(self.waiting[0]) and (
+            len(self.running) >= self.config.max_num_seqs or self.head_blocked)
 
     def _allocate_for_head(self, request: Request, num_new: int, hits: list) -> bool:
         """Blocks for the head of the waiting queue. When nothing runs (nothing will finish and free blocks), the
@@ -373,7 +466,19 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release_for_recompute(request)
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
+
+    def _enqueue(self, request: Request, *, front: bool = False) -> None:
+        """Into the waiting queue: at the back (`front`: the front, a preempted or forked request), or with the
+        priority policy at its place by `(priority, arrival)` (`front`: before the requests of the same rank)."""
+        if not self.by_priority:
+            if front:
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
+            return
+        place = bisect.bisect_left if front else bisect.bisect_right
+        self.waiting.insert(place(self.waiting, _rank(request), key=_rank), request)
 
     def _preempt_waiting(self, request: Request) -> None:
         """A waiting request with its KV in place gives its blocks up and keeps its place in the queue."""
@@ -436,7 +541,8 @@ class Scheduler:
                     break
             self.kv_cache.cache_blocks(request)
             if request.pending_forks:  # its prompt is computed: the other choices start, ahead of the queue
-                self.waiting.extendleft(reversed(self._fork(request)))
+                for child in reversed(self._fork(request)):
+                    self._enqueue(child, front=True)
             if status is not None:
                 self.finish_request(request.request_id, status)
             elif request.remote_decode:
@@ -483,3 +589,8 @@ class Scheduler:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """Where a request stands under the priority policy: lower first."""
+    return request.sampling_params.priority, request.times.arrival_s

@@ -67,6 +67,9 @@ class SamplingParams:
     # vLLM's: logprobs of the prompt's tokens (the first has none), top-k each
     prompt_logprobs: int | None = param(None)
     structured_outputs: GrammarSpec | None = param(None)  # the grammar every sampled token must follow
+    # Not the sampler's but the scheduler's (vLLM passes it beside the params; it travels with them here): with
+    # --scheduling-policy priority, lower values are admitted first and preempted last; fcfs takes only 0.
+    priority: int = param(0, body=True)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,8 +125,23 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if not -(2**31) <= self.priority < 2**31:
+            raise ValueError(f"priority must be in [-2**31, 2**31), got {self.priority}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+
+
+# vLLM's --scheduling-policy: "fcfs" admits in arrival order; "priority" by each request's priority (lower first),
+# then arrival, and preempts the lowest first (engine/core/scheduler.py).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """ValueError unless a request of `priority` may run under `scheduling_policy` (vLLM's rule: only "priority"
+    takes a priority other than 0)."""
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority {priority} needs --scheduling-policy priority; this engine schedules "
+                         f"{scheduling_policy} (arrival order), where every request's priority is 0")
 
 
 # The table's columns: the fields the OpenAI body carries under their own names; and each flag's field.

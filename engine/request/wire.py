@@ -32,6 +32,7 @@ from protos import serving_pb2
 FLOAT32_MAX = 3.4028234663852886e38  # a larger float becomes inf in a protobuf `float` field
 _INT_RANGES = {  # [low, high) of each integer field type; int64 takes uint64 values too, as two's complement
     FieldDescriptor.TYPE_INT32: (-(2**31), 2**31, "a 32-bit integer"),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31, "a 32-bit integer"),
     FieldDescriptor.TYPE_UINT32: (0, 2**32, "an unsigned 32-bit integer"),
     FieldDescriptor.TYPE_INT64: (-(2**63), 2**64, "a 64-bit integer"),
 }

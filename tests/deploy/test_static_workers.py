@@ -82,7 +82,9 @@ def test_the_workers_own_ids_and_incarnations_and_their_engine_are_taken() -> No
     assert served == ServedEngine(model="smollm2-135m", load_format="auto", block_size=16, max_model_len=1024,
                                   mode="disaggregated")
     _, served = check_workers(WorkerList(colocated=(C,)), {C: _health("c", "colocated", load_format="dummy")})
-    assert served.mode == "colocated" and served.load_format == "dummy"
+    assert served.mode == "colocated" and served.load_format == "dummy" and served.scheduling_policy == "fcfs"
+    _, served = check_workers(WorkerList(colocated=(C,)), {C: _health("c", "colocated", scheduling_policy="priority")})
+    assert served.scheduling_policy == "priority"  # the gateway's queue then goes by priority, and 400s none
 
 
 @pytest.mark.parametrize(
@@ -97,6 +99,8 @@ def test_the_workers_own_ids_and_incarnations_and_their_engine_are_taken() -> No
         (_health("decode-b", "decode", max_model_len=2048), "differ in max model len 1024 vs 2048"),
         (_health("decode-b", "decode", load_format="dummy"), "differ in load format 'auto' vs 'dummy'"),
         (_health("decode-b", "decode", kv_cache_dtype="int8"), "differ in KV cache dtype 'auto' vs 'int8'"),
+        (_health("decode-b", "decode", scheduling_policy="priority"),
+         "differ in scheduling policy 'fcfs' vs 'priority'"),
         (_health("prefill-a", "decode"), "worker id\\(s\\) prefill-a answer at more than one endpoint"),
         (serving_pb2.HealthResponse(ok=True, worker_id="old", role="decode"), "does not report its engine"),
     ],

@@ -106,7 +106,7 @@ class Index:
 
 
 class Admission:
-    async def acquire(self, num_blocks: int) -> Ticket:
+    async def acquire(self, num_blocks: int, priority: int = 0) -> Ticket:
         return Ticket(None, num_blocks, 0.0, 0.0)
 
 

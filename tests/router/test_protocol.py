@@ -80,12 +80,21 @@ def test_seeds_in_torchs_range_pass() -> None:
      ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [2**32]}, "stop_token_ids"),
      ({"seed": -(2**63) - 1}, "seed"), ({"temperature": float("nan")}, "temperature"),
      ({"temperature": 1e39}, "temperature"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
-     ({"top_k": 2**31}, "top_k"), ({"logit_bias": {"1": 101}}, "logit_bias")],
+     ({"top_k": 2**31}, "top_k"), ({"logit_bias": {"1": 101}}, "logit_bias"), ({"priority": 2**31}, "priority"),
+     ({"priority": 1}, "priority")],  # fcfs (the default policy) takes only priority 0
 )
 def test_validation_names_the_parameter(fields: dict, param: str) -> None:
     with pytest.raises(ApiError) as error:
         to_sampling_params(completion(**fields), max_tokens=16)
     assert error.value.status_code == 400 and error.value.param == param
+
+
+def test_a_priority_goes_to_the_workers_under_the_priority_policy() -> None:
+    assert to_sampling_params(chat(priority=-4), max_tokens=1, scheduling_policy="priority").priority == -4
+    assert to_sampling_params(completion(priority=0), max_tokens=1).priority == 0
+    with pytest.raises(ApiError, match="priority 3 needs --scheduling-policy priority") as error:
+        to_sampling_params(chat(priority=3), max_tokens=1, scheduling_policy="fcfs")
+    assert error.value.param == "priority"
 
 
 def test_chat_validation_names_chat_parameters() -> None:

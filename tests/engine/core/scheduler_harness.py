@@ -47,11 +47,13 @@ def make_scheduler(
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 8192,
     prefix_caching: bool = True,
+    policy: str = "fcfs",
 ) -> tuple[Scheduler, BlockPool]:
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, block_size=B, enable_prefix_caching=prefix_caching)
     config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        policy=policy,
     )
     return Scheduler(config, kv), pool
 

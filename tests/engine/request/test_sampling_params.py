@@ -69,6 +69,8 @@ def test_default_lists_are_not_shared() -> None:
         dict(logprobs=20),
         dict(stop=["a", "\n"]),
         dict(stop_token_ids=[0, 2]),
+        dict(priority=-(2**31)),
+        dict(priority=2**31 - 1),
     ],
     ids=repr,
 )
@@ -115,6 +117,7 @@ def test_boundary_values_are_valid(kwargs: dict) -> None:
         (dict(stop=""), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(stop_token_ids=[3, -5]), "stop_token_ids"),
+        (dict(priority=2**31), "priority"),
     ],
     ids=lambda v: v if isinstance(v, str) else repr(v),
 )

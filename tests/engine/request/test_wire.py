@@ -24,7 +24,7 @@ EVERY_FIELD = SamplingParams(
     n=3, best_of=5, temperature=0.5, top_p=0.75, top_k=7, min_p=0.25, repetition_penalty=1.5, presence_penalty=-1.0,
     frequency_penalty=1.0, seed=11, max_tokens=9, min_tokens=2, stop=["a", "b"], stop_token_ids=[3, 4],
     ignore_eos=True, include_stop_str_in_output=True, logprobs=3, skip_special_tokens=False, logit_bias={5: -2.5},
-    prompt_logprobs=2, structured_outputs=GrammarSpec(kind="regex", source="a+"),
+    prompt_logprobs=2, structured_outputs=GrammarSpec(kind="regex", source="a+"), priority=-3,
 )
 
 
@@ -66,7 +66,8 @@ def test_seeds_travel_as_int64() -> None:
     ("fields", "named"),
     [({"temperature": 1e39}, "temperature"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
      ({"top_k": 2**31}, "top_k"), ({"stop_token_ids": [1, 2**32]}, "stop_token_ids"),
-     ({"logit_bias": {2**32: 1.0}}, "logit_bias keys"), ({"max_tokens": -1}, "max_tokens")],
+     ({"logit_bias": {2**32: 1.0}}, "logit_bias keys"), ({"max_tokens": -1}, "max_tokens"),
+     ({"priority": -(2**31) - 1}, "priority")],
 )
 def test_values_the_wire_cannot_carry_are_refused_by_name(fields: dict, named: str) -> None:
     with pytest.raises(ValueError, match=f"^{named} must be"):
@@ -76,7 +77,8 @@ def test_values_the_wire_cannot_carry_are_refused_by_name(fields: dict, named: s
 def test_values_the_wire_carries_pass() -> None:
     check_fits_wire(EVERY_FIELD)
     check_fits_wire(SamplingParams(temperature=3.4e38, top_k=2**31 - 1, stop_token_ids=[2**32 - 1], seed=2**64 - 1,
-                                   max_tokens=None))
+                                   max_tokens=None, priority=2**31 - 1))
+    check_fits_wire(SamplingParams(priority=-(2**31)))
 
 
 def test_logprobs_travel_both_ways() -> None:

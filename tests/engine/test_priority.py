@@ -1,0 +1,69 @@
+"""Priority scheduling on a real engine (the tiny checkpoint): `LLM(scheduling_policy="priority")` and vLLM's
+`generate(..., priority=[...])` serve lower values first; a higher-priority arrival displaces a running request,
+which recomputes and still gives the same greedy tokens; FCFS refuses a priority; every block comes back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.request.sampling_params import SamplingParams
+from tests.engine.tiny_model import PROMPTS, TINY_ENGINE
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_generate_serves_lower_priorities_first_with_the_same_tokens(tiny_model_dir: Path) -> None:
+    from engine.llm import LLM
+
+    reference = [o.token_ids for o in LLM(model=str(tiny_model_dir), **TINY_ENGINE).generate(PROMPTS[:4], GREEDY)]
+    llm = LLM(model=str(tiny_model_dir), scheduling_policy="priority", **{**TINY_ENGINE, "max_num_seqs": 1})
+    outputs = llm.generate(PROMPTS[:4], GREEDY, priority=[3, 0, 2, -1])
+    assert [o.token_ids for o in outputs] == reference  # in input order, as without priorities
+    ttft = [o.stats.ttft_s for o in outputs]
+    assert sorted(range(4), key=ttft.__getitem__) == [3, 1, 2, 0]  # one at a time: lowest value first
+    assert llm.engine.block_pool.num_used_blocks == 0
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate(PROMPTS[:2], GREEDY, priority=[0])
+
+
+def test_fcfs_refuses_a_priority_before_queueing_anything(tiny_model_dir: Path) -> None:
+    from engine.llm import LLM
+
+    llm = LLM(model=str(tiny_model_dir), **TINY_ENGINE)
+    with pytest.raises(ValueError, match="priority 1 needs --scheduling-policy priority; this engine schedules fcfs"):
+        llm.generate(PROMPTS[:2], GREEDY, priority=[0, 1])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(PROMPTS[:1], GREEDY, priority=[0])[0].finish_reason == "length"  # 0 is every request's
+
+
+def test_an_urgent_arrival_displaces_a_running_request_which_recomputes_exactly(tiny_model_dir: Path) -> None:
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+
+    reference = [o.token_ids for o in LLM(model=str(tiny_model_dir), **TINY_ENGINE).generate(PROMPTS[:3], GREEDY)]
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), scheduling_policy="priority",
+                                    **{**TINY_ENGINE, "max_num_seqs": 2}))
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, priority=1))
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, priority=2))
+    tokens: dict[str, list[int]] = {"a": [], "b": [], "urgent": []}
+    stats = {}
+
+    def drain() -> None:
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                stats[out.request_id] = out.stats
+
+    for _ in range(3):
+        drain()
+    engine.add_request("urgent", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    drain()
+    assert engine.scheduler.num_preemptions == 1 and engine.scheduler.requests["b"].num_preemptions == 1
+    while engine.has_unfinished_requests():
+        drain()
+    assert [tokens["a"], tokens["b"], tokens["urgent"]] == reference
+    assert stats["urgent"].e2e_latency_s < stats["b"].e2e_latency_s and stats["b"].num_preemptions == 1
+    assert engine.block_pool.num_used_blocks == 0
