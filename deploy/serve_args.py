@@ -66,6 +66,15 @@ GATEWAY_FLAGS = (
     ConfigFlag("--disagg-prefill-threshold", "disagg_prefill_threshold_tokens",
                "tokens: a prompt of which the chosen decode worker lacks at most this many is prefilled there, "
                "with no KV handoff (0: always disaggregate)", type=int),
+    ConfigFlag("--enable-request-id-headers", "enable_request_id_headers",
+               "every response carries X-Request-Id: the request's own, or a fresh one (vLLM's flag)",
+               action="store_true"),
+    ConfigFlag("--return-tokens-as-token-ids", "return_tokens_as_token_ids",
+               "logprobs name each token \"token_id:<id>\" instead of its text, unless a request's "
+               "return_tokens_as_token_ids says otherwise (vLLM's flag)", action="store_true"),
+    ConfigFlag("--root-path", "root_path",
+               "the path prefix a path-routing proxy serves the API under, e.g. /llm (vLLM's flag; FastAPI's "
+               "root_path: /openapi.json names it, and paths with or without it are served)"),
     ConfigFlag("--kv-peer-fetch", "kv_peer_fetch",
                "with a prefix index: the worker running a prompt fetches the prompt's cached head from the worker "
                "holding it when the measured link and prefill rates price that below computing it, whatever the "

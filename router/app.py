@@ -63,6 +63,8 @@ from router.protocol import (
     num_logprobs,
     to_sampling_params,
 )
+from router.request_ids import HEADER as REQUEST_ID_HEADER
+from router.request_ids import RequestIdHeaders, response_id
 from router.responses import ResponseHeader
 from router.resumable_stream import ResumableStream
 from router.streaming import OutputSpec, collect_response, sse_events
@@ -154,6 +156,8 @@ def create_app(
     # /openapi.json: the request models' schema, for schema-driven clients and fuzzers; no HTML docs pages.
     app = FastAPI(title="splitserve router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
+    if config.root_path:  # as vLLM sets it: paths are served with the prefix and without (a proxy that strips it)
+        app.root_path = config.root_path
     app.add_middleware(BodyLimit, max_body_bytes=config.max_request_body_bytes)  # 413 before any parsing
     if config.admission_control:  # a full queue's 429 before the body is read (outside BodyLimit, which reads
         # it), after the API key's check
@@ -167,6 +171,8 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
                            allow_credentials=config.allow_credentials)
+    if config.enable_request_id_headers:  # outermost: a 401, 413 or 429 carries it too
+        app.add_middleware(RequestIdHeaders)
     install_error_handlers(app)
     app.state.metrics = metrics
     app.state.registry = registry
@@ -209,6 +215,8 @@ def create_app(
         """What both endpoints do with a checked request: tokenize its prompt (in a thread: it may be long), fit
         `max_tokens` (else `default_max_tokens`, else all that fits) to the context, and generate."""
         chat = isinstance(body, ChatCompletionRequest)
+        prefix = "chatcmpl" if chat else "cmpl"
+        public_id = response_id(prefix, raw.headers.get(REQUEST_ID_HEADER), body.request_id)
         whole = await asyncio.to_thread(prompt_token_ids)
         token_ids = truncate_prompt(whole, body.truncate_prompt_tokens, config.max_model_len)
         fitted = fit_max_tokens(max_tokens, default=default_max_tokens, num_prompt_tokens=len(token_ids),
@@ -219,10 +227,13 @@ def create_app(
             fitted = min(fitted, generation.max_new_tokens)
         params = to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs,
                                     defaults=generation.sampling, scheduling_policy=config.scheduling_policy)
-        job = GenerationJob(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        job = GenerationJob(request_id=f"{prefix}-{uuid.uuid4().hex}",
                             prompt_token_ids=token_ids, params=params)
         truncated = len(token_ids) < len(whole)
-        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat, truncated=truncated), tools=tools)
+        as_ids = body.return_tokens_as_token_ids
+        spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat, truncated=truncated,
+                                                response_id=public_id), tools=tools,
+                                   tokens_as_ids=config.return_tokens_as_token_ids if as_ids is None else as_ids)
         return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:
@@ -329,10 +340,11 @@ def create_app(
 
 def _output_spec(
     body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer, *, chat: bool,
-    truncated: bool = False,
+    response_id: str, truncated: bool = False,
 ) -> OutputSpec:
+    """`response_id`: the answer's `id` (router/request_ids.py), not the job's (the workers')."""
     return OutputSpec(
-        header=ResponseHeader(request_id=job.request_id, created=int(time.time()), model=body.model, chat=chat),
+        header=ResponseHeader(request_id=response_id, created=int(time.time()), model=body.model, chat=chat),
         tokenizer=tokenizer,
         num_logprobs=num_logprobs(body),
         include_usage=body.include_usage,

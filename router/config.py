@@ -121,6 +121,12 @@ class GatewayConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # vLLM's --enable-request-id-headers: every response carries X-Request-Id (router/request_ids.py)
+    enable_request_id_headers: bool = False
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:<id>", unless a request says otherwise
+    return_tokens_as_token_ids: bool = False
+    # vLLM's --root-path: the path prefix a path-routing proxy serves the API under (FastAPI's root_path; None: none)
+    root_path: str | None = None
 
     def __post_init__(self) -> None:
         check_served_model_names(self.served_model_names, allow_none=True)

@@ -72,6 +72,9 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: max_model_len)
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values are served first
+    request_id: str | None = None  # vLLM's: the response's id is "cmpl-<request_id>" (router/request_ids.py)
+    # vLLM's: logprobs name tokens "token_id:<id>" (None: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     user: str | None = None
     # Structured outputs (router/structured.py): OpenAI's response_format, vLLM's guided fields and object.
     response_format: dict[str, object] | None = None

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.request.stop_reason import StopReason
 from engine.request.wire import stop_reason_from_proto
@@ -187,8 +187,28 @@ def _chunk_head(header: ResponseHeader) -> dict[str, Any]:
 # -- logprobs ------------------------------------------------------------------------------------------------
 
 
+class TokenNames(Protocol):
+    """What names the tokens in logprobs: the tokenizer (their text), or TokenIdNames."""
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+
+    def decode_bytes(self, ids: Iterable[int], skip_special_tokens: bool = True) -> bytes: ...
+
+
+class TokenIdNames:
+    """vLLM's `--return-tokens-as-token-ids` (and its request field): a token in logprobs is "token_id:<id>", so
+    that a client gets the ids themselves, tokens that are no text of their own (a piece of a UTF-8 character)
+    included; its `bytes` in chat are those of that name, as vLLM's."""
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"token_id:{token_id}" for token_id in ids)
+
+    def decode_bytes(self, ids: Iterable[int], skip_special_tokens: bool = True) -> bytes:
+        return self.decode(ids).encode()
+
+
 def completion_logprobs(
-    entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Tokenizer, *, text_offset: int = 0
+    entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: TokenNames, *, text_offset: int = 0
 ) -> tuple[dict[str, Any], int]:
     """Completions' logprobs shape for `entries`, and the text offset after them (for the next chunk).
 
@@ -215,7 +235,7 @@ def completion_logprobs(
 
 
 def echo_logprobs(
-    prompt_token_ids: Sequence[int], entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Tokenizer
+    prompt_token_ids: Sequence[int], entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: TokenNames
 ) -> tuple[dict[str, Any], int]:
     """Completions' logprobs of an echoed prompt, as OpenAI writes them: the first prompt token has no logprob
     (null, and null top_logprobs); `entries` are the prompt logprobs of the tokens after it. Returns the body
@@ -250,7 +270,7 @@ def vllm_prompt_logprobs(
     return out
 
 
-def chat_logprobs(entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Tokenizer) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: TokenNames) -> dict[str, Any]:
     """Chat's logprobs shape: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
     "logprob", "bytes"}]}], "refusal": null}."""
     content = []
@@ -261,12 +281,12 @@ def chat_logprobs(entries: Sequence[serving_pb2.TokenLogprobs], tokenizer: Token
     return {"content": content, "refusal": None}
 
 
-def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+def token_text(tokenizer: TokenNames, token_id: int) -> str:
     """One token's text, special tokens spelled out (an EOS shows as its name, not as nothing)."""
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def _chat_token(tokenizer: TokenNames, token_id: int, logprob: float) -> dict[str, Any]:
     raw = tokenizer.decode_bytes([token_id], skip_special_tokens=False)
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob), "bytes": list(raw)}
 

@@ -29,6 +29,8 @@ from router.resumable_stream import ResumableStream
 from router.responses import (
     SSE_DONE,
     ResponseHeader,
+    TokenIdNames,
+    TokenNames,
     Usage,
     chat_logprobs,
     choice_body,
@@ -62,6 +64,12 @@ class OutputSpec:
     echo: str | None = None  # completions' echo: the prompt's text, written before each choice's
     prompt_token_ids: tuple[int, ...] = ()  # for echo's logprobs and prompt_logprobs
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: returned in the body
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+
+    @property
+    def token_names(self) -> TokenNames:
+        """What names the tokens in logprobs (router/responses.py)."""
+        return TokenIdNames() if self.tokens_as_ids else self.tokenizer
 
 
 @dataclass
@@ -113,7 +121,7 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
                           cached_tokens=usage.cached_tokens)
         echo_logprobs_body, echo_offset = None, 0
         if spec.echo is not None and spec.num_logprobs is not None:
-            echo_logprobs_body, echo_offset = echo_logprobs(spec.prompt_token_ids, prompt_entries, spec.tokenizer)
+            echo_logprobs_body, echo_offset = echo_logprobs(spec.prompt_token_ids, prompt_entries, spec.token_names)
         bodies = []
         for index, choice in enumerate(selected):
             logprobs = None
@@ -167,7 +175,7 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
                     text = spec.echo + text
                     if spec.num_logprobs is not None:
                         echo_body, text_offsets[index] = echo_logprobs(spec.prompt_token_ids, prompt_entries,
-                                                                       spec.tokenizer)
+                                                                       spec.token_names)
             if spec.num_logprobs is not None and message.logprobs:
                 logprobs, text_offsets[index] = _logprobs(message.logprobs, spec, text_offsets[index])
             if echo_body is not None:
@@ -221,8 +229,8 @@ def _logprobs(
     entries: list[serving_pb2.TokenLogprobs] | Any, spec: OutputSpec, text_offset: int
 ) -> tuple[dict[str, Any], int]:
     if spec.header.chat:
-        return chat_logprobs(entries, spec.tokenizer), text_offset
-    return completion_logprobs(entries, spec.tokenizer, text_offset=text_offset)
+        return chat_logprobs(entries, spec.token_names), text_offset
+    return completion_logprobs(entries, spec.token_names, text_offset=text_offset)
 
 
 def _usage(stream: ResumableStream) -> Usage:

@@ -1,0 +1,102 @@
+"""vLLM's gateway flags and request fields of this file: request ids (the response's `id` from the X-Request-Id
+header or the body's `request_id`, the workers' id the gateway's own whatever the client sent;
+`--enable-request-id-headers` putting X-Request-Id on every response), `--root-path` for a path-routing proxy, and
+`--return-tokens-as-token-ids` (and its request field) naming logprobs' tokens by id."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from engine.tokenizer.tokenizer import Tokenizer
+from router.errors import ApiError
+from router.request_ids import response_id
+from router.server import RouterServer
+from tests.router.conftest import MODEL, info_of, serve_router, sse_payloads
+from tests.router.fake_worker import FakeWorker
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
+
+
+def test_the_header_then_the_body_then_a_fresh_id() -> None:
+    assert response_id("cmpl", "from-header", "from-body") == "cmpl-from-header"
+    assert response_id("chatcmpl", None, "from-body") == "chatcmpl-from-body"
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", response_id("cmpl", None, None))
+    for bad in ("", "x" * 257, "tab\there", "é"):
+        with pytest.raises(ApiError, match="1 to 256 printable ASCII characters"):
+            response_id("cmpl", None, bad)
+
+
+@pytest.fixture
+def serve(fakes: dict[str, FakeWorker], tokenizer: Tokenizer) -> Iterator:
+    servers: list[RouterServer] = []
+
+    def start(**config: object) -> httpx.Client:
+        for worker in fakes.values():
+            worker.reset()
+        server = serve_router([info_of(fakes["prefill-0"]), info_of(fakes["decode-0"])], tokenizer, **config)
+        servers.append(server)
+        return httpx.Client(base_url=server.url, timeout=30.0)
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_the_response_id_is_the_clients_and_the_workers_id_is_not(serve, fakes) -> None:  # type: ignore[no-untyped-def]
+    client = serve()
+    answer = client.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "trace-7"})
+    assert answer.status_code == 200 and answer.json()["id"] == "cmpl-trace-7"
+    assert "x-request-id" not in answer.headers  # the flag is off
+    assert client.post("/v1/chat/completions", json={**CHAT, "request_id": "mine"}).json()["id"] == "chatcmpl-mine"
+    streamed = client.post("/v1/chat/completions", json={**CHAT, "request_id": "mine", "stream": True})
+    assert {chunk["id"] for chunk in sse_payloads(streamed.text) if isinstance(chunk, dict)} == {"chatcmpl-mine"}
+    # Two clients may send the same id; the workers never see it.
+    worker_ids = [request.request_id for request in fakes["decode-0"].requests]
+    assert len(set(worker_ids)) == 3 and not any("trace-7" in rid or "mine" in rid for rid in worker_ids)
+    refused = client.post("/v1/completions", json={**COMPLETION, "request_id": "x" * 300})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id"
+
+
+def test_every_response_carries_x_request_id_with_the_flag(serve) -> None:  # type: ignore[no-untyped-def]
+    client = serve(enable_request_id_headers=True)
+    answer = client.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "trace-8"})
+    assert answer.headers["x-request-id"] == "trace-8" and answer.json()["id"] == "cmpl-trace-8"
+    fresh = client.post("/v1/completions", json=COMPLETION)
+    assert re.fullmatch(r"[0-9a-f]{32}", fresh.headers["x-request-id"])
+    assert fresh.json()["id"] == f"cmpl-{fresh.headers['x-request-id']}"  # the header and the id agree
+    unknown = client.post("/v1/completions", json={**COMPLETION, "model": "nope"})
+    assert unknown.status_code == 404 and re.fullmatch(r"[0-9a-f]{32}", unknown.headers["x-request-id"])
+    assert client.get("/health").headers["x-request-id"]
+
+
+def test_the_root_path_is_named_and_both_paths_serve(serve) -> None:  # type: ignore[no-untyped-def]
+    client = serve(root_path="/llm")
+    assert json.loads(client.get("/openapi.json").text)["servers"] == [{"url": "/llm"}]
+    assert client.get("/llm/v1/models").json()["data"][0]["id"] == MODEL
+    assert client.get("/v1/models").status_code == 200  # a proxy that strips the prefix
+
+
+def test_logprobs_name_tokens_by_id_with_the_flag_or_the_field(serve) -> None:  # type: ignore[no-untyped-def]
+    client = serve(return_tokens_as_token_ids=True)
+    body = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2, "logprobs": 2}).json()
+    assert body["choices"][0]["logprobs"]["tokens"] == ["token_id:75", "token_id:104"]  # "H", "e"
+    assert body["choices"][0]["logprobs"]["top_logprobs"][0] == {"token_id:75": -0.25, "token_id:66": -1.5}
+    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 11]  # as vLLM: the names' lengths
+    chat = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 1}).json()
+    first = chat["choices"][0]["logprobs"]["content"][0]
+    assert first == {"token": "token_id:75", "logprob": -0.25, "bytes": list(b"token_id:75"),
+                     "top_logprobs": [{"token": "token_id:75", "logprob": -0.25, "bytes": list(b"token_id:75")}]}
+    assert chat["choices"][0]["message"]["content"] == "He"  # the text itself is text
+    off = client.post("/v1/completions", json={**COMPLETION, "logprobs": 0, "return_tokens_as_token_ids": False})
+    assert off.json()["choices"][0]["logprobs"]["tokens"] == ["H", "e"]
+    streamed = serve().post("/v1/completions", json={**COMPLETION, "logprobs": 0, "stream": True,
+                                                     "return_tokens_as_token_ids": True})
+    tokens = [chunk["choices"][0]["logprobs"]["tokens"] for chunk in sse_payloads(streamed.text)
+              if isinstance(chunk, dict) and chunk["choices"] and chunk["choices"][0]["logprobs"]]
+    assert tokens == [["token_id:75"], ["token_id:104"]]
