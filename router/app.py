@@ -216,7 +216,8 @@ def create_app(
         `max_tokens` (else `default_max_tokens`, else all that fits) to the context, and generate."""
         chat = isinstance(body, ChatCompletionRequest)
         prefix = "chatcmpl" if chat else "cmpl"
-        public_id = response_id(prefix, raw.headers.get(REQUEST_ID_HEADER), body.request_id)
+        workers_id = f"{prefix}-{uuid.uuid4().hex}"
+        public_id = response_id(prefix, raw.headers.get(REQUEST_ID_HEADER), body.request_id, workers_id=workers_id)
         whole = await asyncio.to_thread(prompt_token_ids)
         token_ids = truncate_prompt(whole, body.truncate_prompt_tokens, config.max_model_len)
         fitted = fit_max_tokens(max_tokens, default=default_max_tokens, num_prompt_tokens=len(token_ids),
@@ -227,13 +228,14 @@ def create_app(
             fitted = min(fitted, generation.max_new_tokens)
         params = to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs,
                                     defaults=generation.sampling, scheduling_policy=config.scheduling_policy)
-        job = GenerationJob(request_id=f"{prefix}-{uuid.uuid4().hex}",
+        job = GenerationJob(request_id=workers_id,
                             prompt_token_ids=token_ids, params=params)
         truncated = len(token_ids) < len(whole)
         as_ids = body.return_tokens_as_token_ids
         spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat, truncated=truncated,
                                                 response_id=public_id), tools=tools,
-                                   tokens_as_ids=config.return_tokens_as_token_ids if as_ids is None else as_ids)
+                                   tokens_as_ids=config.return_tokens_as_token_ids if as_ids is None else as_ids,
+                                   return_token_ids=body.return_token_ids)
         return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:

@@ -75,6 +75,7 @@ class _SamplingFields(BaseModel):
     request_id: str | None = None  # vLLM's: the response's id is "cmpl-<request_id>" (router/request_ids.py)
     # vLLM's: logprobs name tokens "token_id:<id>" (None: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool = False  # vLLM's: the answer carries the prompt's token ids and each choice's
     user: str | None = None
     # Structured outputs (router/structured.py): OpenAI's response_format, vLLM's guided fields and object.
     response_format: dict[str, object] | None = None

@@ -1,11 +1,11 @@
 """A response's id, and vLLM's `--enable-request-id-headers`. Torch-free.
 
     the response's `id`     "cmpl-<id>" / "chatcmpl-<id>": <id> is the request's X-Request-Id header, else its body's
-                            `request_id` (vLLM's field), else a fresh uuid4 (hex); as vLLM names it
+                            `request_id` (vLLM's field), as vLLM names it; else the id the workers got
     X-Request-Id header     with --enable-request-id-headers, on every response (errors too): the request's own, or
                             a fresh one, which the request then carries on (so the header and the `id` agree)
 
-The id the workers see is the gateway's own (a fresh uuid each request, whatever the client sent): two clients
+The id the workers see is the gateway's own ("cmpl-" and a fresh uuid4, whatever the client sent): two clients
 that send the same id must not meet inside a worker, where ids are unique. A client's id must be printable ASCII
 of at most MAX_REQUEST_ID_CHARS characters (a 400 otherwise), since it goes back in a header.
 """
@@ -23,7 +23,7 @@ HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 256
 
 
-def response_id(prefix: str, header_id: str | None, body_id: str | None) -> str:
+def response_id(prefix: str, header_id: str | None, body_id: str | None, *, workers_id: str) -> str:
     """The response's `id` (see the module docstring); a 400 for a client id that is not printable ASCII or too
     long."""
     for value, param in ((header_id, HEADER), (body_id, "request_id")):
@@ -32,7 +32,7 @@ def response_id(prefix: str, header_id: str | None, body_id: str | None) -> str:
                 raise bad_request(f"{param} must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters, got "
                                   f"{value!r:.60}", "request_id" if param == "request_id" else None)
             return f"{prefix}-{value}"
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return workers_id
 
 
 class RequestIdHeaders:

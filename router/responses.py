@@ -98,9 +98,10 @@ def choice_body(
     stop_reason: str | int | None,
     logprobs: dict[str, Any] | None,
     tool_calls: list[dict[str, Any]] | None = None,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One choice of a non-streaming body; chat's message carries `tool_calls` when given (then `text` may be
-    None)."""
+    None); `token_ids` (vLLM's return_token_ids): the choice's generated token ids."""
     choice: dict[str, Any] = {"index": index}
     if header.chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -109,15 +110,18 @@ def choice_body(
     else:
         choice["text"] = text
     choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return choice
 
 
 def choices_response_body(
     header: ResponseHeader, choices: list[dict[str, Any]], usage: Usage,
-    prompt_logprobs: list[dict[str, Any] | None] | None = None,
+    prompt_logprobs: list[dict[str, Any] | None] | None = None, *, prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming body of a completion or chat completion (n choices). vLLM's `prompt_logprobs`, when
-    asked for: on each choice of a completion, on the body of a chat completion (where vLLM puts them)."""
+    """The non-streaming body of a completion or chat completion (n choices). vLLM's `prompt_logprobs` and
+    `prompt_token_ids` (return_token_ids), when asked for: on each choice of a completion, on the body of a chat
+    completion (where vLLM puts them)."""
     body = {
         "id": header.request_id,
         "object": "chat.completion" if header.chat else "text_completion",
@@ -126,12 +130,13 @@ def choices_response_body(
         "choices": choices,
         "usage": usage.body(),
     }
-    if prompt_logprobs is not None:
-        if header.chat:
-            body["prompt_logprobs"] = prompt_logprobs
-        else:
-            for choice in choices:
-                choice["prompt_logprobs"] = prompt_logprobs
+    for name, value in (("prompt_logprobs", prompt_logprobs), ("prompt_token_ids", prompt_token_ids)):
+        if value is not None:
+            if header.chat:
+                body[name] = value
+            else:
+                for choice in choices:
+                    choice[name] = value
     return body
 
 
@@ -146,9 +151,12 @@ def chunk_body(
     role: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
     index: int = 0,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One stream chunk of choice `index`. Chat: `role` makes the opening delta {"role": "assistant",
-    "content": ""}; `tool_calls` are tool-call deltas (router/tools.py)."""
+    "content": ""}; `tool_calls` are tool-call deltas (router/tools.py). vLLM's return_token_ids: the chunk's
+    `token_ids`, and `prompt_token_ids` (on the choice in a completion, on the body in chat)."""
     choice: dict[str, Any] = {"index": index}
     if header.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -160,7 +168,11 @@ def chunk_body(
     else:
         choice["text"] = text or ""
     choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     body = _chunk_head(header)
+    if prompt_token_ids is not None:
+        (body if header.chat else choice)["prompt_token_ids"] = prompt_token_ids
     body["choices"] = [choice]
     if include_usage:
         body["usage"] = None

@@ -65,6 +65,7 @@ class OutputSpec:
     prompt_token_ids: tuple[int, ...] = ()  # for echo's logprobs and prompt_logprobs
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: returned in the body
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    return_token_ids: bool = False  # vLLM's return_token_ids: the prompt's token ids and each choice's, given back
 
     @property
     def token_names(self) -> TokenNames:
@@ -78,9 +79,13 @@ class _Choice:
 
     texts: list[str] = field(default_factory=list)
     entries: list[serving_pb2.TokenLogprobs] = field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     stop_reason: StopReason = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -110,7 +115,7 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
             choice = choices.setdefault(message.index, _Choice())
             choice.texts.append(message.text_delta)
             choice.entries.extend(message.logprobs)
-            choice.num_tokens += len(message.token_ids)
+            choice.token_ids.extend(message.token_ids)
             if message.finish_reason:
                 choice.finish_reason, choice.stop_reason = message.finish_reason, openai_stop_reason(message)
                 num_left -= 1
@@ -136,9 +141,11 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
                 finish_reason = _tool_finish_reason(finish_reason, bool(tool_calls))
             bodies.append(choice_body(
                 spec.header, index=index, text=text, tool_calls=tool_calls, finish_reason=finish_reason,
-                stop_reason=choice.stop_reason, logprobs=logprobs))
+                stop_reason=choice.stop_reason, logprobs=logprobs,
+                token_ids=choice.token_ids if spec.return_token_ids else None))
         prompt_logprobs = vllm_prompt_logprobs(prompt_entries, spec.tokenizer) if spec.prompt_logprobs else None
-        return choices_response_body(spec.header, bodies, usage, prompt_logprobs)
+        prompt_ids = list(spec.prompt_token_ids) if spec.return_token_ids else None
+        return choices_response_body(spec.header, bodies, usage, prompt_logprobs, prompt_token_ids=prompt_ids)
     finally:
         stream.close()
 
@@ -148,11 +155,17 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
     never iterated (see app.py's response class). n > 1: each chunk names its choice's `index`; an echoed
     prompt opens each choice's first chunk."""
     header = spec.header
+    prompt_ids = list(spec.prompt_token_ids) if spec.return_token_ids else None
+    pending_ids: dict[int, list[int]] = {}  # return_token_ids: per choice, the token ids no chunk carried yet
+
+    def take_ids(index: int) -> list[int] | None:
+        return pending_ids.pop(index, []) if spec.return_token_ids else None
+
     try:
-        if header.chat:
+        if header.chat:  # the prompt's ids on the first chunk, as vLLM's
             for index in range(spec.num_choices):
                 yield sse_event(chunk_body(header, text=None, role=True, include_usage=spec.include_usage,
-                                           index=index))
+                                           index=index, prompt_token_ids=prompt_ids if index == 0 else None))
         text_offsets: dict[int, int] = {}  # per choice; a choice not in it has not had a chunk yet
         prompt_entries: list[serving_pb2.TokenLogprobs] = []
         num_left = spec.num_choices
@@ -169,7 +182,10 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
             text = message.text_delta
             logprobs = None
             echo_body = None
+            pending_ids.setdefault(index, []).extend(message.token_ids)
+            first_ids = None  # a completion choice's first chunk carries the prompt's ids
             if index not in text_offsets:
+                first_ids = None if header.chat else prompt_ids
                 text_offsets[index] = 0
                 if spec.echo is not None:
                     text = spec.echo + text
@@ -187,16 +203,19 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
             if parser is not None:  # the text becomes content and tool-call deltas
                 for piece in parser.feed(text) + (parser.finish() if finish_reason else []):
                     yield sse_event(chunk_body(header, text=piece.get("content"), tool_calls=piece.get("tool_calls"),
-                                               include_usage=spec.include_usage, index=index))
+                                               include_usage=spec.include_usage, index=index,
+                                               token_ids=take_ids(index)))
                 if finish_reason is not None:
                     finish_reason = _tool_finish_reason(finish_reason, bool(parser.calls))
                 if logprobs is not None or finish_reason is not None:
                     yield sse_event(chunk_body(header, text=None, finish_reason=finish_reason, logprobs=logprobs,
-                                               include_usage=spec.include_usage, index=index))
+                                               include_usage=spec.include_usage, index=index,
+                                               token_ids=take_ids(index)))
             elif text or logprobs is not None or finish_reason is not None:
                 yield sse_event(chunk_body(header, text=text, finish_reason=finish_reason,
                                            stop_reason=openai_stop_reason(message), logprobs=logprobs,
-                                           include_usage=spec.include_usage, index=index))
+                                           include_usage=spec.include_usage, index=index,
+                                           token_ids=take_ids(index), prompt_token_ids=first_ids))
             if finish_reason is not None:
                 num_left -= 1
                 if not num_left and spec.include_usage:

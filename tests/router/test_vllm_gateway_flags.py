@@ -23,13 +23,13 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
 
 
-def test_the_header_then_the_body_then_a_fresh_id() -> None:
-    assert response_id("cmpl", "from-header", "from-body") == "cmpl-from-header"
-    assert response_id("chatcmpl", None, "from-body") == "chatcmpl-from-body"
-    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", response_id("cmpl", None, None))
+def test_the_header_then_the_body_then_the_workers_id() -> None:
+    assert response_id("cmpl", "from-header", "from-body", workers_id="cmpl-w") == "cmpl-from-header"
+    assert response_id("chatcmpl", None, "from-body", workers_id="chatcmpl-w") == "chatcmpl-from-body"
+    assert response_id("cmpl", None, None, workers_id="cmpl-w") == "cmpl-w"
     for bad in ("", "x" * 257, "tab\there", "é"):
         with pytest.raises(ApiError, match="1 to 256 printable ASCII characters"):
-            response_id("cmpl", None, bad)
+            response_id("cmpl", None, bad, workers_id="cmpl-w")
 
 
 @pytest.fixture
@@ -100,3 +100,23 @@ def test_logprobs_name_tokens_by_id_with_the_flag_or_the_field(serve) -> None:  
     tokens = [chunk["choices"][0]["logprobs"]["tokens"] for chunk in sse_payloads(streamed.text)
               if isinstance(chunk, dict) and chunk["choices"] and chunk["choices"][0]["logprobs"]]
     assert tokens == [["token_id:75"], ["token_id:104"]]
+
+
+def test_return_token_ids_gives_the_prompts_ids_and_each_choices(serve, fakes) -> None:  # type: ignore[no-untyped-def]
+    client = serve()
+    decode = fakes["decode-0"]
+    plain = client.post("/v1/completions", json=COMPLETION).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    body = client.post("/v1/completions", json={**COMPLETION, "return_token_ids": True}).json()
+    prompt_ids = list(decode.requests[-1].prompt_token_ids)
+    assert body["choices"][0]["token_ids"] == [75, 104] and body["choices"][0]["prompt_token_ids"] == prompt_ids
+    chat = client.post("/v1/chat/completions", json={**CHAT, "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] == list(decode.requests[-1].prompt_token_ids)  # on the body, as vLLM's
+    assert chat["choices"][0]["token_ids"] == [75, 104]
+    for path, request, where in (("/v1/completions", COMPLETION, "choice"), ("/v1/chat/completions", CHAT, "body")):
+        streamed = client.post(path, json={**request, "return_token_ids": True, "stream": True})
+        chunks = [chunk for chunk in sse_payloads(streamed.text) if isinstance(chunk, dict)]
+        first = chunks[0] if where == "body" else chunks[0]["choices"][0]
+        assert first["prompt_token_ids"] == list(decode.requests[-1].prompt_token_ids)  # once, on the first
+        assert sum("prompt_token_ids" in (c if where == "body" else c["choices"][0]) for c in chunks) == 1
+        assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == [75, 104]
