@@ -350,6 +350,7 @@ def _output_spec(
         tokenizer=tokenizer,
         num_logprobs=num_logprobs(body),
         include_usage=body.include_usage,
+        continuous_usage=body.include_usage and body.stream_options.continuous_usage_stats,
         n=body.n,
         num_choices=job.params.num_sequences,
         echo=_echo_text(body, job, tokenizer, truncated),

@@ -6,8 +6,9 @@
                   "choices": [{"index": 0, "message": {"role": "assistant", "content"}, "logprobs",
                                "finish_reason", "stop_reason"}], "usage"}
     chunks       the same with "object": "text_completion" / "chat.completion.chunk", "text" / "delta", and
-                 "usage": null on every chunk when the client asked for stream_options.include_usage, whose
-                 final chunk then has "choices": [] and the usage.
+                 "usage": null on every chunk when the client asked for stream_options.include_usage (with
+                 vLLM's continuous_usage_stats, the usage so far), whose final chunk then has "choices": [] and
+                 the usage.
 
 `stop_reason` is vLLM's extension: the stop string (str) or stop token id (int) that ended the request, null
 for EOS or length. Logprobs below -9999 (and -inf) are written as -9999.0, as vLLM does, since JSON has no -inf.
@@ -148,6 +149,7 @@ def chunk_body(
     stop_reason: str | int | None = None,
     logprobs: dict[str, Any] | None = None,
     include_usage: bool = False,
+    usage: Usage | None = None,
     role: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
     index: int = 0,
@@ -155,7 +157,8 @@ def chunk_body(
     prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One stream chunk of choice `index`. Chat: `role` makes the opening delta {"role": "assistant",
-    "content": ""}; `tool_calls` are tool-call deltas (router/tools.py). vLLM's return_token_ids: the chunk's
+    "content": ""}; `tool_calls` are tool-call deltas (router/tools.py). `include_usage`: the chunk's "usage" is
+    null, or `usage` (vLLM's continuous_usage_stats). vLLM's return_token_ids: the chunk's
     `token_ids`, and `prompt_token_ids` (on the choice in a completion, on the body in chat)."""
     choice: dict[str, Any] = {"index": index}
     if header.chat:
@@ -175,7 +178,7 @@ def chunk_body(
         (body if header.chat else choice)["prompt_token_ids"] = prompt_token_ids
     body["choices"] = [choice]
     if include_usage:
-        body["usage"] = None
+        body["usage"] = None if usage is None else usage.body()
     return body
 
 

@@ -58,6 +58,7 @@ class OutputSpec:
     tokenizer: Tokenizer
     num_logprobs: int | None  # None: no logprobs
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far on every chunk
     tools: ToolPlan | None = None  # chat with tools: the output becomes content and tool_calls (router/tools.py)
     n: int = 1  # choices returned
     num_choices: int = 1  # sequences the stream carries: best_of (the n best are returned), else n
@@ -158,14 +159,17 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
     prompt_ids = list(spec.prompt_token_ids) if spec.return_token_ids else None
     pending_ids: dict[int, list[int]] = {}  # return_token_ids: per choice, the token ids no chunk carried yet
 
-    def take_ids(index: int) -> list[int] | None:
-        return pending_ids.pop(index, []) if spec.return_token_ids else None
+    def chunk(index: int, **fields: Any) -> str:
+        """Choice `index`'s chunk with `fields`, the token ids it carries (return_token_ids) and the usage so far
+        (continuous_usage_stats)."""
+        return sse_event(chunk_body(header, index=index, include_usage=spec.include_usage,
+                                    usage=_usage(stream) if spec.continuous_usage else None,
+                                    token_ids=pending_ids.pop(index, []) if spec.return_token_ids else None, **fields))
 
     try:
         if header.chat:  # the prompt's ids on the first chunk, as vLLM's
             for index in range(spec.num_choices):
-                yield sse_event(chunk_body(header, text=None, role=True, include_usage=spec.include_usage,
-                                           index=index, prompt_token_ids=prompt_ids if index == 0 else None))
+                yield chunk(index, text=None, role=True, prompt_token_ids=prompt_ids if index == 0 else None)
         text_offsets: dict[int, int] = {}  # per choice; a choice not in it has not had a chunk yet
         prompt_entries: list[serving_pb2.TokenLogprobs] = []
         num_left = spec.num_choices
@@ -202,20 +206,14 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
             parser = parsers.get(index)
             if parser is not None:  # the text becomes content and tool-call deltas
                 for piece in parser.feed(text) + (parser.finish() if finish_reason else []):
-                    yield sse_event(chunk_body(header, text=piece.get("content"), tool_calls=piece.get("tool_calls"),
-                                               include_usage=spec.include_usage, index=index,
-                                               token_ids=take_ids(index)))
+                    yield chunk(index, text=piece.get("content"), tool_calls=piece.get("tool_calls"))
                 if finish_reason is not None:
                     finish_reason = _tool_finish_reason(finish_reason, bool(parser.calls))
                 if logprobs is not None or finish_reason is not None:
-                    yield sse_event(chunk_body(header, text=None, finish_reason=finish_reason, logprobs=logprobs,
-                                               include_usage=spec.include_usage, index=index,
-                                               token_ids=take_ids(index)))
+                    yield chunk(index, text=None, finish_reason=finish_reason, logprobs=logprobs)
             elif text or logprobs is not None or finish_reason is not None:
-                yield sse_event(chunk_body(header, text=text, finish_reason=finish_reason,
-                                           stop_reason=openai_stop_reason(message), logprobs=logprobs,
-                                           include_usage=spec.include_usage, index=index,
-                                           token_ids=take_ids(index), prompt_token_ids=first_ids))
+                yield chunk(index, text=text, finish_reason=finish_reason, stop_reason=openai_stop_reason(message),
+                            logprobs=logprobs, prompt_token_ids=first_ids)
             if finish_reason is not None:
                 num_left -= 1
                 if not num_left and spec.include_usage:

@@ -120,6 +120,24 @@ def test_chat_stream(cluster: Cluster) -> None:
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 3
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(cluster: Cluster) -> None:
+    response = cluster.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *chunks, usage_chunk, done = sse_payloads(response.text)
+    usages = [chunk["usage"] for chunk in chunks]
+    prompt_tokens = usage_chunk["usage"]["prompt_tokens"]
+    assert prompt_tokens > 0 and {u["prompt_tokens"] for u in usages} == {prompt_tokens}
+    # the role chunk goes once the first token is out (the gateway waits for it), then one chunk per token
+    assert [u["completion_tokens"] for u in usages] == [1, 1, 2, 3]
+    assert all(u["total_tokens"] == prompt_tokens + u["completion_tokens"] for u in usages)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 3
+    plain = cluster.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert {chunk["usage"] is None for chunk in sse_payloads(plain.text)[:-2]} == {True}
+
+
 def test_completion_logprobs(cluster: Cluster) -> None:
     body = cluster.client.post("/v1/completions", json={
         "model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 2}).json()
