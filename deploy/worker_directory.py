@@ -103,9 +103,13 @@ def build_cluster_gateway_app(config: GatewayConfig, controller: ControllerConfi
     """The gateway app for the workers of `controller` (loads the tokenizer), and its access control (None: /v1/*
     open): the engine they run from the controller's config, their cluster secret on every call, `redis_url` the
     prefix index (None: routing by load), and `directory` what the admin API and the autoscaler resize."""
-    served = ServedEngine(model=controller.engine.model, load_format=controller.engine.load_format,
-                          block_size=controller.engine.block_size, max_model_len=controller.engine.max_model_len,
-                          scheduling_policy=controller.engine.scheduling_policy,
-                          mode="colocated" if controller.num_colocated_workers else "disaggregated")
-    return build_gateway_app(config, served, directory, auth=controller.auth, redis_url=redis_url,
-                             pool_controller=directory)
+    return build_gateway_app(config, served_engine(controller), directory, auth=controller.auth,
+                             redis_url=redis_url, pool_controller=directory)
+
+
+def served_engine(controller: ControllerConfig) -> ServedEngine:
+    """What the gateway serves of the engine the controller's workers run."""
+    engine = controller.engine
+    return ServedEngine(model=engine.model, load_format=engine.load_format, block_size=engine.block_size,
+                        max_model_len=engine.max_model_len, scheduling_policy=engine.scheduling_policy,
+                        mode="colocated" if controller.num_colocated_workers else "disaggregated")

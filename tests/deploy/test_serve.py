@@ -180,6 +180,17 @@ def test_speculative_config_reaches_every_workers_engine_config() -> None:
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "k": 3}'])
 
 
+def test_the_scheduling_policy_reaches_the_workers_and_the_gateway() -> None:
+    from deploy.cli import build_parser
+    from deploy.serve_command import serve_config_from_args
+    from deploy.worker_directory import served_engine
+
+    for flags, policy in ((["serve"], "fcfs"), (["serve", "--scheduling-policy", "priority", "--colocated"], "priority")):
+        config = serve_config_from_args(build_parser().parse_args(flags))
+        assert config.controller.engine.scheduling_policy == policy
+        assert served_engine(config.controller).scheduling_policy == policy  # the gateway's queue and its 400s
+
+
 @pytest.mark.parametrize(("flags", "share"), [([], 0.45), (["--colocated"], 0.9),
                                                (["--prefill-workers", "2", "--decode-workers", "1"], 0.3),
                                                (["--gpu-memory-utilization", "0.4"], 0.4)])
