@@ -97,6 +97,25 @@ def cluster(session_cluster: Cluster, fakes: dict[str, FakeWorker]) -> Cluster:
     return session_cluster
 
 
+@pytest.fixture
+def serve_gateway(fakes: dict[str, FakeWorker], tokenizer: Tokenizer) -> Iterator:
+    """`serve_gateway(**config)`: a client of a new disaggregated router over the fake prefill-0 and decode-0
+    (reset first), with `config`'s settings (`access` too); every router is stopped after the test."""
+    servers: list[RouterServer] = []
+
+    def start(**config: object) -> httpx.Client:
+        for worker in fakes.values():
+            worker.reset()
+        server = serve_router([info_of(fakes["prefill-0"]), info_of(fakes["decode-0"])], tokenizer,
+                              **config)  # type: ignore[arg-type]
+        servers.append(server)
+        return httpx.Client(base_url=server.url, timeout=30.0)
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
 def sse_payloads(body: str) -> list[object]:
     """The `data:` payloads of an SSE body: parsed JSON, or the string "[DONE]"."""
     import json

@@ -5,17 +5,14 @@ a list of origins admits those only; no origin sends no CORS headers."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from deploy.config_flags import json_string_list
-from engine.tokenizer.tokenizer import Tokenizer
 from router.api_keys import AccessControl, ApiKeyRing
-from router.server import RouterServer
-from tests.router.conftest import MODEL, info_of, serve_router
-from tests.router.fake_worker import FakeWorker
+from tests.router.conftest import MODEL
 
 KEY = "sk-cors-0123456789"
 PAGE = "https://chat.example.com"
@@ -25,20 +22,8 @@ BODY = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
 
 
 @pytest.fixture
-def serve(fakes: dict[str, FakeWorker], tokenizer: Tokenizer) -> Iterator:
-    servers: list[RouterServer] = []
-
-    def start(**config: object) -> httpx.Client:
-        for worker in fakes.values():
-            worker.reset()
-        server = serve_router([info_of(fakes["prefill-0"]), info_of(fakes["decode-0"])], tokenizer,
-                              access=AccessControl(ring=ApiKeyRing([KEY])), **config)
-        servers.append(server)
-        return httpx.Client(base_url=server.url, timeout=30.0)
-
-    yield start
-    for server in servers:
-        server.stop()
+def serve(serve_gateway) -> Callable[..., httpx.Client]:  # type: ignore[no-untyped-def]
+    return lambda **config: serve_gateway(access=AccessControl(ring=ApiKeyRing([KEY])), **config)
 
 
 def test_any_origin_by_default_the_preflight_without_a_key_and_the_call_with_one(serve) -> None:

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from engine.tokenizer.tokenizer import Tokenizer
 from router.errors import ApiError
 from router.request_ids import response_id
-from router.server import RouterServer
-from tests.router.conftest import MODEL, info_of, serve_router, sse_payloads
-from tests.router.fake_worker import FakeWorker
+from tests.router.conftest import MODEL, sse_payloads
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
@@ -32,24 +28,10 @@ def test_the_header_then_the_body_then_the_workers_id() -> None:
             response_id("cmpl", None, bad, workers_id="cmpl-w")
 
 
-@pytest.fixture
-def serve(fakes: dict[str, FakeWorker], tokenizer: Tokenizer) -> Iterator:
-    servers: list[RouterServer] = []
-
-    def start(**config: object) -> httpx.Client:
-        for worker in fakes.values():
-            worker.reset()
-        server = serve_router([info_of(fakes["prefill-0"]), info_of(fakes["decode-0"])], tokenizer, **config)
-        servers.append(server)
-        return httpx.Client(base_url=server.url, timeout=30.0)
-
-    yield start
-    for server in servers:
-        server.stop()
-
-
-def test_the_response_id_is_the_clients_and_the_workers_id_is_not(serve, fakes) -> None:  # type: ignore[no-untyped-def]
-    client = serve()
+def test_the_response_id_is_the_clients_and_the_workers_id_is_not(  # type: ignore[no-untyped-def]
+    serve_gateway, fakes,
+) -> None:
+    client = serve_gateway()
     answer = client.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "trace-7"})
     assert answer.status_code == 200 and answer.json()["id"] == "cmpl-trace-7"
     assert "x-request-id" not in answer.headers  # the flag is off
@@ -63,8 +45,8 @@ def test_the_response_id_is_the_clients_and_the_workers_id_is_not(serve, fakes) 
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id"
 
 
-def test_every_response_carries_x_request_id_with_the_flag(serve) -> None:  # type: ignore[no-untyped-def]
-    client = serve(enable_request_id_headers=True)
+def test_every_response_carries_x_request_id_with_the_flag(serve_gateway) -> None:  # type: ignore[no-untyped-def]
+    client = serve_gateway(enable_request_id_headers=True)
     answer = client.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "trace-8"})
     assert answer.headers["x-request-id"] == "trace-8" and answer.json()["id"] == "cmpl-trace-8"
     fresh = client.post("/v1/completions", json=COMPLETION)
@@ -75,15 +57,15 @@ def test_every_response_carries_x_request_id_with_the_flag(serve) -> None:  # ty
     assert client.get("/health").headers["x-request-id"]
 
 
-def test_the_root_path_is_named_and_both_paths_serve(serve) -> None:  # type: ignore[no-untyped-def]
-    client = serve(root_path="/llm")
+def test_the_root_path_is_named_and_both_paths_serve(serve_gateway) -> None:  # type: ignore[no-untyped-def]
+    client = serve_gateway(root_path="/llm")
     assert json.loads(client.get("/openapi.json").text)["servers"] == [{"url": "/llm"}]
     assert client.get("/llm/v1/models").json()["data"][0]["id"] == MODEL
     assert client.get("/v1/models").status_code == 200  # a proxy that strips the prefix
 
 
-def test_logprobs_name_tokens_by_id_with_the_flag_or_the_field(serve) -> None:  # type: ignore[no-untyped-def]
-    client = serve(return_tokens_as_token_ids=True)
+def test_logprobs_name_tokens_by_id_with_the_flag_or_the_field(serve_gateway) -> None:  # type: ignore[no-untyped-def]
+    client = serve_gateway(return_tokens_as_token_ids=True)
     body = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2, "logprobs": 2}).json()
     assert body["choices"][0]["logprobs"]["tokens"] == ["token_id:75", "token_id:104"]  # "H", "e"
     assert body["choices"][0]["logprobs"]["top_logprobs"][0] == {"token_id:75": -0.25, "token_id:66": -1.5}
@@ -95,15 +77,17 @@ def test_logprobs_name_tokens_by_id_with_the_flag_or_the_field(serve) -> None:  
     assert chat["choices"][0]["message"]["content"] == "He"  # the text itself is text
     off = client.post("/v1/completions", json={**COMPLETION, "logprobs": 0, "return_tokens_as_token_ids": False})
     assert off.json()["choices"][0]["logprobs"]["tokens"] == ["H", "e"]
-    streamed = serve().post("/v1/completions", json={**COMPLETION, "logprobs": 0, "stream": True,
+    streamed = serve_gateway().post("/v1/completions", json={**COMPLETION, "logprobs": 0, "stream": True,
                                                      "return_tokens_as_token_ids": True})
     tokens = [chunk["choices"][0]["logprobs"]["tokens"] for chunk in sse_payloads(streamed.text)
               if isinstance(chunk, dict) and chunk["choices"] and chunk["choices"][0]["logprobs"]]
     assert tokens == [["token_id:75"], ["token_id:104"]]
 
 
-def test_return_token_ids_gives_the_prompts_ids_and_each_choices(serve, fakes) -> None:  # type: ignore[no-untyped-def]
-    client = serve()
+def test_return_token_ids_gives_the_prompts_ids_and_each_choices(  # type: ignore[no-untyped-def]
+    serve_gateway, fakes,
+) -> None:
+    client = serve_gateway()
     decode = fakes["decode-0"]
     plain = client.post("/v1/completions", json=COMPLETION).json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
