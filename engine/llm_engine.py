@@ -310,9 +310,10 @@ class LLMEngine:
     def reserve_remote(self, request: Request, *, preempt: bool = False) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
         here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`. `preempt`
-        (priority policy, between steps only): running requests it outranks may give their blocks up for it."""
+        (priority policy, between steps only): running requests it outranks may give their blocks up for it, but
+        not while a step is in flight (async scheduling), which may still write their KV into those blocks."""
         self._check_choice_ids_free(request)
-        if not self.scheduler.reserve_remote(request, preempt=preempt):
+        if not self.scheduler.reserve_remote(request, preempt=preempt and self._in_flight is None):
             return None
         self.outputs.add(request)
         self._num_prompt_tokens += request.num_prompt_tokens

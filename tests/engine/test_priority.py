@@ -67,3 +67,28 @@ def test_an_urgent_arrival_displaces_a_running_request_which_recomputes_exactly(
     assert [tokens["a"], tokens["b"], tokens["urgent"]] == reference
     assert stats["urgent"].e2e_latency_s < stats["b"].e2e_latency_s and stats["b"].num_preemptions == 1
     assert engine.block_pool.num_used_blocks == 0
+
+
+def test_a_reservation_preempts_only_with_no_step_in_flight(tiny_model_dir: Path) -> None:
+    """A decode worker's reservation may take a lower request's blocks between steps, but not while a step is in
+    flight (async scheduling): that step may still write the lower request's KV into them."""
+    from engine.llm_engine import LLMEngine
+
+    for async_scheduling, preempts in ((True, False), (False, True)):
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), scheduling_policy="priority",
+                                        async_scheduling=async_scheduling,
+                                        **{**TINY_ENGINE, "num_kv_blocks": 16, "max_model_len": 64}))
+        low = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, priority=5)
+        for name in ("a", "b"):  # 28 prompt tokens + 20: 12 blocks of 4 each, 16 in the pool
+            engine.add_request(name, list(range(10, 38)) if name == "a" else list(range(40, 68)), low)
+        for _ in range(3):
+            engine.step()
+        urgent = engine.make_request("urgent", list(range(70, 98)), SamplingParams(temperature=0.0, max_tokens=2))
+        assert engine.reserve_remote(urgent) is None  # the pool is full
+        assert (engine.reserve_remote(urgent, preempt=True) is not None) is preempts
+        assert engine.scheduler.num_preemptions == int(preempts)
+        engine.abort_request(["a", "b", "urgent"])
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.step()  # reads the last step in flight
+        assert engine.block_pool.num_used_blocks == 0
