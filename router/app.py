@@ -362,8 +362,16 @@ def _output_spec(
 def _echo_text(body: CompletionRequest | ChatCompletionRequest, job: GenerationJob, tokenizer: Tokenizer,
                truncated: bool = False) -> str | None:
     """Completions' echo: the prompt as the client sent it (a text), or its token ids decoded, as vLLM does; cut by
-    `truncate_prompt_tokens`, the tokens kept, decoded (what the model saw, and what echo's logprobs are of)."""
-    if not isinstance(body, CompletionRequest) or not body.echo:
+    `truncate_prompt_tokens`, the tokens kept, decoded (what the model saw, and what echo's logprobs are of).
+    Chat's (vLLM's): the last message's text when it is the assistant's, else nothing."""
+    if isinstance(body, ChatCompletionRequest):
+        last = body.messages[-1]
+        if not body.echo or last.role != "assistant":
+            return None
+        if isinstance(last.content, list):  # text parts, joined as the prompt joins them
+            return "\n".join(part.text or "" for part in last.content)
+        return last.content or None
+    if not body.echo:
         return None
     if truncated:
         return tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False)

@@ -1,8 +1,9 @@
 """A request's prompt as token ids, and its max_tokens fitted to the model's context length.
 
-Completions take text (tokenized with the model's own special-token policy, e.g. a BOS) or token ids as given.
-Chat renders the model's chat template and tokenizes the result with `add_special_tokens=False`: the template
-writes any BOS itself. Every problem is a 400 naming the field.
+Completions take text (tokenized with the model's own special-token policy, e.g. a BOS, unless the request's
+`add_special_tokens` is false) or token ids as given. Chat renders the model's chat template and tokenizes the
+result without special tokens (the template writes any BOS itself), unless the request's `add_special_tokens` says
+otherwise (vLLM's field and defaults). Every problem is a 400 naming the field.
 
 Token ids a client writes (a prompt of ids, stop_token_ids, logit_bias keys; /detokenize's) must lie in
 [0, vocab_size): the router holds the tokenizer, so it refuses them here (`check_in_vocab`) rather than letting a
@@ -37,7 +38,7 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer
                               "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt)
+        token_ids = tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
     else:
         token_ids = [int(token_id) for token_id in prompt]  # type: ignore[arg-type]
         check_in_vocab(token_ids, tokenizer, "prompt", what="prompt token ids")
@@ -70,7 +71,7 @@ def chat_prompt_token_ids(
                                              continue_final_message=request.continue_final_message)
     except ValueError as error:
         raise bad_request(str(error), "messages") from error
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    token_ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
     if not token_ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
     return token_ids

@@ -115,6 +115,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
 
 
 class ContentPart(BaseModel):
@@ -153,6 +154,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the rendered template is tokenized with the tokenizer's special tokens too (the template writes its own)
+    add_special_tokens: bool = False
+    echo: bool = False  # vLLM's: an assistant message last in `messages` opens each choice's content
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -62,7 +62,9 @@ class OutputSpec:
     tools: ToolPlan | None = None  # chat with tools: the output becomes content and tool_calls (router/tools.py)
     n: int = 1  # choices returned
     num_choices: int = 1  # sequences the stream carries: best_of (the n best are returned), else n
-    echo: str | None = None  # completions' echo: the prompt's text, written before each choice's
+    # echo: written before each choice's text: a completion's prompt (with its logprobs, when asked for), or chat's
+    # last message, the assistant's (vLLM's)
+    echo: str | None = None
     prompt_token_ids: tuple[int, ...] = ()  # for echo's logprobs and prompt_logprobs
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: returned in the body
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
@@ -126,7 +128,7 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
             usage = Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=sum(c.num_tokens for c in selected),
                           cached_tokens=usage.cached_tokens)
         echo_logprobs_body, echo_offset = None, 0
-        if spec.echo is not None and spec.num_logprobs is not None:
+        if spec.echo is not None and spec.num_logprobs is not None and not spec.header.chat:
             echo_logprobs_body, echo_offset = echo_logprobs(spec.prompt_token_ids, prompt_entries, spec.token_names)
         bodies = []
         for index, choice in enumerate(selected):
@@ -193,7 +195,7 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
                 text_offsets[index] = 0
                 if spec.echo is not None:
                     text = spec.echo + text
-                    if spec.num_logprobs is not None:
+                    if spec.num_logprobs is not None and not header.chat:  # a completion's prompt logprobs
                         echo_body, text_offsets[index] = echo_logprobs(spec.prompt_token_ids, prompt_entries,
                                                                        spec.token_names)
             if spec.num_logprobs is not None and message.logprobs:

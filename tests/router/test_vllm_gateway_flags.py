@@ -1,19 +1,22 @@
 """vLLM's gateway flags and request fields of this file: request ids (the response's `id` from the X-Request-Id
 header or the body's `request_id`, the workers' id the gateway's own whatever the client sent;
 `--enable-request-id-headers` putting X-Request-Id on every response), `--root-path` for a path-routing proxy, and
-`--return-tokens-as-token-ids` (and its request field) naming logprobs' tokens by id."""
+`--return-tokens-as-token-ids` (and its request field) naming logprobs' tokens by id; the request fields
+`return_token_ids`, `add_special_tokens` and chat's `echo`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import httpx
 import pytest
 
+from engine.tokenizer.tokenizer import Tokenizer
 from router.errors import ApiError
 from router.request_ids import response_id
-from tests.router.conftest import MODEL, sse_payloads
+from tests.router.conftest import MODEL, info_of, serve_router, sse_payloads
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
@@ -104,3 +107,38 @@ def test_return_token_ids_gives_the_prompts_ids_and_each_choices(  # type: ignor
         assert first["prompt_token_ids"] == list(decode.requests[-1].prompt_token_ids)  # once, on the first
         assert sum("prompt_token_ids" in (c if where == "body" else c["choices"][0]) for c in chunks) == 1
         assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == [75, 104]
+
+
+def test_add_special_tokens_as_vllm_defaults_it(fakes, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Completions add the tokenizer's special tokens (a BOS) to a text prompt unless told not to; chat does not
+    (its template writes them) unless told to."""
+    bos = 0  # the byte tokenizer's <|endoftext|>, standing in for a BOS its model would add
+    with_bos = Tokenizer(dataclasses.replace(tokenizer.spec, bos_token_id=bos, prefix_token_ids=(bos,)))
+    worker = fakes["colocated-0"]
+    worker.reset()
+    server = serve_router([info_of(worker)], with_bos, mode="colocated")
+    try:
+        with httpx.Client(base_url=server.url, timeout=30.0) as client:
+            for path, body in (("/v1/completions", COMPLETION),
+                               ("/v1/completions", {**COMPLETION, "add_special_tokens": False}),
+                               ("/v1/chat/completions", CHAT),
+                               ("/v1/chat/completions", {**CHAT, "add_special_tokens": True})):
+                assert client.post(path, json=body).status_code == 200
+    finally:
+        server.stop()
+    assert [request.prompt_token_ids[0] == bos for request in worker.requests] == [True, False, False, True]
+
+
+def test_chat_echo_opens_the_answer_with_the_assistants_last_message(  # type: ignore[no-untyped-def]
+    serve_gateway,
+) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    body = {**CHAT, "messages": messages, "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    client = serve_gateway()
+    assert client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == "Once uponHe"
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    contents = [chunk["choices"][0]["delta"].get("content") for chunk in sse_payloads(streamed.text)
+                if isinstance(chunk, dict) and chunk["choices"]]
+    assert contents[1:] == ["Once uponH", "e"] and contents[0] == ""  # the role chunk, then the echo with the first
+    after_user = client.post("/v1/chat/completions", json={**CHAT, "echo": True}).json()
+    assert after_user["choices"][0]["message"]["content"] == "He"  # the last message is the user's: nothing to echo
