@@ -289,8 +289,9 @@ def stop_strings(request: CompletionRequest | ChatCompletionRequest) -> list[str
 
 def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
     request.token_logit_bias  # noqa: B018 - parsed here: 400 on a key that is no token id
-    if request.user is not None:
-        check_text(request.user, param="user")
+    for name in ("user", "request_id"):
+        if getattr(request, name) is not None:
+            check_text(getattr(request, name), param=name)
     for name in ("guided_regex", "guided_grammar"):
         if getattr(request, name) is not None:
             check_text(getattr(request, name), param=name)
