@@ -166,8 +166,10 @@ def test_replicated_kv_heads_and_a_padded_vocabulary_match_tp1(tiny_checkpoint) 
 
 def test_ngram_speculation_and_prompt_logprobs_match_tp1(tiny_checkpoint) -> None:  # noqa: ANN001
     """Drafts verified over the gathered logits, and prompt logprobs (several logits calls a step, each one the
-    children follow)."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    children follow). The fixed policy: the dynamic one prices drafts by measured step times, and on a loaded
+    machine may decide none pays."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "policy": "fixed"}
     pair = Pair(tiny_checkpoint, 2, **{**ENGINE, "max_num_batched_tokens": 64}, speculative_config=spec)
     try:
         repeated = " ".join(["one two three four"] * 4)
