@@ -63,6 +63,7 @@ class InputProcessor:
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self._check_allowed_tokens(params)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within "
@@ -87,6 +88,17 @@ class InputProcessor:
         ]
         requests[0].pending_forks = requests[1:]
         return requests[0]
+
+    def _check_allowed_tokens(self, params: SamplingParams) -> None:
+        """ValueError for allowed_token_ids out of the vocabulary, or all masked while min_tokens holds off EOS and
+        the stop token ids (nothing would be left to sample)."""
+        allowed = params.allowed_token_ids
+        bad = [t for t in allowed if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if allowed and params.min_tokens and set(allowed) <= {*self.tokenizer.eos_token_ids, *params.stop_token_ids}:
+            raise ValueError("allowed_token_ids holds only EOS and stop token ids, which min_tokens masks: nothing "
+                             "would be left to sample")
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids, each within the vocabulary; a ValueError for an empty or malformed prompt."""

@@ -29,8 +29,7 @@ def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer
 
     A 400 for ids outside the vocabulary, in the prompt or in `stop_token_ids`.
     """
-    check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
-    check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
+    _check_token_id_fields(request, tokenizer)
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -52,8 +51,7 @@ def chat_prompt_token_ids(
 ) -> list[int]:
     """The token ids of the chat template rendered over `request.messages` (tool turns and the `tools` plan's
     tool prompt written in by router/tools.py); a 400 for `stop_token_ids` outside the vocabulary."""
-    check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
-    check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
+    _check_token_id_fields(request, tokenizer)
     messages = [{"role": message.role, "content": _text_of(message, index)}
                 for index, message in enumerate(request.messages)]
     messages = tool_messages(request, messages, tools)
@@ -75,6 +73,13 @@ def chat_prompt_token_ids(
     if not token_ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
     return token_ids
+
+
+def _check_token_id_fields(request: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer) -> None:
+    """A 400 for a token id outside the vocabulary in `stop_token_ids`, `logit_bias` or `allowed_token_ids`."""
+    check_in_vocab(request.stop_token_ids, tokenizer, "stop_token_ids")
+    check_in_vocab(list(request.token_logit_bias), tokenizer, "logit_bias", what="logit_bias token ids")
+    check_in_vocab(request.allowed_token_ids, tokenizer, "allowed_token_ids")
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -36,6 +36,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI documents no cap; OpenAI's own API takes 300 entries
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary served here
 
 
 class StreamOptions(BaseModel):
@@ -69,6 +70,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    # vLLM's: only these tokens may be sampled
+    allowed_token_ids: Annotated[list[int], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     prompt_logprobs: int | None = None  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: max_model_len)
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values are served first

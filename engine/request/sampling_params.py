@@ -67,6 +67,8 @@ class SamplingParams:
     # vLLM's: logprobs of the prompt's tokens (the first has none), top-k each
     prompt_logprobs: int | None = param(None)
     structured_outputs: GrammarSpec | None = param(None)  # the grammar every sampled token must follow
+    # vLLM's: only these tokens may be sampled (empty: any); a hard mask, unlike logit_bias
+    allowed_token_ids: list[int] = param(factory=list, body=True)
     # Not the sampler's but the scheduler's (vLLM passes it beside the params; it travels with them here): with
     # --scheduling-policy priority, lower values are admitted first and preempted last; fcfs takes only 0.
     priority: int = param(0, body=True)
@@ -123,6 +125,11 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be non-negative, got {self.allowed_token_ids[:5]}")
+        if self.allowed_token_ids and self.structured_outputs is not None:
+            raise ValueError("allowed_token_ids cannot be combined with structured outputs (a grammar): together "
+                             "they may leave no token to sample")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if not -(2**31) <= self.priority < 2**31:

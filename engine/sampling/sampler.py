@@ -126,7 +126,8 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens masking, logit_bias, then the penalties, on a float32 copy of logits [num_rows, vocab_size]."""
+        """min_tokens masking, logit_bias, the penalties, then allowed_token_ids' mask, on a float32 copy of logits
+        [num_rows, vocab_size]."""
         logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
         if batch.min_tokens_mask is not None:
             mask_tokens(logits, batch.min_tokens_mask.row_ids, batch.min_tokens_mask.token_ids)
@@ -140,6 +141,8 @@ class Sampler:
             apply_frequency_presence_penalties(
                 logits, stage.frequency_penalty, stage.presence_penalty, stage.output.row_ids, stage.output.token_ids
             )
+        if batch.allowed_tokens is not None:
+            batch.allowed_tokens.apply(logits)
         return logits
 
     def _sample_random(self, logits: torch.Tensor, stage: RandomStage) -> torch.Tensor:

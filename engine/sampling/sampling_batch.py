@@ -27,6 +27,7 @@ import torch
 from engine.host_copy import to_device
 
 from engine.request.sampling_params import SamplingParams
+from engine.sampling.allowed_tokens import AllowedTokensStage
 from engine.sampling.logit_bias import LogitBiasStage
 
 # Temperatures below this are greedy: dividing logits by them would overflow float32 (vLLM uses the same cut).
@@ -136,12 +137,14 @@ class SamplingBatch:
     random: RandomStage | None  # None: every row is greedy
     logprobs: LogprobStage | None
     logit_bias: LogitBiasStage | None = None
+    allowed_tokens: AllowedTokensStage | None = None
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a stage before the greedy/random split changes logits: min_tokens, a bias or a penalty."""
+        """Whether a stage before the greedy/random split changes logits: min_tokens, a bias, a penalty or a mask
+        of allowed tokens."""
         return (self.min_tokens_mask is not None or self.repetition is not None or self.frequency_presence is not None
-                or self.logit_bias is not None)
+                or self.logit_bias is not None or self.allowed_tokens is not None)
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -246,6 +249,8 @@ class SamplingBatch:
             random=random,
             logprobs=logprobs,
             logit_bias=LogitBiasStage.from_rows([row.params.logit_bias for row in rows], vocab_size, device),
+            allowed_tokens=AllowedTokensStage.from_rows([row.params.allowed_token_ids for row in rows], vocab_size,
+                                                        device),
         )
 
 

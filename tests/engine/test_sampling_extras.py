@@ -102,6 +102,24 @@ def test_logit_bias_removes_the_greedy_token_and_forces_another(tiny_checkpoint)
     assert_no_blocks_held(engine)
 
 
+def test_allowed_token_ids_keep_every_token_within_them(tiny_checkpoint) -> None:
+    engine = make_engine(tiny_checkpoint)
+    engine.add_request("plain", PROMPT, greedy(max_tokens=6))
+    plain = finals(drain(engine))["plain"].token_ids
+    allowed = [t for t in range(5, 30) if t not in plain][:3]
+    engine.add_request("greedy", PROMPT, greedy(max_tokens=6, allowed_token_ids=allowed))
+    engine.add_request("sampled", PROMPT, SamplingParams(temperature=1.5, seed=4, max_tokens=6, ignore_eos=True,
+                                                         allowed_token_ids=allowed))
+    outs = finals(drain(engine))
+    assert set(outs["greedy"].token_ids) <= set(allowed) and set(outs["sampled"].token_ids) <= set(allowed)
+    eos = engine.tokenizer.eos_token_ids[0]
+    for params, message in ((greedy(allowed_token_ids=[10**6]), "allowed_token_ids out of range"),
+                            (greedy(allowed_token_ids=[eos], min_tokens=2), "nothing would be left to sample")):
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", PROMPT, params)
+    assert_no_blocks_held(engine)
+
+
 def _reference_prompt_logprobs(engine, prompt: list[int]) -> torch.Tensor:
     """log p(t_j | t_<j) for j >= 1, from one plain prefill of a throwaway engine on the same weights."""
     from engine.core.scheduler import ScheduledRequest

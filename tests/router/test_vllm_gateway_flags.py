@@ -2,7 +2,7 @@
 header or the body's `request_id`, the workers' id the gateway's own whatever the client sent;
 `--enable-request-id-headers` putting X-Request-Id on every response), `--root-path` for a path-routing proxy, and
 `--return-tokens-as-token-ids` (and its request field) naming logprobs' tokens by id; the request fields
-`return_token_ids`, `add_special_tokens` and chat's `echo`."""
+`return_token_ids`, `add_special_tokens`, `allowed_token_ids` and chat's `echo`."""
 
 from __future__ import annotations
 
@@ -142,3 +142,16 @@ def test_chat_echo_opens_the_answer_with_the_assistants_last_message(  # type: i
     assert contents[1:] == ["Once uponH", "e"] and contents[0] == ""  # the role chunk, then the echo with the first
     after_user = client.post("/v1/chat/completions", json={**CHAT, "echo": True}).json()
     assert after_user["choices"][0]["message"]["content"] == "He"  # the last message is the user's: nothing to echo
+
+
+def test_allowed_token_ids_reach_the_workers_and_bad_ones_are_400(  # type: ignore[no-untyped-def]
+    serve_gateway, fakes,
+) -> None:
+    client = serve_gateway()
+    assert client.post("/v1/completions", json={**COMPLETION, "allowed_token_ids": [75, 104]}).status_code == 200
+    assert list(fakes["decode-0"].requests[-1].params.allowed_token_ids) == [75, 104]
+    for ids, param in (([75, 10**6], "allowed_token_ids"), ([], None)):
+        answer = client.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": ids})
+        assert answer.status_code == 400 and (param is None or answer.json()["error"]["param"] == param)
+    combined = client.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [75], "guided_regex": "H+"})
+    assert combined.status_code == 400 and combined.json()["error"]["param"] == "allowed_token_ids"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from engine.request.grammar_spec import GrammarSpec
 from engine.request.sampling_params import SamplingParams
 
 
@@ -118,6 +119,8 @@ def test_boundary_values_are_valid(kwargs: dict) -> None:
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(stop_token_ids=[3, -5]), "stop_token_ids"),
         (dict(priority=2**31), "priority"),
+        (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[3], structured_outputs=GrammarSpec(kind="regex", source="a+")), "allowed_token_ids"),
     ],
     ids=lambda v: v if isinstance(v, str) else repr(v),
 )
