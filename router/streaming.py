@@ -158,20 +158,25 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
     never iterated (see app.py's response class). n > 1: each chunk names its choice's `index`; an echoed
     prompt opens each choice's first chunk."""
     header = spec.header
-    prompt_ids = list(spec.prompt_token_ids) if spec.return_token_ids else None
-    pending_ids: dict[int, list[int]] = {}  # return_token_ids: per choice, the token ids no chunk carried yet
+    # return_token_ids: the token ids no chunk of a choice carried yet; the choices whose first chunk, which carries
+    # the prompt's ids, is still to come (chat: the body's first chunk carries them, once)
+    pending_ids: dict[int, list[int]] = {}
+    awaiting_prompt_ids = set(range(1 if header.chat else spec.num_choices)) if spec.return_token_ids else set()
 
     def chunk(index: int, **fields: Any) -> str:
-        """Choice `index`'s chunk with `fields`, the token ids it carries (return_token_ids) and the usage so far
-        (continuous_usage_stats)."""
+        """Choice `index`'s chunk with `fields`, the token ids it carries and, on its first, the prompt's
+        (return_token_ids), and the usage so far (continuous_usage_stats)."""
+        if index in awaiting_prompt_ids:
+            awaiting_prompt_ids.discard(index)
+            fields["prompt_token_ids"] = list(spec.prompt_token_ids)
         return sse_event(chunk_body(header, index=index, include_usage=spec.include_usage,
                                     usage=_usage(stream) if spec.continuous_usage else None,
                                     token_ids=pending_ids.pop(index, []) if spec.return_token_ids else None, **fields))
 
     try:
-        if header.chat:  # the prompt's ids on the first chunk, as vLLM's
+        if header.chat:
             for index in range(spec.num_choices):
-                yield chunk(index, text=None, role=True, prompt_token_ids=prompt_ids if index == 0 else None)
+                yield chunk(index, text=None, role=True)
         text_offsets: dict[int, int] = {}  # per choice; a choice not in it has not had a chunk yet
         prompt_entries: list[serving_pb2.TokenLogprobs] = []
         num_left = spec.num_choices
@@ -189,9 +194,7 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
             logprobs = None
             echo_body = None
             pending_ids.setdefault(index, []).extend(message.token_ids)
-            first_ids = None  # a completion choice's first chunk carries the prompt's ids
             if index not in text_offsets:
-                first_ids = None if header.chat else prompt_ids
                 text_offsets[index] = 0
                 if spec.echo is not None:
                     text = spec.echo + text
@@ -215,7 +218,7 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
                     yield chunk(index, text=None, finish_reason=finish_reason, logprobs=logprobs)
             elif text or logprobs is not None or finish_reason is not None:
                 yield chunk(index, text=text, finish_reason=finish_reason, stop_reason=openai_stop_reason(message),
-                            logprobs=logprobs, prompt_token_ids=first_ids)
+                            logprobs=logprobs)
             if finish_reason is not None:
                 num_left -= 1
                 if not num_left and spec.include_usage:

@@ -6,6 +6,7 @@ header or the body's `request_id`, the workers' id the gateway's own whatever th
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -14,8 +15,11 @@ import httpx
 import pytest
 
 from engine.tokenizer.tokenizer import Tokenizer
+from protos import serving_pb2
 from router.errors import ApiError
 from router.request_ids import response_id
+from router.responses import ResponseHeader
+from router.streaming import OutputSpec, sse_events
 from tests.router.conftest import MODEL, info_of, serve_router, sse_payloads
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -155,3 +159,34 @@ def test_allowed_token_ids_reach_the_workers_and_bad_ones_are_400(  # type: igno
         assert answer.status_code == 400 and (param is None or answer.json()["error"]["param"] == param)
     combined = client.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [75], "guided_regex": "H+"})
     assert combined.status_code == 400 and combined.json()["error"]["param"] == "allowed_token_ids"
+
+
+class _Messages:
+    """A stream of scripted worker messages, as sse_events reads a ResumableStream."""
+
+    num_prompt_tokens, num_completion_tokens, num_cached_tokens = 3, 0, 0
+
+    def __init__(self, messages: list[serving_pb2.GenerateResponse]) -> None:
+        self.messages = messages
+
+    async def read(self) -> serving_pb2.GenerateResponse | None:
+        return self.messages.pop(0) if self.messages else None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_streamed_completions_prompt_ids_wait_for_its_first_chunk(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A first message with no text (a token whose text is held back) sends no chunk; the prompt's ids and that
+    token's id go on the first chunk that is sent."""
+    messages = [serving_pb2.GenerateResponse(token_ids=[7], text_delta=""),
+                serving_pb2.GenerateResponse(token_ids=[8], text_delta="ab", finish_reason="length")]
+    spec = OutputSpec(header=ResponseHeader(request_id="cmpl-1", created=0, model=MODEL, chat=False),
+                      tokenizer=tokenizer, num_logprobs=None, prompt_token_ids=(4, 5, 6), return_token_ids=True)
+
+    async def events() -> list[str]:
+        return [event async for event in sse_events(_Messages(messages), spec)]  # type: ignore[arg-type]
+
+    chunks = [json.loads(event.removeprefix("data: ")) for event in asyncio.run(events())[:-1]]
+    assert [(c["choices"][0].get("prompt_token_ids"), c["choices"][0]["token_ids"]) for c in chunks] == [
+        ([4, 5, 6], [7, 8])]
