@@ -180,7 +180,8 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
         text_offsets: dict[int, int] = {}  # per choice; a choice not in it has not had a chunk yet
         prompt_entries: list[serving_pb2.TokenLogprobs] = []
         num_left = spec.num_choices
-        parsers: dict[int, ToolCallParser] = {}  # chat with tools: per choice, its text becoming content and tool-call deltas
+        # chat with tools: per choice, its text becoming content and tool-call deltas
+        parsers: dict[int, ToolCallParser] = {}
         while num_left:
             try:
                 message = await _next(stream)
