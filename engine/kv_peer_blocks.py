@@ -4,7 +4,7 @@ tiers below the device cache that the KV cache manager looks them up in.
     worker/peer_fetch.py fetches blocks s..n of a prompt from the worker holding them, into a host staging
     tensor (checked: CRC-32C per block) ──▶ engine.stage_peer_blocks(hashes, kv, scales) ──▶ PeerBlocks
     scheduler admits the prompt ──▶ TierChain: peer blocks first, then the offload tier (--kv-offload-dir)
-                                 ──▶ load(b, h): the staged block copied into device block b, a prefix hit of tier "peer"
+                                 ──▶ load(b, h): the staged block copied into device block b (a "peer" prefix hit)
     the request ends ──▶ engine.unstage_peer_blocks(hashes)
     the copies in the device cache, once freed ──▶ the front of the free list (evicted before the worker's own)
 
