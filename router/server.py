@@ -156,7 +156,11 @@ class RouterServer:
         graceful_shutdown_s: float = 5.0, tls: GatewayTls | None = None,
     ) -> None:
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if port:  # a fixed port, rebound at once after a restart (its old connections in TIME_WAIT)
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Port 0 without SO_REUSEADDR: with it, Linux may hand out an ephemeral port another socket already holds,
+        # and uvicorn's listen() then fails with "Address already in use" (seen once in the suite, beside a Ray
+        # cluster's many connections).
         self._socket.bind((host, port))
         self.host = host
         self.port: int = self._socket.getsockname()[1]
