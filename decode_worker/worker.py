@@ -192,11 +192,14 @@ class DecodeWorker(RuntimeWorker):
                 admission.leave()  # held by the engine from here (num_requests_receiving_kv)
             return reserved
 
-        by_priority = runtime.engine.config.scheduling_policy == "priority"
+        # Lower-priority running requests may make room, between steps; never with async scheduling, whose step is
+        # in flight at every command (LLMEngine.reserve_remote), so there it would only wait for a step boundary.
+        may_preempt = (runtime.engine.config.scheduling_policy == "priority"
+                       and not runtime.engine.async_scheduling)
         while True:
             try:  # while a step computes: a decode step need not end first (EngineLoop.call_now)
                 reserved = await runtime.call_now(reserve)
-                if reserved is None and by_priority:  # lower-priority running requests may make room, between steps
+                if reserved is None and may_preempt:
                     reserved = await runtime.call(functools.partial(reserve, preempt=True))
             except ValueError as exc:
                 raise GenerateFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.core.fork import choice_params, choice_request_id
@@ -60,9 +60,7 @@ class InputProcessor:
         if params.structured_outputs is not None:
             self.grammar_compilers().compile(params.structured_outputs)
         prompt_ids = self._prompt_ids(prompt)
-        bad = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self._check_in_vocab(params.logit_bias, "logit_bias token ids")
         self._check_allowed_tokens(params)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
@@ -93,12 +91,16 @@ class InputProcessor:
         """ValueError for allowed_token_ids out of the vocabulary, or all masked while min_tokens holds off EOS and
         the stop token ids (nothing would be left to sample)."""
         allowed = params.allowed_token_ids
-        bad = [t for t in allowed if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"allowed_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self._check_in_vocab(allowed, "allowed_token_ids")
         if allowed and params.min_tokens and set(allowed) <= {*self.tokenizer.eos_token_ids, *params.stop_token_ids}:
             raise ValueError("allowed_token_ids holds only EOS and stop token ids, which min_tokens masks: nothing "
                              "would be left to sample")
+
+    def _check_in_vocab(self, token_ids: Iterable[int], what: str) -> None:
+        """ValueError naming `what` for ids at or past the vocabulary's size (the params checked the sign)."""
+        bad = [t for t in token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} out of range [0, {self.vocab_size}): {bad[:5]}")
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids, each within the vocabulary; a ValueError for an empty or malformed prompt."""

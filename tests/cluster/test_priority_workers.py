@@ -71,14 +71,14 @@ def test_an_urgent_request_displaces_a_long_one_on_a_full_decode_worker(smollm2_
 def test_an_urgent_reservation_takes_the_blocks_of_a_lower_request_on_a_full_kv_cache(
     smollm2_checkpoint, prefill,
 ) -> None:
-    # 14 blocks of 16 tokens: two 79-token prompts reserve 5 blocks each (prompt + 1) and grow to 7 each; an urgent
-    # 79-token prompt then needs 5, which only a preemption frees.
+    # 14 blocks of 16 tokens: two 79-token prompts reserve 5 blocks each (prompt + 1) and grow to 7 each (111 tokens
+    # at most); an urgent 79-token prompt then needs 5, which only a preemption frees.
     decode = start_worker("decode", smollm2_checkpoint, worker_id="d-prio-kv", scheduling_policy="priority",
                           num_kv_blocks=14, max_model_len=192)
     ids = smollm2_checkpoint.tokenizer.encode(
         " ".join(f"Line {i}: the ships, the harbours and the people of the northern sea." for i in range(40)))
     prompts = {"low-a": ids[:79], "low-b": ids[200:279], "urgent": ids[400:479]}
-    low = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, priority=5)
+    low = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, priority=5)
     try:
         alone = {name: generate(stub(decode), f"{name}-alone", prompts[name], low, prefill.endpoint).token_ids
                  for name in ("low-a", "low-b")}
