@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from engine.core.fork import choice_params, choice_request_id
 from engine.core.request import Request
 from engine.request.sampling_params import SamplingParams, check_priority
+from engine.sampling.bad_words import bad_words_token_ids, maybe_bannable
 from engine.tokenizer.tokenizer import Tokenizer
 from kv_transfer.block_hash import BlockHashNamespace
 
@@ -62,6 +63,7 @@ class InputProcessor:
         prompt_ids = self._prompt_ids(prompt)
         self._check_in_vocab(params.logit_bias, "logit_bias token ids")
         self._check_allowed_tokens(params)
+        bad_words = self._bad_words(params)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens, which leaves no room to generate within "
@@ -81,6 +83,7 @@ class InputProcessor:
                 hash_namespace=self.hash_namespace,
                 remote_decode=remote_decode,
                 index=index,
+                bad_words_token_ids=bad_words,
             )
             for index in range(num_sequences)
         ]
@@ -95,6 +98,22 @@ class InputProcessor:
         if allowed and params.min_tokens and set(allowed) <= {*self.tokenizer.eos_token_ids, *params.stop_token_ids}:
             raise ValueError("allowed_token_ids holds only EOS and stop token ids, which min_tokens masks: nothing "
                              "would be left to sample")
+
+    def _bad_words(self, params: SamplingParams) -> list[tuple[int, ...]]:
+        """`params.bad_words` as token sequences; ValueError when the tokens they may ban, with those min_tokens
+        masks, could leave nothing to sample (all of allowed_token_ids, or the whole vocabulary)."""
+        if not params.bad_words:
+            return []
+        sequences = bad_words_token_ids(params.bad_words,
+                                        lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        masked = maybe_bannable(sequences)
+        if params.min_tokens:
+            masked |= {*self.tokenizer.eos_token_ids, *params.stop_token_ids}
+        candidates = set(params.allowed_token_ids) if params.allowed_token_ids else range(self.vocab_size)
+        if all(token_id in masked for token_id in candidates):
+            raise ValueError("bad_words may ban every token left to sample (allowed_token_ids, less what min_tokens "
+                             "masks): nothing would be left")
+        return sequences
 
     def _check_in_vocab(self, token_ids: Iterable[int], what: str) -> None:
         """ValueError naming `what` for ids at or past the vocabulary's size (the params checked the sign)."""

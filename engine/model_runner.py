@@ -337,6 +337,7 @@ class ModelRunner:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            bad_words_token_ids=request.bad_words_token_ids,
         )
 
 

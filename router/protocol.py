@@ -37,6 +37,7 @@ MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI documents no cap; OpenAI's own API takes 300 entries
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary served here
+MAX_BAD_WORDS = 1024  # vLLM sets no cap; each word is held to MAX_STOP_STRING_CHARS as a stop string is
 
 
 class StreamOptions(BaseModel):
@@ -72,6 +73,7 @@ class _SamplingFields(BaseModel):
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # vLLM's: only these tokens may be sampled
     allowed_token_ids: Annotated[list[int], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's: never in the output
     prompt_logprobs: int | None = None  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this many tokens (-1: max_model_len)
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values are served first
@@ -303,8 +305,15 @@ def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
     for index, stop in enumerate(stop_strings(request)):
         where = "stop" if isinstance(request.stop, str) else f"stop[{index}]"
         check_text(stop, param="stop", where=where)
-        if len(stop) > MAX_STOP_STRING_CHARS:
-            raise bad_request(f"{where} must be at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}", "stop")
+        _check_length(stop, where, "stop")
+    for index, word in enumerate(request.bad_words or ()):
+        check_text(word, param="bad_words", where=f"bad_words[{index}]")
+        _check_length(word, f"bad_words[{index}]", "bad_words")
+
+
+def _check_length(text: str, where: str, param: str) -> None:
+    if len(text) > MAX_STOP_STRING_CHARS:
+        raise bad_request(f"{where} must be at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}", param)
 
 
 def _check_json_text(value: object, param: str, where: str | None = None) -> None:

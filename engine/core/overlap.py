@@ -22,7 +22,7 @@ while step N+1 still writes into it is reused only after that write.
 
 The steps that do not overlap (step N's output is processed first, then N+1 is scheduled as without async):
 - a request of step N that continues needs N's token on the host to build its next step (`needs_host_tokens`):
-  penalties and min_tokens (they read the output tokens), n > 1 (the other choices fork off the first once its
+  penalties, min_tokens and bad_words of more than one token (they read the output tokens), n > 1 (the other choices fork off the first once its
   prompt is computed). A grammar does not: its matcher takes N's token when step N+1's bitmask is filled, and that
   step's sampling waits for the fill (engine/structured/matchers.py, engine/launched_step.py), not its forward;
 - the running requests' next tokens would not fit in the free blocks: scheduling them could preempt a request
@@ -36,6 +36,7 @@ verification) still run, in order; they only gain less overlap.
 from __future__ import annotations
 
 from engine.core.request import Request
+from engine.sampling.bad_words import needs_output_context
 
 
 def needs_host_tokens(request: Request) -> bool:
@@ -49,6 +50,7 @@ def needs_host_tokens(request: Request) -> bool:
         or request.num_output_tokens < params.min_tokens
         or bool(request.pending_forks)
         or bool(request.spec_token_ids)
+        or needs_output_context(request.bad_words_token_ids)
     )
 
 

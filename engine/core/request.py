@@ -114,6 +114,7 @@ class Request:
         hash_namespace: BlockHashNamespace | None,
         remote_decode: bool = False,
         index: int = 0,
+        bad_words_token_ids: list[tuple[int, ...]] | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index  # which choice of its client request (n > 1: engine/core/fork.py); 0 otherwise
@@ -121,6 +122,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens  # resolved against max_model_len by the engine
+        # sampling_params.bad_words as token sequences (engine/sampling/bad_words.py), tokenized once at admission.
+        self.bad_words_token_ids: list[tuple[int, ...]] = bad_words_token_ids or []
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

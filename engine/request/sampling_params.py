@@ -69,6 +69,8 @@ class SamplingParams:
     structured_outputs: GrammarSpec | None = param(None)  # the grammar every sampled token must follow
     # vLLM's: only these tokens may be sampled (empty: any); a hard mask, unlike logit_bias
     allowed_token_ids: list[int] = param(factory=list, body=True)
+    # vLLM's: words the output must not contain (engine/sampling/bad_words.py); the engine tokenizes them
+    bad_words: list[str] = param(factory=list, body=True)
     # Not the sampler's but the scheduler's (vLLM passes it beside the params; it travels with them here): with
     # --scheduling-policy priority, lower values are admitted first and preempted last; fcfs takes only 0.
     priority: int = param(0, body=True)
@@ -130,6 +132,11 @@ class SamplingParams:
         if self.allowed_token_ids and self.structured_outputs is not None:
             raise ValueError("allowed_token_ids cannot be combined with structured outputs (a grammar): together "
                              "they may leave no token to sample")
+        if any(not word.strip() for word in self.bad_words):
+            raise ValueError("bad_words entries must hold more than whitespace")
+        if self.bad_words and self.structured_outputs is not None:
+            raise ValueError("bad_words cannot be combined with structured outputs (a grammar): the grammar may "
+                             "need a token they ban, and then nothing is left to sample")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if not -(2**31) <= self.priority < 2**31:

@@ -4,7 +4,9 @@ Per row, each stage running only on the rows that need it (see `sampling_batch.p
 
     raw logits ─┬─▶ logprobs: log_softmax of the raw logits (what the model said, before any shaping)
                 ▼
-    min_tokens: EOS and stop ids masked ─▶ logit_bias ─▶ repetition penalty ─▶ frequency & presence penalties
+    masked: min_tokens' EOS and stop ids, bad_words' next tokens ─▶ logit_bias ─▶ repetition penalty
+                ▼
+    frequency & presence penalties ─▶ allowed_token_ids' mask
                 ▼
     grammar bitmask (structured outputs: tokens the row's grammar rejects -> -inf, whole batch in one call; last,
     so no bias or penalty can bring back a token the grammar rejects; one still being filled on the grammar
@@ -126,11 +128,11 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens masking, logit_bias, the penalties, then allowed_token_ids' mask, on a float32 copy of logits
+        """min_tokens and bad_words masking, logit_bias, the penalties, then allowed_token_ids' mask, on a float32 copy of logits
         [num_rows, vocab_size]."""
         logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
-        if batch.min_tokens_mask is not None:
-            mask_tokens(logits, batch.min_tokens_mask.row_ids, batch.min_tokens_mask.token_ids)
+        if batch.masked_tokens is not None:
+            mask_tokens(logits, batch.masked_tokens.row_ids, batch.masked_tokens.token_ids)
         if batch.logit_bias is not None:
             batch.logit_bias.apply(logits)
         if batch.repetition is not None:

@@ -28,6 +28,7 @@ from engine.host_copy import to_device
 
 from engine.request.sampling_params import SamplingParams
 from engine.sampling.allowed_tokens import AllowedTokensStage
+from engine.sampling.bad_words import banned_next_tokens
 from engine.sampling.logit_bias import LogitBiasStage
 
 # Temperatures below this are greedy: dividing logits by them would overflow float32 (vLLM uses the same cut).
@@ -50,6 +51,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]  # for the repetition penalty
     output_token_ids: Sequence[int]  # tokens generated so far: penalties and min_tokens
     eos_token_ids: tuple[int, ...]  # masked with params.stop_token_ids while len(output) < params.min_tokens
+    bad_words_token_ids: Sequence[Sequence[int]] = ()  # params.bad_words tokenized (engine/sampling/bad_words.py)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ class SamplingBatch:
 
     num_rows: int
     vocab_size: int
-    min_tokens_mask: TokenPositions | None  # EOS and stop ids of the rows still short of min_tokens
+    # -inf: EOS and stop ids of the rows still short of min_tokens, and the tokens their bad_words ban next
+    masked_tokens: TokenPositions | None
     repetition: RepetitionStage | None
     frequency_presence: FrequencyPresenceStage | None
     greedy: RowGroup | None  # rows with temperature 0, of the step; None: no such row
@@ -141,9 +144,9 @@ class SamplingBatch:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a stage before the greedy/random split changes logits: min_tokens, a bias, a penalty or a mask
-        of allowed tokens."""
-        return (self.min_tokens_mask is not None or self.repetition is not None or self.frequency_presence is not None
+        """Whether a stage before the greedy/random split changes logits: min_tokens or bad_words, a bias, a
+        penalty or a mask of allowed tokens."""
+        return (self.masked_tokens is not None or self.repetition is not None or self.frequency_presence is not None
                 or self.logit_bias is not None or self.allowed_tokens is not None)
 
     @classmethod
@@ -182,6 +185,11 @@ class SamplingBatch:
                 stop_ids = [t for t in (*row.eos_token_ids, *params.stop_token_ids) if 0 <= t < vocab_size]
                 if stop_ids:
                     masked.add(row_id, stop_ids)
+            if row.bad_words_token_ids:
+                banned = [t for t in banned_next_tokens(row.bad_words_token_ids, row.output_token_ids)
+                          if 0 <= t < vocab_size]
+                if banned:
+                    masked.add(row_id, banned)
             if params.repetition_penalty != 1.0:
                 repetition_rows.append(row_id)
                 repetition.append(params.repetition_penalty)
@@ -242,7 +250,7 @@ class SamplingBatch:
         return cls(
             num_rows=num_rows,
             vocab_size=vocab_size,
-            min_tokens_mask=masked.build(device) if masked.row_ids else None,
+            masked_tokens=masked.build(device) if masked.row_ids else None,
             repetition=repetition_stage,
             frequency_presence=frequency_presence_stage,
             greedy=_group(greedy_rows, num_rows, device) if greedy_rows else None,

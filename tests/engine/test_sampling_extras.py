@@ -154,3 +154,66 @@ def test_prompt_logprobs_are_the_models_own_and_skip_the_prefix_cache(tiny_check
     assert all(len(lp.top) == 2 and lp.rank >= 1 for lp in first.prompt_logprobs)
     assert outs[-1].stats is not None and outs[-1].stats.num_cached_tokens == 0  # no prefix hit for this one
     assert_no_blocks_held(engine)
+
+
+def _holds(tokens: list[int], sequence: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i:i + len(sequence)]) == sequence for i in range(len(tokens) - len(sequence) + 1))
+
+
+def _word_in(engine, tokens: list[int]) -> tuple[str, list[tuple[int, ...]]]:
+    """A word of two or more tokens that `tokens` hold (its ban has to read the output), and its sequences."""
+    from engine.sampling.bad_words import bad_words_token_ids
+
+    def encode(text: str) -> list[int]:
+        return engine.tokenizer.encode(text, add_special_tokens=False)
+
+    for i in range(len(tokens) - 2):
+        word = engine.tokenizer.decode(tokens[i:i + 3])
+        if word.strip():
+            sequences = bad_words_token_ids([word], encode)
+            if any(len(s) > 1 and _holds(tokens, s) for s in sequences):
+                return word, sequences
+    raise AssertionError(f"no multi-token word in {tokens}")
+
+
+SAMPLED = {"temperature": 0.9, "seed": 3, "ignore_eos": True, "max_tokens": 16}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ngram"])
+def test_bad_words_never_complete_in_the_output(tiny_checkpoint, mode: str) -> None:
+    overrides = {"async_scheduling": True} if mode == "async" else {}
+    if mode == "ngram":
+        overrides = {"speculative_config": NGRAM}
+    engine = make_engine(tiny_checkpoint, **overrides)
+    counter = BlockRefCounter(engine)
+    engine.add_request("greedy", PROMPT, greedy(max_tokens=16))
+    engine.add_request("sampled", PROMPT, SamplingParams(**SAMPLED))
+    plain = {name: out.token_ids for name, out in finals(drain(engine)).items()}
+    words = {name: _word_in(engine, tokens) for name, tokens in plain.items()}
+    engine.add_request("greedy", PROMPT, greedy(max_tokens=16, bad_words=[words["greedy"][0]]))
+    engine.add_request("sampled", PROMPT, SamplingParams(**SAMPLED, bad_words=[words["sampled"][0]]))
+    outs = finals(drain(engine))
+    for name, (word, sequences) in words.items():
+        assert not any(_holds(outs[name].token_ids, s) for s in sequences), (name, word, sequences)
+        assert outs[name].token_ids != plain[name]
+    if mode == "ngram":
+        assert engine.stats().spec_decode_num_draft_tokens > 0, "nothing was speculated"
+    word, sequences = words["greedy"]
+    with pytest.raises(ValueError, match="nothing would be left"):
+        engine.add_request("bad", PROMPT, greedy(allowed_token_ids=[sequences[0][-1]], bad_words=[word]))
+    assert_no_blocks_held(engine)
+    counter.assert_balanced()
+
+
+def test_bad_words_give_the_same_tokens_with_async_scheduling_and_speculation(tiny_checkpoint) -> None:
+    engine = make_engine(tiny_checkpoint)
+    engine.add_request("g", PROMPT, greedy(max_tokens=16))
+    engine.add_request("s", PROMPT, SamplingParams(**SAMPLED))
+    words = [_word_in(engine, out.token_ids)[0] for out in finals(drain(engine)).values()]
+    runs = []
+    for overrides in ({}, {"async_scheduling": True}, {"speculative_config": NGRAM}):
+        engine = make_engine(tiny_checkpoint, **overrides)
+        engine.add_request("g", PROMPT, greedy(max_tokens=16, bad_words=words))
+        engine.add_request("s", PROMPT, SamplingParams(**SAMPLED, bad_words=words))
+        runs.append({k: out.token_ids for k, out in finals(drain(engine)).items()})
+    assert runs[0] == runs[1] == runs[2]

@@ -61,6 +61,7 @@ STRING_FIELDS: dict[str, dict[str, tuple[dict[str, object], str]]] = {
         "prompt[]": ({"prompt": [SURROGATE]}, "prompt"),
         "stop": ({"stop": SURROGATE}, "stop"),
         "stop[]": ({"stop": ["ok", f"x{SURROGATE}"]}, "stop"),
+        "bad_words[]": ({"bad_words": ["ok", f"x{SURROGATE}"]}, "bad_words"),
         "user": ({"user": SURROGATE}, "user"),
         "request_id": ({"request_id": SURROGATE}, "request_id"),
         "suffix": ({"suffix": SURROGATE}, "suffix"),
@@ -80,6 +81,7 @@ STRING_FIELDS: dict[str, dict[str, tuple[dict[str, object], str]]] = {
         "messages[].name": ({"messages": [{"role": "user", "content": "hi", "name": SURROGATE}]}, "messages"),
         "stop": ({"stop": SURROGATE}, "stop"),
         "stop[]": ({"stop": [SURROGATE]}, "stop"),
+        "bad_words[]": ({"bad_words": [SURROGATE]}, "bad_words"),
         "user": ({"user": SURROGATE}, "user"),
         "request_id": ({"request_id": SURROGATE}, "request_id"),
         "tool_choice": ({"tool_choice": SURROGATE}, "tool_choice"),
@@ -237,7 +239,9 @@ SHARED_SHAPES = [
     '"stop": ' + json.dumps(["x"] * 65), '"stop": "' + "x" * 5000 + '"',
     '"stop_token_ids": "x"', '"stop_token_ids": ' + json.dumps(list(range(2000))), '"temperature": "hot"',
     '"temperature": []', '"n": "two"', '"logit_bias": {"x": 1}', '"logit_bias": {"1": NaN}', '"logit_bias": 5',
-    '"ignore_eos": {}', '"user": 5', f'"stop": {nested()}',
+    '"ignore_eos": {}', '"user": 5', f'"stop": {nested()}', '"bad_words": "x"', '"bad_words": [5]',
+    '"bad_words": ' + json.dumps(["x"] * 1025), '"bad_words": ["' + "x" * 5000 + '"]', '"bad_words": [" "]',
+    '"bad_words": ["x"], "guided_regex": "a+"',
 ]
 COMPLETION_SHAPES = [
     '"prompt": 5', '"prompt": {"a": 1}', '"prompt": null', '"prompt": [1.5]', '"prompt": [1, "a"]', '"prompt": []',

@@ -2,7 +2,7 @@
 header or the body's `request_id`, the workers' id the gateway's own whatever the client sent;
 `--enable-request-id-headers` putting X-Request-Id on every response), `--root-path` for a path-routing proxy, and
 `--return-tokens-as-token-ids` (and its request field) naming logprobs' tokens by id; the request fields
-`return_token_ids`, `add_special_tokens`, `allowed_token_ids` and chat's `echo`."""
+`return_token_ids`, `add_special_tokens`, `allowed_token_ids`, `bad_words` and chat's `echo`."""
 
 from __future__ import annotations
 
@@ -159,6 +159,17 @@ def test_allowed_token_ids_reach_the_workers_and_bad_ones_are_400(  # type: igno
         assert answer.status_code == 400 and (param is None or answer.json()["error"]["param"] == param)
     combined = client.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [75], "guided_regex": "H+"})
     assert combined.status_code == 400 and combined.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_bad_words_reach_the_workers_and_bad_ones_are_400(serve_gateway, fakes) -> None:  # type: ignore[no-untyped-def]
+    client = serve_gateway()
+    assert client.post("/v1/chat/completions", json={**CHAT, "bad_words": ["Hello", "once upon"]}).status_code == 200
+    assert list(fakes["decode-0"].requests[-1].params.bad_words) == ["Hello", "once upon"]
+    for words in (["ok", "  "], ["x" * 4097]):
+        answer = client.post("/v1/completions", json={**COMPLETION, "bad_words": words})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "bad_words", answer.json()
+    combined = client.post("/v1/completions", json={**COMPLETION, "bad_words": ["x"], "guided_choice": ["a", "b"]})
+    assert combined.status_code == 400 and combined.json()["error"]["param"] == "bad_words"
 
 
 class _Messages:

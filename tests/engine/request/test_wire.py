@@ -25,7 +25,7 @@ EVERY_FIELD = SamplingParams(
     frequency_penalty=1.0, seed=11, max_tokens=9, min_tokens=2, stop=["a", "b"], stop_token_ids=[3, 4],
     ignore_eos=True, include_stop_str_in_output=True, logprobs=3, skip_special_tokens=False, logit_bias={5: -2.5},
     prompt_logprobs=2, structured_outputs=GrammarSpec(kind="regex", source="a+"), priority=-3,
-    allowed_token_ids=[5, 6],
+    allowed_token_ids=[5, 6], bad_words=["never", "this phrase"],
 )
 
 
