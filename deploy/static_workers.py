@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from engine.request.sampling_params import DEFAULT_MAX_LOGPROBS
 from protos import serving_pb2, serving_pb2_grpc
 from protos.cluster_auth import ClusterAuth, sync_channel
 from protos.worker_info import WorkerInfo
@@ -122,12 +123,17 @@ def worker_list_from_args(args: argparse.Namespace) -> WorkerList | None:
     return WorkerList(prefill=prefill, decode=decode, colocated=colocated)
 
 
-def _engine_of(answer: serving_pb2.HealthResponse) -> tuple[str, str, int, int, str, str]:
+def _engine_of(answer: serving_pb2.HealthResponse) -> tuple[str, str, int, int, str, str, int]:
     return (answer.engine_model, answer.load_format, answer.block_size, answer.max_model_len, answer.kv_cache_dtype,
-            answer.scheduling_policy or "fcfs")
+            answer.scheduling_policy or "fcfs", _max_logprobs(answer))
 
 
-_ENGINE_FIELDS = ("model", "load format", "block size", "max model len", "KV cache dtype", "scheduling policy")
+def _max_logprobs(answer: serving_pb2.HealthResponse) -> int:
+    return answer.max_logprobs if answer.HasField("max_logprobs") else DEFAULT_MAX_LOGPROBS
+
+
+_ENGINE_FIELDS = ("model", "load format", "block size", "max model len", "KV cache dtype", "scheduling policy",
+                  "max logprobs")
 
 
 def check_workers(workers: WorkerList,
@@ -152,8 +158,8 @@ def check_workers(workers: WorkerList,
                       zip(_ENGINE_FIELDS, _engine_of(first[1]), _engine_of(answer), strict=True) if a != b]
             raise ValueError(f"the workers run different engines: {first[0]} ({first[1].worker_id}) and {endpoint} "
                              f"({answer.worker_id}) differ in {', '.join(differ)}; start every worker with the "
-                             "same --model, --load-format, --block-size, --max-model-len, --kv-cache-dtype and "
-                             "--scheduling-policy")
+                             "same --model, --load-format, --block-size, --max-model-len, --kv-cache-dtype, "
+                             "--scheduling-policy and --max-logprobs")
         infos.append(WorkerInfo(worker_id=answer.worker_id, role=role, endpoint=endpoint,
                                 incarnation=answer.incarnation))
     ids = [info.worker_id for info in infos]
@@ -165,7 +171,7 @@ def check_workers(workers: WorkerList,
     answer = first[1]
     served = ServedEngine(model=answer.engine_model, load_format=answer.load_format, block_size=answer.block_size,
                           max_model_len=answer.max_model_len, mode=workers.mode,
-                          scheduling_policy=answer.scheduling_policy or "fcfs")
+                          scheduling_policy=answer.scheduling_policy or "fcfs", max_logprobs=_max_logprobs(answer))
     return infos, served
 
 

@@ -112,4 +112,5 @@ def served_engine(controller: ControllerConfig) -> ServedEngine:
     engine = controller.engine
     return ServedEngine(model=engine.model, load_format=engine.load_format, block_size=engine.block_size,
                         max_model_len=engine.max_model_len, scheduling_policy=engine.scheduling_policy,
+                        max_logprobs=engine.max_logprobs,
                         mode="colocated" if controller.num_colocated_workers else "disaggregated")

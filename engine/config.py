@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.request.sampling_params import SCHEDULING_POLICIES
+from engine.request.sampling_params import DEFAULT_MAX_LOGPROBS, SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on cuda, float32 on cpu (engine/device.py)
 DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is taken too; "auto": cuda when torch sees a GPU
@@ -36,6 +36,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # vLLM's: the most (prompt) logprobs a request may ask for; -1: vocab
     enable_prefix_caching: bool = True
     # The KV cache's size, first given wins: num_kv_blocks; kv_cache_memory_bytes; else on cpu 2 GiB
     # (CPU_KV_CACHE_MEMORY_BYTES), on cuda what gpu_memory_utilization leaves (engine/memory_profile.py).
@@ -94,6 +95,8 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len_to_capture"):

@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
                    help="fcfs: requests start in arrival order; priority: by each request's `priority` (lower first), "
                         "then arrival, a running request of lower priority preempted for a waiting one of higher")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="the most top logprobs (and prompt logprobs) a request may ask for per token; -1: the "
+                        "vocabulary's size")
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )
@@ -118,6 +121,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs,
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory,

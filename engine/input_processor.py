@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.fork import choice_params, choice_request_id
 from engine.core.request import Request
-from engine.request.sampling_params import SamplingParams, check_priority
+from engine.request.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_engine_rules
 from engine.sampling.bad_words import bad_words_token_ids, maybe_bannable
 from engine.tokenizer.tokenizer import Tokenizer
 from kv_transfer.block_hash import BlockHashNamespace
@@ -33,12 +33,15 @@ class InputProcessor:
         hash_namespace: BlockHashNamespace | None,
         use_grammars: Callable[[GrammarCompilerCache], None],
         scheduling_policy: str = "fcfs",
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         """`hash_namespace`: what the requests hash their blocks in (None: no prefix caching). `use_grammars` is
         called once, with the grammar compiler cache made for the first request that has a grammar (the runner
-        builds its matchers from it). `scheduling_policy` "fcfs" takes only requests of priority 0."""
+        builds its matchers from it). `scheduling_policy` "fcfs" takes only requests of priority 0; `max_logprobs`
+        caps (prompt) logprobs, -1 at the vocabulary's size."""
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.hash_namespace = hash_namespace
@@ -57,7 +60,7 @@ class InputProcessor:
         ValueError). `remote_decode` (a prefill worker's request): only choice 0, whose KV is handed off after its
         first token; the decode worker forks the others."""
         params.validate()
-        check_priority(params.priority, self.scheduling_policy)
+        check_engine_rules(params, scheduling_policy=self.scheduling_policy, max_logprobs=self.max_logprobs)
         if params.structured_outputs is not None:
             self.grammar_compilers().compile(params.structured_outputs)
         prompt_ids = self._prompt_ids(prompt)

@@ -126,7 +126,7 @@ class LLMEngine:
         )
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
-            scheduling_policy=config.scheduling_policy,
+            scheduling_policy=config.scheduling_policy, max_logprobs=config.max_logprobs,
             hash_namespace=self.hash_namespace if config.enable_prefix_caching else None,
             use_grammars=self.runner.use_grammars)
         self.outputs = OutputProcessor(self.tokenizer)

@@ -280,7 +280,7 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., kv_blocks_used: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "worker_id", "role", "model", "incarnation", "engine_model", "load_format", "block_size", "max_model_len", "kv_cache_dtype", "quantization", "scheduling_policy")
+    __slots__ = ("ok", "worker_id", "role", "model", "incarnation", "engine_model", "load_format", "block_size", "max_model_len", "kv_cache_dtype", "quantization", "scheduling_policy", "max_logprobs")
     OK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class HealthResponse(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     worker_id: str
     role: str
@@ -305,7 +306,8 @@ class HealthResponse(_message.Message):
     kv_cache_dtype: str
     quantization: str
     scheduling_policy: str
-    def __init__(self, ok: _Optional[bool] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., engine_model: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., scheduling_policy: _Optional[str] = ...) -> None: ...
+    max_logprobs: int
+    def __init__(self, ok: _Optional[bool] = ..., worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., incarnation: _Optional[int] = ..., engine_model: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., scheduling_policy: _Optional[str] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -227,7 +227,8 @@ def create_app(
         if generation.max_new_tokens is not None:
             fitted = min(fitted, generation.max_new_tokens)
         params = to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs,
-                                    defaults=generation.sampling, scheduling_policy=config.scheduling_policy)
+                                    defaults=generation.sampling, scheduling_policy=config.scheduling_policy,
+                                    max_logprobs=config.max_logprobs)
         job = GenerationJob(request_id=workers_id,
                             prompt_token_ids=token_ids, params=params)
         truncated = len(token_ids) < len(whole)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from engine.request.generation_config import NONE as NO_GENERATION_DEFAULTS
 from engine.request.generation_config import GenerationDefaults
-from engine.request.sampling_params import SCHEDULING_POLICIES
+from engine.request.sampling_params import DEFAULT_MAX_LOGPROBS, SCHEDULING_POLICIES
 from router.config_checks import (
     AT_LEAST_ONE,
     AT_LEAST_ZERO,
@@ -152,6 +152,7 @@ class ServedEngine:
     max_model_len: int | None = None  # None: the checkpoint's context length
     mode: str = "disaggregated"  # or "colocated"
     scheduling_policy: str = "fcfs"  # --scheduling-policy: "priority" orders the gateway's queue too
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs: the gateway refuses more, as a worker would
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +173,8 @@ class RouterConfig(GatewayConfig):
     block_size: int = checked(POSITIVE, default=16)
     # the workers' --scheduling-policy: "priority" admits the gateway's queue by request priority; "fcfs" takes only 0
     scheduling_policy: str = checked(one_of(SCHEDULING_POLICIES), default="fcfs")
+    # the workers' --max-logprobs (-1: their vocabulary's size, which they check)
+    max_logprobs: int = checked(within(-1, 2**31 - 1), default=DEFAULT_MAX_LOGPROBS)
 
     def __post_init__(self) -> None:
         check_served_model_names(self.served_model_names)
@@ -180,13 +183,14 @@ class RouterConfig(GatewayConfig):
     @classmethod
     def serving(cls, gateway: GatewayConfig, *, served_model_names: tuple[str, ...], max_model_len: int,
                 mode: str, block_size: int, scheduling_policy: str = "fcfs",
+                max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                 generation_defaults: GenerationDefaults = NO_GENERATION_DEFAULTS) -> RouterConfig:
         """`gateway`'s settings, every one of them, for the model these name (the gateway's own names, if it has
         any, over `served_model_names`)."""
         settings = {f.name: getattr(gateway, f.name) for f in dataclasses.fields(GatewayConfig)}
         served_model_names = settings.pop("served_model_names") or served_model_names
         return cls(**settings, served_model_names=served_model_names, max_model_len=max_model_len, mode=mode,
-                   block_size=block_size, scheduling_policy=scheduling_policy,
+                   block_size=block_size, scheduling_policy=scheduling_policy, max_logprobs=max_logprobs,
                    generation_defaults=generation_defaults)
 
     @property

@@ -24,7 +24,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request.grammar_spec import GrammarSpec
-from engine.request.sampling_params import BODY_FIELDS, SamplingParams, check_priority
+from engine.request.sampling_params import BODY_FIELDS, DEFAULT_MAX_LOGPROBS, SamplingParams, check_engine_rules
 from engine.request.wire import check_fits_wire
 from router.errors import ApiError, bad_request
 
@@ -252,12 +252,13 @@ def num_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> i
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
     structured_outputs: GrammarSpec | None = None, defaults: Mapping[str, object] = MappingProxyType({}),
-    scheduling_policy: str = "fcfs",
+    scheduling_policy: str = "fcfs", max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> SamplingParams:
     """The workers' SamplingParams for `request`, generating at most `max_tokens` (already fitted to the context),
     its output following `structured_outputs` (router/structured.py, router/tools.py) when given; `defaults`: the
     model's values of the fields the request leaves unset (engine/request/generation_config.py);
-    `scheduling_policy`: the workers' (a priority other than 0 needs "priority").
+    `scheduling_policy` and `max_logprobs`: the workers' (a priority other than 0 needs "priority"; more logprobs
+    than `max_logprobs` are refused).
 
     Validated by the engine's `SamplingParams.validate()` and fit for the wire (`check_fits_wire`); a bad value is a
     400 naming the parameter.
@@ -280,7 +281,7 @@ def to_sampling_params(
     try:
         params.validate()
         check_fits_wire(params)
-        check_priority(params.priority, scheduling_policy)
+        check_engine_rules(params, scheduling_policy=scheduling_policy, max_logprobs=max_logprobs)
     except ValueError as error:
         raise bad_request(str(error), _param_of(str(error), request)) from error
     return params

@@ -73,7 +73,7 @@ def build_router_app(
     model_path = None if served.load_format == "dummy" else resolve_model(served.model)  # its generation config
     router_config = RouterConfig.serving(
         config, served_model_names=(served.model,), mode=served.mode, block_size=served.block_size,
-        scheduling_policy=served.scheduling_policy,
+        scheduling_policy=served.scheduling_policy, max_logprobs=served.max_logprobs,
         max_model_len=served.max_model_len if served.max_model_len is not None else context_length,
         generation_defaults=load_generation_defaults(config.generation_config, model_path,
                                                      config.override_generation_config))

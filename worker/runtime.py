@@ -315,6 +315,7 @@ class WorkerRuntime:
             kv_cache_dtype=self.engine.config.kv_cache_dtype,
             quantization=self.engine.config.quantization,
             scheduling_policy=self.engine.config.scheduling_policy,
+            max_logprobs=self.engine.config.max_logprobs,
         )
 
     async def load_stats(self) -> serving_pb2.LoadStats:

@@ -114,10 +114,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):  # the cap is the engine's --max-logprobs (check_engine_rules)
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be non-negative, got {value}")
         for token_id, bias in self.logit_bias.items():
             if token_id < 0:
                 raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
@@ -150,12 +150,21 @@ class SamplingParams:
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
-def check_priority(priority: int, scheduling_policy: str) -> None:
-    """ValueError unless a request of `priority` may run under `scheduling_policy` (vLLM's rule: only "priority"
-    takes a priority other than 0)."""
-    if priority != 0 and scheduling_policy != "priority":
-        raise ValueError(f"priority {priority} needs --scheduling-policy priority; this engine schedules "
+# vLLM's --max-logprobs default: the most top logprobs a request may ask for, per token and per prompt token.
+DEFAULT_MAX_LOGPROBS = 20
+
+
+def check_engine_rules(params: SamplingParams, *, scheduling_policy: str, max_logprobs: int) -> None:
+    """ValueError unless validated `params` may run on an engine of `scheduling_policy` (vLLM's rule: only
+    "priority" takes a priority other than 0) and `max_logprobs` (--max-logprobs; -1: no cap here, the engine
+    caps at its vocabulary's size)."""
+    if params.priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority {params.priority} needs --scheduling-policy priority; this engine schedules "
                          f"{scheduling_policy} (arrival order), where every request's priority is 0")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and 0 <= max_logprobs < value:
+            raise ValueError(f"{name} must be in [0, {max_logprobs}] (the engine's --max-logprobs), got {value}")
 
 
 # The table's columns: the fields the OpenAI body carries under their own names; and each flag's field.

@@ -180,7 +180,7 @@ def test_speculative_config_reaches_every_workers_engine_config() -> None:
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "k": 3}'])
 
 
-def test_the_scheduling_policy_reaches_the_workers_and_the_gateway() -> None:
+def test_the_scheduling_policy_and_max_logprobs_reach_the_workers_and_the_gateway() -> None:
     from deploy.cli import build_parser
     from deploy.serve_command import serve_config_from_args
     from deploy.worker_directory import served_engine
@@ -189,6 +189,8 @@ def test_the_scheduling_policy_reaches_the_workers_and_the_gateway() -> None:
         config = serve_config_from_args(build_parser().parse_args(flags))
         assert config.controller.engine.scheduling_policy == policy
         assert served_engine(config.controller).scheduling_policy == policy  # the gateway's queue and its 400s
+    config = serve_config_from_args(build_parser().parse_args(["serve", "--max-logprobs", "-1"]))
+    assert config.controller.engine.max_logprobs == served_engine(config.controller).max_logprobs == -1
 
 
 @pytest.mark.parametrize(("flags", "share"), [([], 0.45), (["--colocated"], 0.9),

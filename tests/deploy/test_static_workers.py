@@ -85,6 +85,9 @@ def test_the_workers_own_ids_and_incarnations_and_their_engine_are_taken() -> No
     assert served.mode == "colocated" and served.load_format == "dummy" and served.scheduling_policy == "fcfs"
     _, served = check_workers(WorkerList(colocated=(C,)), {C: _health("c", "colocated", scheduling_policy="priority")})
     assert served.scheduling_policy == "priority"  # the gateway's queue then goes by priority, and 400s none
+    assert served.max_logprobs == 20  # a worker from before --max-logprobs: vLLM's default
+    _, served = check_workers(WorkerList(colocated=(C,)), {C: _health("c", "colocated", max_logprobs=-1)})
+    assert served.max_logprobs == -1
 
 
 @pytest.mark.parametrize(
@@ -101,6 +104,7 @@ def test_the_workers_own_ids_and_incarnations_and_their_engine_are_taken() -> No
         (_health("decode-b", "decode", kv_cache_dtype="int8"), "differ in KV cache dtype 'auto' vs 'int8'"),
         (_health("decode-b", "decode", scheduling_policy="priority"),
          "differ in scheduling policy 'fcfs' vs 'priority'"),
+        (_health("decode-b", "decode", max_logprobs=5), "differ in max logprobs 20 vs 5"),
         (_health("prefill-a", "decode"), "worker id\\(s\\) prefill-a answer at more than one endpoint"),
         (serving_pb2.HealthResponse(ok=True, worker_id="old", role="decode"), "does not report its engine"),
     ],

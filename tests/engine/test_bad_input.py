@@ -81,7 +81,9 @@ BAD_PARAMS = [
     pytest.param(dict(repetition_penalty=0.0), "repetition_penalty", id="repetition_penalty=0"),
     pytest.param(dict(presence_penalty=3.0), "presence_penalty", id="presence_penalty>2"),
     pytest.param(dict(min_tokens=9, max_tokens=4), "min_tokens", id="min_tokens>max_tokens"),
-    pytest.param(dict(logprobs=21), "logprobs", id="logprobs>20"),
+    pytest.param(dict(logprobs=21), "logprobs must be in \\[0, 20\\] \\(the engine's --max-logprobs", id="logprobs>20"),
+    pytest.param(dict(prompt_logprobs=21), "prompt_logprobs must be in \\[0, 20\\]", id="prompt_logprobs>20"),
+    pytest.param(dict(bad_words=["\t"]), "bad_words entries must hold more than whitespace", id="blank-bad-word"),
     pytest.param(dict(stop=["ok", ""]), "stop strings", id="empty-stop-string"),
     pytest.param(dict(stop_token_ids=[-1]), "stop_token_ids", id="negative-stop-id"),
     pytest.param(dict(seed=2**64), "seed", id="seed-too-large"),
@@ -99,6 +101,22 @@ def test_bad_sampling_params_are_refused_without_holding_blocks(tiny_engine, par
 
     assert_no_blocks_held(tiny_engine)
     _assert_engine_still_serves(tiny_engine)
+
+
+def test_max_logprobs_is_the_engines_cap_and_minus_one_its_vocabulary(tiny_checkpoint) -> None:
+    engine = make_engine(tiny_checkpoint, max_logprobs=2)
+    with pytest.raises(ValueError, match="logprobs must be in \\[0, 2\\]"):
+        engine.add_request("bad", PROMPTS[0], greedy(logprobs=3))
+    engine = make_engine(tiny_checkpoint, max_logprobs=-1)
+    vocab_size = engine.model_config.vocab_size
+    engine.add_request("all", PROMPTS[0], greedy(max_tokens=2, logprobs=vocab_size))
+    out = finals(drain(engine))["all"]
+    assert all(len(entry.top) == vocab_size for entry in out.logprobs)
+    with pytest.raises(ValueError, match=f"logprobs must be in \\[0, {vocab_size}\\]"):
+        engine.add_request("bad", PROMPTS[0], greedy(logprobs=vocab_size + 1))
+    assert_no_blocks_held(engine)
+    with pytest.raises(ValueError, match="max_logprobs must be -1"):
+        make_engine(tiny_checkpoint, max_logprobs=-2)
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,17 @@ def test_a_priority_goes_to_the_workers_under_the_priority_policy() -> None:
     assert error.value.param == "priority"
 
 
+def test_the_workers_max_logprobs_caps_logprobs_at_the_gateway() -> None:
+    assert to_sampling_params(completion(logprobs=30), max_tokens=1, max_logprobs=30).logprobs == 30
+    assert to_sampling_params(chat(logprobs=True, top_logprobs=500), max_tokens=1, max_logprobs=-1).logprobs == 500
+    with pytest.raises(ApiError, match="must be in \\[0, 4\\]") as error:
+        to_sampling_params(chat(logprobs=True, top_logprobs=5), max_tokens=1, max_logprobs=4)
+    assert error.value.param == "top_logprobs"
+    with pytest.raises(ApiError) as error:
+        to_sampling_params(completion(echo=True, logprobs=1, prompt_logprobs=5), max_tokens=1, max_logprobs=4)
+    assert error.value.param == "prompt_logprobs"
+
+
 def test_chat_validation_names_chat_parameters() -> None:
     with pytest.raises(ApiError) as error:
         to_sampling_params(chat(logprobs=True, top_logprobs=21), max_tokens=1)

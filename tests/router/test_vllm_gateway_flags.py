@@ -2,7 +2,8 @@
 header or the body's `request_id`, the workers' id the gateway's own whatever the client sent;
 `--enable-request-id-headers` putting X-Request-Id on every response), `--root-path` for a path-routing proxy, and
 `--return-tokens-as-token-ids` (and its request field) naming logprobs' tokens by id; the request fields
-`return_token_ids`, `add_special_tokens`, `allowed_token_ids`, `bad_words` and chat's `echo`."""
+`return_token_ids`, `add_special_tokens`, `allowed_token_ids`, `bad_words` and chat's `echo`; the workers'
+`--max-logprobs` as the gateway's cap."""
 
 from __future__ import annotations
 
@@ -170,6 +171,15 @@ def test_bad_words_reach_the_workers_and_bad_ones_are_400(serve_gateway, fakes) 
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "bad_words", answer.json()
     combined = client.post("/v1/completions", json={**COMPLETION, "bad_words": ["x"], "guided_choice": ["a", "b"]})
     assert combined.status_code == 400 and combined.json()["error"]["param"] == "bad_words"
+
+
+def test_the_workers_max_logprobs_is_the_gateways_cap(serve_gateway, fakes) -> None:  # type: ignore[no-untyped-def]
+    client = serve_gateway(max_logprobs=2)
+    answer = client.post("/v1/completions", json={**COMPLETION, "logprobs": 3})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "logprobs"
+    assert "--max-logprobs" in answer.json()["error"]["message"] and fakes["decode-0"].requests == []
+    chat = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2})
+    assert chat.status_code == 200 and fakes["decode-0"].requests[-1].params.logprobs == 2
 
 
 class _Messages:

@@ -68,6 +68,7 @@ def test_default_lists_are_not_shared() -> None:
         dict(max_tokens=5, min_tokens=5),
         dict(logprobs=0),
         dict(logprobs=20),
+        dict(logprobs=10_000),  # the cap is the engine's (check_engine_rules)
         dict(stop=["a", "\n"]),
         dict(stop_token_ids=[0, 2]),
         dict(priority=-(2**31)),
@@ -88,7 +89,7 @@ def test_boundary_values_are_valid(kwargs: dict) -> None:
         (dict(logit_bias={5: 100.5}), "logit_bias"),
         (dict(logit_bias={5: float("nan")}), "logit_bias"),
         (dict(logit_bias={-1: 1.0}), "logit_bias"),
-        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
         (dict(temperature=-0.1), "temperature"),
         (dict(temperature=math.nan), "temperature"),
         (dict(top_p=0.0), "top_p"),
@@ -112,7 +113,8 @@ def test_boundary_values_are_valid(kwargs: dict) -> None:
         (dict(min_tokens=-1), "min_tokens"),
         (dict(max_tokens=4, min_tokens=5), "min_tokens"),
         (dict(logprobs=-1), "logprobs"),
-        (dict(logprobs=21), "logprobs"),
+        (dict(bad_words=["ok", " "]), "bad_words"),
+        (dict(bad_words=["x"], structured_outputs=GrammarSpec(kind="regex", source="a+")), "bad_words"),
         (dict(stop=[""]), "stop"),
         (dict(stop=["ok", ""]), "stop"),
         (dict(stop=""), "stop"),
@@ -130,3 +132,20 @@ def test_bad_value_raises_naming_the_parameter(kwargs: dict, name: str) -> None:
         params.validate()
     message = str(excinfo.value)
     assert message.split()[0] == name, message
+
+
+def test_the_engines_rules_cap_logprobs_and_take_priority_only_under_its_policy() -> None:
+    from engine.request.sampling_params import check_engine_rules
+
+    rules = {"scheduling_policy": "fcfs", "max_logprobs": 20}
+    check_engine_rules(SamplingParams(logprobs=20, prompt_logprobs=20), **rules)
+    for params, name in ((SamplingParams(logprobs=21), "logprobs"), (SamplingParams(prompt_logprobs=21),
+                                                                      "prompt_logprobs")):
+        with pytest.raises(ValueError, match=rf"^{name} must be in \[0, 20\] \(the engine's --max-logprobs\)"):
+            check_engine_rules(params, **rules)
+    check_engine_rules(SamplingParams(logprobs=5000), scheduling_policy="fcfs", max_logprobs=-1)  # the engine's vocab
+    with pytest.raises(ValueError, match="logprobs must be in \\[0, 0\\]"):
+        check_engine_rules(SamplingParams(logprobs=1), scheduling_policy="fcfs", max_logprobs=0)
+    with pytest.raises(ValueError, match="^priority 2 needs --scheduling-policy priority"):
+        check_engine_rules(SamplingParams(priority=2), **rules)
+    check_engine_rules(SamplingParams(priority=2), scheduling_policy="priority", max_logprobs=20)
