@@ -72,6 +72,10 @@ GATEWAY_FLAGS = (
     ConfigFlag("--return-tokens-as-token-ids", "return_tokens_as_token_ids",
                "logprobs name each token \"token_id:<id>\" instead of its text, unless a request's "
                "return_tokens_as_token_ids says otherwise (vLLM's flag)", action="store_true"),
+    ConfigFlag("--trust-request-chat-template", "trust_request_chat_template",
+               "render the chat template a chat request brings in its `chat_template` field instead of the model's "
+               "(vLLM's flag; off: such a request is a 400, since a template is code the gateway runs)",
+               action="store_true"),
     ConfigFlag("--root-path", "root_path",
                "the path prefix a path-routing proxy serves the API under, e.g. /llm (vLLM's flag; FastAPI's "
                "root_path: /openapi.json names it, and paths with or without it are served)"),

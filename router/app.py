@@ -63,6 +63,7 @@ from router.protocol import (
     num_logprobs,
     to_sampling_params,
 )
+from router.request_chat_template import RequestChatTemplates
 from router.request_ids import HEADER as REQUEST_ID_HEADER
 from router.request_ids import RequestIdHeaders, response_id
 from router.responses import ResponseHeader
@@ -105,6 +106,7 @@ def create_app(
     autoscaler = config.autoscaler
     if autoscaler is not None and (pool_controller is None or config.mode != "disaggregated"):
         raise ValueError("the autoscaler needs a pool controller and the disaggregated mode")
+    templates = RequestChatTemplates(tokenizer, trusted=config.trust_request_chat_template)
     metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts,
                             signal_window_s=config.signal_window_s)
     if prefix_index is not None:
@@ -201,7 +203,8 @@ def create_app(
                 raise bad_request(f"tool_choice {body.tool_choice!r} constrains the output: it cannot be combined "
                                   "with response_format or guided decoding", "tool_choice")
             structured_outputs = tools.structured_outputs()
-        return await _complete(raw, body, arrival_s, lambda: chat_prompt_token_ids(body, tokenizer, tools),
+        return await _complete(raw, body, arrival_s,
+                               lambda: chat_prompt_token_ids(body, templates.tokenizer_for(body), tools),
                                structured_outputs=structured_outputs, tools=tools,
                                max_tokens=body.requested_max_tokens, default_max_tokens=None,
                                max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
@@ -270,7 +273,7 @@ def create_app(
 
     app.openapi = without_validation_errors(app)  # type: ignore[method-assign]
 
-    install_tokenize_routes(app, config, tokenizer)
+    install_tokenize_routes(app, config, templates)
     install_cache_routes(app, registry)
 
     @app.get("/v1/models")

@@ -125,6 +125,8 @@ class GatewayConfig:
     enable_request_id_headers: bool = False
     # vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:<id>", unless a request says otherwise
     return_tokens_as_token_ids: bool = False
+    # vLLM's --trust-request-chat-template: a chat request's own `chat_template` is rendered (else it is a 400)
+    trust_request_chat_template: bool = False
     # vLLM's --root-path: the path prefix a path-routing proxy serves the API under (FastAPI's root_path; None: none)
     root_path: str | None = None
 

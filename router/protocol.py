@@ -156,6 +156,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last message, for the model to go on
     chat_template_kwargs: dict[str, object] | None = None  # vLLM's: more variables for the chat template
+    chat_template: str | None = None  # vLLM's: this request's own (--trust-request-chat-template)
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool = True
@@ -207,6 +208,8 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     _check_json_text(request.chat_template_kwargs, "chat_template_kwargs")
+    if request.chat_template is not None:
+        check_text(request.chat_template, param="chat_template", allow_nul=False)
 
 
 def check_text(text: str, *, param: str, where: str | None = None, allow_nul: bool = True) -> None:

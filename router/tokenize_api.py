@@ -26,8 +26,8 @@ from router.protocol import ChatCompletionRequest, ChatMessage, check_chat_reque
 from router.tools import plan_tools
 
 if TYPE_CHECKING:
-    from engine.tokenizer.tokenizer import Tokenizer
     from router.config import RouterConfig
+    from router.request_chat_template import RequestChatTemplates
 
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")
 _ERRORS: dict[int | str, dict[str, object]] = {
@@ -50,6 +50,7 @@ class TokenizeRequest(BaseModel):
     # the tokenizer's special tokens around a prompt (BOS); a chat's come from its template, as in vLLM
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, object] | None = None
+    chat_template: str | None = None  # vLLM's: this request's own (--trust-request-chat-template)
     tools: list[dict[str, object]] | None = None
     return_token_strs: bool = False
 
@@ -63,7 +64,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def install_tokenize_routes(app: FastAPI, config: RouterConfig, tokenizer: Tokenizer) -> None:
+def install_tokenize_routes(app: FastAPI, config: RouterConfig, templates: RequestChatTemplates) -> None:
+    tokenizer = templates.tokenizer
+
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> dict[str, object]:
         if body.model is not None:
@@ -77,9 +80,11 @@ def install_tokenize_routes(app: FastAPI, config: RouterConfig, tokenizer: Token
             chat = ChatCompletionRequest(model=body.model or config.served_model_names[0], messages=body.messages,
                                          add_generation_prompt=body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
-                                         chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
+                                         chat_template_kwargs=body.chat_template_kwargs,
+                                         chat_template=body.chat_template, tools=body.tools)
             check_chat_request(chat)
-            token_ids = await asyncio.to_thread(chat_prompt_token_ids, chat, tokenizer, plan_tools(chat))
+            token_ids = await asyncio.to_thread(lambda: chat_prompt_token_ids(chat, templates.tokenizer_for(chat),
+                                                                              plan_tools(chat)))
         return {"count": len(token_ids), "max_model_len": config.max_model_len, "tokens": token_ids,
                 "token_strs": [tokenizer.id_to_token(i) for i in token_ids] if body.return_token_strs else None}
 

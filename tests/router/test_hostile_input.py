@@ -85,6 +85,7 @@ STRING_FIELDS: dict[str, dict[str, tuple[dict[str, object], str]]] = {
         "user": ({"user": SURROGATE}, "user"),
         "request_id": ({"request_id": SURROGATE}, "request_id"),
         "tool_choice": ({"tool_choice": SURROGATE}, "tool_choice"),
+        "chat_template": ({"chat_template": SURROGATE}, "chat_template"),
         "guided_json": ({"guided_json": SURROGATE}, "guided_json"),
         "guided_regex": ({"guided_regex": SURROGATE}, "guided_regex"),
         "guided_choice[]": ({"guided_choice": ["a", SURROGATE]}, "guided_choice"),

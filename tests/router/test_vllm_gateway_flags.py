@@ -3,7 +3,7 @@ header or the body's `request_id`, the workers' id the gateway's own whatever th
 `--enable-request-id-headers` putting X-Request-Id on every response), `--root-path` for a path-routing proxy, and
 `--return-tokens-as-token-ids` (and its request field) naming logprobs' tokens by id; the request fields
 `return_token_ids`, `add_special_tokens`, `allowed_token_ids`, `bad_words` and chat's `echo`; the workers'
-`--max-logprobs` as the gateway's cap."""
+`--max-logprobs` as the gateway's cap; a request's own `chat_template` under `--trust-request-chat-template`."""
 
 from __future__ import annotations
 
@@ -180,6 +180,26 @@ def test_the_workers_max_logprobs_is_the_gateways_cap(serve_gateway, fakes) -> N
     assert "--max-logprobs" in answer.json()["error"]["message"] and fakes["decode-0"].requests == []
     chat = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2})
     assert chat.status_code == 200 and fakes["decode-0"].requests[-1].params.logprobs == 2
+
+
+BRACKETS = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+
+
+def test_a_requests_own_chat_template_only_when_trusted(serve_gateway, fakes, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    untrusted = serve_gateway()
+    answer = untrusted.post("/v1/chat/completions", json={**CHAT, "chat_template": BRACKETS})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in answer.json()["error"]["message"] and fakes["decode-0"].requests == []
+    client = serve_gateway(trust_request_chat_template=True)
+    assert client.post("/v1/chat/completions", json={**CHAT, "chat_template": BRACKETS}).status_code == 200
+    assert list(fakes["decode-0"].requests[-1].prompt_token_ids) == tokenizer.encode("[hi]", add_special_tokens=False)
+    tokens = client.post("/tokenize", json={"messages": CHAT["messages"], "chat_template": BRACKETS}).json()
+    assert tokens["tokens"] == tokenizer.encode("[hi]", add_special_tokens=False)
+    plain = client.post("/v1/chat/completions", json=CHAT)  # the model's template when the request has none
+    assert plain.status_code == 200 and list(fakes["decode-0"].requests[-1].prompt_token_ids) != tokens["tokens"]
+    broken = client.post("/v1/chat/completions", json={**CHAT, "chat_template": "{% for m in messages %}"})
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+    assert "does not parse" in broken.json()["error"]["message"]
 
 
 class _Messages:
