@@ -1,7 +1,7 @@
 """AdmissionGuard: a pure ASGI middleware that answers 429 to a generation request arriving while the gateway's
 queue is full, before any byte of its body is read.
 
-    POST /v1/completions, /v1/chat/completions
+    POST /v1/completions, /v1/chat/completions, /v1/responses
         queue full (Admission.refuse_on_arrival)  -> 429 + Retry-After, the body and headers that a refusal in
                                                      the dispatcher (Dispatcher.open) sends; the body stays unread
         otherwise                                 -> the app: parse, tokenize, then Admission.acquire, which
@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.admission import Admission
 from router.errors import ApiError, error_response
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 class AdmissionGuard:

@@ -1,6 +1,8 @@
-"""The router's HTTP app: OpenAI's completions and chat completions, models, health and metrics.
+"""The router's HTTP app: OpenAI's completions, chat completions and responses, models, health and metrics.
 
     POST /v1/completions, /v1/chat/completions   validate -> tokenize -> route -> worker Generate -> JSON | SSE
+    POST /v1/responses                           OpenAI's Responses API, stateless: a chat completion underneath
+                                                 (router/responses_api.py)
     GET  /v1/models                              the served model names, in OpenAI's list shape
     GET  /health                                 200 when each role the mode needs has a healthy worker, else 503
     GET  /live                                   200 while this process's event loop answers (liveness, not readiness)
@@ -49,7 +51,14 @@ from router.body_limit import BodyLimit
 from router.cache_api import install_cache_routes
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob
-from router.errors import GENERATION_ERRORS, bad_request, error_body, install_error_handlers, without_validation_errors
+from router.errors import (
+    GENERATION_ERRORS,
+    ApiError,
+    bad_request,
+    error_body,
+    install_error_handlers,
+    without_validation_errors,
+)
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
 from router.prefix_routing import PrefixIndex
@@ -64,11 +73,18 @@ from router.protocol import (
     to_sampling_params,
 )
 from router.request_chat_template import RequestChatTemplates
+from router.responses_api import (
+    RESPONSES_PARAMS,
+    ResponseShape,
+    ResponsesRequest,
+    check_responses_request,
+    to_chat_request,
+)
 from router.request_ids import HEADER as REQUEST_ID_HEADER
 from router.request_ids import RequestIdHeaders, response_id
 from router.responses import ResponseHeader
 from router.resumable_stream import ResumableStream
-from router.streaming import OutputSpec, collect_response, sse_events
+from router.streaming import OutputSpec, collect_response, sse_events, stream_bodies
 from router.structured import structured_outputs_of
 from router.tokenize_api import install_tokenize_routes
 from router.tools import plan_tools
@@ -195,6 +211,25 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_s = time.perf_counter()
         check_model(body.model, config.served_model_names)
+        return await _chat(raw, body, arrival_s,
+                           max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
+                           else "max_tokens")
+
+    @app.post("/v1/responses", responses=GENERATION_ERRORS)
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        arrival_s = time.perf_counter()
+        check_model(body.model, config.served_model_names)
+        check_responses_request(body)
+        chat = to_chat_request(body)
+        try:
+            return await _chat(raw, chat, arrival_s, max_tokens_param="max_output_tokens",
+                               shape=ResponseShape(body, chat))
+        except ApiError as error:  # the chat request's fields by their Responses names
+            error.param = RESPONSES_PARAMS.get(error.param, error.param)  # type: ignore[arg-type]
+            raise
+
+    async def _chat(raw: Request, body: ChatCompletionRequest, arrival_s: float, *, max_tokens_param: str,
+                    shape: ResponseShape | None = None) -> Response:
         check_chat_request(body)
         tools = plan_tools(body)
         structured_outputs = structured_outputs_of(body)
@@ -207,13 +242,13 @@ def create_app(
                                lambda: chat_prompt_token_ids(body, templates.tokenizer_for(body), tools),
                                structured_outputs=structured_outputs, tools=tools,
                                max_tokens=body.requested_max_tokens, default_max_tokens=None,
-                               max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
-                               else "max_tokens")
+                               max_tokens_param=max_tokens_param, shape=shape)
 
     async def _complete(
         raw: Request, body: CompletionRequest | ChatCompletionRequest, arrival_s: float,
         prompt_token_ids: Callable[[], list[int]], *, structured_outputs: GrammarSpec | None,
         tools: ToolPlan | None, max_tokens: int | None, default_max_tokens: int | None, max_tokens_param: str,
+        shape: ResponseShape | None = None,
     ) -> Response:
         """What both endpoints do with a checked request: tokenize its prompt (in a thread: it may be long), fit
         `max_tokens` (else `default_max_tokens`, else all that fits) to the context, and generate."""
@@ -240,7 +275,7 @@ def create_app(
                                                 response_id=public_id), tools=tools,
                                    tokens_as_ids=config.return_tokens_as_token_ids if as_ids is None else as_ids,
                                    return_token_ids=body.return_token_ids)
-        return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s))
+        return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s), shape)
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:
         tracker = metrics.tracker(arrival_s)
@@ -251,8 +286,10 @@ def create_app(
         return tracker
 
     async def _generate(
-        raw: Request, job: GenerationJob, spec: OutputSpec, stream: bool, tracker: RequestTracker
+        raw: Request, job: GenerationJob, spec: OutputSpec, stream: bool, tracker: RequestTracker,
+        shape: ResponseShape | None = None,
     ) -> Response:
+        """Run `job` and answer as a (chat) completion, or as the Responses API's `shape` of one."""
         async def open_stream() -> ResumableStream:
             return ResumableStream(await dispatcher.open(job, tracker), dispatcher=dispatcher, tracker=tracker,
                                    tokenizer=tokenizer)
@@ -260,7 +297,8 @@ def create_app(
         if not stream:
 
             async def collect() -> dict[str, object]:
-                return await collect_response(await open_stream(), spec)
+                body = await collect_response(await open_stream(), spec)
+                return body if shape is None else shape.body(body)
 
             result = await _unless_disconnected(raw, collect())
             if result is None:
@@ -269,7 +307,8 @@ def create_app(
         opened = await _unless_disconnected(raw, open_stream(), on_orphan=ResumableStream.close)
         if opened is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return _StreamResponse(opened, sse_events(opened, spec))
+        events = sse_events(opened, spec) if shape is None else shape.events(stream_bodies(opened, spec))
+        return _StreamResponse(opened, events)
 
     app.openapi = without_validation_errors(app)  # type: ignore[method-assign]
 

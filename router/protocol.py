@@ -207,7 +207,7 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
         check_text(request.tool_choice, param="tool_choice")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    _check_json_text(request.chat_template_kwargs, "chat_template_kwargs")
+    check_json_text(request.chat_template_kwargs, "chat_template_kwargs")
     if request.chat_template is not None:
         check_text(request.chat_template, param="chat_template", allow_nul=False)
 
@@ -320,7 +320,7 @@ def _check_length(text: str, where: str, param: str) -> None:
         raise bad_request(f"{where} must be at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}", param)
 
 
-def _check_json_text(value: object, param: str, where: str | None = None) -> None:
+def check_json_text(value: object, param: str, where: str | None = None) -> None:
     """Every string in the JSON value `param` (keys too): valid Unicode, no NUL (a chat template writes them into
     the prompt)."""
     where = where or param
@@ -328,11 +328,11 @@ def _check_json_text(value: object, param: str, where: str | None = None) -> Non
         check_text(value, param=param, where=where, allow_nul=False)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_json_text(key, param, f"a key of {where}")
-            _check_json_text(item, param, f"{where}.{key}")
+            check_json_text(key, param, f"a key of {where}")
+            check_json_text(item, param, f"{where}.{key}")
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_json_text(item, param, f"{where}[{index}]")
+            check_json_text(item, param, f"{where}[{index}]")
 
 
 def _check_message_text(message: ChatMessage, where: str) -> None:

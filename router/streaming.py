@@ -154,24 +154,32 @@ async def collect_response(stream: ResumableStream, spec: OutputSpec) -> dict[st
 
 
 async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator[str]:
-    """The SSE body of a streaming request. The caller must also `close()` the stream if this generator is
-    never iterated (see app.py's response class). n > 1: each chunk names its choice's `index`; an echoed
-    prompt opens each choice's first chunk."""
+    """The SSE body of a streaming request: `stream_bodies`' bodies, then [DONE]. The caller must also `close()`
+    the stream if this generator is never iterated (see app.py's response class)."""
+    async for body in stream_bodies(stream, spec):
+        yield sse_event(body)
+    yield SSE_DONE
+
+
+async def stream_bodies(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator[dict[str, Any]]:
+    """The bodies of a streaming request's events, in order: its chunks, the usage chunk (include_usage), or an
+    error's body (`{"error": ...}`, last). n > 1: each chunk names its choice's `index`; an echoed prompt opens
+    each choice's first chunk. Closes `stream` when it ends."""
     header = spec.header
     # return_token_ids: the token ids no chunk of a choice carried yet; the choices whose first chunk, which carries
     # the prompt's ids, is still to come (chat: the body's first chunk carries them, once)
     pending_ids: dict[int, list[int]] = {}
     awaiting_prompt_ids = set(range(1 if header.chat else spec.num_choices)) if spec.return_token_ids else set()
 
-    def chunk(index: int, **fields: Any) -> str:
+    def chunk(index: int, **fields: Any) -> dict[str, Any]:
         """Choice `index`'s chunk with `fields`, the token ids it carries and, on its first, the prompt's
         (return_token_ids), and the usage so far (continuous_usage_stats)."""
         if index in awaiting_prompt_ids:
             awaiting_prompt_ids.discard(index)
             fields["prompt_token_ids"] = list(spec.prompt_token_ids)
-        return sse_event(chunk_body(header, index=index, include_usage=spec.include_usage,
-                                    usage=_usage(stream) if spec.continuous_usage else None,
-                                    token_ids=pending_ids.pop(index, []) if spec.return_token_ids else None, **fields))
+        return chunk_body(header, index=index, include_usage=spec.include_usage,
+                          usage=_usage(stream) if spec.continuous_usage else None,
+                          token_ids=pending_ids.pop(index, []) if spec.return_token_ids else None, **fields)
 
     try:
         if header.chat:
@@ -186,7 +194,7 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
             try:
                 message = await _next(stream)
             except ApiError as error:
-                yield sse_event(error.body())
+                yield error.body()
                 break
             if message.prompt_logprobs and not prompt_entries:
                 prompt_entries = list(message.prompt_logprobs)
@@ -223,8 +231,7 @@ async def sse_events(stream: ResumableStream, spec: OutputSpec) -> AsyncIterator
             if finish_reason is not None:
                 num_left -= 1
                 if not num_left and spec.include_usage:
-                    yield sse_event(usage_chunk_body(header, _usage(stream)))
-        yield SSE_DONE
+                    yield usage_chunk_body(header, _usage(stream))
     finally:
         stream.close()
 

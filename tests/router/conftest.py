@@ -47,8 +47,8 @@ def serve_router(
     access: AccessControl | None = None, tls: GatewayTls | None = None, **config: object
 ) -> RouterServer:
     config.setdefault("disagg_prefill_threshold_tokens", 0)  # every prompt through a prefill worker
-    router_config = RouterConfig(served_model_names=(MODEL,), max_model_len=MAX_MODEL_LEN, mode=mode,
-                                 **config)  # type: ignore[arg-type]
+    config.setdefault("max_model_len", MAX_MODEL_LEN)
+    router_config = RouterConfig(served_model_names=(MODEL,), mode=mode, **config)  # type: ignore[arg-type]
     registry = WorkerRegistry(lambda: workers, refresh_interval_s=0.5, load_timeout_s=1.0)
     return RouterServer(create_app(router_config, registry, tokenizer, access=access), tls=tls).start()
 
