@@ -139,7 +139,8 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 def _message(item: dict[str, Any], index: int) -> dict[str, Any]:
-    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    role = item.get("role")
+    role = _ROLES.get(role) if isinstance(role, str) else None
     if role is None:
         raise bad_request(f"input[{index}].role must be one of {', '.join(_ROLES)}, got {item.get('role')!r:.40}",
                           "input")
@@ -177,7 +178,7 @@ def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
 def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     if isinstance(choice, str):
         return choice
-    if choice.get("type") == "function" and "name" in choice:
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
                       "tool_choice")
@@ -186,6 +187,8 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` as chat's response_format; None for plain text."""
     form = (text or {}).get("format")
+    if form is not None and not isinstance(form, dict):
+        raise bad_request("text.format must be an object", "text")
     if form is None or form.get("type") == "text":
         return None
     if form.get("type") == "json_object":

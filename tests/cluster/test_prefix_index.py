@@ -165,13 +165,17 @@ def gateway(cluster: Cluster) -> str:
     return cluster.gateway().url
 
 
-def test_each_family_is_prefilled_where_its_prefix_is_cached_and_the_index_lists_every_block(cluster,
-                                                                                             gateway) -> None:
+def test_each_family_is_prefilled_where_its_prefix_is_cached_and_the_index_lists_every_block(cluster) -> None:
     """Families 0 and 1 are put on prefill-0 and prefill-1 by hand (the decode worker's own Generate naming that
     prefill worker, no gateway); family 2 is new to both. Then, through the gateway, turns of one family follow
     each other: round-robin would split them between the two workers, and least-loaded (equal loads, ties by id)
     would send family 1 to prefill-0. Each turn must be prefilled on its family's worker, with the family's
-    blocks found there: the workers' own prefix counters (GetLoad) say which one ran it and what it found."""
+    blocks found there: the workers' own prefix counters (GetLoad) say which one ran it and what it found.
+
+    Peer fetch off: a turn that follows its family's last one within the in-flight window sees the family's worker
+    as busy, and on a loaded machine the measured rates may then price fetching the prefix to the other worker
+    below waiting (router/inflight_prefixes.py); that choice is peer fetch's, tested below."""
+    gateway = cluster.gateway(peer_fetch=False).url
     tok = cluster.checkpoint.tokenizer
     decode = stub(cluster.decode[0])
     for family, worker in zip(FAMILIES[:2], cluster.prefill, strict=True):

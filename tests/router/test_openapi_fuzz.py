@@ -134,6 +134,7 @@ def _endpoint(openapi: dict[str, Any], path: str) -> Any:
 ACCEPTED_OPENAPI = accepted_ranges(OPENAPI)
 served_completions, served_chat = (_endpoint(OPENAPI, path) for path in ENDPOINTS)
 accepted_completions, accepted_chat = (_endpoint(ACCEPTED_OPENAPI, path) for path in ENDPOINTS)
+served_responses = _endpoint(OPENAPI, "/v1/responses")  # its input items are free-form objects: the parsing's part
 
 
 def test_openapi_json_describes_both_endpoints(cluster: Cluster) -> None:
@@ -190,6 +191,12 @@ def _served_body_is_not_a_5xx(app: FastAPI, case: Any) -> None:
     if isinstance(case.body, dict):
         case.body["model"] = MODEL
     assert_not_a_server_error(case.call(app=app))
+
+
+@served_responses.parametrize()
+@fuzz_settings(max_examples=80)
+def test_no_responses_body_the_served_schema_generates_is_a_5xx(fuzzed_app: FastAPI, case: Any) -> None:
+    _served_body_is_not_a_5xx(fuzzed_app, case)
 
 
 @served_completions.parametrize()
