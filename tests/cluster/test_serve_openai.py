@@ -140,6 +140,15 @@ def test_openai_client_gets_exact_greedy_answers(cluster, offline, smollm2_check
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == _text(smollm2_checkpoint,
                                                                                             expected)
 
+    # the Responses API over the same conversation, whole and streamed: the chat's answer
+    response = client.responses.create(model=smollm2_gguf, input=CHAT, max_output_tokens=MAX_TOKENS, temperature=0)
+    assert response.output_text == _text(smollm2_checkpoint, expected)
+    assert response.usage.output_tokens == len(expected)
+    events = list(client.responses.create(model=smollm2_gguf, input=CHAT, max_output_tokens=MAX_TOKENS,
+                                          temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert events[-1].type in ("response.completed", "response.incomplete")
+
     # bad input: a clear 400, not a 500
     with pytest.raises(openai.BadRequestError, match="max_model_len|too long|context"):
         client.completions.create(model=smollm2_gguf, prompt="hello " * 2000, max_tokens=4)
