@@ -128,8 +128,8 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """min_tokens and bad_words masking, logit_bias, the penalties, then allowed_token_ids' mask, on a float32 copy of logits
-        [num_rows, vocab_size]."""
+        """min_tokens and bad_words masking, logit_bias, the penalties, then allowed_token_ids' mask, on a float32
+        copy of logits [num_rows, vocab_size]."""
         logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
         if batch.masked_tokens is not None:
             mask_tokens(logits, batch.masked_tokens.row_ids, batch.masked_tokens.token_ids)

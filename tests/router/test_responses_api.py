@@ -31,7 +31,8 @@ def long_context(serve_gateway, fakes) -> tuple[openai.OpenAI, object]:  # type:
     return openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", max_retries=0, timeout=30.0), http
 
 
-def _chat_prompt(http, decode, messages: list[dict[str, object]], **fields: object) -> list[int]:  # type: ignore[no-untyped-def]
+def _chat_prompt(http, decode, messages: list[dict[str, object]],  # type: ignore[no-untyped-def]
+                 **fields: object) -> list[int]:
     """The prompt the decode worker got for the chat completion of `messages`."""
     answer = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1, **fields})
     assert answer.status_code == 200, answer.text
@@ -73,7 +74,9 @@ def test_a_stream_is_the_responses_event_sequence(client: openai.OpenAI) -> None
     assert events[-2].item.content[0].text == "Hello world"  # type: ignore[union-attr]
 
 
-def test_tool_calls_come_back_as_function_call_items_whole_and_streamed(long_context, fakes) -> None:  # type: ignore[no-untyped-def]
+def test_tool_calls_come_back_as_function_call_items_whole_and_streamed(  # type: ignore[no-untyped-def]
+    long_context, fakes,
+) -> None:
     client, _ = long_context
     fakes["decode-0"].script = Script(text=CALLS, finish_reason="stop")
     response = client.responses.create(model=MODEL, input="Weather in Oslo and Rome?", tools=[WEATHER])
@@ -104,7 +107,8 @@ def test_tool_turns_in_input_render_as_the_chat_tool_turns(long_context, fakes) 
     assert prompt == _chat_prompt(http, fakes["decode-0"], [
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ], tools=tools, tool_choice="auto")
 

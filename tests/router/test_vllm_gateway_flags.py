@@ -185,7 +185,9 @@ def test_the_workers_max_logprobs_is_the_gateways_cap(serve_gateway, fakes) -> N
 BRACKETS = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
 
 
-def test_a_requests_own_chat_template_only_when_trusted(serve_gateway, fakes, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_a_requests_own_chat_template_only_when_trusted(  # type: ignore[no-untyped-def]
+    serve_gateway, fakes, tokenizer,
+) -> None:
     untrusted = serve_gateway()
     answer = untrusted.post("/v1/chat/completions", json={**CHAT, "chat_template": BRACKETS})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template"
