@@ -34,6 +34,7 @@ from engine.core.request import Request, RequestStatus
 from engine.request.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.stats import EngineStats, RequestStats
+from engine.core.waiting_reservations import WaitingReservations
 from engine.engine_builder import build_engine_parts, kv_layout, rank_caches_of
 from engine.input_processor import InputProcessor
 from engine.kv_blocks import KVBlocks
@@ -139,6 +140,8 @@ class LLMEngine:
         # Async scheduling, where it can hold: speculative decoding runs every step synchronously (overlap.py).
         self.async_scheduling = bool(config.async_scheduling) and isinstance(self.speculator, NullSpeculator)
         self._in_flight: _InFlight | None = None  # the step launched and not read yet (async scheduling)
+        # Priority policy: the handoff reservations refused for want of blocks, which go first when blocks free up
+        self._waiting_reservations = WaitingReservations() if config.scheduling_policy == "priority" else None
 
     def close(self) -> None:
         """Stop the processes the engine runs beside its own (its tensor-parallel ranks; none at TP 1) and its KV
@@ -311,10 +314,20 @@ class LLMEngine:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
         here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`. `preempt`
         (priority policy, between steps only): running requests it outranks may give their blocks up for it, but
-        not while a step is in flight (async scheduling), which may still write their KV into those blocks."""
+        not while a step is in flight (async scheduling), which may still write their KV into those blocks. Under
+        the priority policy a reservation that a waiting one outranks is refused
+        (engine/core/waiting_reservations.py)."""
         self._check_choice_ids_free(request)
-        if not self.scheduler.reserve_remote(request, preempt=preempt and self._in_flight is None):
+        waiting, priority = self._waiting_reservations, request.sampling_params.priority
+        if waiting is not None and not waiting.admits(request.request_id, priority):
+            waiting.refused(request.request_id, priority)  # a higher one waits for blocks: they go to it first
             return None
+        if not self.scheduler.reserve_remote(request, preempt=preempt and self._in_flight is None):
+            if waiting is not None:
+                waiting.refused(request.request_id, priority)
+            return None
+        if waiting is not None:
+            waiting.granted(request.request_id)
         self.outputs.add(request)
         self._num_prompt_tokens += request.num_prompt_tokens
         return RemoteReservation(block_ids=self.kv_cache.block_ids(request.request_id),

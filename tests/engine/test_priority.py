@@ -92,3 +92,43 @@ def test_a_reservation_preempts_only_with_no_step_in_flight(tiny_model_dir: Path
             engine.step()
         engine.step()  # reads the last step in flight
         assert engine.block_pool.num_used_blocks == 0
+
+
+def test_freed_blocks_go_to_the_waiting_reservation_of_higher_priority(tiny_model_dir: Path) -> None:
+    """Two handoff reservations find the pool full; when blocks free up, the lower one's ask comes first and is
+    refused, so the higher one gets them; the lower one gets its blocks once the higher one has its own. A
+    refused reservation whose worker stops asking is forgotten after the TTL."""
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), scheduling_policy="priority",
+                                    **{**TINY_ENGINE, "num_kv_blocks": 16, "max_model_len": 64}))
+    engine.add_request("a", list(range(10, 38)), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    engine.step()  # 28 prompt tokens: 8 of the 16 blocks (7 for the prompt, 1 for its first token)
+    high = engine.make_request("high", list(range(40, 68)), SamplingParams(temperature=0.0, max_tokens=2))
+    low = engine.make_request("low", list(range(70, 98)),
+                              SamplingParams(temperature=0.0, max_tokens=2, priority=3))
+    filler = engine.make_request("filler", list(range(100, 104)), SamplingParams(temperature=0.0, max_tokens=2,
+                                                                                  priority=9))
+    assert engine.reserve_remote(filler) is not None  # 2 blocks: 6 left, short of the 8 each reservation needs
+    assert engine.reserve_remote(low) is None and engine.reserve_remote(high) is None
+    engine.abort_request(["filler"])  # 8 free now: enough for either
+    assert engine.reserve_remote(low) is None  # it asks first, but high waits
+    assert engine.reserve_remote(high) is not None
+    engine.abort_request(["a"])
+    assert engine.reserve_remote(low) is not None
+
+    engine.abort_request(["high", "low"])
+    clock = [0.0]
+    engine._waiting_reservations._clock = lambda: clock[0]  # type: ignore[union-attr]
+    filler = engine.make_request("filler", list(range(100, 104)), SamplingParams(temperature=0.0, max_tokens=2,
+                                                                                  priority=9))
+    assert engine.reserve_remote(filler) is not None  # 2 blocks: 14 left
+    gone = engine.make_request("gone", list(range(0, 63)), SamplingParams(temperature=0.0, max_tokens=1))
+    assert engine.reserve_remote(gone) is None  # 16 blocks: more than are left; its worker then gives up
+    later = engine.make_request("later", list(range(40, 44)), SamplingParams(temperature=0.0, max_tokens=2,
+                                                                              priority=1))
+    assert engine.reserve_remote(later) is None  # held back while "gone" may still ask
+    clock[0] += 1.5
+    assert engine.reserve_remote(later) is not None
+    engine.abort_request(["filler", "later"])
+    assert engine.block_pool.num_used_blocks == 0 and len(engine._waiting_reservations) == 0  # type: ignore[arg-type]
