@@ -48,6 +48,7 @@ from router.admission_guard import AdmissionGuard
 from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
 from router.autoscaler import Autoscaler, ScalableCluster
 from router.body_limit import BodyLimit
+from router.batched_completions import StreamGroup, batch_prompts, gather_or_cancel, merge_bodies, merged_events
 from router.cache_api import install_cache_routes
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob
@@ -202,10 +203,16 @@ def create_app(
         arrival_s = time.perf_counter()
         check_model(body.model, config.served_model_names)
         check_completion_request(body)
-        return await _complete(raw, body, arrival_s, lambda: completion_prompt_token_ids(body, tokenizer),
-                               structured_outputs=structured_outputs_of(body), tools=None,
-                               max_tokens=body.max_tokens, default_max_tokens=config.default_completion_max_tokens,
-                               max_tokens_param="max_tokens")
+        prompts = batch_prompts(body)
+        bodies = [body] if prompts is None else [body.model_copy(update={"prompt": p}) for p in prompts]
+        prepared = [await _prepare(raw, one, lambda one=one: completion_prompt_token_ids(one, tokenizer),
+                                   structured_outputs=structured_outputs_of(one), tools=None,
+                                   max_tokens=one.max_tokens, default_max_tokens=config.default_completion_max_tokens,
+                                   max_tokens_param="max_tokens")
+                    for one in bodies]  # every prompt checked before any is dispatched
+        if prompts is None:
+            return await _generate(raw, *prepared[0], body.stream, _tracker(raw, arrival_s))
+        return await _generate_batch(raw, prepared, body.stream, arrival_s)
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -238,20 +245,20 @@ def create_app(
                 raise bad_request(f"tool_choice {body.tool_choice!r} constrains the output: it cannot be combined "
                                   "with response_format or guided decoding", "tool_choice")
             structured_outputs = tools.structured_outputs()
-        return await _complete(raw, body, arrival_s,
-                               lambda: chat_prompt_token_ids(body, templates.tokenizer_for(body), tools),
-                               structured_outputs=structured_outputs, tools=tools,
-                               max_tokens=body.requested_max_tokens, default_max_tokens=None,
-                               max_tokens_param=max_tokens_param, shape=shape)
+        job, spec = await _prepare(raw, body, lambda: chat_prompt_token_ids(body, templates.tokenizer_for(body), tools),
+                                   structured_outputs=structured_outputs, tools=tools,
+                                   max_tokens=body.requested_max_tokens, default_max_tokens=None,
+                                   max_tokens_param=max_tokens_param)
+        return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s), shape)
 
-    async def _complete(
-        raw: Request, body: CompletionRequest | ChatCompletionRequest, arrival_s: float,
-        prompt_token_ids: Callable[[], list[int]], *, structured_outputs: GrammarSpec | None,
-        tools: ToolPlan | None, max_tokens: int | None, default_max_tokens: int | None, max_tokens_param: str,
-        shape: ResponseShape | None = None,
-    ) -> Response:
-        """What both endpoints do with a checked request: tokenize its prompt (in a thread: it may be long), fit
-        `max_tokens` (else `default_max_tokens`, else all that fits) to the context, and generate."""
+    async def _prepare(
+        raw: Request, body: CompletionRequest | ChatCompletionRequest, prompt_token_ids: Callable[[], list[int]],
+        *, structured_outputs: GrammarSpec | None, tools: ToolPlan | None, max_tokens: int | None,
+        default_max_tokens: int | None, max_tokens_param: str,
+    ) -> tuple[GenerationJob, OutputSpec]:
+        """What every endpoint does with a checked request: tokenize its prompt (in a thread: it may be long), fit
+        `max_tokens` (else `default_max_tokens`, else all that fits) to the context; the job for the workers and
+        how its answer is written."""
         chat = isinstance(body, ChatCompletionRequest)
         prefix = "chatcmpl" if chat else "cmpl"
         workers_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -275,7 +282,7 @@ def create_app(
                                                 response_id=public_id), tools=tools,
                                    tokens_as_ids=config.return_tokens_as_token_ids if as_ids is None else as_ids,
                                    return_token_ids=body.return_token_ids)
-        return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s), shape)
+        return job, spec
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:
         tracker = metrics.tracker(arrival_s)
@@ -285,14 +292,17 @@ def create_app(
             tracker.on_finished = lambda num_tokens: limiter.charge_tokens(kid, num_tokens)
         return tracker
 
+    async def _open(job: GenerationJob, tracker: RequestTracker) -> ResumableStream:
+        return ResumableStream(await dispatcher.open(job, tracker), dispatcher=dispatcher, tracker=tracker,
+                               tokenizer=tokenizer)
+
     async def _generate(
         raw: Request, job: GenerationJob, spec: OutputSpec, stream: bool, tracker: RequestTracker,
         shape: ResponseShape | None = None,
     ) -> Response:
         """Run `job` and answer as a (chat) completion, or as the Responses API's `shape` of one."""
         async def open_stream() -> ResumableStream:
-            return ResumableStream(await dispatcher.open(job, tracker), dispatcher=dispatcher, tracker=tracker,
-                                   tokenizer=tokenizer)
+            return await _open(job, tracker)
 
         if not stream:
 
@@ -309,6 +319,48 @@ def create_app(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         events = sse_events(opened, spec) if shape is None else shape.events(stream_bodies(opened, spec))
         return _StreamResponse(opened, events)
+
+    async def _generate_batch(
+        raw: Request, prepared: list[tuple[GenerationJob, OutputSpec]], stream: bool, arrival_s: float,
+    ) -> Response:
+        """Run a batch's jobs, each a request of its own, and answer as one completion (router/batched_completions.py).
+        """
+        opened: list[ResumableStream] = []
+
+        async def open_one(job: GenerationJob) -> ResumableStream:
+            one = await _open(job, _tracker(raw, arrival_s))
+            opened.append(one)
+            return one
+
+        async def open_all() -> list[ResumableStream]:
+            try:
+                return await gather_or_cancel(*(open_one(job) for job, _ in prepared))
+            except BaseException:  # one failed, or the client left: none stays open
+                StreamGroup(opened).close()
+                raise
+
+        n = prepared[0][1].n
+        if not stream:
+
+            async def collect() -> dict[str, object]:
+                streams = await open_all()
+                bodies = await gather_or_cancel(*(collect_response(s, spec)
+                                                  for s, (_, spec) in zip(streams, prepared, strict=True)))
+                return merge_bodies(bodies, n)
+
+            try:
+                result = await _unless_disconnected(raw, collect())
+            finally:
+                StreamGroup(opened).close()  # idempotent: each collect closed its own, unless it never ran
+            if result is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return JSONResponse(result)
+        streams = await _unless_disconnected(raw, open_all(), on_orphan=lambda s: StreamGroup(s).close())
+        if streams is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        events = merged_events([stream_bodies(s, spec) for s, (_, spec) in zip(streams, prepared, strict=True)], n,
+                               response_id=prepared[0][1].header.request_id)
+        return _StreamResponse(StreamGroup(streams), events)  # type: ignore[arg-type]
 
     app.openapi = without_validation_errors(app)  # type: ignore[method-assign]
 

@@ -25,16 +25,15 @@ if TYPE_CHECKING:
 
 
 def completion_prompt_token_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The token ids of a /v1/completions prompt: one text or one token-id list (a batch of one is unwrapped).
+    """The token ids of a /v1/completions prompt: one text or one token-id list (a batch of one is unwrapped; a
+    larger batch is split into requests of one prompt each first).
 
     A 400 for ids outside the vocabulary, in the prompt or in `stop_token_ids`.
     """
     _check_token_id_fields(request, tokenizer)
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise bad_request(f"batched prompts are not supported: send 1 prompt per request, got {len(prompt)}",
-                              "prompt")
+        assert len(prompt) == 1, "a batch's prompts are tokenized one by one (router/batched_completions.py)"
         prompt = prompt[0]
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)

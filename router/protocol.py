@@ -37,6 +37,8 @@ MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI documents no cap; OpenAI's own API takes 300 entries
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary served here
+# Prompts in one batched /v1/completions request, each a request of its own to the workers (OpenAI takes 2048).
+MAX_BATCH_PROMPTS = 1024
 MAX_BAD_WORDS = 1024  # vLLM sets no cap; each word is held to MAX_STOP_STRING_CHARS as a stop string is
 
 
@@ -183,6 +185,12 @@ def check_completion_request(request: CompletionRequest) -> None:
     """400 for the fields the router does not support and for text that is not valid Unicode (before any
     tokenization): see `check_text`."""
     _check_common(request)
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise bad_request(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}", "prompt")
+        if any(not p for p in prompt):
+            raise bad_request("prompt must not be empty (a batch's prompts neither)", "prompt")
     if isinstance(request.prompt, str):
         check_text(request.prompt, param="prompt", allow_nul=False)
     elif request.prompt and isinstance(request.prompt[0], str):

@@ -61,6 +61,7 @@ class Script:
     status: grpc.StatusCode | None = None  # abort the call with this before any message
     status_times: int | None = None  # ... only the first this many calls (None: every call)
     error_after: int | None = None  # send a message with `error` set after this many tokens
+    error_times: int | None = None  # ... only in the first this many calls (None: every call)
     abort_after: int | None = None  # finish with "abort" after this many tokens
     hang_after: int | None = None  # stop sending after this many tokens until the call is cancelled
     # The worker goes away after this many tokens: the call fails with `cut_status` (as a stopped server's calls do)
@@ -150,7 +151,8 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
             if script.cut_after is not None and index >= script.cut_after:
                 state["completed"] = True
                 context.abort(script.cut_status, "scripted: the worker went away")
-            if script.error_after is not None and index >= script.error_after:
+            if (script.error_after is not None and index >= script.error_after
+                    and (script.error_times is None or num_calls <= script.error_times)):
                 state["completed"] = True
                 yield serving_pb2.GenerateResponse(request_id=request.request_id, finish_reason="error",
                                                    error="scripted failure")
