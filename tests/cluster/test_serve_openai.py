@@ -124,6 +124,12 @@ def test_openai_client_gets_exact_greedy_answers(cluster, offline, smollm2_check
     assert "".join(c.choices[0].text for c in chunks if c.choices) == _text(smollm2_checkpoint, expected)
     assert chunks[-1].usage.completion_tokens == len(expected)
 
+    # a batch of two prompts: two requests, one answer, each choice its prompt's
+    batch = client.completions.create(model=smollm2_gguf, prompt=[COMPLETION_PROMPT] * 2,
+                                      max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.text for c in batch.choices] == [_text(smollm2_checkpoint, expected)] * 2
+    assert batch.usage.completion_tokens == 2 * len(expected)
+
     # chat, not streamed, with logprobs
     chat = client.chat.completions.create(model=smollm2_gguf, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
                                           logprobs=True)
