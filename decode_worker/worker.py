@@ -192,10 +192,9 @@ class DecodeWorker(RuntimeWorker):
                 admission.leave()  # held by the engine from here (num_requests_receiving_kv)
             return reserved
 
-        # Lower-priority running requests may make room, between steps; never with async scheduling, whose step is
-        # in flight at every command (LLMEngine.reserve_remote), so there it would only wait for a step boundary.
-        may_preempt = (runtime.engine.config.scheduling_policy == "priority"
-                       and not runtime.engine.async_scheduling)
+        # Lower-priority running requests may make room, between steps (with async scheduling the step in flight is
+        # read first, and only when preempting makes room: LLMEngine.reserve_remote).
+        may_preempt = runtime.engine.config.scheduling_policy == "priority"
         while True:
             try:  # while a step computes: a decode step need not end first (EngineLoop.call_now)
                 reserved = await runtime.call_now(reserve)

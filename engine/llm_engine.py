@@ -140,6 +140,7 @@ class LLMEngine:
         # Async scheduling, where it can hold: speculative decoding runs every step synchronously (overlap.py).
         self.async_scheduling = bool(config.async_scheduling) and isinstance(self.speculator, NullSpeculator)
         self._in_flight: _InFlight | None = None  # the step launched and not read yet (async scheduling)
+        self._drained_outputs: list[RequestOutput] = []  # of a step in flight read early (`_drain_in_flight`)
         # Priority policy: the handoff reservations refused for want of blocks, which go first when blocks free up
         self._waiting_reservations = WaitingReservations() if config.scheduling_policy == "priority" else None
 
@@ -250,13 +251,14 @@ class LLMEngine:
         return self.abort_request([*self.scheduler.requests, *self.scheduler.held])
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished. A step in flight (async scheduling) holds only running ones, or finished ones
-        whose tokens in it are discarded whenever the next step reads it (their blocks went back at their end)."""
-        return self.scheduler.has_unfinished_requests()
+        """Requests not finished, or outputs the next step returns. A step in flight (async scheduling) holds only
+        running ones, or finished ones whose tokens in it are discarded whenever the next step reads it (their
+        blocks went back at their end)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._drained_outputs)
 
     def has_schedulable_requests(self) -> bool:
-        """Anything a step could run (requests waiting for remote KV are not)."""
-        return self.scheduler.has_schedulable_requests()
+        """Anything a step could run (requests waiting for remote KV are not), or outputs a step would return."""
+        return self.scheduler.has_schedulable_requests() or bool(self._drained_outputs)
 
     # -- disaggregation: the prefill side holds, the decode side reserves and commits -------------------------
     def held_block_ids(self, request_id: str) -> list[int]:
@@ -313,16 +315,17 @@ class LLMEngine:
     def reserve_remote(self, request: Request, *, preempt: bool = False) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
         here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`. `preempt`
-        (priority policy, between steps only): running requests it outranks may give their blocks up for it, but
-        not while a step is in flight (async scheduling), which may still write their KV into those blocks. Under
-        the priority policy a reservation that a waiting one outranks is refused
-        (engine/core/waiting_reservations.py)."""
+        (priority policy; a command between steps only, never `call_now`): running requests it outranks may give
+        their blocks up for it; a step in flight (async scheduling), which may still write their KV into those
+        blocks, is read first, and its outputs go out with the next step's. Under the priority policy a
+        reservation that a waiting one outranks is refused (engine/core/waiting_reservations.py)."""
         self._check_choice_ids_free(request)
         waiting, priority = self._waiting_reservations, request.sampling_params.priority
         if waiting is not None and not waiting.admits(request.request_id, priority):
             waiting.refused(request.request_id, priority)  # a higher one waits for blocks: they go to it first
             return None
-        if not self.scheduler.reserve_remote(request, preempt=preempt and self._in_flight is None):
+        drain = self._drain_in_flight if self._in_flight is not None else None
+        if not self.scheduler.reserve_remote(request, preempt=preempt, before_preempting=drain):
             if waiting is not None:
                 waiting.refused(request.request_id, priority)
             return None
@@ -378,6 +381,13 @@ class LLMEngine:
         finally:
             self.lock.acquire()
 
+    def _drain_in_flight(self) -> None:
+        """Read the step in flight now (async scheduling), between steps; its outputs go out with the next step's."""
+        with self.lock:  # `_read` lets it go while it waits for the device: held here, whoever called
+            step, self._in_flight = self._in_flight, None
+            if step is not None:
+                self._drained_outputs += self._read(step)
+
     def _step(self) -> list[RequestOutput]:
         previous = self._in_flight  # cleared once read: a schedule that raises leaves it for the next step
         outs: list[RequestOutput] = []
@@ -406,6 +416,8 @@ class LLMEngine:
                 outs += self._read(launched)
         self.num_scheduled_last_step = len(scheduled.scheduled) + num_read
         self.publish_kv_events()
+        if self._drained_outputs:  # a step read early for a preempting reservation: its outputs come first
+            outs, self._drained_outputs = self._drained_outputs + outs, []
         return outs
 
     def _launch(self, scheduled: SchedulerOutput) -> _InFlight:

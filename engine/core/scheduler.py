@@ -49,7 +49,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.core.fork import num_shared_blocks
@@ -181,15 +181,17 @@ class Scheduler:
         self.kv_cache.free(request)
         return True
 
-    def reserve_remote(self, request: Request, *, preempt: bool = False) -> bool:
+    def reserve_remote(self, request: Request, *, preempt: bool = False,
+                       before_preempting: Callable[[], object] | None = None) -> bool:
         """Allocate blocks for `request`'s prompt, whose KV will arrive from a prefill worker, and for the first token
         it decodes. The prompt's longest cached prefix here is taken as it is (shared, nothing to receive), and the
         blocks after it that the tier below holds are loaded: `kv_cache.num_cached_blocks` says how many leading
         blocks that is. False (and nothing changed) if the pool
         cannot hold it now, or a waiting request is blocked on blocks (it goes first, unless `request` outranks it).
 
-        `preempt` (priority policy; between steps only: a step in flight uses the running requests' blocks): when
-        the running requests `request` outranks hold enough blocks to make room, they give them up, lowest first."""
+        `preempt` (priority policy): when the running requests `request` outranks hold enough blocks to make room,
+        they give them up, lowest first, after `before_preempting()` (the engine reads a step in flight first: it
+        may still write the victims' KV into those blocks)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if self.head_blocked and self.waiting and not self._outranks(request, self.waiting[0]):
@@ -203,6 +205,8 @@ class Scheduler:
         if not self.kv_cache.allocate_slots(request, num_new, hits):
             if not (preempt and self._preemption_makes_room(request, num_new, hits)):
                 return False
+            if before_preempting is not None:
+                before_preempting()
             while not self.kv_cache.allocate_slots(request, num_new, hits):
                 if not self._outranks_last_running(request):  # the count was short: the rest keep their blocks
                     return False

@@ -69,29 +69,46 @@ def test_an_urgent_arrival_displaces_a_running_request_which_recomputes_exactly(
     assert engine.block_pool.num_used_blocks == 0
 
 
-def test_a_reservation_preempts_only_with_no_step_in_flight(tiny_model_dir: Path) -> None:
-    """A decode worker's reservation may take a lower request's blocks between steps, but not while a step is in
-    flight (async scheduling): that step may still write the lower request's KV into them."""
+def test_a_reservation_preempts_after_reading_the_step_in_flight(tiny_model_dir: Path) -> None:
+    """A decode worker's reservation may take a lower request's blocks between steps. With async scheduling the step
+    in flight, which may still write the lower request's KV into them, is read first; its outputs come with the
+    next step's, none lost: the preempted request recomputes and every request gets the tokens it gets unpreempted."""
     from engine.llm_engine import LLMEngine
 
-    for async_scheduling, preempts in ((True, False), (False, True)):
+    low = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, priority=5)
+    prompts = {"a": list(range(10, 38)), "b": list(range(40, 68))}  # 28 + 20 tokens: 12 blocks each, 16 in the pool
+    runs = {}
+    for async_scheduling, reserve in ((False, False), (True, True), (False, True)):
         engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), scheduling_policy="priority",
                                         async_scheduling=async_scheduling,
                                         **{**TINY_ENGINE, "num_kv_blocks": 16, "max_model_len": 64}))
-        low = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, priority=5)
-        for name in ("a", "b"):  # 28 prompt tokens + 20: 12 blocks of 4 each, 16 in the pool
-            engine.add_request(name, list(range(10, 38)) if name == "a" else list(range(40, 68)), low)
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        num_outputs = {"a": 0, "b": 0}  # one per token: the drained step's are not lost
+
+        def collect(outs) -> None:  # type: ignore[no-untyped-def]
+            for out in outs:
+                tokens[out.request_id] = list(out.token_ids)
+                num_outputs[out.request_id] += 1
+
+        for name, prompt in prompts.items():
+            engine.add_request(name, prompt, low)
         for _ in range(3):
-            engine.step()
-        urgent = engine.make_request("urgent", list(range(70, 98)), SamplingParams(temperature=0.0, max_tokens=2))
-        assert engine.reserve_remote(urgent) is None  # the pool is full
-        assert (engine.reserve_remote(urgent, preempt=True) is not None) is preempts
-        assert engine.scheduler.num_preemptions == int(preempts)
-        engine.abort_request(["a", "b", "urgent"])
+            collect(engine.step())
+        if reserve:
+            urgent = engine.make_request("urgent", list(range(70, 98)),
+                                         SamplingParams(temperature=0.0, max_tokens=2))
+            assert engine.reserve_remote(urgent) is None  # the pool is full
+            assert engine.reserve_remote(urgent, preempt=True) is not None
+            assert engine.scheduler.num_preemptions == 1 and engine._in_flight is None
+            engine.abort_request(["urgent"])  # its KV never comes
         while engine.has_unfinished_requests():
-            engine.step()
+            collect(engine.step())
         engine.step()  # reads the last step in flight
-        assert engine.block_pool.num_used_blocks == 0
+        assert engine.block_pool.num_used_blocks == 0 and num_outputs == {"a": 20, "b": 20}
+        runs[(async_scheduling, reserve)] = tokens
+    reference = runs[(False, False)]
+    assert all(len(t) == 20 for t in reference.values())
+    assert runs[(True, True)] == runs[(False, True)] == reference
 
 
 def test_freed_blocks_go_to_the_waiting_reservation_of_higher_priority(tiny_model_dir: Path) -> None:
