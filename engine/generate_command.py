@@ -10,7 +10,7 @@ import typing
 
 from engine.engine_args import add_engine_args, engine_config_from_args
 from engine.request.generation_config import AUTO, parse_override
-from engine.request.sampling_params import FLAG_FIELDS, SamplingParams
+from engine.request.sampling_params import FLAG_FIELDS, SamplingParams, check_engine_rules
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -56,7 +56,9 @@ def sampling_params_from_flags(args: argparse.Namespace, defaults: SamplingParam
 
 
 def run(args: argparse.Namespace) -> int:
-    sampling_params_from_flags(args).validate()  # fail on bad sampling flags before loading the model
+    given = sampling_params_from_flags(args)  # bad sampling flags fail before the model loads
+    given.validate()
+    check_engine_rules(given, scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs)
     from engine.llm import LLM  # torch loads here, after the flags are known to be good
 
     config = engine_config_from_args(args)

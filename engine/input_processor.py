@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from engine.core.fork import choice_params, choice_request_id
 from engine.core.request import Request
 from engine.request.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_engine_rules
-from engine.sampling.bad_words import bad_words_token_ids, maybe_bannable
+from engine.request.bad_words import bad_words_token_ids, maybe_bannable
 from engine.tokenizer.tokenizer import Tokenizer
 from kv_transfer.block_hash import BlockHashNamespace
 

@@ -36,7 +36,7 @@ verification) still run, in order; they only gain less overlap.
 from __future__ import annotations
 
 from engine.core.request import Request
-from engine.sampling.bad_words import needs_output_context
+from engine.request.bad_words import needs_output_context
 
 
 def needs_host_tokens(request: Request) -> bool:

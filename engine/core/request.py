@@ -122,7 +122,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens  # resolved against max_model_len by the engine
-        # sampling_params.bad_words as token sequences (engine/sampling/bad_words.py), tokenized once at admission.
+        # sampling_params.bad_words as token sequences (engine/request/bad_words.py), tokenized once at admission.
         self.bad_words_token_ids: list[tuple[int, ...]] = bad_words_token_ids or []
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

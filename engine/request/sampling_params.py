@@ -69,7 +69,7 @@ class SamplingParams:
     structured_outputs: GrammarSpec | None = param(None)  # the grammar every sampled token must follow
     # vLLM's: only these tokens may be sampled (empty: any); a hard mask, unlike logit_bias
     allowed_token_ids: list[int] = param(factory=list, body=True)
-    # vLLM's: words the output must not contain (engine/sampling/bad_words.py); the engine tokenizes them
+    # vLLM's: words the output must not contain (engine/request/bad_words.py); the engine tokenizes them
     bad_words: list[str] = param(factory=list, body=True)
     # Not the sampler's but the scheduler's (vLLM passes it beside the params; it travels with them here): with
     # --scheduling-policy priority, lower values are admitted first and preempted last; fcfs takes only 0.

@@ -28,7 +28,7 @@ from engine.host_copy import to_device
 
 from engine.request.sampling_params import SamplingParams
 from engine.sampling.allowed_tokens import AllowedTokensStage
-from engine.sampling.bad_words import banned_next_tokens
+from engine.request.bad_words import banned_next_tokens
 from engine.sampling.logit_bias import LogitBiasStage
 
 # Temperatures below this are greedy: dividing logits by them would overflow float32 (vLLM uses the same cut).
@@ -51,7 +51,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]  # for the repetition penalty
     output_token_ids: Sequence[int]  # tokens generated so far: penalties and min_tokens
     eos_token_ids: tuple[int, ...]  # masked with params.stop_token_ids while len(output) < params.min_tokens
-    bad_words_token_ids: Sequence[Sequence[int]] = ()  # params.bad_words tokenized (engine/sampling/bad_words.py)
+    bad_words_token_ids: Sequence[Sequence[int]] = ()  # params.bad_words tokenized (engine/request/bad_words.py)
 
 
 @dataclass(frozen=True)

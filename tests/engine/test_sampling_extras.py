@@ -162,7 +162,7 @@ def _holds(tokens: list[int], sequence: tuple[int, ...]) -> bool:
 
 def _word_in(engine, tokens: list[int]) -> tuple[str, list[tuple[int, ...]]]:
     """A word of two or more tokens that `tokens` hold (its ban has to read the output), and its sequences."""
-    from engine.sampling.bad_words import bad_words_token_ids
+    from engine.request.bad_words import bad_words_token_ids
 
     def encode(text: str) -> list[int]:
         return engine.tokenizer.encode(text, add_special_tokens=False)

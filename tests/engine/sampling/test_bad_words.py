@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.request.sampling_params import SamplingParams
-from engine.sampling.bad_words import bad_words_token_ids, banned_next_tokens, needs_output_context
+from engine.request.bad_words import bad_words_token_ids, banned_next_tokens, needs_output_context
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch import SamplingRow
 
