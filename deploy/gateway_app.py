@@ -58,7 +58,8 @@ def listen(app: Any, config: GatewayConfig) -> Any:
     from router.server import RouterServer
 
     try:
-        return RouterServer(app, host=config.host, port=config.port, tls=config.tls)
+        return RouterServer(app, host=config.host, port=config.port, tls=config.tls,
+                            log_level=config.uvicorn_log_level)
     except OSError as exc:
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
 

@@ -16,7 +16,7 @@ from engine.engine_args import engine_config_from_args
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
 from kv_transfer.registry import TRANSPORTS
 from protos.cluster_auth import CLUSTER_SECRET_ENV, add_cluster_auth_args, cluster_auth_from_args
-from router.config import GatewayConfig, GatewayTls
+from router.config import UVICORN_LOG_LEVELS, GatewayConfig, GatewayTls
 from router.rate_limit import RateLimits
 from router.routing import POLICIES as ROUTING_POLICIES
 
@@ -72,6 +72,13 @@ GATEWAY_FLAGS = (
     ConfigFlag("--return-tokens-as-token-ids", "return_tokens_as_token_ids",
                "logprobs name each token \"token_id:<id>\" instead of its text, unless a request's "
                "return_tokens_as_token_ids says otherwise (vLLM's flag)", action="store_true"),
+    ConfigFlag("--enable-log-requests", "enable_log_requests",
+               "log each request the gateway accepts: its id, prompt and sampling params, one INFO line (vLLM's "
+               "flag; off by default: prompts are the users' data)", action="store_true"),
+    ConfigFlag("--max-log-len", "max_log_len",
+               "with --enable-log-requests: the prompt characters and token ids logged (default: all)", type=int),
+    ConfigFlag("--uvicorn-log-level", "uvicorn_log_level",
+               "uvicorn's log level (info: one access line per HTTP request)", choices=UVICORN_LOG_LEVELS),
     ConfigFlag("--trust-request-chat-template", "trust_request_chat_template",
                "render the chat template a chat request brings in its `chat_template` field instead of the model's "
                "(vLLM's flag; off: such a request is a 400, since a template is code the gateway runs)",
@@ -104,6 +111,15 @@ SECURITY_FLAGS = (
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     """The router's flags (`serve`, `gateway`)."""
     add_config_flags(p, GatewayConfig, GATEWAY_FLAGS)
+    compat = p.add_argument_group("vLLM command lines")
+    compat.add_argument("--disable-log-requests", action="store_true",
+                        help="vLLM's older flag: requests are not logged, which is the default here")
+    compat.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag: tool_choice \"auto\" is always served here (tools are parsed from the "
+                             "output as --tool-call-parser reads them)")
+    compat.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",
+                        help="the tool-call format parsed from the output: hermes (<tool_call>{...}</tool_call>), the "
+                             "one served here (router/tools.py)")
     security = p.add_argument_group("security (docs/security.md)")
     security.add_argument("--api-key", action="append", default=None,
                           help=f"an API key /v1/* accepts as `Authorization: Bearer <key>`; repeatable (default: "
@@ -176,6 +192,8 @@ def gateway_config_from_args(args: argparse.Namespace, *, flags: Iterable[Config
                               **fields: Any) -> GatewayConfig:
     """The gateway's config from `add_gateway_args`' flags, `flags` (a command's own, of GatewayConfig fields) and
     `fields` (set by the command otherwise), checked: a ValueError names the bad flag."""
+    if args.disable_log_requests and args.enable_log_requests:
+        raise ValueError("--disable-log-requests and --enable-log-requests say opposite things: give one")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     if args.ssl_ca_certs is not None and args.ssl_keyfile is None:

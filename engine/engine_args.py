@@ -46,6 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="the most top logprobs (and prompt logprobs) a request may ask for per token; -1: the "
                         "vocabulary's size")
+    g.add_argument("--enable-chunked-prefill", action="store_true", default=True,
+                   help="vLLM's flag: a prompt longer than the step's token budget runs in chunks, always so here")
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )

@@ -82,6 +82,7 @@ from router.responses_api import (
     to_chat_request,
 )
 from router.request_ids import HEADER as REQUEST_ID_HEADER
+from router.request_log import RequestLog
 from router.request_ids import RequestIdHeaders, response_id
 from router.responses import ResponseHeader
 from router.resumable_stream import ResumableStream
@@ -124,6 +125,7 @@ def create_app(
     if autoscaler is not None and (pool_controller is None or config.mode != "disaggregated"):
         raise ValueError("the autoscaler needs a pool controller and the disaggregated mode")
     templates = RequestChatTemplates(tokenizer, trusted=config.trust_request_chat_template)
+    request_log = RequestLog(tokenizer, config.max_log_len) if config.enable_log_requests else None
     metrics = RouterMetrics(registry.snapshots, roles=config.roles_needed, restart_counts=restart_counts,
                             signal_window_s=config.signal_window_s)
     if prefix_index is not None:
@@ -282,6 +284,8 @@ def create_app(
                                                 response_id=public_id), tools=tools,
                                    tokens_as_ids=config.return_tokens_as_token_ids if as_ids is None else as_ids,
                                    return_token_ids=body.return_token_ids)
+        if request_log is not None:
+            request_log.received(public_id, job)
         return job, spec
 
     def _tracker(raw: Request, arrival_s: float) -> RequestTracker:

@@ -55,6 +55,9 @@ class GatewayTls:
         return options
 
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     """The gateway's own settings, whatever model it serves; the defaults are the commands' (README's tables)."""
@@ -125,6 +128,11 @@ class GatewayConfig:
     enable_request_id_headers: bool = False
     # vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:<id>", unless a request says otherwise
     return_tokens_as_token_ids: bool = False
+    # vLLM's --enable-log-requests: one INFO line per accepted request (router/request_log.py), its prompt cut to
+    # max_log_len characters and token ids (None: whole)
+    enable_log_requests: bool = False
+    max_log_len: int | None = checked(AT_LEAST_ZERO, default=None)
+    uvicorn_log_level: str = checked(one_of(UVICORN_LOG_LEVELS), default="warning")  # vLLM's --uvicorn-log-level
     # vLLM's --trust-request-chat-template: a chat request's own `chat_template` is rendered (else it is a 400)
     trust_request_chat_template: bool = False
     # vLLM's --root-path: the path prefix a path-routing proxy serves the API under (FastAPI's root_path; None: none)

@@ -193,6 +193,23 @@ def test_the_scheduling_policy_and_max_logprobs_reach_the_workers_and_the_gatewa
     assert config.controller.engine.max_logprobs == served_engine(config.controller).max_logprobs == -1
 
 
+def test_a_vllm_command_lines_logging_and_compat_flags_are_taken() -> None:
+    from deploy.cli import build_parser
+    from deploy.serve_command import serve_config_from_args
+
+    flags = ["serve", "--enable-log-requests", "--max-log-len", "100", "--uvicorn-log-level", "info",
+             "--enable-chunked-prefill", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    gateway = serve_config_from_args(build_parser().parse_args(flags)).gateway
+    assert (gateway.enable_log_requests, gateway.max_log_len, gateway.uvicorn_log_level) == (True, 100, "info")
+    assert not serve_config_from_args(build_parser().parse_args(["serve", "--disable-log-requests"])).gateway \
+        .enable_log_requests
+    with pytest.raises(ValueError, match="--disable-log-requests and --enable-log-requests"):
+        serve_config_from_args(build_parser().parse_args(["serve", "--disable-log-requests",
+                                                          "--enable-log-requests"]))
+    with pytest.raises(ValueError, match="--max-log-len must be >= 0"):
+        serve_config_from_args(build_parser().parse_args(["serve", "--max-log-len", "-1"]))
+
+
 @pytest.mark.parametrize(("flags", "share"), [([], 0.45), (["--colocated"], 0.9),
                                                (["--prefill-workers", "2", "--decode-workers", "1"], 0.3),
                                                (["--gpu-memory-utilization", "0.4"], 0.4)])

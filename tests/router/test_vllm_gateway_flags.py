@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 
 import httpx
@@ -180,6 +181,22 @@ def test_the_workers_max_logprobs_is_the_gateways_cap(serve_gateway, fakes) -> N
     assert "--max-logprobs" in answer.json()["error"]["message"] and fakes["decode-0"].requests == []
     chat = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2})
     assert chat.status_code == 200 and fakes["decode-0"].requests[-1].params.logprobs == 2
+
+
+def test_enable_log_requests_logs_each_request_once_cut_to_max_log_len(  # type: ignore[no-untyped-def]
+    serve_gateway, fakes, caplog,
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.request_log")
+    quiet = serve_gateway()
+    assert quiet.post("/v1/completions", json={**COMPLETION, "prompt": "secret prompt"}).status_code == 200
+    assert not [r for r in caplog.records if r.name == "router.request_log"]  # off by default: prompts are data
+    client = serve_gateway(enable_log_requests=True, max_log_len=6)
+    answer = client.post("/v1/completions", json={**COMPLETION, "prompt": "secret prompt", "request_id": "r1"})
+    assert answer.status_code == 200
+    (record,) = [r for r in caplog.records if r.name == "router.request_log"]
+    line = record.getMessage()
+    assert line.startswith("Received request cmpl-r1") and "prompt: 'secret'" in line and "(of 13)" in line
+    assert "temperature=" in line and "secret prompt" not in line
 
 
 BRACKETS = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
