@@ -141,6 +141,7 @@ class LLMEngine:
         self.async_scheduling = bool(config.async_scheduling) and isinstance(self.speculator, NullSpeculator)
         self._in_flight: _InFlight | None = None  # the step launched and not read yet (async scheduling)
         self._drained_outputs: list[RequestOutput] = []  # of a step in flight read early (`_drain_in_flight`)
+        self._stepping = False  # a step runs: what takes the lock meanwhile (call_now) runs while it computes
         # Priority policy: the handoff reservations refused for want of blocks, which go first when blocks free up
         self._waiting_reservations = WaitingReservations() if config.scheduling_policy == "priority" else None
 
@@ -324,6 +325,7 @@ class LLMEngine:
         if waiting is not None and not waiting.admits(request.request_id, priority):
             waiting.refused(request.request_id, priority)  # a higher one waits for blocks: they go to it first
             return None
+        preempt = preempt and not self._stepping  # never from inside a step (call_now): its requests are in use
         drain = self._drain_in_flight if self._in_flight is not None else None
         if not self.scheduler.reserve_remote(request, preempt=preempt, before_preempting=drain):
             if waiting is not None:
@@ -369,7 +371,11 @@ class LLMEngine:
         scheduling: launch a step, then read the one launched before it, whose outputs these are. Under `lock`,
         which it lets go of while the step computes (`_computing`)."""
         with self.lock:
-            return self._step()
+            self._stepping = True
+            try:
+                return self._step()
+            finally:
+                self._stepping = False
 
     @contextlib.contextmanager
     def _computing(self):  # noqa: ANN202

@@ -47,8 +47,8 @@ from router.admission import Admission
 from router.admission_guard import AdmissionGuard
 from router.api_keys import KEY_ID_STATE, AccessControl, ApiKeyGuard
 from router.autoscaler import Autoscaler, ScalableCluster
-from router.body_limit import BodyLimit
 from router.batched_completions import StreamGroup, batch_prompts, gather_or_cancel, merge_bodies, merged_events
+from router.body_limit import BodyLimit
 from router.cache_api import install_cache_routes
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, GenerationJob
@@ -74,6 +74,10 @@ from router.protocol import (
     to_sampling_params,
 )
 from router.request_chat_template import RequestChatTemplates
+from router.request_ids import HEADER as REQUEST_ID_HEADER
+from router.request_ids import RequestIdHeaders, response_id
+from router.request_log import RequestLog
+from router.responses import ResponseHeader
 from router.responses_api import (
     RESPONSES_PARAMS,
     ResponseShape,
@@ -81,10 +85,6 @@ from router.responses_api import (
     check_responses_request,
     to_chat_request,
 )
-from router.request_ids import HEADER as REQUEST_ID_HEADER
-from router.request_log import RequestLog
-from router.request_ids import RequestIdHeaders, response_id
-from router.responses import ResponseHeader
 from router.resumable_stream import ResumableStream
 from router.streaming import OutputSpec, collect_response, sse_events, stream_bodies
 from router.structured import structured_outputs_of

@@ -98,6 +98,9 @@ def test_a_reservation_preempts_after_reading_the_step_in_flight(tiny_model_dir:
             urgent = engine.make_request("urgent", list(range(70, 98)),
                                          SamplingParams(temperature=0.0, max_tokens=2))
             assert engine.reserve_remote(urgent) is None  # the pool is full
+            engine._stepping = True  # as a worker's call_now while a step computes: its requests are in use
+            assert engine.reserve_remote(urgent, preempt=True) is None and engine.scheduler.num_preemptions == 0
+            engine._stepping = False
             assert engine.reserve_remote(urgent, preempt=True) is not None
             assert engine.scheduler.num_preemptions == 1 and engine._in_flight is None
             engine.abort_request(["urgent"])  # its KV never comes
