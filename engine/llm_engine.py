@@ -18,6 +18,7 @@ output. The workers read it through `stats()`, `kv_blocks` and the methods below
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -133,17 +134,15 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._num_prompt_tokens = 0  # of every request queued or reserved, since start
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
-        # Where the block pool's KV events go after each step (a worker's prefix index publisher); None: dropped.
-        self.kv_event_sink: KVEventSink | None = None
-        # Requests the last step() launched or read; 0: it could do nothing.
-        self.num_scheduled_last_step = 0
+        self.kv_event_sink: KVEventSink | None = None  # where each step's KV events go (None: dropped)
+        self.num_scheduled_last_step = 0  # requests the last step() launched or read; 0: it could do nothing
         # Async scheduling, where it can hold: speculative decoding runs every step synchronously (overlap.py).
         self.async_scheduling = bool(config.async_scheduling) and isinstance(self.speculator, NullSpeculator)
         self._in_flight: _InFlight | None = None  # the step launched and not read yet (async scheduling)
         self._drained_outputs: list[RequestOutput] = []  # of a step in flight read early (`_drain_in_flight`)
         self._stepping = False  # a step runs: what takes the lock meanwhile (call_now) runs while it computes
-        # Priority policy: the handoff reservations refused for want of blocks, which go first when blocks free up
-        self._waiting_reservations = WaitingReservations() if config.scheduling_policy == "priority" else None
+        self._waiting_reservations = (WaitingReservations()  # priority: reservations refused for want of blocks
+                                      if config.scheduling_policy == "priority" else None)
 
     def close(self) -> None:
         """Stop the processes the engine runs beside its own (its tensor-parallel ranks; none at TP 1) and its KV
@@ -253,8 +252,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or outputs the next step returns. A step in flight (async scheduling) holds only
-        running ones, or finished ones whose tokens in it are discarded whenever the next step reads it (their
-        blocks went back at their end)."""
+        running ones, or finished ones whose tokens in it are discarded when read (their blocks went back)."""
         return self.scheduler.has_unfinished_requests() or bool(self._drained_outputs)
 
     def has_schedulable_requests(self) -> bool:
@@ -316,23 +314,17 @@ class LLMEngine:
     def reserve_remote(self, request: Request, *, preempt: bool = False) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV a prefill worker will send (all but its prefix cached
         here); None (nothing allocated) if the pool cannot hold it now. Undo with `abort_request`. `preempt`
-        (priority policy; a command between steps only, never `call_now`): running requests it outranks may give
-        their blocks up for it; a step in flight (async scheduling), which may still write their KV into those
-        blocks, is read first, and its outputs go out with the next step's. Under the priority policy a
-        reservation that a waiting one outranks is refused (engine/core/waiting_reservations.py)."""
+        (priority policy; between steps, not from `call_now`): running requests it outranks may give their blocks
+        up for it, once a step in flight (async scheduling), which may still write their KV, has been read (its
+        outputs go with the next step's). One a waiting reservation outranks is refused (waiting_reservations.py)."""
         self._check_choice_ids_free(request)
-        waiting, priority = self._waiting_reservations, request.sampling_params.priority
-        if waiting is not None and not waiting.admits(request.request_id, priority):
-            waiting.refused(request.request_id, priority)  # a higher one waits for blocks: they go to it first
-            return None
         preempt = preempt and not self._stepping  # never from inside a step (call_now): its requests are in use
         drain = self._drain_in_flight if self._in_flight is not None else None
-        if not self.scheduler.reserve_remote(request, preempt=preempt, before_preempting=drain):
-            if waiting is not None:
-                waiting.refused(request.request_id, priority)
+        reserve = functools.partial(self.scheduler.reserve_remote, request, preempt=preempt, before_preempting=drain)
+        waiting = self._waiting_reservations
+        if not (reserve() if waiting is None else waiting.attempt(request.request_id,
+                                                                  request.sampling_params.priority, reserve)):
             return None
-        if waiting is not None:
-            waiting.granted(request.request_id)
         self.outputs.add(request)
         self._num_prompt_tokens += request.num_prompt_tokens
         return RemoteReservation(block_ids=self.kv_cache.block_ids(request.request_id),

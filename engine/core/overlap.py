@@ -23,7 +23,8 @@ while step N+1 still writes into it is reused only after that write.
 The steps that do not overlap (step N's output is processed first, then N+1 is scheduled as without async):
 - a request of step N that continues needs N's token on the host to build its next step (`needs_host_tokens`):
   penalties, min_tokens and bad_words of more than one token (they read the output tokens), n > 1 (the other
-  choices fork off the first once its prompt is computed). A grammar does not: its matcher takes N's token when step N+1's bitmask is filled, and that
+  choices fork off the first once its prompt is computed). A grammar does not: its matcher takes N's token when
+  step N+1's bitmask is filled, and that
   step's sampling waits for the fill (engine/structured/matchers.py, engine/launched_step.py), not its forward;
 - the running requests' next tokens would not fit in the free blocks: scheduling them could preempt a request
   whose step is in flight (its sampled token, a seeded draw, would be lost), so preemption happens only after N;

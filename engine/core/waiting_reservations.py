@@ -25,6 +25,14 @@ class WaitingReservations:
         self._clock = clock
         self._waiting: dict[str, tuple[int, float]] = {}  # request id -> (priority, last ask)
 
+    def attempt(self, request_id: str, priority: int, reserve: Callable[[], bool]) -> bool:
+        """`reserve()` unless a waiting reservation outranks this one; whether it got its blocks (else it waits)."""
+        if self.admits(request_id, priority) and reserve():
+            self.granted(request_id)
+            return True
+        self.refused(request_id, priority)
+        return False
+
     def admits(self, request_id: str, priority: int) -> bool:
         """Whether a reservation of `priority` may take blocks now: no other waiting one has a lower value."""
         now = self._clock()
