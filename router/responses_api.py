@@ -11,6 +11,7 @@ What the request may hold (vLLM's subset, and what vLLM serves without its respo
 - `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, `tools` (function tools:
   `{"type": "function", "name", "parameters"}`, others a 400), `tool_choice`, `parallel_tool_calls`,
   `text.format` (text, json_object, json_schema: structured outputs), `stream`, `metadata` and `user` (echoed),
+  `include: ["message.output_text.logprobs"]` with `top_logprobs` (the output text's logprobs, as chat's),
   and the chat fields vLLM users send beside them (`top_k`, `seed`, `stop`, `priority`, ...: `PASSED_FIELDS`).
 - Nothing is stored: `previous_response_id` and `background` are a 400 (send the conversation in `input`), `store`
   is read and the response says `false`.
@@ -49,6 +50,9 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
+LOGPROBS = "message.output_text.logprobs"  # the `include` value asking for output logprobs
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses."""
 
@@ -70,6 +74,14 @@ class ResponsesRequest(BaseModel):
     background: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # LOGPROBS asks for the output text's logprobs, each with `top_logprobs` alternatives;
+    # the other values name content this server never produces (file search results, reasoning), so they add nothing
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
 
 
 def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
@@ -92,6 +104,8 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
                         ("top_p", request.top_p), ("user", request.user)):
         if value is not None:
             fields[name] = value
+    if request.wants_logprobs:
+        fields.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
     if request.tools is not None:
         fields["tools"] = [_chat_tool(tool, index) for index, tool in enumerate(request.tools)]
     if request.tool_choice is not None:
@@ -218,11 +232,21 @@ class ResponseShape:
         output: list[dict[str, Any]] = []
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         if message.get("content") or not message.get("tool_calls"):
-            output.append(_message_item(_item_id("msg"), message.get("content") or "", status))
+            item = self._text_item(status, message.get("content") or "")
+            if self.request.wants_logprobs:
+                item["content"][0]["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
+            output.append(item)
         for call in message.get("tool_calls") or ():
             output.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
         return self._response(self.response_id(chat_body["id"]), status, output, chat_body.get("usage"))
+
+    def _text_item(self, status: str, text: str = "") -> dict[str, Any]:
+        """A message item with one output_text part (holding its logprobs, when the request includes them)."""
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if self.request.wants_logprobs:
+            part["logprobs"] = []
+        return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant", "content": [part]}
 
     def _response(self, response_id: str, status: str, output: list[dict[str, Any]],
                   usage: dict[str, Any] | None, error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -246,6 +270,7 @@ class ResponseShape:
             "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
             "tools": request.tools or [],
             "top_p": request.top_p,
+            "top_logprobs": request.top_logprobs,
             "truncation": "disabled",
             "usage": None if usage is None else _usage(usage),
             "user": request.user,
@@ -275,16 +300,19 @@ class ResponseShape:
                 return
             for choice in body.get("choices") or ():
                 delta = choice.get("delta", {})
+                entries = (choice.get("logprobs") or {}).get("content") or [] if self.request.wants_logprobs else []
                 if delta.get("content"):
                     if text_item is None:
-                        text_item = _message_item(_item_id("msg"), "", "in_progress")
+                        text_item = self._text_item("in_progress")
                         output.append(text_item)
                         for event in self._open_message(stream, text_item, len(output) - 1):
                             yield event
                     text_item["content"][0]["text"] += delta["content"]
                     yield stream.event("response.output_text.delta", item_id=text_item["id"],
                                        output_index=output.index(text_item), content_index=0,
-                                       delta=delta["content"], logprobs=[])
+                                       delta=delta["content"], logprobs=entries)
+                if entries and text_item is not None:  # with tools, a text's logprobs may come after it
+                    text_item["content"][0]["logprobs"].extend(entries)
                 for call_delta in delta.get("tool_calls") or ():
                     item = calls.get(call_delta["index"])
                     function = call_delta.get("function", {})
@@ -304,7 +332,7 @@ class ResponseShape:
             if usage is not None and not body.get("choices"):  # the last body: the request's usage
                 status = "incomplete" if finish_reason == "length" else "completed"
                 if text_item is None and not calls:  # no text at all: still one (empty) message, as the body has
-                    text_item = _message_item(_item_id("msg"), "", "in_progress")
+                    text_item = self._text_item("in_progress")
                     output.append(text_item)
                     for event in self._open_message(stream, text_item, 0):
                         yield event
@@ -328,7 +356,7 @@ class ResponseShape:
             item["status"] = status
             part = item["content"][0]
             events += [stream.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                    content_index=0, text=part["text"], logprobs=[]),
+                                    content_index=0, text=part["text"], logprobs=part.get("logprobs", [])),
                        stream.event("response.content_part.done", item_id=item["id"], output_index=index,
                                     content_index=0, part=part)]
         else:
@@ -353,11 +381,6 @@ class _EventStream:
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:

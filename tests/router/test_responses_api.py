@@ -74,6 +74,29 @@ def test_a_stream_is_the_responses_event_sequence(client: openai.OpenAI) -> None
     assert events[-2].item.content[0].text == "Hello world"  # type: ignore[union-attr]
 
 
+def test_included_logprobs_are_the_chat_logprobs_whole_and_streamed(client: openai.OpenAI,
+                                                                      cluster: Cluster) -> None:
+    chat = cluster.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 5, "logprobs": True,
+        "top_logprobs": 2}).json()["choices"][0]["logprobs"]["content"]
+    response = client.responses.create(model=MODEL, input="Say hi", max_output_tokens=5, top_logprobs=2,
+                                       include=["message.output_text.logprobs"])
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert [entry.model_dump() for entry in part.logprobs] == chat and len(chat) == 5
+    assert part.logprobs[0].token == "H" and len(part.logprobs[0].top_logprobs) == 2
+    assert cluster.decode.requests[-1].params.logprobs == 2
+    plain = client.responses.create(model=MODEL, input="Say hi", max_output_tokens=5)
+    assert not plain.output[0].content[0].logprobs  # type: ignore[union-attr]  # not included: none computed
+    assert not cluster.decode.requests[-1].params.HasField("logprobs")
+    events = list(client.responses.create(model=MODEL, input="Say hi", max_output_tokens=5, top_logprobs=2,
+                                          include=["message.output_text.logprobs"], stream=True))
+    streamed = [entry.model_dump() for event in events if event.type == "response.output_text.delta"
+                for entry in event.logprobs]  # type: ignore[union-attr]
+    assert streamed == chat
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [entry.model_dump() for entry in done.logprobs] == chat  # type: ignore[union-attr]
+
+
 def test_tool_calls_come_back_as_function_call_items_whole_and_streamed(  # type: ignore[no-untyped-def]
     long_context, fakes,
 ) -> None:
