@@ -3,7 +3,7 @@
     POST /v1/completions, /v1/chat/completions   validate -> tokenize -> route -> worker Generate -> JSON | SSE
     POST /v1/responses                           OpenAI's Responses API, stateless: a chat completion underneath
                                                  (router/responses_api.py)
-    GET  /v1/models                              the served model names, in OpenAI's list shape
+    GET  /v1/models, /v1/models/{name}           the served model names, in OpenAI's list shape; one of them
     GET  /health                                 200 when each role the mode needs has a healthy worker, else 503
     GET  /live                                   200 while this process's event loop answers (liveness, not readiness)
     GET  /metrics                                Prometheus text; refreshes worker loads first (the pools'
@@ -371,16 +371,18 @@ def create_app(
     install_tokenize_routes(app, config, templates)
     install_cache_routes(app, registry)
 
+    def model_card(name: str) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "splitserve", "root": name,
+                "parent": None, "max_model_len": config.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": created, "owned_by": "splitserve", "root": name,
-                 "parent": None, "max_model_len": config.max_model_len}
-                for name in config.served_model_names
-            ],
-        }
+        return {"object": "list", "data": [model_card(name) for name in config.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold slashes
+    async def model(model: str) -> dict[str, object]:
+        check_model(model, config.served_model_names)
+        return model_card(model)
 
     @app.get("/health")
     async def health() -> JSONResponse:

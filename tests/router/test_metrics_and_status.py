@@ -126,6 +126,9 @@ def test_models(cluster: Cluster) -> None:
     (model,) = body["data"]
     assert model["id"] == MODEL and model["object"] == "model" and model["owned_by"] == "splitserve"
     assert isinstance(model["created"], int) and model["max_model_len"] == MAX_MODEL_LEN
+    assert cluster.client.get(f"/v1/models/{MODEL}").json() == model  # OpenAI's retrieve
+    missing = cluster.client.get("/v1/models/org/other-model")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
 def test_health(cluster: Cluster) -> None:

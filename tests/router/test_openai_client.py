@@ -59,6 +59,9 @@ def test_errors_raise_the_clients_exceptions(client: openai.OpenAI, cluster: Clu
     assert "temperature" in str(bad.value)
     with pytest.raises(openai.NotFoundError):  # 404, as vLLM and OpenAI answer an unknown model
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
     cluster.decode.script = Script(error_after=2)
     with pytest.raises(openai.APIError):  # an error event mid-stream
         list(client.completions.create(model=MODEL, prompt="x", stream=True))
