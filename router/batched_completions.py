@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from router.protocol import CompletionRequest
-from router.responses import SSE_DONE, sse_event
+from router.responses import SSE_DONE, Usage, sse_event
 
 T = TypeVar("T")
 
@@ -52,10 +52,10 @@ def merge_bodies(bodies: Sequence[dict[str, Any]], n: int) -> dict[str, Any]:
 
 
 def sum_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    total = {name: sum(usage[name] for usage in usages)
-             for name in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    cached = sum((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for usage in usages)
-    return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
+    """The prompts' usage bodies (router/responses.py's `Usage.body()`) summed into one."""
+    return Usage(prompt_tokens=sum(usage["prompt_tokens"] for usage in usages),
+                 completion_tokens=sum(usage["completion_tokens"] for usage in usages),
+                 cached_tokens=sum(usage["prompt_tokens_details"]["cached_tokens"] for usage in usages)).body()
 
 
 async def merged_events(streams: Sequence[AsyncIterator[dict[str, Any]]], n: int,

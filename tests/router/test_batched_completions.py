@@ -47,7 +47,8 @@ def test_a_streamed_batch_interleaves_its_prompts_under_one_id(client: openai.Op
 
 
 def test_a_failing_prompt_fails_the_batch(client: openai.OpenAI, cluster: Cluster) -> None:
-    cluster.decode.script = Script(error_after=2, error_times=1, delay_s=0.05)  # one fails, the other streams on
+    # the first call fails at its third token; the other stops after three and waits until it is cancelled
+    cluster.decode.script = Script(error_after=2, error_times=1, hang_after=3)
     with pytest.raises(openai.APIError):
         client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=8)
     # the other prompt's request was cancelled, not cut and resumed (a closed stream that is still read migrates)
