@@ -72,6 +72,12 @@ class EngineConfig:
     # Tensor parallelism (vLLM's --tensor-parallel-size): the engine runs as this many rank processes, each holding
     # its shard of the weights and of the KV cache (engine/distributed/). 1: one process.
     tensor_parallel_size: int = 1
+    # LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank; engine/lora/): the
+    # adapters loaded at start-up as (name, PEFT directory) pairs; the most adapters one step runs; their top rank.
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # Speculative decoding; a dict of vLLM's keys is taken too (`LLM(speculative_config={...})`). None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
@@ -128,6 +134,12 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        object.__setattr__(self, "lora_modules", tuple((str(n), str(p)) for n, p in self.lora_modules))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")

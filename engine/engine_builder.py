@@ -32,6 +32,7 @@ from engine.kv_cache_dtype import kv_block_bytes, kv_namespace_dtype
 from engine.kv_tier_blocks import TierBlocks, check_tier_config, make_tier
 from engine.loader.checkpoint import Checkpoint, load_checkpoint, load_engine_checkpoint
 from engine.loader.model_identity import model_identity
+from engine.lora.registry import LoRARegistry
 from engine.memory_profile import GIB, MemoryBaseline, MemoryProfile, num_kv_blocks_for, profile_forward
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
@@ -67,6 +68,7 @@ class EngineParts:
     # The tier below the KV cache (--kv-offload-dir, --kv-offload-memory; engine/kv_tier_blocks.py), its entries
     # found again; None: no tier.
     kv_tier: TierBlocks | None = None
+    loras: LoRARegistry | None = None  # --enable-lora: the adapters, those of --lora-modules loaded
     # Stops what the engine started beside itself: its tensor-parallel ranks (nothing at TP 1). Idempotent.
     shutdown: Callable[[], None] = field(default=lambda: None)
 
@@ -140,13 +142,19 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
         model=model_name if config.quantization == "none" else f"{model_name}+{config.quantization}",
         block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
     speculator = _speculator(spec, runner, draft_checkpoint, config, max_model_len)
+    loras = None
+    if config.enable_lora:  # a LoRAError (ValueError) naming the adapter that cannot load
+        loras = LoRARegistry(mc, device=device, dtype=dtype, max_lora_rank=config.max_lora_rank,
+                             max_loras=config.max_loras)
+        for name, path in config.lora_modules:
+            loras.load(name, path)
     kv_tier = make_tier(config, device, runner.kv_cache, runner.kv_scales, hash_namespace,
                         layout=kv_layout(mc, config), ranks=rank_caches_of(runner))
     return EngineParts(
         config=config, device=device, model_config=mc, tokenizer=checkpoint.tokenizer, max_model_len=max_model_len,
         num_kv_blocks=num_kv_blocks, runner=runner, speculator=speculator, hash_namespace=hash_namespace,
         memory_profile=memory_profile, cpu_kernels=cpu_kernels, attention_backend_name=attention.name,
-        cuda_graph_capture_seconds=cuda_graph_capture_seconds, kv_tier=kv_tier, shutdown=shutdown,
+        cuda_graph_capture_seconds=cuda_graph_capture_seconds, kv_tier=kv_tier, shutdown=shutdown, loras=loras,
     )
 
 
@@ -172,6 +180,8 @@ def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     """ValueError for what does not run at tensor_parallel_size > 1 yet."""
     if config.tensor_parallel_size == 1:
         return
+    if config.enable_lora:
+        raise ValueError("LoRA adapters (--enable-lora) run at tensor_parallel_size 1 only, for now")
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         raise ValueError("tensor_parallel_size > 1 on cuda needs --num-kv-blocks or --kv-cache-memory for now "
                          "(the memory profile runs on one rank)")

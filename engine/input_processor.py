@@ -17,9 +17,11 @@ from engine.core.request import Request
 from engine.request.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_engine_rules
 from engine.request.bad_words import bad_words_token_ids, maybe_bannable
 from engine.tokenizer.tokenizer import Tokenizer
-from kv_transfer.block_hash import BlockHashNamespace
+from kv_transfer.block_hash import BlockHashNamespace, adapter_root
 
 if TYPE_CHECKING:
+    from engine.lora.adapter import LoRAAdapter
+    from engine.lora.registry import LoRARegistry
     from engine.structured.compiler import GrammarCompilerCache
 
 
@@ -34,32 +36,36 @@ class InputProcessor:
         use_grammars: Callable[[GrammarCompilerCache], None],
         scheduling_policy: str = "fcfs",
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        loras: LoRARegistry | None = None,
     ) -> None:
         """`hash_namespace`: what the requests hash their blocks in (None: no prefix caching). `use_grammars` is
         called once, with the grammar compiler cache made for the first request that has a grammar (the runner
         builds its matchers from it). `scheduling_policy` "fcfs" takes only requests of priority 0; `max_logprobs`
-        caps (prompt) logprobs, -1 at the vocabulary's size."""
+        caps (prompt) logprobs, -1 at the vocabulary's size. `loras`: the adapters requests may name (None: LoRA off)."""
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.hash_namespace = hash_namespace
+        self.loras = loras
         self._use_grammars = use_grammars
         # Structured outputs: xgrammar loads with the first request that has a grammar (see grammar_compilers).
         self._grammar_compilers: GrammarCompilerCache | None = None
         self._grammar_lock = threading.Lock()
 
     def make_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *, remote_decode: bool = False
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *, remote_decode: bool = False,
+        lora_name: str | None = None,
     ) -> Request:
-        """A validated, tokenized request, and the choices it will fork (n > 1) as its `pending_forks`. Raises
-        ValueError naming the problem.
+        """A validated, tokenized request, and the choices it will fork (n > 1) as its `pending_forks`, running
+        under the LoRA adapter `lora_name` if given. Raises ValueError naming the problem.
 
         A request with `structured_outputs` has its grammar compiled here (a schema that does not compile is a
         ValueError). `remote_decode` (a prefill worker's request): only choice 0, whose KV is handed off after its
         first token; the decode worker forks the others."""
         params.validate()
+        lora = self._lora(lora_name)
         check_engine_rules(params, scheduling_policy=self.scheduling_policy, max_logprobs=self.max_logprobs)
         if params.structured_outputs is not None:
             self.grammar_compilers().compile(params.structured_outputs)
@@ -87,11 +93,21 @@ class InputProcessor:
                 remote_decode=remote_decode,
                 index=index,
                 bad_words_token_ids=bad_words,
+                lora=lora,
+                hash_root=None if lora is None or self.hash_namespace is None else adapter_root(
+                    self.hash_namespace, lora.digest),
             )
             for index in range(num_sequences)
         ]
         requests[0].pending_forks = requests[1:]
         return requests[0]
+
+    def _lora(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter {name!r} asked for, but this engine serves none (--enable-lora)")
+        return self.loras.get(name)  # a LoRAError (ValueError) naming what is loaded
 
     def _check_allowed_tokens(self, params: SamplingParams) -> None:
         """ValueError for allowed_token_ids out of the vocabulary, or all masked while min_tokens holds off EOS and

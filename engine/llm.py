@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader.model_registry import resolve_model
+from engine.lora.registry import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request.generation_config import AUTO, GenerationDefaults, load_generation_defaults
 from engine.request.sampling_params import SamplingParams
@@ -55,9 +56,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *, priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished output per prompt, in input order. A prompt is text or a list of token ids. `priority`
-        (vLLM's): one per prompt, lower first; it needs `scheduling_policy="priority"`.
+        (vLLM's): one per prompt, lower first; it needs `scheduling_policy="priority"`. `lora_request` (vLLM's, with
+        `enable_lora=True`): the LoRA adapter of every prompt, or one per prompt (None: the base model).
 
         All prompts are validated before any is queued, so a bad one raises without touching the engine.
         """
@@ -77,9 +80,10 @@ class LLM:
             p.validate()
             if p.num_sequences > 1:  # one finished output per prompt is this API's contract
                 raise ValueError("n > 1 and best_of are served by the workers' Generate stream, not LLM.generate")
+        loras = self._lora_names(lora_request, len(prompts))
         requests = [
-            self.engine.make_request(f"offline-{next(self._ids)}", prompt, p)
-            for prompt, p in zip(prompts, per_prompt, strict=True)
+            self.engine.make_request(f"offline-{next(self._ids)}", prompt, p, lora_name=lora)
+            for prompt, p, lora in zip(prompts, per_prompt, loras, strict=True)
         ]
         added: list[str] = []
         try:
@@ -96,6 +100,7 @@ class LLM:
         conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation (with the generation prompt, or, as vLLM's
         `continue_final_message` with `add_generation_prompt=False`, ending inside the last message), then generate."""
@@ -107,7 +112,21 @@ class LLM:
                 add_special_tokens=False)
             for c in conversations  # type: ignore[union-attr]
         ]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, lora_request=lora_request)
+
+    def _lora_names(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+                    ) -> list[str | None]:
+        """Each prompt's adapter name, the adapters not loaded yet loaded."""
+        per_prompt = [lora_request] * num_prompts if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(per_prompt) != num_prompts:
+            raise ValueError(f"got {len(per_prompt)} LoRA requests for {num_prompts} prompts")
+        loras = self.engine.loras
+        if loras is None:
+            if any(r is not None for r in per_prompt):
+                raise ValueError("a LoRA request needs an engine with enable_lora=True")
+            return [None] * num_prompts
+        return [None if r is None else loras.resolve(r) for r in per_prompt]
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -71,15 +71,14 @@ class _InFlight:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
-        """The parts the step runs on, assembled once (engine/engine_builder.py: device, weights, KV cache size,
-        kernels, CUDA graphs, speculator), and the control plane around them. Raises ValueError for a config
-        the model or the device cannot run."""
+        """The parts the step runs on, assembled once (engine/engine_builder.py), and the control plane around them.
+        Raises ValueError for a config the model or the device cannot run."""
         parts = build_engine_parts(config, checkpoint)
         self.config = config = parts.config  # device and dtype concrete
         self.device, self.model_config, self.tokenizer = parts.device, parts.model_config, parts.tokenizer
         self.max_model_len, self.num_kv_blocks = parts.max_model_len, parts.num_kv_blocks
-        self.hash_namespace = parts.hash_namespace
-        self.runner, self.speculator = parts.runner, parts.speculator
+        self.hash_namespace, self.runner, self.speculator = parts.hash_namespace, parts.runner, parts.speculator
+        self.loras = parts.loras  # the LoRA adapters requests may name (--enable-lora); None: off
         # What a worker's KV handoff moves, and how it names it.
         self.kv_blocks = _kv_blocks(self.runner, kv_layout(self.model_config, config))
         # What start-up found: the cuda memory profile (None: not profiled), the C++ kernels loaded (cpu), the
@@ -123,6 +122,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 policy=config.scheduling_policy,
+                max_loras=config.max_loras,
             ),
             self.kv_cache,
         )
@@ -130,7 +130,7 @@ class LLMEngine:
             self.tokenizer, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             scheduling_policy=config.scheduling_policy, max_logprobs=config.max_logprobs,
             hash_namespace=self.hash_namespace if config.enable_prefix_caching else None,
-            use_grammars=self.runner.use_grammars)
+            use_grammars=self.runner.use_grammars, loras=self.loras)
         self.outputs = OutputProcessor(self.tokenizer)
         self._num_prompt_tokens = 0  # of every request queued or reserved, since start
         self._finished_stats: deque[RequestStats] = deque(maxlen=100_000)  # drained by stats()
@@ -205,20 +205,20 @@ class LLMEngine:
         self._tier_events = None
 
     # -- requests --------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
+                    lora_name: str | None = None) -> Request:
         """Validate and queue a request. Raises ValueError naming the problem; allocates nothing on failure."""
-        request = self.make_request(request_id, prompt, params)
+        request = self.make_request(request_id, prompt, params, lora_name=lora_name)
         self.enqueue(request)
         return request
 
-    def make_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *, remote_decode: bool = False
-    ) -> Request:
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
+                     remote_decode: bool = False, lora_name: str | None = None) -> Request:
         """Validate and tokenize a request without queueing it (engine/input_processor.py): the engine is left
         untouched, so a caller can check a whole batch before queueing any of it. Raises ValueError naming the
         problem. A grammar is compiled here, which can take a second: callers on an event loop run this on a
         worker thread."""
-        return self.inputs.make_request(request_id, prompt, params, remote_decode=remote_decode)
+        return self.inputs.make_request(request_id, prompt, params, remote_decode=remote_decode, lora_name=lora_name)
 
     def enqueue(self, request: Request) -> None:
         """Queue a request from `make_request`. Raises ValueError (and queues nothing) if its id is in use."""

@@ -25,6 +25,7 @@ from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.host_copy import to_device
 from engine.huge_pages import zeros_with_huge_pages
 from engine.launched_step import LaunchedStep, StepResult
+from engine.lora.lora_step import LoRAStep
 from engine.model.llama import LlamaModel
 from engine.request.logprobs import TokenLogprobs
 from engine.sampling.prompt_logprobs import prompt_positions, prompt_token_logprobs
@@ -112,7 +113,9 @@ class ModelRunner:
             input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
             if feed is not None:
                 feed(input_ids)
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            lora = LoRAStep.of((item.request.lora, item.num_new_tokens) for item in items)  # type: ignore[arg-type]
+            hidden = (self.model.forward(input_ids, positions, self.kv_caches, meta) if lora is None else
+                      self.model.forward(input_ids, positions, self.kv_caches, meta, lora))
             prompt_logprobs = self._prompt_logprobs(items, hidden)
             launched = self._sample(items, hidden, prompt_logprobs, in_flight)
         self._last = launched
@@ -177,12 +180,12 @@ class ModelRunner:
 
     def _replayable(self, items: list[ScheduledRequest]) -> bool:
         """A step a captured graph computes as eagerly: one new token per request within the graphs' context length,
-        no drafts, no prompt logprobs."""
+        no drafts, no prompt logprobs, no LoRA adapter (graphs are captured for the base model)."""
         graphs = self.graphs
         assert graphs is not None
         return 0 < len(items) <= graphs.max_batch and all(
             item.num_new_tokens == 1 and not item.spec_token_ids and item.start < graphs.max_seq_len
-            and item.request.sampling_params.prompt_logprobs is None
+            and item.request.sampling_params.prompt_logprobs is None and item.request.lora is None
             for item in items
         )
 

@@ -115,6 +115,8 @@ class Request:
         remote_decode: bool = False,
         index: int = 0,
         bad_words_token_ids: list[tuple[int, ...]] | None = None,
+        lora: object | None = None,
+        hash_root: BlockHash | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index  # which choice of its client request (n > 1: engine/core/fork.py); 0 otherwise
@@ -146,7 +148,11 @@ class Request:
         self.pending_forks: list[Request] = []
         # sampling_params.prompt_logprobs: one per prompt token after the first, filled as the prompt computes.
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # The LoRA adapter it runs under (engine/lora/adapter.py's LoRAAdapter, opaque here; its name is `lora.name`),
+        # or None; its blocks then chain from the adapter's own `hash_root` (kv_transfer/block_hash.py).
+        self.lora = lora
         self._hash_namespace = hash_namespace
+        self._hash_root = hash_root
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
 
@@ -185,7 +191,7 @@ class Request:
 
     def _update_block_hashes(self) -> None:
         if self._hash_namespace is not None:
-            extend_block_hashes(self._hash_namespace, self.all_token_ids, self.block_hashes)
+            extend_block_hashes(self._hash_namespace, self.all_token_ids, self.block_hashes, root=self._hash_root)
 
     def __repr__(self) -> str:
         return (

@@ -5,7 +5,8 @@ catching its computed-token count up to its token count within the per-step toke
 decode phase: a fresh prompt, a prompt chunk, a prefix hit, a recompute and a decode token are the same rule.
 
 When the pool runs dry, the most recently admitted running request is preempted (recompute preemption): its blocks
-go back and it returns to the front of the waiting queue with its tokens intact.
+go back and it returns to the front of the waiting queue with its tokens intact. `max_loras` (LoRA adapters) holds
+the head of the waiting queue back while it would make one adapter more run than that (vLLM's --max-loras).
 
 A tier below the device cache (engine/core/kv_tier.py) adds loadable blocks to a prefix hit: at admission they
 are allocated like new blocks, loaded from the tier by the KV cache manager and counted computed, using none of
@@ -65,6 +66,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     policy: str = "fcfs"  # or "priority": see the module docstring
+    max_loras: int | None = None  # the most LoRA adapters running at once; None: any
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -116,13 +118,8 @@ class SchedulerOutput:
                                        for item in self.scheduled}
         return self._tokens_by_request
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    num_batched_tokens = property(lambda self: sum(s.num_new_tokens for s in self.scheduled))
+    is_empty = property(lambda self: not self.scheduled)
 
 
 class Scheduler:
@@ -186,8 +183,8 @@ class Scheduler:
         """Allocate blocks for `request`'s prompt, whose KV will arrive from a prefill worker, and for the first token
         it decodes. The prompt's longest cached prefix here is taken as it is (shared, nothing to receive), and the
         blocks after it that the tier below holds are loaded: `kv_cache.num_cached_blocks` says how many leading
-        blocks that is. False (and nothing changed) if the pool
-        cannot hold it now, or a waiting request is blocked on blocks (it goes first, unless `request` outranks it).
+        blocks that is. False (and nothing changed) if the pool cannot hold it now, or a waiting request is blocked
+        on blocks (it goes first, unless `request` outranks it).
 
         `preempt` (priority policy): when the running requests `request` outranks hold enough blocks to make room,
         they give them up, lowest first, after `before_preempting()` (the engine reads a step in flight first: it
@@ -198,8 +195,6 @@ class Scheduler:
             return False
         hits = self.kv_cache.cached_prefix(request)
         num_hit_tokens = len(hits) * self.kv_cache.block_size
-        # Blocks after those that a tier below the device cache holds (--kv-offload-dir) are loaded here too, into
-        # the blocks reserved for them: they need not travel either.
         num_loadable = self.kv_cache.num_loadable_blocks(request, len(hits))
         num_new = request.num_prompt_tokens + 1 - num_hit_tokens
         if not self.kv_cache.allocate_slots(request, num_new, hits):
@@ -235,13 +230,8 @@ class Scheduler:
             self.finish_request(request.request_id, status)
         return status
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
+    num_waiting = property(lambda self: len(self.waiting))
+    num_running = property(lambda self: len(self.running))
 
     @property
     def num_receiving_kv(self) -> int:
@@ -366,6 +356,8 @@ class Scheduler:
                     break
                 budget = self._preempt_scheduled(out, budget)
                 continue
+            if self._one_adapter_too_many(request):  # its turn comes when an adapter's requests have finished
+                break
             num_loadable = 0
             if request.kv_in_place:  # its prompt KV came from a prefill worker: blocks in place, no lookup
                 hits, num_hit_tokens = [], request.num_computed_tokens
@@ -402,6 +394,11 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return budget
+
+    def _one_adapter_too_many(self, request: Request) -> bool:
+        running = {r.lora for r in self.running if r.lora is not None}
+        limit = self.config.max_loras
+        return limit is not None and request.lora is not None and request.lora not in running and len(running) >= limit
 
     def _outranks(self, request: Request, other: Request) -> bool:
         """Priority policy: whether `request` has a strictly lower priority value than `other`."""

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend, RotaryAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_elementwise import load_elementwise
+from engine.lora.lora_step import LoRAStep
 from engine.model.config import ModelConfig
 from engine.model.quantization import Weight, cat_rows, head_holds_embedding, quantize_head
 from engine.model.tp_group import SINGLE, TPGroup
@@ -160,16 +161,17 @@ class LlamaModel:
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        lora: LoRAStep | None = None,  # the LoRA adapters its tokens run under (engine/lora/); None: none
     ) -> torch.Tensor:  # [T, hidden], final-normed
         if self.fused_kernels:
-            return self._forward_fused(input_ids, positions, kv_caches, meta)
+            return self._forward_fused(input_ids, positions, kv_caches, meta, lora)
         c = self.config
         num_tokens = input_ids.shape[0]
         hidden = self.embedding(input_ids)
         cos_sin = self.rope.cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(x)
+            qkv = _with_lora(layer.qkv, x, lora, i, "qkv")
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, c.num_heads, c.head_dim)
             k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -178,13 +180,15 @@ class LlamaModel:
             attn = self.attention.forward(q, k, v, kv_cache, meta)
             # In place where the tensor is ours alone (`hidden` is a fresh embedding lookup, never aliased): the same
             # arithmetic, two fewer multi-MB allocations per layer.
-            hidden.add_(layer.o(attn.view(num_tokens, self.q_size)))
+            hidden.add_(_with_lora(layer.o, attn.view(num_tokens, self.q_size), lora, i, "o"))
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            hidden.add_(layer.down(silu_and_mul(layer.gate_up(x))))
+            hidden.add_(_with_lora(layer.down, silu_and_mul(_with_lora(layer.gate_up, x, lora, i, "gate_up")), lora, i,
+                                   "down"))
         return rms_norm(hidden, self.final_norm, c.rms_norm_eps)
 
     def _forward_fused(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """`forward` on the GPU: the same arithmetic (HF's rounding order, which the kernels keep), each layer's
         residual add fused into the RMSNorm that follows it, the embedding lookup into the first. No host sync: CUDA
@@ -202,8 +206,8 @@ class LlamaModel:
             x, residual = embed_rms_norm(input_ids, self.embed, self.layers[0].input_norm, c.rms_norm_eps)  # [T, hidden]
         else:  # a vocabulary shard: the masked lookup and its all-reduce first
             x, residual = add_rms_norm(self.embedding(input_ids), self.layers[0].input_norm, c.rms_norm_eps)
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms, strict=True):
-            qkv = layer.qkv(x)
+        for i, (layer, kv_cache, next_norm) in enumerate(zip(self.layers, kv_caches, norms, strict=True)):
+            qkv = _with_lora(layer.qkv, x, lora, i, "qkv")
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, c.num_heads, c.head_dim)
             k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -214,9 +218,10 @@ class LlamaModel:
             else:
                 rotary(q, k, positions, self.rope.cos, self.rope.sin)  # in place, inside qkv (ours alone)
                 attn = self.attention.forward(q, k, v, kv_cache, meta)
-            x, residual = add_rms_norm(layer.o(attn.reshape(num_tokens, self.q_size)), layer.post_norm,
-                                       c.rms_norm_eps, residual)
-            x, residual = add_rms_norm(layer.down(fused_silu_and_mul(layer.gate_up(x))), next_norm, c.rms_norm_eps,
+            x, residual = add_rms_norm(_with_lora(layer.o, attn.reshape(num_tokens, self.q_size), lora, i, "o"),
+                                       layer.post_norm, c.rms_norm_eps, residual)
+            act = fused_silu_and_mul(_with_lora(layer.gate_up, x, lora, i, "gate_up"))
+            x, residual = add_rms_norm(_with_lora(layer.down, act, lora, i, "down"), next_norm, c.rms_norm_eps,
                                        residual)
         return x
 
@@ -224,3 +229,9 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 (at TP N on rank 0; the other ranks get [n, 0])."""
         return self.lm_head(hidden).float()
+
+
+def _with_lora(linear: Linear, x: torch.Tensor, lora: LoRAStep | None, layer: int, fused: str) -> torch.Tensor:
+    """linear(x), plus the LoRA deltas of the tokens whose request runs under an adapter that targets it."""
+    y = linear(x)
+    return y if lora is None else lora.add(y, x, layer, fused)
