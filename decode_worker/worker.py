@@ -99,7 +99,8 @@ class DecodeWorker(RuntimeWorker):
         request_id = request.request_id
         params = sampling_params_from_proto(request.params)
         try:
-            make = functools.partial(runtime.engine.make_request, request_id, list(request.prompt_token_ids), params)
+            make = functools.partial(runtime.engine.make_request, request_id, list(request.prompt_token_ids), params,
+                                     lora_name=request.lora_name or None)
             # A grammar compiles in make_request (up to a second): off the event loop, which serves every stream.
             req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
         except ValueError as exc:

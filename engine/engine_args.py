@@ -7,6 +7,7 @@ import re
 
 from engine.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig,
                            SpeculativeConfig)
+from engine.request.lora import LoRAModule
 from engine.request.sampling_params import SCHEDULING_POLICIES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -87,6 +88,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-id", default=None,
                    help="identity of the weights for KV block hashes and the prefix index (default: a digest of "
                         "the checkpoint's files)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT directories) beside the base model: a request's `model` names one")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help='the adapters loaded at start-up, as NAME=PATH or vLLM\'s JSON {"name": ..., "path": ...}; '
+                        "each is a model name in the API (needs --enable-lora)")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="the most LoRA adapters running at once; requests of one more wait their turn")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the highest adapter rank loaded; an adapter above it is refused")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
@@ -101,6 +111,13 @@ def _sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) <= 0:
         raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
     return sizes
+
+
+def _lora_module(text: str) -> LoRAModule:
+    try:
+        return LoRAModule.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
@@ -142,4 +159,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         model_id=args.model_id,
         speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple((m.name, m.path) for m in args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )

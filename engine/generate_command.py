@@ -10,6 +10,7 @@ import typing
 
 from engine.engine_args import add_engine_args, engine_config_from_args
 from engine.request.generation_config import AUTO, parse_override
+from engine.request.lora import LoRARequest
 from engine.request.sampling_params import FLAG_FIELDS, SamplingParams, check_engine_rules
 
 
@@ -23,6 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "if any), vllm (SamplingParams' own), or a folder holding such a file")
     p.add_argument("--override-generation-config", default=None,
                    help='a JSON object over --generation-config\'s values, e.g. \'{"temperature": 0.5}\'')
+    p.add_argument("--lora-name", default=None, metavar="NAME",
+                   help="run every prompt under this LoRA adapter of --lora-modules (with --enable-lora)")
     p.add_argument("--json", action="store_true", help='print one {"text", "token_ids"} JSON object per prompt')
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -59,9 +62,15 @@ def run(args: argparse.Namespace) -> int:
     given = sampling_params_from_flags(args)  # bad sampling flags fail before the model loads
     given.validate()
     check_engine_rules(given, scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs)
+    config = engine_config_from_args(args)
+    lora = None
+    if args.lora_name is not None:
+        paths = dict(config.lora_modules)
+        if args.lora_name not in paths:
+            raise ValueError(f"--lora-name {args.lora_name!r} is not one of --lora-modules ({', '.join(paths) or 'none'})")
+        lora = LoRARequest(args.lora_name, 1, paths[args.lora_name])
     from engine.llm import LLM  # torch loads here, after the flags are known to be good
 
-    config = engine_config_from_args(args)
     text = args.override_generation_config
     override = None if text is None else parse_override(text)
     llm = LLM(**dataclasses.asdict(config), generation_config=args.generation_config,
@@ -70,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
     params.validate()
     try:
         if args.chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, lora_request=lora)
         else:
-            outputs = llm.generate(args.prompt, params)
+            outputs = llm.generate(args.prompt, params, lora_request=lora)
     finally:
         llm.engine.close()  # with --kv-offload-dir, the prefix cache is written down for the next run
     for out in outputs:

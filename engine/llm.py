@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader.model_registry import resolve_model
-from engine.lora.registry import LoRARequest
+from engine.request.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request.generation_config import AUTO, GenerationDefaults, load_generation_defaults
 from engine.request.sampling_params import SamplingParams

@@ -34,7 +34,7 @@ from engine.core.kv_tier_events import TieredEvents
 from engine.core.request import Request, RequestStatus
 from engine.request.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.core.stats import EngineStats, RequestStats
+from engine.core.stats import EngineStats, RequestStats, requests_by_adapter
 from engine.core.waiting_reservations import WaitingReservations
 from engine.engine_builder import build_engine_parts, kv_layout, rank_caches_of
 from engine.input_processor import InputProcessor
@@ -538,8 +538,7 @@ class LLMEngine:
 
     def stats(self, *, take_finished: bool = True) -> EngineStats:
         """Gauges now, counters since start; with `take_finished`, the finished-request stats since the previous
-        taking call (each is handed out once). A caller that wants only the gauges and counters (a worker's GetLoad)
-        passes False: `finished` is then empty and the stats stay for whoever takes them."""
+        taking call (each handed out once; False, as a worker's GetLoad passes: `finished` empty, the stats kept)."""
         finished: list[RequestStats] = []
         if take_finished:
             finished = list(self._finished_stats)
@@ -565,9 +564,10 @@ class LLMEngine:
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
             spec_decode_chosen_k=dict(sorted(spec.chosen_k.items())),
+            lora_requests_running=requests_by_adapter(self.scheduler.running),
+            lora_requests_waiting=requests_by_adapter(self.scheduler.waiting),
             finished=finished,
         )
-
 
     def _prefix_cache_hits_by_tier(self) -> dict[str, int]:
         hits = {"device": self.kv_cache.prefix_hits_tokens}

@@ -109,7 +109,7 @@ class PrefillWorker(RuntimeWorker):
         try:
             params = sampling_params_from_proto(gen.params)
             make = functools.partial(runtime.engine.make_request, request_id, list(gen.prompt_token_ids), params,
-                                     remote_decode=True)
+                                     remote_decode=True, lora_name=gen.lora_name or None)
             # A grammar compiles in make_request (up to a second): off the event loop, which serves every call.
             req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
         except ValueError as exc:

@@ -74,20 +74,22 @@ class StructuredOutputs(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_endpoint", "router_queue_s", "peer_fetch")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_endpoint", "router_queue_s", "peer_fetch", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     prefill_endpoint: str
     router_queue_s: float
     peer_fetch: PeerFetch
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PeerFetch(_message.Message):
     __slots__ = ("endpoint", "worker_id", "num_blocks")
@@ -332,7 +334,7 @@ class KVNamespace(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class LoadStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_kv_transfers", "num_kv_transfer_failures", "incarnation", "cpu_kernels", "max_num_seqs", "kv_namespace", "prefix_index_up", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_chosen_k", "num_queued_prompt_tokens", "kv_transfers_rejected", "quantization", "prefix_cache_hits_by_tier", "kv_offload_bytes", "ranks", "kv_peer_fetch_blocks", "kv_peer_fetch_bytes", "kv_peer_fetch_seconds", "kv_peer_fetch_failures", "kv_block_bytes", "num_requests_receiving_kv")
+    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfer_bytes", "kv_transfer_seconds", "num_kv_transfers", "num_kv_transfer_failures", "incarnation", "cpu_kernels", "max_num_seqs", "kv_namespace", "prefix_index_up", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_chosen_k", "num_queued_prompt_tokens", "kv_transfers_rejected", "quantization", "prefix_cache_hits_by_tier", "kv_offload_bytes", "ranks", "kv_peer_fetch_blocks", "kv_peer_fetch_bytes", "kv_peer_fetch_seconds", "kv_peer_fetch_failures", "kv_block_bytes", "num_requests_receiving_kv", "lora_adapters", "max_loras", "lora_requests_running", "lora_requests_waiting")
     class KvTransfersRejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +357,20 @@ class LoadStats(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class KvPeerFetchFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoraRequestsRunningEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoraRequestsWaitingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +414,10 @@ class LoadStats(_message.Message):
     KV_PEER_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RECEIVING_KV_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_requests_running: int
@@ -435,7 +455,41 @@ class LoadStats(_message.Message):
     kv_peer_fetch_failures: _containers.ScalarMap[str, int]
     kv_block_bytes: int
     num_requests_receiving_kv: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ..., prefix_cache_hits_by_tier: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., kv_peer_fetch_blocks: _Optional[int] = ..., kv_peer_fetch_bytes: _Optional[int] = ..., kv_peer_fetch_seconds: _Optional[float] = ..., kv_peer_fetch_failures: _Optional[_Mapping[str, int]] = ..., kv_block_bytes: _Optional[int] = ..., num_requests_receiving_kv: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    max_loras: int
+    lora_requests_running: _containers.ScalarMap[str, int]
+    lora_requests_waiting: _containers.ScalarMap[str, int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_failures: _Optional[int] = ..., incarnation: _Optional[int] = ..., cpu_kernels: _Optional[_Iterable[_Union[CpuKernel, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., kv_namespace: _Optional[_Union[KVNamespace, _Mapping]] = ..., prefix_index_up: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_chosen_k: _Optional[_Iterable[int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., kv_transfers_rejected: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ..., prefix_cache_hits_by_tier: _Optional[_Mapping[str, int]] = ..., kv_offload_bytes: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[_Iterable[_Union[RankStats, _Mapping]]] = ..., kv_peer_fetch_blocks: _Optional[int] = ..., kv_peer_fetch_bytes: _Optional[int] = ..., kv_peer_fetch_seconds: _Optional[float] = ..., kv_peer_fetch_failures: _Optional[_Mapping[str, int]] = ..., kv_block_bytes: _Optional[int] = ..., num_requests_receiving_kv: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., lora_requests_running: _Optional[_Mapping[str, int]] = ..., lora_requests_waiting: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "digest", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoRAAdapter
+    def __init__(self, adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class RankStats(_message.Message):
     __slots__ = ("rank", "pid", "weight_bytes", "kv_cache_bytes", "kv_lane_bytes_sent", "kv_lane_bytes_received")

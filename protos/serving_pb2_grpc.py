@@ -69,6 +69,16 @@ class WorkerStub:
                 request_serializer=protos_dot_serving__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=protos_dot_serving__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/splitserve.serving.v1.Worker/LoadLoRAAdapter',
+                request_serializer=protos_dot_serving__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_serving__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/splitserve.serving.v1.Worker/UnloadLoRAAdapter',
+                request_serializer=protos_dot_serving__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_serving__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -119,6 +129,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +178,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=protos_dot_serving__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=protos_dot_serving__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=protos_dot_serving__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_serving__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=protos_dot_serving__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_serving__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +379,60 @@ class Worker:
             '/splitserve.serving.v1.Worker/ResetPrefixCache',
             protos_dot_serving__pb2.ResetPrefixCacheRequest.SerializeToString,
             protos_dot_serving__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.serving.v1.Worker/LoadLoRAAdapter',
+            protos_dot_serving__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            protos_dot_serving__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.serving.v1.Worker/UnloadLoRAAdapter',
+            protos_dot_serving__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            protos_dot_serving__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,8 +50,9 @@ from router.autoscaler import Autoscaler, ScalableCluster
 from router.batched_completions import StreamGroup, batch_prompts, gather_or_cancel, merge_bodies, merged_events
 from router.body_limit import BodyLimit
 from router.cache_api import install_cache_routes
+from router.lora_api import ServedModels, install_lora_routes
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, GenerationJob
+from router.dispatcher import Dispatcher, GenerationJob, LoRATarget
 from router.errors import (
     GENERATION_ERRORS,
     ApiError,
@@ -69,7 +70,6 @@ from router.protocol import (
     CompletionRequest,
     check_chat_request,
     check_completion_request,
-    check_model,
     num_logprobs,
     to_sampling_params,
 )
@@ -200,14 +200,16 @@ def create_app(
     if admin is not None:
         install_admin_routes(app, admin, registry, config.roles_needed)
 
+    models = ServedModels(config.served_model_names, registry)  # the base model's names and the LoRA adapters'
+
     @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         arrival_s = time.perf_counter()
-        check_model(body.model, config.served_model_names)
+        lora = models.resolve(body.model)
         check_completion_request(body)
         prompts = batch_prompts(body)
         bodies = [body] if prompts is None else [body.model_copy(update={"prompt": p}) for p in prompts]
-        prepared = [await _prepare(raw, one, lambda one=one: completion_prompt_token_ids(one, tokenizer),
+        prepared = [await _prepare(raw, one, lambda one=one: completion_prompt_token_ids(one, tokenizer), lora,
                                    structured_outputs=structured_outputs_of(one), tools=None,
                                    max_tokens=one.max_tokens, default_max_tokens=config.default_completion_max_tokens,
                                    max_tokens_param="max_tokens")
@@ -219,26 +221,25 @@ def create_app(
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_s = time.perf_counter()
-        check_model(body.model, config.served_model_names)
-        return await _chat(raw, body, arrival_s,
+        return await _chat(raw, body, arrival_s, models.resolve(body.model),
                            max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None
                            else "max_tokens")
 
     @app.post("/v1/responses", responses=GENERATION_ERRORS)
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         arrival_s = time.perf_counter()
-        check_model(body.model, config.served_model_names)
+        lora = models.resolve(body.model)
         check_responses_request(body)
         chat = to_chat_request(body)
         try:
-            return await _chat(raw, chat, arrival_s, max_tokens_param="max_output_tokens",
+            return await _chat(raw, chat, arrival_s, lora, max_tokens_param="max_output_tokens",
                                shape=ResponseShape(body, chat))
         except ApiError as error:  # the chat request's fields by their Responses names
             error.param = RESPONSES_PARAMS.get(error.param, error.param)  # type: ignore[arg-type]
             raise
 
-    async def _chat(raw: Request, body: ChatCompletionRequest, arrival_s: float, *, max_tokens_param: str,
-                    shape: ResponseShape | None = None) -> Response:
+    async def _chat(raw: Request, body: ChatCompletionRequest, arrival_s: float, lora: LoRATarget | None, *,
+                    max_tokens_param: str, shape: ResponseShape | None = None) -> Response:
         check_chat_request(body)
         tools = plan_tools(body)
         structured_outputs = structured_outputs_of(body)
@@ -248,14 +249,14 @@ def create_app(
                                   "with response_format or guided decoding", "tool_choice")
             structured_outputs = tools.structured_outputs()
         job, spec = await _prepare(raw, body, lambda: chat_prompt_token_ids(body, templates.tokenizer_for(body), tools),
-                                   structured_outputs=structured_outputs, tools=tools,
+                                   lora, structured_outputs=structured_outputs, tools=tools,
                                    max_tokens=body.requested_max_tokens, default_max_tokens=None,
                                    max_tokens_param=max_tokens_param)
         return await _generate(raw, job, spec, body.stream, _tracker(raw, arrival_s), shape)
 
     async def _prepare(
         raw: Request, body: CompletionRequest | ChatCompletionRequest, prompt_token_ids: Callable[[], list[int]],
-        *, structured_outputs: GrammarSpec | None, tools: ToolPlan | None, max_tokens: int | None,
+        lora: LoRATarget | None, *, structured_outputs: GrammarSpec | None, tools: ToolPlan | None, max_tokens: int | None,
         default_max_tokens: int | None, max_tokens_param: str,
     ) -> tuple[GenerationJob, OutputSpec]:
         """What every endpoint does with a checked request: tokenize its prompt (in a thread: it may be long), fit
@@ -276,8 +277,7 @@ def create_app(
         params = to_sampling_params(body, max_tokens=fitted, structured_outputs=structured_outputs,
                                     defaults=generation.sampling, scheduling_policy=config.scheduling_policy,
                                     max_logprobs=config.max_logprobs)
-        job = GenerationJob(request_id=workers_id,
-                            prompt_token_ids=token_ids, params=params)
+        job = GenerationJob(request_id=workers_id, prompt_token_ids=token_ids, params=params, lora=lora)
         truncated = len(token_ids) < len(whole)
         as_ids = body.return_tokens_as_token_ids
         spec = dataclasses.replace(_output_spec(body, job, tokenizer, chat=chat, truncated=truncated,
@@ -368,21 +368,19 @@ def create_app(
 
     app.openapi = without_validation_errors(app)  # type: ignore[method-assign]
 
-    install_tokenize_routes(app, config, templates)
+    install_tokenize_routes(app, config, templates, models)
     install_cache_routes(app, registry)
-
-    def model_card(name: str) -> dict[str, object]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "splitserve", "root": name,
-                "parent": None, "max_model_len": config.max_model_len}
+    install_lora_routes(app, models, registry)
+    card = {"object": "model", "created": created, "owned_by": "splitserve", "parent": None,
+            "max_model_len": config.max_model_len}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, object]:
-        return {"object": "list", "data": [model_card(name) for name in config.served_model_names]}
+    async def list_models() -> dict[str, object]:
+        return {"object": "list", "data": models.cards(card)}
 
     @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold slashes
     async def model(model: str) -> dict[str, object]:
-        check_model(model, config.served_model_names)
-        return model_card(model)
+        return models.card(model, card)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -81,11 +81,21 @@ def _blamed_worker(code: grpc.StatusCode, route: Route, loads: Sequence[WorkerLo
     return route.prefill.worker_id if others else None
 
 
+@dataclass(frozen=True)
+class LoRATarget:
+    """The LoRA adapter a request's `model` names: only workers serving this adapter (name and digest) take it, and
+    its prompt's blocks hash from the adapter's root (kv_transfer/block_hash.py)."""
+
+    name: str
+    digest: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationJob:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # validated (router/protocol.py); put on the wire with each Generate call
+    lora: LoRATarget | None = None  # None: the base model
 
 
 def api_error_from_rpc(error: grpc.aio.AioRpcError, *, num_attempts: int = 1) -> tuple[ApiError, str]:
@@ -322,14 +332,15 @@ class Dispatcher:
         exclude: Sequence[str] = (),
     ) -> GenerationStream:
         """Route and open the call, retrying elsewhere as the module docstring says."""
-        lookup = self._with_committed(await self._lookup(job.prompt_token_ids))
+        lookup = self._with_committed(await self._lookup(job))
         turn = next(self._turns)
         excluded: set[str] = set(exclude)
         if not num_prior_tokens:  # a resumed request does not wait for another's prefill
             lookup = await self._await_inflight(job, lookup, num_blocks, turn, excluded)
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(1, self._config.max_dispatch_attempts + 1):
-            loads = [load for load in self._registry.loads() if load.worker_id not in excluded]
+            loads = [load for load in self._registry.loads() if load.worker_id not in excluded
+                     and (job.lora is None or (job.lora.name, job.lora.digest) in load.lora_adapters)]
             pricer = self._fetch_pricer(lookup, loads, job)
             try:
                 route = self._plan(job, loads, lookup, num_blocks, turn, pricer)
@@ -433,7 +444,7 @@ class Dispatcher:
         committed = await self._inflight.settled(found.entry, timeout_s)
         logger.debug("%s: %s's prefill %s", job.request_id, found.entry.request_id,
                      "ended" if committed else "is not done (or failed): computing")
-        return self._with_committed(await self._lookup(job.prompt_token_ids))
+        return self._with_committed(await self._lookup(job))
 
     def _with_committed(self, lookup: PrefixLookup | None) -> PrefixLookup | None:
         """`lookup` with the prefills that ended moments ago and that the index may not list yet: their worker
@@ -488,6 +499,7 @@ class Dispatcher:
             params=sampling_params_to_proto(job.params),
             prefill_endpoint=route.prefill.endpoint if route.prefill is not None else "",
             router_queue_s=tracker.dispatched(),
+            lora_name=job.lora.name if job.lora is not None else "",
         )
         if peer is not None and peer.fetch:
             request.peer_fetch.CopyFrom(serving_pb2.PeerFetch(
@@ -551,11 +563,12 @@ class Dispatcher:
                                                timings.peer_fetch_s)
         return record
 
-    async def _lookup(self, token_ids: Sequence[int]) -> PrefixLookup | None:
+    async def _lookup(self, job: GenerationJob) -> PrefixLookup | None:
         if self._prefix_index is None:
             return None
         try:
-            return await self._prefix_index.lookup(token_ids)
+            return await self._prefix_index.lookup(job.prompt_token_ids,
+                                                   adapter=job.lora.digest if job.lora is not None else None)
         except Exception:  # the index is an optimisation; route by load without it
             logger.exception("prefix index lookup failed; routing by load only")
             return None

@@ -372,6 +372,7 @@ class WorkerLoadCollector(Collector):
         yield rejected
         yield from _spec_decode_families(snapshots)
         yield from _tier_families(snapshots)
+        yield from _lora_families(snapshots)
         hit_rate = GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_rate",
                                      "Prefix-cache hits / queries, in tokens, since the worker started.",
                                      labels=["worker"])
@@ -476,6 +477,28 @@ class PrefixIndexCollector(Collector):
                 blocks.add_metric([stats.worker_id, tier], float(n))
         yield blocks
         yield from self._lookup_seconds.collect()
+
+
+def _lora_families(snapshots: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
+    """LoRA adapters (--enable-lora) per worker: vLLM's lora_requests_info (the adapters its requests run and wait
+    under, comma-joined, and its --max-loras), and the requests under each adapter by state."""
+    info = GaugeMetricFamily(f"{PREFIX}lora_requests_info", "The LoRA adapters a worker's running and waiting "
+                             "requests run under (comma-joined), and its --max-loras.",
+                             labels=["worker", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    requests = GaugeMetricFamily(f"{PREFIX}lora_requests", "Requests of a worker under each LoRA adapter, by state.",
+                                 labels=["worker", "lora_name", "state"])
+    for snapshot in snapshots:
+        stats = snapshot.stats
+        if stats is None or not stats.max_loras:
+            continue
+        worker = snapshot.info.worker_id
+        info.add_metric([worker, str(stats.max_loras), ",".join(sorted(stats.lora_requests_running)),
+                         ",".join(sorted(stats.lora_requests_waiting))], 1.0)
+        for state, counts in (("running", stats.lora_requests_running), ("waiting", stats.lora_requests_waiting)):
+            for name, n in sorted(counts.items()):
+                requests.add_metric([worker, name, state], float(n))
+    yield info
+    yield requests
 
 
 def _tier_families(snapshots: Sequence[WorkerSnapshot]) -> Iterator[Metric]:

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kv_transfer.block_hash import BlockHash, BlockHashNamespace, hash_token_blocks
+from kv_transfer.block_hash import BlockHash, BlockHashNamespace, adapter_root, hash_token_blocks
 from kv_transfer.kv_events import DEVICE
 from kv_transfer.prefix_index import HeldPrefix
 from router.prefix_index_client import PrefixIndexClient
@@ -83,11 +83,12 @@ class PrefixIndex:
         self._live_workers = live_workers
         self._background: set[asyncio.Task[None]] = set()
 
-    async def lookup(self, token_ids: Sequence[int]) -> PrefixLookup | None:
+    async def lookup(self, token_ids: Sequence[int], *, adapter: str | None = None) -> PrefixLookup | None:
+        """`adapter`: the digest of the LoRA adapter the prompt runs under (its blocks chain from that root)."""
         namespace = self._namespace()
         if namespace is None:
             return None
-        hashes = hash_token_blocks(namespace, token_ids)
+        hashes = hash_token_blocks(namespace, token_ids, root=adapter_root(namespace, adapter))
         found = await self.client.lookup(namespace, hashes)
         if found is None:
             return None

@@ -171,16 +171,6 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def check_model(model: str, served_model_names: tuple[str, ...]) -> None:
-    """404 for a model this server does not serve, as vLLM and OpenAI answer it (clients raise NotFoundError)."""
-    if model not in served_model_names:
-        raise ApiError(
-            status_code=404,
-            message=f"the model {model!r} does not exist; this server serves {', '.join(served_model_names)}",
-            param="model",
-        )
-
-
 def check_completion_request(request: CompletionRequest) -> None:
     """400 for the fields the router does not support and for text that is not valid Unicode (before any
     tokenization): see `check_text`."""

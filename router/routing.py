@@ -67,6 +67,7 @@ class WorkerLoad:
     max_num_seqs: int = 0  # requests one engine step runs; 0: not reported
     incarnation: int = 0  # index entries of another incarnation are not this worker's
     kv_block_bytes: int = 0  # one KV block's bytes (peer fetch prices a fetch with it); 0: not reported
+    lora_adapters: frozenset[tuple[str, str]] = frozenset()  # the LoRA adapters it serves, (name, digest)
 
     @property
     def num_queued(self) -> int:

@@ -22,11 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import ErrorResponse, bad_request
 from router.prompt import chat_prompt_token_ids, check_in_vocab
-from router.protocol import ChatCompletionRequest, ChatMessage, check_chat_request, check_model, check_text
+from router.protocol import ChatCompletionRequest, ChatMessage, check_chat_request, check_text
 from router.tools import plan_tools
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
+    from router.lora_api import ServedModels
     from router.request_chat_template import RequestChatTemplates
 
 TOKENIZE_PATHS = ("/tokenize", "/detokenize")
@@ -64,13 +65,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def install_tokenize_routes(app: FastAPI, config: RouterConfig, templates: RequestChatTemplates) -> None:
+def install_tokenize_routes(app: FastAPI, config: RouterConfig, templates: RequestChatTemplates,
+                            models: ServedModels) -> None:
     tokenizer = templates.tokenizer
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> dict[str, object]:
         if body.model is not None:
-            check_model(body.model, config.served_model_names)
+            models.resolve(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give `prompt` or `messages`, one of them", "prompt")
         if body.prompt is not None:
@@ -91,6 +93,6 @@ def install_tokenize_routes(app: FastAPI, config: RouterConfig, templates: Reque
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> dict[str, object]:
         if body.model is not None:
-            check_model(body.model, config.served_model_names)
+            models.resolve(body.model)
         check_in_vocab(body.tokens, tokenizer, "tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}

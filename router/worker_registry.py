@@ -165,6 +165,26 @@ class WorkerRegistry:
                 return BlockHashNamespace(model=ns.model, block_size=ns.block_size, kv_dtype=ns.kv_dtype)
         return None
 
+    def lora_adapters(self) -> dict[str, serving_pb2.LoRAAdapter]:
+        """The LoRA adapters the healthy workers that take requests serve, by name (the first worker's, where two
+        hold different adapters under one name: requests go to the workers holding that one)."""
+        found: dict[str, serving_pb2.LoRAAdapter] = {}
+        for worker in self._workers.values():
+            if worker.healthy and not worker.info.draining and worker.stats is not None:
+                for adapter in worker.stats.lora_adapters:
+                    found.setdefault(adapter.name, adapter)
+        return found
+
+    def note_lora_adapter(self, worker_id: str, name: str, adapter: serving_pb2.LoRAAdapter | None) -> None:
+        """A worker loaded (`adapter`) or unloaded the adapter `name` at this router's call: routed by at once,
+        before its next GetLoad says so."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.stats is None:
+            return
+        kept = [a for a in worker.stats.lora_adapters if a.name != name]
+        del worker.stats.lora_adapters[:]
+        worker.stats.lora_adapters.extend([*kept, *([adapter] if adapter is not None else [])])
+
     def incarnations(self) -> dict[str, int]:
         """Worker id -> incarnation of the healthy workers that take requests (as each reports it)."""
         return {w.info.worker_id: _incarnation(w) for w in self._workers.values() if w.healthy and not w.info.draining}
@@ -292,4 +312,5 @@ def _load_of(worker: _Worker) -> WorkerLoad:
         max_num_seqs=stats.max_num_seqs,
         incarnation=stats.incarnation,
         kv_block_bytes=stats.kv_block_bytes,
+        lora_adapters=frozenset((a.name, a.digest) for a in stats.lora_adapters),
     )

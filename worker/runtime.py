@@ -43,6 +43,8 @@ from engine.core.stats import EngineStats
 from engine.device import resolve_engine_config
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
+from engine.lora.adapter import LoRAError
+from engine.lora.registry import LoRARegistry
 from engine.outputs import RequestOutput
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
@@ -352,6 +354,12 @@ class WorkerRuntime:
         stats.incarnation = self.config.incarnation
         stats.prefix_index_up = self.kv_events.up
         stats.quantization = engine.config.quantization
+        if engine.loras is not None:  # --enable-lora
+            stats.lora_adapters.extend(serving_pb2.LoRAAdapter(name=a.name, digest=a.digest, path=a.path)
+                                       for a in engine.loras.adapters())
+            stats.max_loras = engine.config.max_loras
+            stats.lora_requests_running.update(now.lora_requests_running)
+            stats.lora_requests_waiting.update(now.lora_requests_waiting)
         lanes = self.lanes
         stats.ranks.extend(serving_pb2.RankStats(
             rank=r.rank, pid=r.pid, weight_bytes=r.weight_bytes, kv_cache_bytes=r.kv_cache_bytes,
@@ -424,6 +432,37 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
         # Between steps, as a command: the index hears AllBlocksCleared right after (EngineLoop._run_commands).
         reset, used = await self.runtime.call(lambda e: (e.reset_prefix_cache(), e.block_pool.num_used_blocks))
         return serving_pb2.ResetPrefixCacheResponse(reset=reset, kv_blocks_used=used)
+
+    async def LoadLoRAAdapter(self, request: serving_pb2.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> serving_pb2.LoRAAdapterResponse:
+        loras = await self._loras(context)
+        try:  # reads the files and moves the weights to the device: off the event loop; the engine steps on
+            adapter = await asyncio.to_thread(loras.load, request.lora_name, request.lora_path)
+        except (LoRAError, ValueError) as exc:
+            taken = request.lora_name in {a.name for a in loras.adapters()}
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS if taken else grpc.StatusCode.INVALID_ARGUMENT,
+                                str(exc))
+        logger.info("loaded LoRA adapter %r from %s (%s)", adapter.name, adapter.path, adapter.digest)
+        return serving_pb2.LoRAAdapterResponse(adapter=serving_pb2.LoRAAdapter(name=adapter.name,
+                                                                               digest=adapter.digest, path=adapter.path))
+
+    async def UnloadLoRAAdapter(self, request: serving_pb2.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> serving_pb2.LoRAAdapterResponse:
+        loras = await self._loras(context)
+        try:
+            loras.unload(request.lora_name)
+        except LoRAError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        logger.info("unloaded LoRA adapter %r", request.lora_name)
+        return serving_pb2.LoRAAdapterResponse()
+
+    async def _loras(self, context: grpc.aio.ServicerContext) -> LoRARegistry:
+        loras = self.runtime.engine.loras
+        if loras is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.runtime.config.worker_id} serves no LoRA adapters (--enable-lora)")
+        assert loras is not None
+        return loras
 
 
 def chosen_k_counts(stats: EngineStats, spec: SpeculativeConfig | dict | None) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.core.kv_tier import TierStats
@@ -81,4 +82,17 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     spec_decode_chosen_k: dict[int, int] = field(default_factory=dict)
+    # LoRA adapters (--enable-lora): running and waiting requests by adapter name (vLLM's lora_requests_info).
+    lora_requests_running: dict[str, int] = field(default_factory=dict)
+    lora_requests_waiting: dict[str, int] = field(default_factory=dict)
     finished: list[RequestStats] = field(default_factory=list)
+
+
+def requests_by_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    """How many of `requests` run under each LoRA adapter, by its name."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora is not None:
+            name = request.lora.name  # type: ignore[attr-defined]  # a LoRAAdapter (opaque to the control plane)
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -15,6 +15,8 @@ here cost the suite ~35 s a cluster, on its critical path.)
   model, a named tool choice, a guided choice (n = 3 too), a bad schema's 400; blocks freed after.
 - n = 4 seeded choices, logit_bias, echo + logprobs (equal to HF transformers' prompt log-probabilities): the
   prompt prefilled once (on the prefill worker when disaggregated), every block free after, an aborted stream too.
+- LoRA adapters (--enable-lora --lora-modules, and one loaded at run time): greedy answers under each equal the
+  offline engine's with that adapter, its blocks serve only its own prompts, every block free after an unload.
 - SIGINT stops it all, exit 0, no process left behind.
 """
 
@@ -39,6 +41,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.request.sampling_params import SamplingParams
 from prefill_worker.worker import FAULT_KV_STALL_ENV
+from router.lora_api import RUNTIME_LORA_ENV
+from tests.engine.lora.peft_adapter import make_adapter
 from tests.cluster.worker_harness import engine_config
 from tests.deploy.processes import ServeProcess, serve_argv, serving
 from tests.engine.structured.schemas import generated_schema
@@ -81,15 +85,27 @@ def _text(checkpoint, token_ids: list[int]) -> str:
     return checkpoint.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+@pytest.fixture(scope="module")
+def lora_dirs(smollm2_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    """Two PEFT adapters of SmolLM2: "smol" served from start-up, "late" loaded at run time."""
+    root, weights = tmp_path_factory.mktemp("lora"), smollm2_checkpoint.weights
+    layers = smollm2_checkpoint.config.num_layers
+    return {"smol": make_adapter(root / "smol", weights, layers, rank=8, alpha=16, seed=7, b_std=0.04,
+                                 targets=("q_proj", "v_proj", "gate_proj", "down_proj")),
+            "late": make_adapter(root / "late", weights, layers, rank=4, alpha=8, seed=8, b_std=0.03)}
+
+
 @pytest.fixture(scope="module", params=["grpc", "ipc", "colocated"])
-def cluster(request, smollm2_gguf: str, tmp_path_factory) -> Iterator[tuple[str, ServeProcess, str]]:
+def cluster(request, smollm2_gguf: str, tmp_path_factory, lora_dirs) -> Iterator[tuple[str, ServeProcess, str]]:
     mode = request.param
     pools = ["--colocated"] if mode == "colocated" else ["--prefill-workers", "1", "--decode-workers", "1",
                                                           "--kv-transport", mode]
     argv = serve_argv(smollm2_gguf, *pools, "--kv-cache-memory", "256MiB", "--max-model-len", "1024",
                       "--kv-transfer-timeout", "20", "--admin-token", ADMIN_TOKEN,
+                      "--enable-lora", "--max-loras", "2", "--lora-modules", f"smol={lora_dirs['smol']}",
                       "--disagg-prefill-threshold", "0")  # short prompts through the KV transport too
     env = {"SPLITSERVE_FAULT_KV_CUTS": "1",  # the first handoff of 2+ blocks is cut half-way
+           RUNTIME_LORA_ENV: "true",  # /v1/load_lora_adapter
            FAULT_KV_STALL_ENV: str(stall_file(tmp_path_factory, mode))}  # stalled while that file exists
     with serving(argv, stderr_path=tmp_path_factory.mktemp(mode) / "stderr.txt", env=env) as serve:
         yield mode, serve, serve.url
@@ -444,3 +460,52 @@ def _catch(call, *args):  # type: ignore[no-untyped-def]
 
 def _load(url: str, worker_id: str) -> dict:
     return next(w["load"] for w in _pools(url).values() if w["worker_id"] == worker_id)
+
+
+def test_lora_adapters_answer_as_the_offline_engine_with_them(cluster, smollm2_checkpoint, smollm2_gguf,
+                                                              lora_dirs) -> None:
+    import dataclasses
+
+    from engine.llm_engine import LLMEngine
+
+    _mode, _serve, url = cluster
+    client = client_for(url)
+    tok = smollm2_checkpoint.tokenizer
+    prompt = ("The old lighthouse stood on the rocks at the end of the island. Every evening the keeper climbed its "
+              "stairs, lit the lamp, and wrote in her log. Tonight the sea was")  # 37 tokens: 2 full blocks
+    modules = tuple((name, str(path)) for name, path in lora_dirs.items())
+    engine = LLMEngine(dataclasses.replace(engine_config(), enable_lora=True, lora_modules=modules),
+                       smollm2_checkpoint)
+    want: dict[str | None, list[int]] = {}
+    for lora in (None, "smol", "late"):
+        engine.add_request(str(lora), tok.encode(prompt), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+                           lora_name=lora)
+        while engine.has_unfinished_requests():
+            want |= {None if o.request_id == "None" else o.request_id: o.token_ids for o in engine.step() if o.finished}
+    assert len({tuple(v) for v in want.values()}) == 3, "the adapters must change the answer"
+
+    models = {m.id: m for m in client.models.list().data}
+    assert models["smol"].parent == smollm2_gguf and models["smol"].root == str(lora_dirs["smol"])
+    base = client.completions.create(model=smollm2_gguf, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert base.choices[0].text == _text(smollm2_checkpoint, want[None])
+    cached = []
+    for _ in range(2):  # the first under the adapter hits none of the base model's blocks; the second its own
+        answer = client.completions.create(model="smol", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert answer.model == "smol" and answer.choices[0].text == _text(smollm2_checkpoint, want["smol"])
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens or 0)
+    assert cached[0] == 0 and cached[1] > 0, cached
+    stream = client.completions.create(model="smol", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == _text(smollm2_checkpoint, want["smol"])
+
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(lora_dirs["late"])},
+                        timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    late = client.completions.create(model="late", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert late.choices[0].text == _text(smollm2_checkpoint, want["late"])
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", prompt=prompt, max_tokens=2)
+    metrics = wait_until_every_block_is_free(url)
+    assert metrics["splitserve:lora_requests_info"], "every worker reports its --max-loras"
+

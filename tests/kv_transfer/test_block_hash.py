@@ -152,3 +152,16 @@ def test_extend_in_big_jumps_equals_one_shot() -> None:
     assert len(hashes) == 4
     extend_block_hashes(NS, tokens, hashes)
     assert hashes == hash_token_blocks(NS, tokens)
+
+
+def test_an_adapters_chain_starts_from_its_own_root() -> None:
+    from kv_transfer.block_hash import adapter_root
+
+    tokens = list(range(12))
+    base = hash_token_blocks(NS, tokens)
+    assert adapter_root(NS, None) == NS.root and hash_token_blocks(NS, tokens, root=NS.root) == base
+    sql, chat = (hash_token_blocks(NS, tokens, root=adapter_root(NS, d)) for d in ("sha256:1", "sha256:2"))
+    assert len({base[0], sql[0], chat[0]}) == 3 and not set(base) & set(sql)  # no block is shared
+    assert hash_token_blocks(NS, tokens, root=adapter_root(NS, "sha256:1")) == sql  # deterministic
+    assert extend_block_hashes(NS, tokens, sql[:1], root=adapter_root(NS, "sha256:1")) == sql  # incremental
+

@@ -80,6 +80,9 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
     # ResetPrefixCache: fails with this status, else answers this (None: reset)
     reset_status: grpc.StatusCode | None = None
     reset_reply: serving_pb2.ResetPrefixCacheResponse | None = None
+    # LoadLoRAAdapter: fails with this status, else adds the adapter to `load.lora_adapters` (digest "d-" + path)
+    lora_status: grpc.StatusCode | None = None
+    lora_calls: list[str] = field(default_factory=list)  # "load <name>" / "unload <name>", in order
     requests: list[serving_pb2.GenerateRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -102,7 +105,9 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
                                           kv_blocks_total=100)
         self.load_status = None
         self.reset_status = self.reset_reply = None
+        self.lora_status = None
         with self.changed:
+            self.lora_calls.clear()
             self.requests.clear()
             self.aborts.clear()
             self.cancelled.clear()
@@ -205,6 +210,24 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
         if self.reset_status is not None:
             context.abort(self.reset_status, "scripted ResetPrefixCache failure")
         return self.reset_reply or serving_pb2.ResetPrefixCacheResponse(reset=True)
+
+    def LoadLoRAAdapter(self, request, context):  # type: ignore[no-untyped-def]
+        self._record(self.lora_calls, f"load {request.lora_name}")
+        if self.lora_status is not None:
+            context.abort(self.lora_status, f"scripted LoadLoRAAdapter failure of {request.lora_name}")
+        adapter = serving_pb2.LoRAAdapter(name=request.lora_name, digest=f"d-{request.lora_path}",
+                                          path=request.lora_path)
+        self.load.lora_adapters.append(adapter)
+        return serving_pb2.LoRAAdapterResponse(adapter=adapter)
+
+    def UnloadLoRAAdapter(self, request, context):  # type: ignore[no-untyped-def]
+        self._record(self.lora_calls, f"unload {request.lora_name}")
+        kept = [a for a in self.load.lora_adapters if a.name != request.lora_name]
+        if len(kept) == len(self.load.lora_adapters):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.lora_name!r} is loaded")
+        del self.load.lora_adapters[:]
+        self.load.lora_adapters.extend(kept)
+        return serving_pb2.LoRAAdapterResponse()
 
 
 def _logprobs(token_id: int, num_top: int) -> serving_pb2.TokenLogprobs:

@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 
 from engine.request.sampling_params import SamplingParams
-from kv_transfer.block_hash import BlockHashNamespace, hash_token_blocks
+from kv_transfer.block_hash import BlockHashNamespace, adapter_root, hash_token_blocks
 from protos import serving_pb2
 from router.admission import Ticket
 from router.config import RouterConfig
@@ -94,8 +94,8 @@ class Index:
     def __init__(self) -> None:
         self.held: dict[str, int] = {}
 
-    async def lookup(self, token_ids: list[int]) -> PrefixLookup:
-        hashes = hash_token_blocks(NS, token_ids)
+    async def lookup(self, token_ids: list[int], *, adapter: str | None = None) -> PrefixLookup:
+        hashes = hash_token_blocks(NS, token_ids, root=adapter_root(NS, adapter))
         return PrefixLookup(namespace=NS, block_hashes=hashes, overlap=dict(self.held))
 
     def record(self, lookup: PrefixLookup, route) -> None:  # noqa: ANN001 - prefix-aware's provisional entries

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.lora.adapter import LoRAError
-from engine.lora.registry import LoRAModule, LoRARequest
+from engine.request.lora import LoRAModule, LoRARequest
 from tests.engine.lora.peft_adapter import make_adapter, merged
 from tests.engine.tiny_model import (PROMPTS, TINY_DIMS, assert_no_blocks_held, drain, finals, greedy,
                                      make_engine)
@@ -162,3 +162,20 @@ def test_lora_modules_entries(text, want):
 def test_bad_lora_modules_entries(text, match):
     with pytest.raises(ValueError, match=match):
         LoRAModule.parse(text)
+
+
+def test_generate_command_runs_prompts_under_an_adapter(capsys, tiny_model_dir, tiny_checkpoint, adapters,
+                                                        torch_single_thread):
+    import json
+
+    from deploy.cli import main
+    from tests.engine.test_cli import TINY_FLAGS
+
+    want = run(lora_engine(tiny_checkpoint, adapters), [(PROMPTS[1], "all")])["r0"]
+    flags = ["generate", "--model", str(tiny_model_dir), *TINY_FLAGS, "--prompt", PROMPTS[1], "--max-tokens", "10",
+             "--temperature", "0", "--ignore-eos", "--json", "--enable-lora", "--lora-modules",
+             f"all={adapters['all']}"]
+    assert main([*flags, "--lora-name", "all"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    assert main([*flags, "--lora-name", "other"]) == 2  # a usage error, before the model loads
+    assert "--lora-name 'other' is not one of --lora-modules (all)" in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""LoRA adapters at the gateway, as vLLM serves them (--enable-lora on the workers):
+
+- a request's `model` is the base model's name (--served-model-name) or an adapter's, as the workers report their
+  adapters in each GetLoad; another name is a 404 listing both. A request under an adapter is dispatched only to
+  workers serving it (name and digest), and its prompt's blocks are looked up from the adapter's hash root.
+- `GET /v1/models` lists the adapters after the base model, each with `parent` the base model's name and `root`
+  the adapter's path, as vLLM lists them.
+- With VLLM_ALLOW_RUNTIME_LORA_UPDATING=true in the gateway's environment (vLLM's switch), adapters load and unload
+  at run time on every worker, all or none:
+
+    POST /v1/load_lora_adapter   {"lora_name": ..., "lora_path": ...}
+        → 200 "Success: LoRA adapter '<name>' added successfully."
+        → 400 the adapter cannot load on some worker (every worker that loaded it unloads it again), or the name
+          is taken (the base model's, or an adapter's)
+    POST /v1/unload_lora_adapter {"lora_name": ...}
+        → 200 "Success: LoRA adapter '<name>' removed successfully."; 404 no worker serves it
+
+  An adapter loaded at run time lives until its worker restarts; a worker started later (scaling, a restart) serves
+  the --lora-modules adapters only, and the gateway routes each adapter's requests to the workers that serve it.
+  Keyed like /v1/* when API keys are set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import grpc.aio
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from protos import serving_pb2
+from router.dispatcher import LoRATarget
+from router.errors import ApiError, bad_request
+from router.protocol import check_json_text
+from router.worker_registry import WorkerRegistry
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+_CALL_TIMEOUT_S = 120.0  # reading an adapter's files and moving it to the device
+
+
+class ServedModels:
+    """The names a request's `model` may carry: the base model's and the adapters' the workers serve now."""
+
+    def __init__(self, served_model_names: tuple[str, ...], registry: WorkerRegistry) -> None:
+        self.base = served_model_names
+        self._registry = registry
+
+    def resolve(self, model: str) -> LoRATarget | None:
+        """None for the base model, the adapter `model` names, or a 404 (as vLLM and OpenAI answer it)."""
+        if model in self.base:
+            return None
+        adapter = self._registry.lora_adapters().get(model)
+        if adapter is None:
+            names = [*self.base, *sorted(self._registry.lora_adapters())]
+            raise ApiError(status_code=404, param="model",
+                           message=f"the model {model!r} does not exist; this server serves {', '.join(names)}")
+        return LoRATarget(adapter.name, adapter.digest)
+
+    def cards(self, card: dict[str, object]) -> list[dict[str, object]]:
+        """/v1/models' entries: the base model's names, then each adapter (`card`: the base model's entry)."""
+        adapters = self._registry.lora_adapters()
+        return [{**card, "id": name, "root": name} for name in self.base] + [
+            {**card, "id": name, "root": adapters[name].path or name, "parent": self.base[0]}
+            for name in sorted(adapters)]
+
+    def card(self, model: str, card: dict[str, object]) -> dict[str, object]:
+        self.resolve(model)
+        return next(c for c in self.cards(card) if c["id"] == model)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # vLLM's carries an optional lora_int_id too
+
+    lora_name: str
+
+
+def runtime_lora_updating() -> bool:
+    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+
+
+def install_lora_routes(app: FastAPI, models: ServedModels, registry: WorkerRegistry) -> None:
+    """The run-time load and unload routes, when the environment allows them (else they do not exist: 404)."""
+    if not runtime_lora_updating():
+        return
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:
+        check_json_text(body.lora_name, "lora_name")
+        check_json_text(body.lora_path, "lora_path")
+        if body.lora_name in models.base or body.lora_name in registry.lora_adapters():
+            raise bad_request(f"the LoRA adapter {body.lora_name!r} has already been loaded", "lora_name")
+        workers = _workers(registry)
+        request = serving_pb2.LoadLoRAAdapterRequest(lora_name=body.lora_name, lora_path=body.lora_path)
+        results = await asyncio.gather(*(_call(registry, w, "LoadLoRAAdapter", request) for w in workers))
+        failed = [(w, error) for w, (_, error) in zip(workers, results, strict=True) if error is not None]
+        if failed:  # all or none: the workers that loaded it unload it
+            unload = serving_pb2.UnloadLoRAAdapterRequest(lora_name=body.lora_name)
+            await asyncio.gather(*(_call(registry, w, "UnloadLoRAAdapter", unload)
+                                   for w, (_, error) in zip(workers, results, strict=True) if error is None))
+            worker_id, error = failed[0]
+            raise bad_request(f"the LoRA adapter {body.lora_name!r} did not load on worker {worker_id}: {error}",
+                              "lora_path")
+        for worker_id, (reply, _) in zip(workers, results, strict=True):
+            registry.note_lora_adapter(worker_id, body.lora_name, reply.adapter)
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> str:
+        check_json_text(body.lora_name, "lora_name")
+        if body.lora_name not in registry.lora_adapters():
+            raise ApiError(status_code=404, param="lora_name",
+                           message=f"the LoRA adapter {body.lora_name!r} cannot be found")
+        workers = _workers(registry)
+        request = serving_pb2.UnloadLoRAAdapterRequest(lora_name=body.lora_name)
+        results = await asyncio.gather(*(_call(registry, w, "UnloadLoRAAdapter", request) for w in workers))
+        for worker_id, (_, error) in zip(workers, results, strict=True):
+            if error is None or error.startswith("NOT_FOUND"):  # gone there either way
+                registry.note_lora_adapter(worker_id, body.lora_name, None)
+        errors = [f"{w}: {e}" for w, (_, e) in zip(workers, results, strict=True) if e and not e.startswith("NOT_")]
+        if errors:
+            raise ApiError(status_code=502, message=f"the LoRA adapter {body.lora_name!r} was not unloaded on "
+                           f"{'; '.join(errors)}")
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+
+def _workers(registry: WorkerRegistry) -> list[str]:
+    workers = [s.info.worker_id for s in registry.snapshots() if s.healthy]
+    if not workers:
+        raise ApiError(status_code=503, message="no healthy worker")
+    return workers
+
+
+async def _call(registry: WorkerRegistry, worker_id: str, method: str, request: object
+                ) -> tuple[serving_pb2.LoRAAdapterResponse | None, str | None]:
+    """(the worker's reply, None), or (None, why it failed: "CODE: details")."""
+    try:
+        stub = registry.stub(worker_id)
+    except KeyError:
+        return None, "UNAVAILABLE: it left the cluster"
+    try:
+        return await getattr(stub, method)(request, timeout=_CALL_TIMEOUT_S), None
+    except grpc.aio.AioRpcError as error:
+        return None, f"{error.code().name}: {error.details() or ''}".strip()

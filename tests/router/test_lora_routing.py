@@ -1,0 +1,143 @@
+"""LoRA adapters at the gateway (router/lora_api.py), over fake workers: a request's `model` names the base model or
+an adapter the workers report; it goes only to workers serving that adapter, with the adapter's name on the wire;
+/v1/models lists the adapters; run-time loading reaches every worker, all or none, only when the environment
+allows it. (tests/cluster/test_lora_serve.py runs real workers.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+
+from protos import serving_pb2
+from router.lora_api import RUNTIME_LORA_ENV
+from tests.router.conftest import MODEL, info_of, serve_router
+from tests.router.fake_worker import FakeWorker
+
+
+def serve(fakes: dict[str, FakeWorker], tokenizer, names: tuple[str, ...]) -> Iterator[httpx.Client]:  # noqa: ANN001
+    server = serve_router([info_of(fakes[n]) for n in names], tokenizer)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30.0) as client:
+            client.get("/metrics").raise_for_status()  # the router polls every worker's load now
+            yield client
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def workers(fakes: dict[str, FakeWorker]) -> dict[str, FakeWorker]:
+    for worker in fakes.values():
+        worker.reset()
+    sql = serving_pb2.LoRAAdapter(name="sql", digest="sha256:5", path="/adapters/sql")
+    for name in ("prefill-0", "decode-1"):
+        fakes[name].load.lora_adapters.append(sql)
+    return fakes
+
+
+@pytest.fixture
+def client(workers: dict[str, FakeWorker], tokenizer) -> Iterator[httpx.Client]:  # noqa: ANN001
+    yield from serve(workers, tokenizer, ("prefill-0", "decode-0", "decode-1"))
+
+
+def complete(client: httpx.Client, model: str) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 3})
+
+
+def test_a_request_under_an_adapter_goes_only_to_workers_serving_it(client, workers) -> None:  # noqa: ANN001
+    for _ in range(4):
+        answer = complete(client, "sql")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "sql"
+    assert [r.lora_name for r in workers["decode-1"].requests] == ["sql"] * 4
+    assert not workers["decode-0"].requests
+    for _ in range(4):
+        assert complete(client, MODEL).status_code == 200
+    base = [r for w in ("decode-0", "decode-1") for r in workers[w].requests if not r.lora_name]
+    assert len(base) == 4  # the base model's requests go anywhere, with no adapter named
+    chat = client.post("/v1/chat/completions", json={"model": "sql", "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and workers["decode-1"].requests[-1].lora_name == "sql"
+
+
+def test_an_unknown_model_is_a_404_naming_the_adapters_too(client) -> None:  # noqa: ANN001
+    answer = complete(client, "nope")
+    assert answer.status_code == 404
+    assert answer.json()["error"]["message"] == f"the model 'nope' does not exist; this server serves {MODEL}, sql"
+    assert client.post("/tokenize", json={"model": "sql", "prompt": "hi"}).status_code == 200
+    assert client.post("/tokenize", json={"model": "nope", "prompt": "hi"}).status_code == 404
+
+
+def test_models_lists_the_adapters_after_the_base_model(client) -> None:  # noqa: ANN001
+    cards = client.get("/v1/models").json()["data"]
+    assert [(c["id"], c["root"], c["parent"]) for c in cards] == [(MODEL, MODEL, None),
+                                                                   ("sql", "/adapters/sql", MODEL)]
+    assert client.get("/v1/models/sql").json()["parent"] == MODEL
+    assert client.get("/v1/models/nope").status_code == 404
+
+
+def test_without_a_prefill_worker_serving_the_adapter_503(workers, tokenizer) -> None:  # noqa: ANN001
+    prefill = workers["prefill-0"].load.lora_adapters
+    for held in ([], [serving_pb2.LoRAAdapter(name="sql", digest="sha256:other")]):  # none, or another "sql"
+        del prefill[:]
+        prefill.extend(held)
+        for client in serve(workers, tokenizer, ("prefill-0", "decode-0", "decode-1")):
+            answer = complete(client, "sql")
+            assert answer.status_code == 503 and "no worker can take the request" in answer.text
+    assert not workers["decode-1"].requests
+
+
+def test_runtime_loading_needs_the_environment(client) -> None:  # noqa: ANN001
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}).status_code == 404
+
+
+@pytest.fixture
+def runtime_client(workers, tokenizer, monkeypatch) -> Iterator[httpx.Client]:  # noqa: ANN001
+    monkeypatch.setenv(RUNTIME_LORA_ENV, "True")
+    yield from serve(workers, tokenizer, ("prefill-0", "decode-0", "decode-1"))
+
+
+def test_runtime_load_reaches_every_worker_and_is_routed_at_once(runtime_client, workers) -> None:  # noqa: ANN001
+    loaded = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/a/chat"})
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'chat' added successfully."
+    assert all(workers[w].lora_calls == ["load chat"] for w in ("prefill-0", "decode-0", "decode-1"))
+    assert complete(runtime_client, "chat").status_code == 200  # before any poll saw it
+    assert "chat" in [c["id"] for c in runtime_client.get("/v1/models").json()["data"]]
+    again = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/a/chat"})
+    assert again.status_code == 400 and "already been loaded" in again.text
+    taken = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": MODEL, "lora_path": "/a/chat"})
+    assert taken.status_code == 400
+    removed = runtime_client.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    assert removed.status_code == 200 and removed.text == "Success: LoRA adapter 'chat' removed successfully."
+    assert complete(runtime_client, "chat").status_code == 404
+    assert runtime_client.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 404
+
+
+def test_a_load_failing_on_one_worker_is_undone_on_the_others(runtime_client, workers) -> None:  # noqa: ANN001
+    workers["decode-0"].lora_status = grpc.StatusCode.INVALID_ARGUMENT
+    failed = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/a/bad"})
+    assert failed.status_code == 400
+    assert "did not load on worker decode-0: INVALID_ARGUMENT: scripted LoadLoRAAdapter failure" in failed.text
+    for name in ("prefill-0", "decode-1"):
+        assert workers[name].lora_calls == ["load bad", "unload bad"]
+        assert [a.name for a in workers[name].load.lora_adapters] == ["sql"]
+    runtime_client.get("/metrics")
+    assert complete(runtime_client, "bad").status_code == 404
+    bad_body = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "x"})
+    assert bad_body.status_code == 400
+
+
+def test_metrics_show_each_workers_adapters_and_their_requests(workers, tokenizer) -> None:  # noqa: ANN001
+    load = workers["decode-1"].load
+    load.max_loras = 2
+    load.lora_requests_running.update(sql=3)
+    load.lora_requests_waiting.update(sql=1, chat=2)
+    for client in serve(workers, tokenizer, ("prefill-0", "decode-0", "decode-1")):
+        text = client.get("/metrics").text
+    assert ('splitserve:lora_requests_info{max_lora="2",running_lora_adapters="sql",'
+            'waiting_lora_adapters="chat,sql",worker="decode-1"} 1.0') in text
+    assert 'splitserve:lora_requests{lora_name="chat",state="waiting",worker="decode-1"} 2.0' in text
+    assert 'splitserve:lora_requests{lora_name="sql",state="running",worker="decode-1"} 3.0' in text
+    assert 'worker="decode-0"' not in "".join(line for line in text.splitlines() if line.startswith("splitserve:lora"))
