@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if args.lora_name is not None:
         paths = dict(config.lora_modules)
         if args.lora_name not in paths:
-            raise ValueError(f"--lora-name {args.lora_name!r} is not one of --lora-modules ({', '.join(paths) or 'none'})")
+            known = ", ".join(paths) or "none"
+            raise ValueError(f"--lora-name {args.lora_name!r} is not one of --lora-modules ({known})")
         lora = LoRARequest(args.lora_name, 1, paths[args.lora_name])
     from engine.llm import LLM  # torch loads here, after the flags are known to be good
 

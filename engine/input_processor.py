@@ -41,7 +41,8 @@ class InputProcessor:
         """`hash_namespace`: what the requests hash their blocks in (None: no prefix caching). `use_grammars` is
         called once, with the grammar compiler cache made for the first request that has a grammar (the runner
         builds its matchers from it). `scheduling_policy` "fcfs" takes only requests of priority 0; `max_logprobs`
-        caps (prompt) logprobs, -1 at the vocabulary's size. `loras`: the adapters requests may name (None: LoRA off)."""
+        caps (prompt) logprobs, -1 at the vocabulary's size. `loras`: the adapters requests may name (None: LoRA
+        off)."""
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs

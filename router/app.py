@@ -256,8 +256,8 @@ def create_app(
 
     async def _prepare(
         raw: Request, body: CompletionRequest | ChatCompletionRequest, prompt_token_ids: Callable[[], list[int]],
-        lora: LoRATarget | None, *, structured_outputs: GrammarSpec | None, tools: ToolPlan | None, max_tokens: int | None,
-        default_max_tokens: int | None, max_tokens_param: str,
+        lora: LoRATarget | None, *, structured_outputs: GrammarSpec | None, tools: ToolPlan | None,
+        max_tokens: int | None, default_max_tokens: int | None, max_tokens_param: str,
     ) -> tuple[GenerationJob, OutputSpec]:
         """What every endpoint does with a checked request: tokenize its prompt (in a thread: it may be long), fit
         `max_tokens` (else `default_max_tokens`, else all that fits) to the context; the job for the workers and

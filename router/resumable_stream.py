@@ -118,7 +118,7 @@ class ResumableStream:
                        job.request_id, old.worker_id, len(self._streamed_token_ids), error.code().name,
                        error.details(), self.num_migrations, limit)
         resumed_job = GenerationJob(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                    params=request.params)
+                                    params=request.params, lora=job.lora)
         try:
             stream = await self._dispatcher.resume(resumed_job, self._tracker,
                                                    num_prior_tokens=request.num_prior_tokens,

@@ -443,8 +443,8 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS if taken else grpc.StatusCode.INVALID_ARGUMENT,
                                 str(exc))
         logger.info("loaded LoRA adapter %r from %s (%s)", adapter.name, adapter.path, adapter.digest)
-        return serving_pb2.LoRAAdapterResponse(adapter=serving_pb2.LoRAAdapter(name=adapter.name,
-                                                                               digest=adapter.digest, path=adapter.path))
+        reply = serving_pb2.LoRAAdapter(name=adapter.name, digest=adapter.digest, path=adapter.path)
+        return serving_pb2.LoRAAdapterResponse(adapter=reply)
 
     async def UnloadLoRAAdapter(self, request: serving_pb2.UnloadLoRAAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> serving_pb2.LoRAAdapterResponse:

@@ -409,6 +409,16 @@ def test_the_gateway_serves_its_names_and_the_chat_template_it_mounts(rendered: 
     assert not [o for o in of_kind(rendered["defaults"], "ConfigMap") if "chat-template" in o["metadata"]["name"]]
 
 
+def test_gateway_env_reaches_the_gateway_pods_beside_the_secrets() -> None:
+    env = [{"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}]
+    container = containers(find(render({"gateway": {"env": env}}), "Deployment", "gateway"))[0]
+    assert env[0] in container["env"] and "SPLITSERVE_API_KEY" in [e["name"] for e in container["env"]]
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmValuesError):
+        render({"gateway": {"env": [{"name": "X"}]}})  # a value is required
+
+
 def test_values_yaml_has_the_keys_the_issue_lists() -> None:
     import yaml
 

@@ -141,3 +141,25 @@ def test_metrics_show_each_workers_adapters_and_their_requests(workers, tokenize
     assert 'splitserve:lora_requests{lora_name="chat",state="waiting",worker="decode-1"} 2.0' in text
     assert 'splitserve:lora_requests{lora_name="sql",state="running",worker="decode-1"} 3.0' in text
     assert 'worker="decode-0"' not in "".join(line for line in text.splitlines() if line.startswith("splitserve:lora"))
+
+
+def test_a_migrated_stream_resumes_under_its_adapter(workers, tokenizer) -> None:  # noqa: ANN001
+    from tests.router.fake_worker import Script
+
+    sql = serving_pb2.LoRAAdapter(name="sql", digest="sha256:5", path="/adapters/sql")
+    workers["decode-0"].load.lora_adapters.append(sql)  # both decode workers serve it
+    workers["decode-0"].load.kv_blocks_free = 100
+    workers["decode-1"].load.kv_blocks_free = 50  # decode-0 first (least-loaded), then it goes away
+    workers["decode-0"].script = Script(text="Hello world", cut_after=4)
+    workers["decode-1"].script = Script(text="o world")
+    server = serve_router([info_of(workers[n]) for n in ("prefill-0", "decode-0", "decode-1")], tokenizer,
+                          routing_policy="least-loaded")
+    try:
+        with httpx.Client(base_url=server.url, timeout=30.0) as client:
+            client.get("/metrics")
+            body = client.post("/v1/completions", json={"model": "sql", "prompt": "ab", "max_tokens": 11}).json()
+    finally:
+        server.stop()
+    assert body["choices"][0]["text"] == "Hello world"
+    (original,), (resumed,) = workers["decode-0"].requests, workers["decode-1"].requests
+    assert (original.lora_name, resumed.lora_name) == ("sql", "sql")
