@@ -113,7 +113,8 @@ class ModelRunner:
             input_ids, positions, meta = prepare_step(items, self.block_size, self.device)
             if feed is not None:
                 feed(input_ids)
-            lora = LoRAStep.of((item.request.lora, item.num_new_tokens) for item in items)  # type: ignore[arg-type]
+            lora = LoRAStep.of(((item.request.lora, item.num_new_tokens) for item in items),  # type: ignore[misc]
+                               self.device)
             hidden = (self.model.forward(input_ids, positions, self.kv_caches, meta) if lora is None else
                       self.model.forward(input_ids, positions, self.kv_caches, meta, lora))
             prompt_logprobs = self._prompt_logprobs(items, hidden)
