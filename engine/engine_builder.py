@@ -145,7 +145,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     loras = None
     if config.enable_lora:  # a LoRAError (ValueError) naming the adapter that cannot load
         loras = LoRARegistry(mc, device=device, dtype=dtype, max_lora_rank=config.max_lora_rank,
-                             max_loras=config.max_loras)
+                             max_loras=config.max_loras, shard=getattr(model, "lora_shards", None))
         for name, path in config.lora_modules:
             loras.load(name, path)
     kv_tier = make_tier(config, device, runner.kv_cache, runner.kv_scales, hash_namespace,
@@ -180,8 +180,6 @@ def _check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     """ValueError for what does not run at tensor_parallel_size > 1 yet."""
     if config.tensor_parallel_size == 1:
         return
-    if config.enable_lora:
-        raise ValueError("LoRA adapters (--enable-lora) run at tensor_parallel_size 1 only, for now")
     if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         raise ValueError("tensor_parallel_size > 1 on cuda needs --num-kv-blocks or --kv-cache-memory for now "
                          "(the memory profile runs on one rank)")

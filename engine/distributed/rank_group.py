@@ -141,6 +141,16 @@ class RankGroup:
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             raise self.fail(f"a pipe to a rank broke ({exc})") from exc
 
+    def send_each(self, messages: list[step_message.StepMessage]) -> None:
+        """messages[i] to rank i + 1; RankDiedError as `send`."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            for conn, message in zip(self.conns, messages, strict=True):
+                conn.send_bytes(step_message.encode(message))
+        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+            raise self.fail(f"a pipe to a rank broke ({exc})") from exc
+
     def dead(self) -> str | None:
         """Which children are gone, or why the group failed; None while every rank runs. No side effect: safe from
         any thread while the engine steps (a liveness probe)."""

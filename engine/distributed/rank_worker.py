@@ -86,7 +86,10 @@ def _serve(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
     from engine.device import TORCH_DTYPES
     from engine.distributed import step_message
     from engine.distributed.group import make_group, make_store
+    from engine.distributed.lora_shards import adapter_of
     from engine.distributed.shared_weights import unshare
+    from engine.lora.adapter import LoRAAdapter
+    from engine.lora.lora_step import LoRAStep
     from engine.model.llama import LlamaModel
     from engine.model_runner import allocate_kv_cache
 
@@ -133,6 +136,7 @@ def _serve(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
     conn.send(Ready(weight_bytes=model_weight_bytes(model), kv_cache_bytes=kv_bytes, kv_cache=kv_cache,
                     kv_scales=kv_scales))
     drafts: dict[int, LlamaModel] = {}  # a layer-skip draft's cut of the model, by its number of layers
+    adapters: dict[int, LoRAAdapter] = {}  # this rank's shards of the LoRA adapters, by rank 0's key
     graphs = None  # the decode step's CUDA graphs (engine/cuda_graphs.py), once rank 0 has them captured
     with torch.inference_mode():
         while True:
@@ -152,7 +156,15 @@ def _serve(spec: RankSpec, conn: Connection, lanes_conn: Connection) -> None:
                 draft = drafts.get(k) or drafts.setdefault(k, model.first_layers(k))
                 draft.forward(message.input_ids, message.positions, kv_caches[:k], message.meta)
             elif isinstance(message, step_message.Forward):
-                model.forward(message.input_ids, message.positions, kv_caches, message.meta)
+                lora = None
+                if message.lora:  # the step's runs under LoRA adapters, each by the key rank 0 gave it
+                    lora = LoRAStep([(adapters[key], start, end) for key, start, end in message.lora],
+                                    message.lora_rows)
+                model.forward(message.input_ids, message.positions, kv_caches, message.meta, lora)
+            elif isinstance(message, step_message.LoadLoRA):
+                adapters[message.key] = adapter_of(message)
+            elif isinstance(message, step_message.UnloadLoRA):
+                adapters.pop(message.key, None)
             elif isinstance(message, step_message.Logits):
                 model.compute_logits(message.hidden)
             else:

@@ -1,9 +1,14 @@
 """What rank 0 sends its children, one message a call, over each child's pipe: bytes, so no tensor goes through
 shared memory on the step's path.
 
-    Forward(input_ids, positions, meta, num_layers)   run the model's forward over your shard (its KV writes
+    Forward(input_ids, positions, meta, num_layers, lora, lora_rows)
+                                           run the model's forward over your shard (its KV writes
                                            included); num_layers > 0: its first num_layers layers only, then the
-                                           final norm (a layer-skip draft's forward)
+                                           final norm (a layer-skip draft's forward); lora: its tokens' LoRA
+                                           adapters, by key (engine/lora/lora_step.py's runs)
+    LoadLoRA(key, name, num_layers, pairs), UnloadLoRA(key)
+                                           hold (forget) your shard of a LoRA adapter under this key
+                                           (engine/distributed/lora_shards.py)
     Logits(hidden)                         compute your slice of the logits of these rows (rank 0 gathers them)
     CaptureGraphs(sizes, max_seq_len, block_size)
                                            capture your decode step's CUDA graphs, these buckets, in this order
@@ -34,6 +39,21 @@ class Forward:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     num_layers: int = 0  # 0: every layer; k > 0: the first k (a layer-skip draft)
+    lora: tuple[tuple[int, int, int], ...] = ()  # (adapter key, first token, end): LoRAStep.segments
+    lora_rows: torch.Tensor | None = None  # LoRAStep.rows
+
+
+@dataclass(frozen=True)
+class LoadLoRA:
+    key: int
+    name: str
+    num_layers: int
+    pairs: tuple[tuple[int, str, torch.Tensor, torch.Tensor], ...]  # (layer, fused layer, A, B) of this rank's shard
+
+
+@dataclass(frozen=True)
+class UnloadLoRA:
+    key: int
 
 
 @dataclass(frozen=True)
@@ -61,7 +81,7 @@ class Shutdown:
     pass
 
 
-StepMessage = Forward | Logits | CaptureGraphs | Replay | Shutdown
+StepMessage = Forward | Logits | CaptureGraphs | Replay | LoadLoRA | UnloadLoRA | Shutdown
 
 
 def encode(message: StepMessage) -> bytes:
@@ -108,8 +128,8 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
-_TYPES: dict[str, type] = {t.__name__: t for t in (Forward, Logits, CaptureGraphs, Replay, Shutdown, AttentionMetadata,
-                                                   PrefillChunk)}
+_TYPES: dict[str, type] = {t.__name__: t for t in (Forward, Logits, CaptureGraphs, Replay, LoadLoRA, UnloadLoRA,
+                                                   Shutdown, AttentionMetadata, PrefillChunk)}
 
 
 def _from_wire(value: Any, device: torch.device) -> Any:

@@ -25,9 +25,11 @@ from engine.attention.metadata import AttentionMetadata
 from engine.distributed import shm_collectives, step_message
 from engine.distributed.group import rank_devices
 from engine.distributed.rank_group import RankDiedError, RankGroup, start_store
+from engine.distributed.lora_shards import RankAdapters
 from engine.distributed.rank_worker import RankSpec, model_weight_bytes
 from engine.distributed.sharding import local_model_config, shard_all, shard_weights
 from engine.distributed.tp_sizes import TPShape
+from engine.lora.lora_step import LoRAStep
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaModel
 
@@ -40,11 +42,12 @@ T = TypeVar("T")
 
 
 class TensorParallelModel:
-    def __init__(self, local: LlamaModel, ranks: RankGroup, shape: TPShape) -> None:
+    def __init__(self, local: LlamaModel, ranks: RankGroup, shape: TPShape, whole: ModelConfig) -> None:
         self.local = local
         self.ranks = ranks
         self.shape = shape
         self.config = local.config  # rank 0's local shape; vocab_size is the whole vocabulary
+        self.lora_shards = RankAdapters(whole, shape)  # LoRA adapters' shards on every rank (--enable-lora)
         self._finalizer = weakref.finalize(self, ranks.close)
 
     @property
@@ -60,9 +63,11 @@ class TensorParallelModel:
         return self.local.group
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self._in_step(step_message.Forward(input_ids, positions, meta),
-                             lambda: self.local.forward(input_ids, positions, kv_caches, meta))
+                meta: AttentionMetadata, lora: LoRAStep | None = None) -> torch.Tensor:
+        self.lora_shards.flush(self.ranks.send_each)  # adapters loaded or gone since the last step
+        segments, rows = self.lora_shards.wire(lora) if lora is not None else ((), None)
+        return self._in_step(step_message.Forward(input_ids, positions, meta, lora=segments, lora_rows=rows),
+                             lambda: self.local.forward(input_ids, positions, kv_caches, meta, lora))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._in_step(step_message.Logits(hidden), lambda: self.local.compute_logits(hidden))
@@ -172,7 +177,7 @@ def launch_tensor_parallel(
     except BaseException:
         ranks.close()
         raise
-    return TensorParallelModel(local, ranks, shape)
+    return TensorParallelModel(local, ranks, shape, config)
 
 
 def _backend_flag(attention: AttentionBackend, kv_cache_dtype: str) -> str:

@@ -8,6 +8,7 @@ until they finish; a request naming an adapter no longer here is refused at admi
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 
 import torch
 
@@ -16,15 +17,21 @@ from engine.model.config import ModelConfig
 from engine.request.lora import LoRARequest, check_lora_name
 
 
+class AdapterShards(Protocol):
+    def prepare(self, adapter: LoRAAdapter) -> LoRAAdapter: ...
+
+
 class LoRARegistry:
     def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype, max_lora_rank: int,
-                 max_loras: int) -> None:
-        """`config`: the whole model's shape (adapters are loaded for TP 1)."""
+                 max_loras: int, shard: AdapterShards | None = None) -> None:
+        """`config`: the whole model's shape (adapters are loaded for TP 1); `shard` at tensor_parallel_size > 1:
+        what cuts each adapter into every rank's shard and keeps rank 0's (engine/distributed/lora_shards.py)."""
         self.config = config
         self.device = device
         self.dtype = dtype
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras  # the most adapters one step runs (the scheduler keeps to it)
+        self._shard = shard
         self._adapters: dict[str, LoRAAdapter] = {}
         self._lock = threading.Lock()  # loads and unloads come from the worker's event loop, lookups from anywhere
 
@@ -35,6 +42,8 @@ class LoRARegistry:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded")
         adapter = load_lora_adapter(name, path, self.config, max_lora_rank=self.max_lora_rank).to(
             self.device, self.dtype)
+        if self._shard is not None:
+            adapter = self._shard.prepare(adapter)
         with self._lock:
             if name in self._adapters:
                 raise LoRAError(f"a LoRA adapter named {name!r} is already loaded")

@@ -232,6 +232,11 @@ class LlamaModel:
 
 
 def _with_lora(linear: Linear, x: torch.Tensor, lora: LoRAStep | None, layer: int, fused: str) -> torch.Tensor:
-    """linear(x), plus the LoRA deltas of the tokens whose request runs under an adapter that targets it."""
-    y = linear(x)
-    return y if lora is None else lora.add(y, x, layer, fused)
+    """linear(x), plus the LoRA deltas of the tokens whose request runs under an adapter that targets it. A
+    row-parallel layer's partial delta (this rank's columns of A) joins its partial output before its all-reduce
+    (engine/distributed/lora_shards.py)."""
+    if lora is None:
+        return linear(x)
+    if isinstance(linear, RowParallelLinear):
+        return linear.group.all_reduce(lora.add(Linear.__call__(linear, x), x, layer, fused))
+    return lora.add(linear(x), x, layer, fused)

@@ -5,10 +5,12 @@ serve another adapter's prompt; --max-loras holds; every path gives its blocks b
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 
 import pytest
 
+from engine.distributed.step_message import UnloadLoRA
 from engine.lora.adapter import LoRAError
 from engine.request.lora import LoRAModule, LoRARequest
 from tests.engine.lora.peft_adapter import make_adapter, merged
@@ -141,8 +143,6 @@ def test_engine_config_rules(tiny_checkpoint, adapters):
         EngineConfig(lora_modules=(("a", "/x"),))
     with pytest.raises(ValueError, match="max_loras must be positive"):
         EngineConfig(enable_lora=True, max_loras=0)
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        make_engine(tiny_checkpoint, enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(LoRAError, match="rank 8, above --max-lora-rank 4"):
         make_engine(tiny_checkpoint, enable_lora=True, max_lora_rank=4, lora_modules=(("mlp", str(adapters["mlp"])),))
 
@@ -179,3 +179,26 @@ def test_generate_command_runs_prompts_under_an_adapter(capsys, tiny_model_dir, 
     assert json.loads(capsys.readouterr().out)["token_ids"] == want
     assert main([*flags, "--lora-name", "other"]) == 2  # a usage error, before the model loads
     assert "--lora-name 'other' is not one of --lora-modules (all)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_ranks_run_their_shards_of_each_adapter(tiny_checkpoint, adapters, tp, torch_single_thread):
+    """TP 2 splits the tiny model's 4 query / 2 KV heads, TP 4 replicates its KV heads: each rank's shard of every
+    adapter gives TP 1's tokens, in a mixed batch (runs grouped, row-parallel deltas before the all-reduce), for
+    adapters loaded at start-up and at run time; an unloaded adapter's shards leave the children."""
+    jobs = [(p, lora) for p in PROMPTS for lora in (None, "all", "qv", "mlp")]
+    late = {"all": adapters["all"], "qv": adapters["qv"]}
+    want = run(lora_engine(tiny_checkpoint, adapters), jobs)
+    engine = lora_engine(tiny_checkpoint, late, tensor_parallel_size=tp, num_threads=1)
+    try:
+        engine.loras.load("mlp", str(adapters["mlp"]))  # at run time: its shards reach the children next step
+        assert run(engine, jobs) == want
+        shards = engine.runner.model.lora_shards
+        engine.loras.unload("mlp")
+        gc.collect()  # rank 0's shard goes once nothing holds it; its children's at the next step
+        assert any(isinstance(m, UnloadLoRA) for messages in shards._pending for m in messages)
+        assert run(engine, [(PROMPTS[0], "all")]) == {"r0": want[f"r{jobs.index((PROMPTS[0], 'all'))}"]}
+        assert not shards._pending
+    finally:
+        engine.close()
+

@@ -63,3 +63,26 @@ def test_greedy_tokens_equal_hf_with_the_adapter_merged(smollm2_checkpoint, hf_r
         assert got[f"base-{i}"] == base[i], f"prompt {i}: the base model's tokens changed"
         assert got[f"lora-{i}"] == merged[i], f"prompt {i}: the adapter's tokens differ from HF's merged model"
     assert sum(merged[i] != base[i] for i in range(len(prompts))) >= len(prompts) // 2, "the adapter changes little"
+
+
+def test_tensor_parallel_3_gives_tp_1s_tokens_under_the_adapter(smollm2_checkpoint, adapter):
+    """SmolLM2's 9 query / 3 KV heads split three ways, each rank holding its shard of the adapter."""
+    tok = smollm2_checkpoint.tokenizer
+    prompts = [tok.encode(p) for p in SHORT_PROMPTS[:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = {}
+    for tp in (1, 3):
+        engine = make_engine(smollm2_checkpoint, enable_lora=True, lora_modules=(("smol", str(adapter)),),
+                             tensor_parallel_size=tp, num_threads=1)
+        try:
+            for i, ids in enumerate(prompts):
+                engine.add_request(f"lora-{i}", ids, params, lora_name="smol")
+                engine.add_request(f"base-{i}", ids, params)
+            while engine.has_unfinished_requests():
+                got |= {(tp, o.request_id): o.token_ids for o in engine.step() if o.finished}
+            assert engine.block_pool.num_used_blocks == 0
+        finally:
+            engine.close()
+    for i in range(len(prompts)):
+        for kind in ("lora", "base"):
+            assert got[(3, f"{kind}-{i}")] == got[(1, f"{kind}-{i}")], (kind, i)
