@@ -36,6 +36,7 @@ from engine.core.request import Request
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RemoteReservation, RequestOutput
+from engine.request.lora import LoRAError
 from engine.request.wire import logprobs_from_proto, sampling_params_from_proto
 from kv_transfer.handoff_failure import REASON_KEY, REASONS
 from kv_transfer.reservation import Reservation, ReservationState
@@ -46,7 +47,7 @@ from worker.config import WorkerConfig
 from worker.convert import output_to_response
 from worker.engine_loop import EngineLoopClosed
 from worker.peer_fetch import NOTHING
-from worker.runtime import CALLER_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer
+from worker.runtime import CALLER_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer, check_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class DecodeWorker(RuntimeWorker):
                                      lora_name=request.lora_name or None)
             # A grammar compiles in make_request (up to a second): off the event loop, which serves every stream.
             req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
+            check_adapter(req, request)
+        except LoRAError as exc:  # not the adapter the router saw here: another worker may serve it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         num_choices = params.num_sequences  # n > 1: one stream, each message tagged with its choice

@@ -16,6 +16,7 @@ from engine.core.fork import choice_params, choice_request_id
 from engine.core.request import Request
 from engine.request.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_engine_rules
 from engine.request.bad_words import bad_words_token_ids, maybe_bannable
+from engine.request.lora import LoRAError
 from engine.tokenizer.tokenizer import Tokenizer
 from kv_transfer.block_hash import BlockHashNamespace, adapter_root
 
@@ -107,7 +108,7 @@ class InputProcessor:
         if name is None:
             return None
         if self.loras is None:
-            raise ValueError(f"LoRA adapter {name!r} asked for, but this engine serves none (--enable-lora)")
+            raise LoRAError(f"LoRA adapter {name!r} asked for, but this engine serves none (--enable-lora)")
         return self.loras.get(name)  # a LoRAError (ValueError) naming what is loaded
 
     def _check_allowed_tokens(self, params: SamplingParams) -> None:

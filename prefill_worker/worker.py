@@ -29,6 +29,7 @@ import torch
 from engine.core.request import Request
 from engine.loader.checkpoint import Checkpoint
 from engine.outputs import RequestOutput
+from engine.request.lora import LoRAError
 from engine.request.wire import logprobs_to_proto, sampling_params_from_proto, stop_reason_to_proto
 from kv_transfer.base import KVBlockSource, TransferResult
 from kv_transfer.handoff_failure import reason_of
@@ -40,7 +41,7 @@ from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
 from worker.peer_fetch import NOTHING, Fetched
 from worker.stall_fault import StallHalfWay
-from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer
+from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer, check_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class PrefillWorker(RuntimeWorker):
                                      remote_decode=True, lora_name=gen.lora_name or None)
             # A grammar compiles in make_request (up to a second): off the event loop, which serves every call.
             req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
+            check_adapter(req, gen)
+        except LoRAError as exc:  # not the adapter the router saw here: another worker may serve it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # The prompt's block table is read on the engine thread as its prefill finishes. Asked for later, from the

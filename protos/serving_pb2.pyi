@@ -74,7 +74,7 @@ class StructuredOutputs(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_endpoint", "router_queue_s", "peer_fetch", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_endpoint", "router_queue_s", "peer_fetch", "lora_name", "lora_digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class GenerateRequest(_message.Message):
     ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -89,7 +90,8 @@ class GenerateRequest(_message.Message):
     router_queue_s: float
     peer_fetch: PeerFetch
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    lora_digest: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_endpoint: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
 
 class PeerFetch(_message.Message):
     __slots__ = ("endpoint", "worker_id", "num_blocks")

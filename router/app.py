@@ -50,9 +50,8 @@ from router.autoscaler import Autoscaler, ScalableCluster
 from router.batched_completions import StreamGroup, batch_prompts, gather_or_cancel, merge_bodies, merged_events
 from router.body_limit import BodyLimit
 from router.cache_api import install_cache_routes
-from router.lora_api import ServedModels, install_lora_routes
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher, GenerationJob, LoRATarget
+from router.dispatcher import Dispatcher, GenerationJob
 from router.errors import (
     GENERATION_ERRORS,
     ApiError,
@@ -61,6 +60,7 @@ from router.errors import (
     install_error_handlers,
     without_validation_errors,
 )
+from router.lora_api import ServedModels, install_lora_routes
 from router.metrics import PrefixIndexCollector, RequestTracker, RestartCounts, RouterMetrics
 from router.pool_signals import PoolSignalCollector, PoolSignals, pool_signals
 from router.prefix_routing import PrefixIndex
@@ -86,6 +86,7 @@ from router.responses_api import (
     to_chat_request,
 )
 from router.resumable_stream import ResumableStream
+from router.routing import LoRATarget
 from router.streaming import OutputSpec, collect_response, sse_events, stream_bodies
 from router.structured import structured_outputs_of
 from router.tokenize_api import install_tokenize_routes

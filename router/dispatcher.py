@@ -45,7 +45,7 @@ from router.inflight_prefixes import InflightEntry, InflightPrefixes, wait_for_i
 from router.metrics import RequestTracker
 from router.peer_fetch import PeerFetchPlan, PeerFetchRates, fetch_pricer, price_peer_fetch
 from router.prefix_routing import PrefixIndex, PrefixLookup
-from router.routing import NoWorkerError, Route, WorkerLoad, num_blocks_needed, plan_route
+from router.routing import LoRATarget, NoWorkerError, Route, WorkerLoad, num_blocks_needed, plan_route
 from router.worker_registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -62,32 +62,26 @@ _RPC_ERRORS: dict[grpc.StatusCode, tuple[int, str]] = {
     # The prefill side failed the request on every attempt; counted by why (api_error_from_rpc).
     grpc.StatusCode.ABORTED: (503, handoff_failure.UNNAMED),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    # The worker does not hold the LoRA adapter the router saw it serve (unloaded, or reloaded from other files).
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "lora_adapter"),
 }
 
 
-# Failures before any token that another attempt may not meet: UNAVAILABLE (the target worker is unreachable)
-# and ABORTED (the decode worker got no KV from the prefill side: prefill worker down, handoff cut or timed out).
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+# Failures before any token that another attempt may not meet: UNAVAILABLE (the target worker is unreachable),
+# ABORTED (the decode worker got no KV from the prefill side: prefill worker down, handoff cut or timed out) and
+# FAILED_PRECONDITION (the target no longer holds the request's LoRA adapter).
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def _blamed_worker(code: grpc.StatusCode, route: Route, loads: Sequence[WorkerLoad]) -> str | None:
     """The worker the next attempt avoids: the unreachable target, or after a failed handoff the prefill worker
     if another one can take its place (with a single prefill worker, the retry goes to the same pair)."""
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION):
         return route.target.worker_id
     if route.prefill is None:
         return None
     others = [load for load in loads if load.role == "prefill" and load.worker_id != route.prefill.worker_id]
     return route.prefill.worker_id if others else None
-
-
-@dataclass(frozen=True)
-class LoRATarget:
-    """The LoRA adapter a request's `model` names: only workers serving this adapter (name and digest) take it, and
-    its prompt's blocks hash from the adapter's root (kv_transfer/block_hash.py)."""
-
-    name: str
-    digest: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,8 +333,7 @@ class Dispatcher:
             lookup = await self._await_inflight(job, lookup, num_blocks, turn, excluded)
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(1, self._config.max_dispatch_attempts + 1):
-            loads = [load for load in self._registry.loads() if load.worker_id not in excluded
-                     and (job.lora is None or (job.lora.name, job.lora.digest) in load.lora_adapters)]
+            loads = self._loads_for(job, excluded)
             pricer = self._fetch_pricer(lookup, loads, job)
             try:
                 route = self._plan(job, loads, lookup, num_blocks, turn, pricer)
@@ -395,6 +388,11 @@ class Dispatcher:
             return stream
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    def _loads_for(self, job: GenerationJob, excluded: set[str]) -> list[WorkerLoad]:
+        """The workers `job` may go to: not `excluded`, and serving its LoRA adapter (name and digest) if it has one."""
+        return [load for load in self._registry.loads() if load.worker_id not in excluded
+                and (job.lora is None or (job.lora.name, job.lora.digest) in load.lora_adapters)]
+
     def _plan(self, job: GenerationJob, loads: Sequence[WorkerLoad], lookup: PrefixLookup | None, num_blocks: int,
               turn: int, pricer: Callable[[WorkerLoad], PeerFetchPlan | None] | None) -> Route:
         return plan_route(
@@ -412,7 +410,7 @@ class Dispatcher:
         by the recompute, never longer), then look the prompt up again. Otherwise `lookup` as it is."""
         if self._inflight is None or lookup is None or not lookup.block_hashes:
             return lookup
-        loads = [load for load in self._registry.loads() if load.worker_id not in excluded]
+        loads = self._loads_for(job, excluded)
         try:
             fetcher = self._plan(job, loads, lookup, num_blocks, turn,
                                  self._fetch_pricer(lookup, loads, job)).prefill_worker
@@ -500,6 +498,7 @@ class Dispatcher:
             prefill_endpoint=route.prefill.endpoint if route.prefill is not None else "",
             router_queue_s=tracker.dispatched(),
             lora_name=job.lora.name if job.lora is not None else "",
+            lora_digest=job.lora.digest if job.lora is not None else "",
         )
         if peer is not None and peer.fetch:
             request.peer_fetch.CopyFrom(serving_pb2.PeerFetch(

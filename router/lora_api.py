@@ -10,20 +10,23 @@
 
     POST /v1/load_lora_adapter   {"lora_name": ..., "lora_path": ...}
         → 200 "Success: LoRA adapter '<name>' added successfully."
-        → 400 the adapter cannot load on some worker (every worker that loaded it unloads it again), or the name
-          is taken (the base model's, or an adapter's)
+        → 400 the adapter cannot load on some worker, or the name is taken (the base model's, or an adapter's);
+          502 a worker failed otherwise (unreachable, timed out); either way every worker that may have loaded it
+          unloads it again
     POST /v1/unload_lora_adapter {"lora_name": ...}
         → 200 "Success: LoRA adapter '<name>' removed successfully."; 404 no worker serves it
 
   An adapter loaded at run time lives until its worker restarts; a worker started later (scaling, a restart) serves
   the --lora-modules adapters only, and the gateway routes each adapter's requests to the workers that serve it.
-  Keyed like /v1/* when API keys are set.
+  Keyed like /v1/* when API keys are set. Loads and unloads run one at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+from collections.abc import Awaitable, Callable
 
 import grpc
 import grpc.aio
@@ -31,15 +34,18 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from protos import serving_pb2
-from router.dispatcher import LoRATarget
+from protos import serving_pb2, serving_pb2_grpc
+from router.routing import LoRATarget
 from router.errors import ApiError, bad_request
 from router.protocol import check_json_text
 from router.worker_registry import WorkerRegistry
 
+logger = logging.getLogger(__name__)
+
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _CALL_TIMEOUT_S = 120.0  # reading an adapter's files and moving it to the device
+_REFUSED = ("INVALID_ARGUMENT", "ALREADY_EXISTS")  # the worker refused the adapter: it loaded nothing
 
 
 class ServedModels:
@@ -48,6 +54,7 @@ class ServedModels:
     def __init__(self, served_model_names: tuple[str, ...], registry: WorkerRegistry) -> None:
         self.base = served_model_names
         self._registry = registry
+        self._shadowed: set[str] = set()  # adapters named like the base model, warned about once
 
     def resolve(self, model: str) -> LoRATarget | None:
         """None for the base model, the adapter `model` names, or a 404 (as vLLM and OpenAI answer it)."""
@@ -63,9 +70,13 @@ class ServedModels:
     def cards(self, card: dict[str, object]) -> list[dict[str, object]]:
         """/v1/models' entries: the base model's names, then each adapter (`card`: the base model's entry)."""
         adapters = self._registry.lora_adapters()
+        for name in set(adapters) & set(self.base) - self._shadowed:
+            logger.warning("a LoRA adapter is named %r, as the base model is: requests naming it get the base model",
+                           name)
+            self._shadowed.add(name)
         return [{**card, "id": name, "root": name} for name in self.base] + [
             {**card, "id": name, "root": adapters[name].path or name, "parent": self.base[0]}
-            for name in sorted(adapters)]
+            for name in sorted(adapters) if name not in self.base]
 
     def card(self, model: str, card: dict[str, object]) -> dict[str, object]:
         self.resolve(model)
@@ -93,45 +104,60 @@ def install_lora_routes(app: FastAPI, models: ServedModels, registry: WorkerRegi
     """The run-time load and unload routes, when the environment allows them (else they do not exist: 404)."""
     if not runtime_lora_updating():
         return
+    one_at_a_time = asyncio.Lock()  # two loads of one name must not undo each other's
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:
         check_json_text(body.lora_name, "lora_name")
         check_json_text(body.lora_path, "lora_path")
-        if body.lora_name in models.base or body.lora_name in registry.lora_adapters():
-            raise bad_request(f"the LoRA adapter {body.lora_name!r} has already been loaded", "lora_name")
-        workers = _workers(registry)
-        request = serving_pb2.LoadLoRAAdapterRequest(lora_name=body.lora_name, lora_path=body.lora_path)
-        results = await asyncio.gather(*(_call(registry, w, "LoadLoRAAdapter", request) for w in workers))
-        failed = [(w, error) for w, (_, error) in zip(workers, results, strict=True) if error is not None]
-        if failed:  # all or none: the workers that loaded it unload it
-            unload = serving_pb2.UnloadLoRAAdapterRequest(lora_name=body.lora_name)
-            await asyncio.gather(*(_call(registry, w, "UnloadLoRAAdapter", unload)
-                                   for w, (_, error) in zip(workers, results, strict=True) if error is None))
-            worker_id, error = failed[0]
-            raise bad_request(f"the LoRA adapter {body.lora_name!r} did not load on worker {worker_id}: {error}",
-                              "lora_path")
-        for worker_id, (reply, _) in zip(workers, results, strict=True):
-            registry.note_lora_adapter(worker_id, body.lora_name, reply.adapter)
-        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+        async with one_at_a_time:
+            return await _load_everywhere(models, registry, body)
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> str:
         check_json_text(body.lora_name, "lora_name")
-        if body.lora_name not in registry.lora_adapters():
-            raise ApiError(status_code=404, param="lora_name",
-                           message=f"the LoRA adapter {body.lora_name!r} cannot be found")
-        workers = _workers(registry)
-        request = serving_pb2.UnloadLoRAAdapterRequest(lora_name=body.lora_name)
-        results = await asyncio.gather(*(_call(registry, w, "UnloadLoRAAdapter", request) for w in workers))
-        for worker_id, (_, error) in zip(workers, results, strict=True):
-            if error is None or error.startswith("NOT_FOUND"):  # gone there either way
-                registry.note_lora_adapter(worker_id, body.lora_name, None)
-        errors = [f"{w}: {e}" for w, (_, e) in zip(workers, results, strict=True) if e and not e.startswith("NOT_")]
-        if errors:
-            raise ApiError(status_code=502, message=f"the LoRA adapter {body.lora_name!r} was not unloaded on "
-                           f"{'; '.join(errors)}")
-        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+        async with one_at_a_time:
+            return await _unload_everywhere(registry, body.lora_name)
+
+
+async def _load_everywhere(models: ServedModels, registry: WorkerRegistry, body: LoadLoRAAdapterRequest) -> str:
+    if body.lora_name in models.base or body.lora_name in registry.lora_adapters():
+        raise bad_request(f"the LoRA adapter {body.lora_name!r} has already been loaded", "lora_name")
+    workers = _workers(registry)
+    request = serving_pb2.LoadLoRAAdapterRequest(lora_name=body.lora_name, lora_path=body.lora_path)
+    results = await asyncio.gather(*(_call(registry, w, lambda stub: stub.LoadLoRAAdapter(
+        request, timeout=_CALL_TIMEOUT_S)) for w in workers))
+    failed = [(w, error) for w, (_, error) in zip(workers, results, strict=True) if error is not None]
+    if failed:  # all or none: every worker that did or may have loaded it (a timeout, a lost reply) unloads it
+        unload = serving_pb2.UnloadLoRAAdapterRequest(lora_name=body.lora_name)
+        await asyncio.gather(*(_call(registry, w, lambda stub: stub.UnloadLoRAAdapter(unload, timeout=_CALL_TIMEOUT_S))
+                               for w, (_, error) in zip(workers, results, strict=True)
+                               if error is None or not error.startswith(_REFUSED)))
+        worker_id, error = failed[0]
+        message = f"the LoRA adapter {body.lora_name!r} did not load on worker {worker_id}: {error}"
+        if all(error.startswith(_REFUSED) for _, error in failed):
+            raise bad_request(message, "lora_path")
+        raise ApiError(status_code=502, message=message)
+    for worker_id, (reply, _) in zip(workers, results, strict=True):
+        assert reply is not None
+        registry.note_lora_adapter(worker_id, body.lora_name, reply.adapter)
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+async def _unload_everywhere(registry: WorkerRegistry, name: str) -> str:
+    if name not in registry.lora_adapters():
+        raise ApiError(status_code=404, param="lora_name", message=f"the LoRA adapter {name!r} cannot be found")
+    workers = _workers(registry)
+    request = serving_pb2.UnloadLoRAAdapterRequest(lora_name=name)
+    results = await asyncio.gather(*(_call(registry, w, lambda stub: stub.UnloadLoRAAdapter(
+        request, timeout=_CALL_TIMEOUT_S)) for w in workers))
+    for worker_id, (_, error) in zip(workers, results, strict=True):
+        if error is None or error.startswith("NOT_FOUND"):  # gone there either way
+            registry.note_lora_adapter(worker_id, name, None)
+    errors = [f"{w}: {e}" for w, (_, e) in zip(workers, results, strict=True) if e and not e.startswith("NOT_FOUND")]
+    if errors:
+        raise ApiError(status_code=502, message=f"the LoRA adapter {name!r} was not unloaded on {'; '.join(errors)}")
+    return f"Success: LoRA adapter '{name}' removed successfully."
 
 
 def _workers(registry: WorkerRegistry) -> list[str]:
@@ -141,7 +167,8 @@ def _workers(registry: WorkerRegistry) -> list[str]:
     return workers
 
 
-async def _call(registry: WorkerRegistry, worker_id: str, method: str, request: object
+async def _call(registry: WorkerRegistry, worker_id: str,
+                call: Callable[[serving_pb2_grpc.WorkerStub], Awaitable[serving_pb2.LoRAAdapterResponse]]
                 ) -> tuple[serving_pb2.LoRAAdapterResponse | None, str | None]:
     """(the worker's reply, None), or (None, why it failed: "CODE: details")."""
     try:
@@ -149,6 +176,6 @@ async def _call(registry: WorkerRegistry, worker_id: str, method: str, request: 
     except KeyError:
         return None, "UNAVAILABLE: it left the cluster"
     try:
-        return await getattr(stub, method)(request, timeout=_CALL_TIMEOUT_S), None
+        return await call(stub), None
     except grpc.aio.AioRpcError as error:
         return None, f"{error.code().name}: {error.details() or ''}".strip()

@@ -80,6 +80,15 @@ class WorkerLoad:
         return self.kv_blocks_total == 0 or num_blocks <= self.kv_blocks_free
 
 
+@dataclass(frozen=True)
+class LoRATarget:
+    """The LoRA adapter a request's `model` names: only workers serving this adapter (name and digest) take it, and
+    its prompt's blocks hash from the adapter's root (kv_transfer/block_hash.py)."""
+
+    name: str
+    digest: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Route:
     """Where one request goes: `target` gets the Generate call; `prefill` (disaggregated only) runs the prompt."""

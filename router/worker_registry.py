@@ -78,6 +78,10 @@ class _Worker:
         self.error = "not polled yet"
         self.num_pending = 0
         self.num_pending_blocks = 0
+        # LoRA adapters this router loaded (an adapter) or unloaded (None) there, by name, counted: applied over any
+        # load poll that was under way meanwhile (its answer may predate them), dropped by the first poll after them.
+        self.lora_notes: dict[str, serving_pb2.LoRAAdapter | None] = {}
+        self.num_lora_notes = 0
 
 
 class WorkerRegistry:
@@ -166,24 +170,26 @@ class WorkerRegistry:
         return None
 
     def lora_adapters(self) -> dict[str, serving_pb2.LoRAAdapter]:
-        """The LoRA adapters the healthy workers that take requests serve, by name (the first worker's, where two
-        hold different adapters under one name: requests go to the workers holding that one)."""
-        found: dict[str, serving_pb2.LoRAAdapter] = {}
+        """The LoRA adapters the healthy workers that take requests serve, by name. Where workers hold different
+        adapters under one name (a rollout of new files), the one most of them hold: requests go to those."""
+        held: dict[str, dict[str, tuple[int, serving_pb2.LoRAAdapter]]] = {}  # name -> digest -> (workers, adapter)
         for worker in self._workers.values():
             if worker.healthy and not worker.info.draining and worker.stats is not None:
                 for adapter in worker.stats.lora_adapters:
-                    found.setdefault(adapter.name, adapter)
-        return found
+                    count, _ = held.setdefault(adapter.name, {}).get(adapter.digest, (0, adapter))
+                    held[adapter.name][adapter.digest] = (count + 1, adapter)
+        return {name: max(by_digest.values(), key=lambda held: held[0])[1] for name, by_digest in held.items()}
 
     def note_lora_adapter(self, worker_id: str, name: str, adapter: serving_pb2.LoRAAdapter | None) -> None:
         """A worker loaded (`adapter`) or unloaded the adapter `name` at this router's call: routed by at once,
         before its next GetLoad says so."""
         worker = self._workers.get(worker_id)
-        if worker is None or worker.stats is None:
+        if worker is None:
             return
-        kept = [a for a in worker.stats.lora_adapters if a.name != name]
-        del worker.stats.lora_adapters[:]
-        worker.stats.lora_adapters.extend([*kept, *([adapter] if adapter is not None else [])])
+        worker.lora_notes[name] = adapter
+        worker.num_lora_notes += 1
+        if worker.stats is not None:
+            _apply_lora_notes(worker.stats, {name: adapter})
 
     def incarnations(self) -> dict[str, int]:
         """Worker id -> incarnation of the healthy workers that take requests (as each reports it)."""
@@ -266,6 +272,7 @@ class WorkerRegistry:
 
     async def _poll(self, worker: _Worker) -> None:
         num_pending, num_pending_blocks = worker.num_pending, worker.num_pending_blocks
+        num_lora_notes = worker.num_lora_notes
         try:
             stats = await worker.stub.GetLoad(serving_pb2.LoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as error:
@@ -279,6 +286,10 @@ class WorkerRegistry:
                 logger.warning("worker %s unhealthy: GetLoad %s", worker.info.worker_id, error.code().name)
             worker.healthy = False
             return
+        if worker.num_lora_notes == num_lora_notes:  # this answer postdates every note
+            worker.lora_notes.clear()
+        else:
+            _apply_lora_notes(stats, worker.lora_notes)
         worker.stats = stats
         worker.healthy = True
         worker.stale = False
@@ -286,6 +297,12 @@ class WorkerRegistry:
         # What was dispatched before the call is in these counts now; what came during it may not be.
         worker.num_pending = max(worker.num_pending - num_pending, 0)
         worker.num_pending_blocks = max(worker.num_pending_blocks - num_pending_blocks, 0)
+
+
+def _apply_lora_notes(stats: serving_pb2.LoadStats, notes: dict[str, serving_pb2.LoRAAdapter | None]) -> None:
+    kept = [a for a in stats.lora_adapters if a.name not in notes]
+    del stats.lora_adapters[:]
+    stats.lora_adapters.extend([*kept, *(a for a in notes.values() if a is not None)])
 
 
 def _incarnation(worker: _Worker) -> int:

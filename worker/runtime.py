@@ -43,8 +43,9 @@ from engine.core.stats import EngineStats
 from engine.device import resolve_engine_config
 from engine.llm_engine import LLMEngine
 from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
-from engine.lora.adapter import LoRAError
+from engine.core.request import Request
 from engine.lora.registry import LoRARegistry
+from engine.request.lora import LoRAError
 from engine.outputs import RequestOutput
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
@@ -438,10 +439,12 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
         loras = await self._loras(context)
         try:  # reads the files and moves the weights to the device: off the event loop; the engine steps on
             adapter = await asyncio.to_thread(loras.load, request.lora_name, request.lora_path)
-        except (LoRAError, ValueError) as exc:
+        except (ValueError, OSError) as exc:  # LoRAError included; an unreadable file
             taken = request.lora_name in {a.name for a in loras.adapters()}
             await context.abort(grpc.StatusCode.ALREADY_EXISTS if taken else grpc.StatusCode.INVALID_ARGUMENT,
                                 str(exc))
+        except RuntimeError as exc:  # e.g. the device out of memory
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"LoRA adapter {request.lora_name!r}: {exc}")
         logger.info("loaded LoRA adapter %r from %s (%s)", adapter.name, adapter.path, adapter.digest)
         reply = serving_pb2.LoRAAdapter(name=adapter.name, digest=adapter.digest, path=adapter.path)
         return serving_pb2.LoRAAdapterResponse(adapter=reply)
@@ -463,6 +466,16 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
                                 f"worker {self.runtime.config.worker_id} serves no LoRA adapters (--enable-lora)")
         assert loras is not None
         return loras
+
+
+def check_adapter(request: Request, wanted: serving_pb2.GenerateRequest) -> None:
+    """LoRAError unless `request` runs under the very adapter the router routed it for (`lora_digest`): one loaded
+    again from other files under the same name since the router's last poll must not compute (and cache) its KV."""
+    adapter = request.lora
+    digest = getattr(adapter, "digest", None)
+    if wanted.lora_digest and digest != wanted.lora_digest:
+        raise LoRAError(f"LoRA adapter {wanted.lora_name!r} here is {digest}, not {wanted.lora_digest} as the router "
+                        "saw it: loaded again since")
 
 
 def chosen_k_counts(stats: EngineStats, spec: SpeculativeConfig | dict | None) -> list[int]:

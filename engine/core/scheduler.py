@@ -5,8 +5,8 @@ catching its computed-token count up to its token count within the per-step toke
 decode phase: a fresh prompt, a prompt chunk, a prefix hit, a recompute and a decode token are the same rule.
 
 When the pool runs dry, the most recently admitted running request is preempted (recompute preemption): its blocks
-go back and it returns to the front of the waiting queue with its tokens intact. `max_loras` (LoRA adapters) holds
-the head of the waiting queue back while it would make one adapter more run than that (vLLM's --max-loras).
+go back and it returns to the front of the waiting queue with its tokens intact. `max_loras` (LoRA adapters): a
+waiting request that would make one adapter more run than that is passed over, keeping its place, as vLLM does.
 
 A tier below the device cache (engine/core/kv_tier.py) adds loadable blocks to a prefix hit: at admission they
 are allocated like new blocks, loaded from the tier by the KV cache manager and counted computed, using none of
@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from engine.core.adapter_slots import one_adapter_too_many
 from engine.core.fork import num_shared_blocks
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.overlap import finishes_with_in_flight_token, needs_host_tokens
@@ -118,8 +119,13 @@ class SchedulerOutput:
                                        for item in self.scheduled}
         return self._tokens_by_request
 
-    num_batched_tokens = property(lambda self: sum(s.num_new_tokens for s in self.scheduled))
-    is_empty = property(lambda self: not self.scheduled)
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
 
 
 class Scheduler:
@@ -230,8 +236,13 @@ class Scheduler:
             self.finish_request(request.request_id, status)
         return status
 
-    num_waiting = property(lambda self: len(self.waiting))
-    num_running = property(lambda self: len(self.running))
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
     @property
     def num_receiving_kv(self) -> int:
@@ -347,17 +358,19 @@ class Scheduler:
         """Admit from the head of the waiting queue; returns the budget left. `may_preempt` (priority policy): a
         head that outranks the last running request may take its place (not while a step is in flight)."""
         self.head_blocked = False
+        passed_over: list[Request] = []  # under one adapter too many (max_loras): back in their places after
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if request.request_id in out.preempted:  # it gave its place up in this very step
                 break
+            if one_adapter_too_many(self.running, request, self.config.max_loras):
+                passed_over.append(self.waiting.popleft())
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 if not (may_preempt and self._outranks_last_running(request)):
                     break
                 budget = self._preempt_scheduled(out, budget)
                 continue
-            if self._one_adapter_too_many(request):  # its turn comes when an adapter's requests have finished
-                break
             num_loadable = 0
             if request.kv_in_place:  # its prompt KV came from a prefill worker: blocks in place, no lookup
                 hits, num_hit_tokens = [], request.num_computed_tokens
@@ -393,12 +406,8 @@ class Scheduler:
                 self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
         return budget
-
-    def _one_adapter_too_many(self, request: Request) -> bool:
-        running = {r.lora for r in self.running if r.lora is not None}
-        limit = self.config.max_loras
-        return limit is not None and request.lora is not None and request.lora not in running and len(running) >= limit
 
     def _outranks(self, request: Request, other: Request) -> bool:
         """Priority policy: whether `request` has a strictly lower priority value than `other`."""
@@ -448,21 +457,16 @@ class Scheduler:
             holders = [r for r in self.waiting if r is not request and r.kv_in_place]
             if not holders:
                 return False
-            self._preempt_waiting(holders[-1])
+            self._release_for_recompute(holders[-1])  # its blocks go; it keeps its place in the queue
         return True
 
     def _scheduled(
         self, request: Request, num_new: int, *, start: int | None = None, placeholder: bool = False
     ) -> ScheduledRequest:
         start = request.num_computed_tokens if start is None else start
-        return ScheduledRequest(
-            request=request,
-            start=start,
-            num_new_tokens=num_new,
-            block_ids=self.kv_cache.block_ids(request.request_id),
-            samples=start + num_new == request.num_tokens + placeholder,
-            takes_last_sample=placeholder,
-        )
+        return ScheduledRequest(request=request, start=start, num_new_tokens=num_new, takes_last_sample=placeholder,
+                                block_ids=self.kv_cache.block_ids(request.request_id),
+                                samples=start + num_new == request.num_tokens + placeholder)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -480,10 +484,6 @@ class Scheduler:
             return
         place = bisect.bisect_left if front else bisect.bisect_right
         self.waiting.insert(place(self.waiting, _rank(request), key=_rank), request)
-
-    def _preempt_waiting(self, request: Request) -> None:
-        """A waiting request with its KV in place gives its blocks up and keeps its place in the queue."""
-        self._release_for_recompute(request)
 
     def _release_for_recompute(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -28,6 +28,9 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig
+from engine.request.lora import LoRAError
+
+__all__ = ["LoRAAdapter", "LoRAError", "LoRAPair", "load_lora_adapter"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -43,10 +46,6 @@ _REFUSED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (full copies
             "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
             "fan_in_fan_out": "fan_in_fan_out weights", "layers_to_transform": "layers_to_transform",
             "layer_replication": "layer_replication"}
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be loaded or served, with why."""
 
 
 @dataclass(frozen=True, eq=False)

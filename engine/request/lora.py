@@ -8,6 +8,10 @@ import json
 from dataclasses import dataclass
 
 
+class LoRAError(ValueError):
+    """An adapter that cannot be loaded or served, or a request naming one this engine does not hold, with why."""
+
+
 @dataclass(frozen=True)
 class LoRARequest:
     """vLLM's offline handle on an adapter (`LLM.generate(..., lora_request=LoRARequest("name", 1, path))`): loaded

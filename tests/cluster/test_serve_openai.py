@@ -508,4 +508,3 @@ def test_lora_adapters_answer_as_the_offline_engine_with_them(cluster, smollm2_c
         client.completions.create(model="late", prompt=prompt, max_tokens=2)
     metrics = wait_until_every_block_is_free(url)
     assert metrics["splitserve:lora_requests_info"], "every worker reports its --max-loras"
-

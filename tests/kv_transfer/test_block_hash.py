@@ -164,4 +164,3 @@ def test_an_adapters_chain_starts_from_its_own_root() -> None:
     assert len({base[0], sql[0], chat[0]}) == 3 and not set(base) & set(sql)  # no block is shared
     assert hash_token_blocks(NS, tokens, root=adapter_root(NS, "sha256:1")) == sql  # deterministic
     assert extend_block_hashes(NS, tokens, sql[:1], root=adapter_root(NS, "sha256:1")) == sql  # incremental
-

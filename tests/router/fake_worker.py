@@ -76,6 +76,7 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
     script: Script = field(default_factory=Script)
     load: serving_pb2.LoadStats = field(default_factory=serving_pb2.LoadStats)
     load_status: grpc.StatusCode | None = None  # GetLoad fails with this
+    load_delay_s: float = 0.0  # GetLoad answers after this long, with the load as it was when called
     health: serving_pb2.HealthResponse | None = None  # what Health answers (None: ok, with its id and role)
     # ResetPrefixCache: fails with this status, else answers this (None: reset)
     reset_status: grpc.StatusCode | None = None
@@ -104,6 +105,7 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
         self.load = serving_pb2.LoadStats(worker_id=self.worker_id, role=self.role, kv_blocks_free=100,
                                           kv_blocks_total=100)
         self.load_status = None
+        self.load_delay_s = 0.0
         self.reset_status = self.reset_reply = None
         self.lora_status = None
         with self.changed:
@@ -204,7 +206,10 @@ class FakeWorker(serving_pb2_grpc.WorkerServicer):
     def GetLoad(self, request, context):  # type: ignore[no-untyped-def]
         if self.load_status is not None:
             context.abort(self.load_status, "scripted GetLoad failure")
-        return self.load
+        answer = serving_pb2.LoadStats()
+        answer.CopyFrom(self.load)
+        time.sleep(self.load_delay_s)
+        return answer
 
     def ResetPrefixCache(self, request, context):  # type: ignore[no-untyped-def]
         if self.reset_status is not None:

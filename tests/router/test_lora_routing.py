@@ -1,10 +1,11 @@
 """LoRA adapters at the gateway (router/lora_api.py), over fake workers: a request's `model` names the base model or
 an adapter the workers report; it goes only to workers serving that adapter, with the adapter's name on the wire;
 /v1/models lists the adapters; run-time loading reaches every worker, all or none, only when the environment
-allows it. (tests/cluster/test_lora_serve.py runs real workers.)"""
+allows it. (tests/cluster/test_serve_openai.py runs real workers.)"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -163,3 +164,60 @@ def test_a_migrated_stream_resumes_under_its_adapter(workers, tokenizer) -> None
     assert body["choices"][0]["text"] == "Hello world"
     (original,), (resumed,) = workers["decode-0"].requests, workers["decode-1"].requests
     assert (original.lora_name, resumed.lora_name) == ("sql", "sql")
+
+
+def test_a_worker_that_no_longer_holds_the_adapter_is_passed_by(workers, tokenizer) -> None:  # noqa: ANN001
+    from tests.router.fake_worker import Script
+
+    sql = serving_pb2.LoRAAdapter(name="sql", digest="sha256:5", path="/adapters/sql")
+    workers["decode-0"].load.lora_adapters.append(sql)
+    workers["decode-0"].load.kv_blocks_free = 100  # chosen first (least-loaded): it refuses, as a worker whose
+    workers["decode-1"].load.kv_blocks_free = 50   # "sql" was reloaded from other files since the last poll would
+    workers["decode-0"].script = Script(status=grpc.StatusCode.FAILED_PRECONDITION)
+    server = serve_router([info_of(workers[n]) for n in ("prefill-0", "decode-0", "decode-1")], tokenizer,
+                          routing_policy="least-loaded")
+    try:
+        with httpx.Client(base_url=server.url, timeout=30.0) as client:
+            client.get("/metrics")
+            assert complete(client, "sql").status_code == 200
+            del workers["decode-1"].load.lora_adapters[:]
+            client.get("/metrics")
+            refused = complete(client, "sql")  # nowhere left: a 503 with the worker's reason
+    finally:
+        server.stop()
+    assert [(r.lora_name, r.lora_digest) for r in workers["decode-1"].requests] == [("sql", "sha256:5")]
+    assert refused.status_code == 503 and refused.json()["error"]["message"] == "worker: scripted FAILED_PRECONDITION"
+
+
+def test_where_workers_disagree_on_an_adapter_the_most_held_wins(workers, tokenizer) -> None:  # noqa: ANN001
+    other = serving_pb2.LoRAAdapter(name="sql", digest="sha256:new", path="/adapters/sql-v2")
+    del workers["prefill-0"].load.lora_adapters[:]
+    for name in ("prefill-0", "decode-0"):
+        workers[name].load.lora_adapters.append(other)  # two hold the new files, decode-1 the old
+    for client in serve(workers, tokenizer, ("prefill-0", "decode-0", "decode-1")):
+        assert complete(client, "sql").status_code == 200
+        assert client.get("/v1/models/sql").json()["root"] == "/adapters/sql-v2"
+    assert [r.lora_digest for r in workers["decode-0"].requests] == ["sha256:new"]
+    assert not workers["decode-1"].requests
+
+
+def test_a_load_poll_under_way_does_not_undo_a_load_it_predates(runtime_client, workers) -> None:  # noqa: ANN001
+    import threading
+
+    workers["decode-0"].load_delay_s = 1.0
+    poll = threading.Thread(target=lambda: runtime_client.get("/metrics"))  # a scrape polls every worker
+    poll.start()
+    time.sleep(0.2)  # decode-0's GetLoad is under way, with its load as it was
+    workers["decode-0"].load_delay_s = 0.0
+    loaded = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/a/chat"})
+    assert loaded.status_code == 200
+    poll.join()
+    assert "chat" in [c["id"] for c in runtime_client.get("/v1/models").json()["data"]]
+    assert complete(runtime_client, "chat").status_code == 200
+
+
+def test_a_load_that_timed_out_somewhere_is_undone_there_too(runtime_client, workers) -> None:  # noqa: ANN001
+    workers["decode-1"].lora_status = grpc.StatusCode.DEADLINE_EXCEEDED
+    failed = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "slow", "lora_path": "/a/slow"})
+    assert failed.status_code == 502 and "DEADLINE_EXCEEDED" in failed.text
+    assert all(workers[w].lora_calls == ["load slow", "unload slow"] for w in ("prefill-0", "decode-0", "decode-1"))

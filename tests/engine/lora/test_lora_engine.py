@@ -88,6 +88,21 @@ def test_max_loras_runs_at_most_that_many_adapters_at_once(tiny_checkpoint, adap
     assert_no_blocks_held(engine)
 
 
+def test_max_loras_passes_over_a_request_of_one_adapter_too_many_not_the_whole_queue(tiny_checkpoint, adapters,
+                                                                                      torch_single_thread):
+    engine = make_engine(tiny_checkpoint, enable_lora=True, max_loras=1,
+                         lora_modules=tuple((n, str(p)) for n, p in adapters.items()))
+    order = ["all", "qv", None, "all", "qv", None]  # alternating adapters, as a busy server sees them
+    for i, lora in enumerate(order):
+        engine.add_request(f"q{i}", PROMPTS[i % 4], greedy(6), lora_name=lora)
+    engine.step()
+    running = sorted(r.request_id for r in engine.scheduler.running)
+    assert running == ["q0", "q2", "q3", "q5"]  # qv's requests wait; those behind them do not
+    assert [r.request_id for r in engine.scheduler.waiting] == ["q1", "q4"]  # in their order, at the front
+    finals(drain(engine))
+    assert_no_blocks_held(engine)
+
+
 def test_speculation_and_preemption_keep_the_adapters_tokens(tiny_checkpoint, adapters, torch_single_thread):
     jobs = [(p, lora) for p in PROMPTS for lora in ("all", None, "qv")]
     want = run(lora_engine(tiny_checkpoint, adapters), jobs, max_tokens=16)
@@ -202,3 +217,17 @@ def test_tensor_parallel_ranks_run_their_shards_of_each_adapter(tiny_checkpoint,
     finally:
         engine.close()
 
+
+
+def test_a_worker_refuses_a_request_for_another_adapter_under_the_same_name(tiny_checkpoint, adapters):
+    from protos import serving_pb2
+    from worker.runtime import check_adapter
+
+    engine = lora_engine(tiny_checkpoint, adapters)
+    request = engine.make_request("w", PROMPTS[0], greedy(2), lora_name="all")
+    digest = engine.loras.get("all").digest
+    check_adapter(request, serving_pb2.GenerateRequest(lora_name="all", lora_digest=digest))
+    check_adapter(request, serving_pb2.GenerateRequest(lora_name="all"))  # no digest: not checked
+    with pytest.raises(LoRAError, match="loaded again since"):
+        check_adapter(request, serving_pb2.GenerateRequest(lora_name="all", lora_digest="sha256:other"))
+    assert_no_blocks_held(engine)  # made, never queued
