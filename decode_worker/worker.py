@@ -47,7 +47,7 @@ from worker.config import WorkerConfig
 from worker.convert import output_to_response
 from worker.engine_loop import EngineLoopClosed
 from worker.peer_fetch import NOTHING
-from worker.runtime import CALLER_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer, check_adapter
+from worker.runtime import CALLER_OPTIONS, RuntimeWorker, WorkerRuntime, WorkerServicer, check_adapter, makes_slowly
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,9 @@ class DecodeWorker(RuntimeWorker):
         try:
             make = functools.partial(runtime.engine.make_request, request_id, list(request.prompt_token_ids), params,
                                      lora_name=request.lora_name or None)
-            # A grammar compiles in make_request (up to a second): off the event loop, which serves every stream.
-            req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
+            # A grammar compiles in make_request (up to a second), an evicted adapter is read again: off the event
+            # loop, which serves every stream.
+            req = await asyncio.to_thread(make) if makes_slowly(runtime.engine, params, request) else make()
             check_adapter(req, request)
         except LoRAError as exc:  # not the adapter the router saw here: another worker may serve it
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

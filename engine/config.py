@@ -72,12 +72,14 @@ class EngineConfig:
     # Tensor parallelism (vLLM's --tensor-parallel-size): the engine runs as this many rank processes, each holding
     # its shard of the weights and of the KV cache (engine/distributed/). 1: one process.
     tensor_parallel_size: int = 1
-    # LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank; engine/lora/): the
-    # adapters loaded at start-up as (name, PEFT directory) pairs; the most adapters one step runs; their top rank.
+    # LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank, --max-cpu-loras;
+    # engine/lora/): the adapters loaded at start-up as (name, PEFT directory) pairs; the most adapters one step runs;
+    # their top rank; the most kept in memory (None: all, not vLLM's default of max_loras: see engine/lora/registry.py).
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Speculative decoding; a dict of vLLM's keys is taken too (`LLM(speculative_config={...})`). None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
@@ -140,6 +142,8 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")

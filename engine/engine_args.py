@@ -97,6 +97,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the most LoRA adapters running at once; requests of one more wait their turn")
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                    help="the highest adapter rank loaded; an adapter above it is refused")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="the most LoRA adapters kept in memory, least recently used out first (read from their "
+                        "files again when asked for); default: every loaded one")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
@@ -163,4 +166,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         lora_modules=tuple((m.name, m.path) for m in args.lora_modules),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )

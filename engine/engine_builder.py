@@ -145,7 +145,8 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     loras = None
     if config.enable_lora:  # a LoRAError (ValueError) naming the adapter that cannot load
         loras = LoRARegistry(mc, device=device, dtype=dtype, max_lora_rank=config.max_lora_rank,
-                             max_loras=config.max_loras, shard=getattr(model, "lora_shards", None))
+                             max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+                             shard=getattr(model, "lora_shards", None))
         for name, path in config.lora_modules:
             loras.load(name, path)
     kv_tier = make_tier(config, device, runner.kv_cache, runner.kv_scales, hash_namespace,

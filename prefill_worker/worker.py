@@ -41,7 +41,7 @@ from protos import serving_pb2, serving_pb2_grpc
 from worker.config import WorkerConfig
 from worker.peer_fetch import NOTHING, Fetched
 from worker.stall_fault import StallHalfWay
-from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer, check_adapter
+from worker.runtime import RuntimeWorker, WorkerRuntime, WorkerServicer, check_adapter, makes_slowly
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,9 @@ class PrefillWorker(RuntimeWorker):
             params = sampling_params_from_proto(gen.params)
             make = functools.partial(runtime.engine.make_request, request_id, list(gen.prompt_token_ids), params,
                                      remote_decode=True, lora_name=gen.lora_name or None)
-            # A grammar compiles in make_request (up to a second): off the event loop, which serves every call.
-            req = await asyncio.to_thread(make) if params.structured_outputs is not None else make()
+            # A grammar compiles in make_request (up to a second), an evicted adapter is read again: off the event
+            # loop, which serves every call.
+            req = await asyncio.to_thread(make) if makes_slowly(runtime.engine, params, gen) else make()
             check_adapter(req, gen)
         except LoRAError as exc:  # not the adapter the router saw here: another worker may serve it
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

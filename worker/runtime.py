@@ -46,6 +46,7 @@ from engine.loader.checkpoint import Checkpoint, load_engine_checkpoint
 from engine.core.request import Request
 from engine.lora.registry import LoRARegistry
 from engine.request.lora import LoRAError
+from engine.request.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
 from kv_transfer.grpc_link import CHANNEL_OPTIONS
 from kv_transfer.layout import KV_CACHE_DTYPES as HANDOFF_KV_CACHE_DTYPES
@@ -466,6 +467,14 @@ class WorkerServicer(serving_pb2_grpc.WorkerServicer):
                                 f"worker {self.runtime.config.worker_id} serves no LoRA adapters (--enable-lora)")
         assert loras is not None
         return loras
+
+
+def makes_slowly(engine: LLMEngine, params: SamplingParams, request: serving_pb2.GenerateRequest) -> bool:
+    """Whether making the request may take long enough to hold the event loop up: a grammar to compile, or a LoRA
+    adapter to read from its files again (--max-cpu-loras evicted it)."""
+    loras = engine.loras
+    return params.structured_outputs is not None or bool(
+        request.lora_name and loras is not None and not loras.resident(request.lora_name))
 
 
 def check_adapter(request: Request, wanted: serving_pb2.GenerateRequest) -> None:

@@ -1,13 +1,21 @@
-"""The LoRA adapters an engine serves (vLLM's --enable-lora, --lora-modules, --max-lora-rank): loaded at start-up
-or at run time, each on the engine's device in the model's dtype, looked up by name per request.
+"""The LoRA adapters an engine serves (vLLM's --enable-lora, --lora-modules, --max-lora-rank, --max-cpu-loras):
+registered at start-up or at run time, looked up by name per request.
 
-Requests hold their adapter itself (Request.lora), so an adapter unloaded while requests run under it stays alive
-until they finish; a request naming an adapter no longer here is refused at admission.
+An adapter is registered once its files have loaded and passed every check (so a bad one is an error at start-up,
+or at its run-time load, never at a request); its name, path and digest stay. Its weights are resident on the
+engine's device in the model's dtype: all of them, or with `max_cpu_loras` the most recently used that many, the
+others read from their files again when a request names them (vLLM's LRU of adapters in memory). Files that
+changed since registration (another digest) are refused then, not served.
+
+Requests hold their adapter itself (Request.lora), so an adapter unloaded or evicted while requests run under it
+stays alive until they finish; a request naming an adapter no longer registered is refused at admission.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -21,59 +29,99 @@ class AdapterShards(Protocol):
     def prepare(self, adapter: LoRAAdapter) -> LoRAAdapter: ...
 
 
+@dataclass(frozen=True)
+class Registered:
+    """A registered adapter, resident or not."""
+
+    name: str
+    path: str
+    digest: str
+
+
 class LoRARegistry:
     def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype, max_lora_rank: int,
-                 max_loras: int, shard: AdapterShards | None = None) -> None:
-        """`config`: the whole model's shape (adapters are loaded for TP 1); `shard` at tensor_parallel_size > 1:
-        what cuts each adapter into every rank's shard and keeps rank 0's (engine/distributed/lora_shards.py)."""
+                 max_loras: int, max_cpu_loras: int | None = None, shard: AdapterShards | None = None) -> None:
+        """`config`: the whole model's shape (adapters are loaded for TP 1); `max_cpu_loras`: the most adapters
+        resident at once (None: every registered one); `shard` at tensor_parallel_size > 1: what cuts each adapter
+        into every rank's shard and keeps rank 0's (engine/distributed/lora_shards.py)."""
         self.config = config
         self.device = device
         self.dtype = dtype
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras  # the most adapters one step runs (the scheduler keeps to it)
+        self.max_cpu_loras = max_cpu_loras
         self._shard = shard
-        self._adapters: dict[str, LoRAAdapter] = {}
-        self._lock = threading.Lock()  # loads and unloads come from the worker's event loop, lookups from anywhere
+        self._registered: dict[str, Registered] = {}
+        self._resident: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
+        self.num_loads = 0  # adapters read from their files, at registration and again after an eviction
+        # Registrations, unloads and lookups come from the worker's event loop, its threads and the engine's: one at
+        # a time (a lookup that reads files holds the others up for that long).
+        self._lock = threading.Lock()
 
     def load(self, name: str, path: str) -> LoRAAdapter:
-        """Load and add an adapter. LoRAError: it cannot load, or the name is taken."""
+        """Load and register an adapter. LoRAError: it cannot load, or the name is taken."""
         check_lora_name(name)
-        if name in self._adapters:
-            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded")
-        adapter = load_lora_adapter(name, path, self.config, max_lora_rank=self.max_lora_rank).to(
-            self.device, self.dtype)
-        if self._shard is not None:
-            adapter = self._shard.prepare(adapter)
         with self._lock:
-            if name in self._adapters:
+            if name in self._registered:
                 raise LoRAError(f"a LoRA adapter named {name!r} is already loaded")
-            self._adapters = {**self._adapters, name: adapter}
+            adapter = self._read(name, path)
+            self._registered[name] = Registered(name=name, path=str(path), digest=adapter.digest)
+            self._keep(adapter)
         return adapter
 
     def resolve(self, request: LoRARequest) -> str:
-        """The name of `request`'s adapter, loaded first if it is not yet; LoRAError when that name is loaded from
-        another path."""
-        adapter = self._adapters.get(request.lora_name)
-        if adapter is None:
+        """The name of `request`'s adapter, registered first if it is not yet; LoRAError when that name is
+        registered from another path."""
+        registered = self._registered.get(request.lora_name)
+        if registered is None:
             return self.load(request.lora_name, request.lora_path).name
-        if adapter.path != str(request.lora_path):
-            raise LoRAError(f"LoRA adapter {request.lora_name!r} is loaded from {adapter.path}, not "
+        if registered.path != str(request.lora_path):
+            raise LoRAError(f"LoRA adapter {request.lora_name!r} is loaded from {registered.path}, not "
                             f"{request.lora_path}")
-        return adapter.name
+        return registered.name
 
     def unload(self, name: str) -> None:
         """LoRAError when no adapter has that name. Requests already running under it finish with it."""
         with self._lock:
-            if name not in self._adapters:
+            if self._registered.pop(name, None) is None:
                 raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
-            self._adapters = {k: v for k, v in self._adapters.items() if k != name}
+            self._resident.pop(name, None)
 
     def get(self, name: str) -> LoRAAdapter:
-        adapter = self._adapters.get(name)
-        if adapter is None:
-            loaded = ", ".join(sorted(self._adapters)) or "none"
-            raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
-        return adapter
+        """The adapter's weights, read again from its files if it was evicted (LoRAError if they changed)."""
+        with self._lock:
+            registered = self._registered.get(name)
+            if registered is None:
+                loaded = ", ".join(sorted(self._registered)) or "none"
+                raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+            adapter = self._resident.get(name)
+            if adapter is not None:
+                self._resident.move_to_end(name)
+                return adapter
+            adapter = self._read(name, registered.path)
+            if adapter.digest != registered.digest:
+                raise LoRAError(f"LoRA adapter {name!r}: the files in {registered.path} changed since it was loaded "
+                                "(unload it and load it again)")
+            self._keep(adapter)
+            return adapter
 
-    def adapters(self) -> list[LoRAAdapter]:
-        return sorted(self._adapters.values(), key=lambda a: a.name)
+    def resident(self, name: str) -> bool:
+        """Whether `get(name)` answers without reading files (an unknown name answers at once too)."""
+        return name in self._resident or name not in self._registered
+
+    def adapters(self) -> list[Registered]:
+        """Every registered adapter, resident or not, by name."""
+        return sorted(self._registered.values(), key=lambda a: a.name)
+
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        adapter = load_lora_adapter(name, path, self.config, max_lora_rank=self.max_lora_rank).to(
+            self.device, self.dtype)
+        self.num_loads += 1
+        return adapter if self._shard is None else self._shard.prepare(adapter)
+
+    def _keep(self, adapter: LoRAAdapter) -> None:
+        self._resident[adapter.name] = adapter
+        self._resident.move_to_end(adapter.name)
+        while self.max_cpu_loras is not None and len(self._resident) > self.max_cpu_loras:
+            self._resident.popitem(last=False)
+

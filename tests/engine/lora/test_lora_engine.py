@@ -33,7 +33,7 @@ def adapters(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
 
 def lora_engine(checkpoint, adapters, **overrides):
     modules = tuple((name, str(path)) for name, path in adapters.items())
-    return make_engine(checkpoint, enable_lora=True, lora_modules=modules, max_loras=4, **overrides)
+    return make_engine(checkpoint, **{"enable_lora": True, "lora_modules": modules, "max_loras": 4, **overrides})
 
 
 def run(engine, jobs: list[tuple[str, str | None]], max_tokens: int = 10) -> dict[str, list[int]]:
@@ -231,3 +231,27 @@ def test_a_worker_refuses_a_request_for_another_adapter_under_the_same_name(tiny
     with pytest.raises(LoRAError, match="loaded again since"):
         check_adapter(request, serving_pb2.GenerateRequest(lora_name="all", lora_digest="sha256:other"))
     assert_no_blocks_held(engine)  # made, never queued
+
+
+def test_max_cpu_loras_keeps_the_most_recent_in_memory_and_reads_the_others_again(tiny_checkpoint, adapters,
+                                                                                  tmp_path, torch_single_thread):
+    import shutil
+
+    want = run(lora_engine(tiny_checkpoint, adapters), [(PROMPTS[0], lora) for lora in ("all", "qv", "mlp")])
+    engine = lora_engine(tiny_checkpoint, adapters, max_loras=1, max_cpu_loras=1)
+    loras = engine.loras
+    assert loras.num_loads == 3 and [loras.resident(n) for n in ("all", "qv", "mlp")] == [False, False, True]
+    for i, lora in enumerate(("all", "qv", "mlp")):  # with room for one, each is read again, and exact
+        assert run(engine, [(PROMPTS[0], lora)]) == {"r0": want[f"r{i}"]}
+    assert loras.num_loads == 6 and loras.resident("mlp") and not loras.resident("all")
+    copy = shutil.copytree(adapters["qv"], tmp_path / "qv-copy")
+    loras.load("copy", str(copy))  # evicts mlp
+    other = make_adapter(tmp_path / "qv-other", tiny_checkpoint.weights, LAYERS, targets=("q_proj", "v_proj"), rank=2,
+                         alpha=4, seed=9)  # the same shapes, other values
+    shutil.copy(other / "adapter_model.safetensors", copy / "adapter_model.safetensors")
+    loras.get("mlp")  # evicts copy
+    with pytest.raises(LoRAError, match="the files in .* changed since it was loaded"):
+        engine.add_request("x", PROMPTS[0], greedy(2), lora_name="copy")
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
+        make_engine(tiny_checkpoint, enable_lora=True, max_loras=2, max_cpu_loras=1)
+    assert_no_blocks_held(engine)
