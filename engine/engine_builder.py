@@ -2,7 +2,8 @@
 
     device and dtype made concrete (`--device cuda` without a GPU fails here, before any weight loads)
     → the checkpoint (and a draft model's) → the KV cache's size: given, or what a profile forward leaves on cuda
-    → the C++ kernels and the attention backend → the model on the device → the runner, its KV cache allocated
+    → the C++ kernels and the attention backend → the model on the device → its LoRA adapters, if any
+    → the runner, its KV cache allocated
     → the decode step's CUDA graphs → the block-hash namespace → the speculator (a NullSpeculator when off)
     → the KV offload tier, if any (its directory's entries of this namespace found again)
 
@@ -124,6 +125,18 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     else:
         model = _model_on_device(checkpoint, attention, device=device, dtype=dtype, max_model_len=max_model_len)
         shutdown = _nothing_to_stop
+    # The --lora-modules adapters, on the device before the memory profile: the KV cache is sized around them.
+    loras = None
+    if config.enable_lora:  # a LoRAError (ValueError) naming the adapter that cannot load
+        loras = LoRARegistry(mc, device=device, dtype=dtype, max_lora_rank=config.max_lora_rank,
+                             max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+                             shard=getattr(model, "lora_shards", None))
+        try:
+            for name, path in config.lora_modules:
+                loras.load(name, path)
+        except BaseException:
+            shutdown()  # the tensor-parallel ranks started for it
+            raise
     memory_profile = None
     if memory_baseline is not None:
         checkpoint = dataclasses.replace(checkpoint, weights={})  # only what the model holds stays on the device
@@ -142,13 +155,6 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
         model=model_name if config.quantization == "none" else f"{model_name}+{config.quantization}",
         block_size=config.block_size, kv_dtype=kv_namespace_dtype(config.dtype, config.kv_cache_dtype))
     speculator = _speculator(spec, runner, draft_checkpoint, config, max_model_len)
-    loras = None
-    if config.enable_lora:  # a LoRAError (ValueError) naming the adapter that cannot load
-        loras = LoRARegistry(mc, device=device, dtype=dtype, max_lora_rank=config.max_lora_rank,
-                             max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
-                             shard=getattr(model, "lora_shards", None))
-        for name, path in config.lora_modules:
-            loras.load(name, path)
     kv_tier = make_tier(config, device, runner.kv_cache, runner.kv_scales, hash_namespace,
                         layout=kv_layout(mc, config), ranks=rank_caches_of(runner))
     return EngineParts(

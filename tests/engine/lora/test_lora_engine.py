@@ -255,3 +255,4 @@ def test_max_cpu_loras_keeps_the_most_recent_in_memory_and_reads_the_others_agai
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
         make_engine(tiny_checkpoint, enable_lora=True, max_loras=2, max_cpu_loras=1)
     assert_no_blocks_held(engine)
+
