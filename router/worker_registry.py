@@ -82,6 +82,10 @@ class _Worker:
         # load poll that was under way meanwhile (its answer may predate them), dropped by the first poll after them.
         self.lora_notes: dict[str, serving_pb2.LoRAAdapter | None] = {}
         self.num_lora_notes = 0
+        # Load polls started, and the start number of the one whose answer `stats` holds: a poll answered after a
+        # later one (a periodic poll beside a scrape's) is dropped, never applied over newer news.
+        self.num_polls = 0
+        self.stats_poll = 0
 
 
 class WorkerRegistry:
@@ -273,6 +277,8 @@ class WorkerRegistry:
     async def _poll(self, worker: _Worker) -> None:
         num_pending, num_pending_blocks = worker.num_pending, worker.num_pending_blocks
         num_lora_notes = worker.num_lora_notes
+        worker.num_polls += 1
+        poll = worker.num_polls
         try:
             stats = await worker.stub.GetLoad(serving_pb2.LoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as error:
@@ -286,6 +292,9 @@ class WorkerRegistry:
                 logger.warning("worker %s unhealthy: GetLoad %s", worker.info.worker_id, error.code().name)
             worker.healthy = False
             return
+        if poll < worker.stats_poll:  # a later poll's answer is in already
+            return
+        worker.stats_poll = poll
         if worker.num_lora_notes == num_lora_notes:  # this answer postdates every note
             worker.lora_notes.clear()
         else:

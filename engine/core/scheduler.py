@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine.core.adapter_slots import one_adapter_too_many
+from engine.core.adapter_slots import adapters_of, first_admissible, one_adapter_too_many
 from engine.core.fork import num_shared_blocks
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.overlap import finishes_with_in_flight_token, needs_host_tokens
@@ -197,7 +197,8 @@ class Scheduler:
         may still write the victims' KV into those blocks)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.head_blocked and self.waiting and not self._outranks(request, self.waiting[0]):
+        head = first_admissible(self.waiting, self.running, self.config.max_loras) if self.head_blocked else None
+        if head is not None and not self._outranks(request, head):
             return False
         hits = self.kv_cache.cached_prefix(request)
         num_hit_tokens = len(hits) * self.kv_cache.block_size
@@ -359,11 +360,12 @@ class Scheduler:
         head that outranks the last running request may take its place (not while a step is in flight)."""
         self.head_blocked = False
         passed_over: list[Request] = []  # under one adapter too many (max_loras): back in their places after
+        adapters = adapters_of(self.running)
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if request.request_id in out.preempted:  # it gave its place up in this very step
                 break
-            if one_adapter_too_many(self.running, request, self.config.max_loras):
+            if one_adapter_too_many(adapters, request, self.config.max_loras):
                 passed_over.append(self.waiting.popleft())
                 continue
             if len(self.running) >= self.config.max_num_seqs:
@@ -406,6 +408,7 @@ class Scheduler:
                 self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            adapters |= adapters_of([request])
         self.waiting.extendleft(reversed(passed_over))
         return budget
 
@@ -445,7 +448,8 @@ class Scheduler:
         """Whether the next synchronous schedule would preempt for the head of the waiting queue (priority
         policy): it outranks the last running request and cannot start, the batch being full or its blocks not
         there last time."""
-        return bool(self.waiting) and self._outranks_last_running(self.waiting[0]) and (
+        head = first_admissible(self.waiting, self.running, self.config.max_loras)
+        return head is not None and self._outranks_last_running(head) and (
             len(self.running) >= self.config.max_num_seqs or self.head_blocked)
 
     def _allocate_for_head(self, request: Request, num_new: int, hits: list) -> bool:
@@ -460,9 +464,8 @@ class Scheduler:
             self._release_for_recompute(holders[-1])  # its blocks go; it keeps its place in the queue
         return True
 
-    def _scheduled(
-        self, request: Request, num_new: int, *, start: int | None = None, placeholder: bool = False
-    ) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, *, start: int | None = None,
+                   placeholder: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens if start is None else start
         return ScheduledRequest(request=request, start=start, num_new_tokens=num_new, takes_last_sample=placeholder,
                                 block_ids=self.kv_cache.block_ids(request.request_id),
@@ -495,9 +498,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     # -- after the step --------------------------------------------------------------------------------------
-    def update_from_output(
-        self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
-    ) -> list[tuple[Request, int]]:
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+                           ) -> list[tuple[Request, int]]:
         """Advance computed counts, append sampled tokens, apply token-level stops (EOS, stop token ids,
         max_tokens, max_model_len), cache newly full blocks and free finished requests.
 

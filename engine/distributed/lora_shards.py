@@ -15,9 +15,10 @@ go when rank 0's shard is collected (no registry entry and no request holds it a
 
 from __future__ import annotations
 
+import collections
 import itertools
-import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -71,31 +72,37 @@ class RankAdapters:
         self.config = config  # the whole model's shape
         self.shape = shape
         self._keys: weakref.WeakKeyDictionary[LoRAAdapter, int] = weakref.WeakKeyDictionary()
-        self._pending: list[list[step_message.StepMessage]] = []  # each: one message per child, rank 1 first
+        # The children's loads, encoded (their tensors copied to the host: none waits on rank 0's device), one
+        # message per child, rank 1 first; and the keys whose adapters rank 0 has let go of. A deque's append is
+        # atomic: a finalizer (which may run inside any allocation, a lock's holder included) takes no lock.
+        self._loads: collections.deque[tuple[int, list[bytes]]] = collections.deque()
+        self._gone: collections.deque[int] = collections.deque()
         self._next_key = itertools.count(1)
-        self._lock = threading.Lock()
 
     def prepare(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Rank 0's shard of `adapter` (whole, on rank 0's device); the children's are queued for the next flush."""
         key = next(self._next_key)
         shards = [shard_adapter(adapter, self.config, self.shape, rank) for rank in range(self.shape.tp_size)]
         mine = shards[0]
-        with self._lock:
-            self._pending.append([load_message(key, shard) for shard in shards[1:]])
-            self._keys[mine] = key
-        weakref.finalize(mine, self._forget, key)
+        self._loads.append((key, [step_message.encode(load_message(key, shard)) for shard in shards[1:]]))
+        self._keys[mine] = key
+        weakref.finalize(mine, self._gone.append, key)
         return mine
 
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            self._pending.append([step_message.UnloadLoRA(key)] * (self.shape.tp_size - 1))
-
-    def flush(self, send_each) -> None:  # noqa: ANN001 - RankGroup.send_each
-        """Send the children what is queued (on the engine thread, between steps' messages)."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for messages in pending:
-            send_each(messages)
+    def flush(self, send_each: Callable[[list[bytes]], None]) -> None:
+        """Send the children what is queued, on the engine thread between two steps' messages: the loads, then the
+        unloads (a load whose adapter is already gone is not sent at all)."""
+        gone: set[int] = set()
+        while self._gone:
+            gone.add(self._gone.popleft())
+        while self._loads:
+            key, messages = self._loads.popleft()
+            if key in gone:
+                gone.discard(key)
+            else:
+                send_each(messages)
+        for key in sorted(gone):
+            send_each([step_message.encode(step_message.UnloadLoRA(key))] * (self.shape.tp_size - 1))
 
     def wire(self, lora: LoRAStep) -> tuple[tuple[tuple[int, int, int], ...], torch.Tensor | None]:
         """A step's runs with each adapter named by its key, and the rows of its grouped tokens (or None)."""

@@ -141,13 +141,13 @@ class RankGroup:
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             raise self.fail(f"a pipe to a rank broke ({exc})") from exc
 
-    def send_each(self, messages: list[step_message.StepMessage]) -> None:
-        """messages[i] to rank i + 1; RankDiedError as `send`."""
+    def send_each(self, messages: list[bytes]) -> None:
+        """messages[i] (encoded: step_message.encode) to rank i + 1; RankDiedError as `send`."""
         if self.failure is not None:
             raise self.failure
         try:
-            for conn, message in zip(self.conns, messages, strict=True):
-                conn.send_bytes(step_message.encode(message))
+            for conn, data in zip(self.conns, messages, strict=True):
+                conn.send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             raise self.fail(f"a pipe to a rank broke ({exc})") from exc
 

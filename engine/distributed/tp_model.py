@@ -24,8 +24,8 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed import shm_collectives, step_message
 from engine.distributed.group import rank_devices
-from engine.distributed.rank_group import RankDiedError, RankGroup, start_store
 from engine.distributed.lora_shards import RankAdapters
+from engine.distributed.rank_group import RankDiedError, RankGroup, start_store
 from engine.distributed.rank_worker import RankSpec, model_weight_bytes
 from engine.distributed.sharding import local_model_config, shard_all, shard_weights
 from engine.distributed.tp_sizes import TPShape

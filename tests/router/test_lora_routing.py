@@ -190,30 +190,33 @@ def test_a_worker_that_no_longer_holds_the_adapter_is_passed_by(workers, tokeniz
 
 
 def test_where_workers_disagree_on_an_adapter_the_most_held_wins(workers, tokenizer) -> None:  # noqa: ANN001
-    other = serving_pb2.LoRAAdapter(name="sql", digest="sha256:new", path="/adapters/sql-v2")
-    del workers["prefill-0"].load.lora_adapters[:]
-    for name in ("prefill-0", "decode-0"):
-        workers[name].load.lora_adapters.append(other)  # two hold the new files, decode-1 the old
+    new = serving_pb2.LoRAAdapter(name="sql", digest="sha256:new", path="/adapters/sql-v2")
+    del workers["decode-1"].load.lora_adapters[:]
+    for name in ("decode-0", "decode-1"):  # the first worker listed (prefill-0) holds the old files, two the new
+        workers[name].load.lora_adapters.append(new)
     for client in serve(workers, tokenizer, ("prefill-0", "decode-0", "decode-1")):
-        assert complete(client, "sql").status_code == 200
         assert client.get("/v1/models/sql").json()["root"] == "/adapters/sql-v2"
-    assert [r.lora_digest for r in workers["decode-0"].requests] == ["sha256:new"]
-    assert not workers["decode-1"].requests
+        answer = complete(client, "sql")  # no prefill worker holds the new files
+        assert answer.status_code == 503 and not workers["decode-0"].requests
 
 
 def test_a_load_poll_under_way_does_not_undo_a_load_it_predates(runtime_client, workers) -> None:  # noqa: ANN001
     import threading
 
-    workers["decode-0"].load_delay_s = 1.0
+    from tests.router.fake_worker import Script
+
+    workers["decode-0"].load_delay_s = 0.6  # within the registry's load timeout (1 s)
     poll = threading.Thread(target=lambda: runtime_client.get("/metrics"))  # a scrape polls every worker
     poll.start()
-    time.sleep(0.2)  # decode-0's GetLoad is under way, with its load as it was
-    workers["decode-0"].load_delay_s = 0.0
+    time.sleep(0.2)  # decode-0's GetLoad is under way, with its load as it was: without "chat"
     loaded = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/a/chat"})
     assert loaded.status_code == 200
-    poll.join()
-    assert "chat" in [c["id"] for c in runtime_client.get("/v1/models").json()["data"]]
-    assert complete(runtime_client, "chat").status_code == 200
+    poll.join()  # its answer came after the load, and before any later poll's (each takes as long)
+    workers["decode-0"].load_delay_s = 0.0
+    workers["decode-1"].script = Script(status=grpc.StatusCode.FAILED_PRECONDITION)  # decode-0 must take it
+    answer = complete(runtime_client, "chat")
+    assert answer.status_code == 200, (answer.text, [len(w.requests) for w in workers.values()])
+    assert [r.lora_name for r in workers["decode-0"].requests] == ["chat"]
 
 
 def test_a_load_that_timed_out_somewhere_is_undone_there_too(runtime_client, workers) -> None:  # noqa: ANN001
