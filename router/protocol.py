@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.request.grammar_spec import GrammarSpec
 from engine.request.sampling_params import BODY_FIELDS, DEFAULT_MAX_LOGPROBS, SamplingParams, check_engine_rules
 from engine.request.wire import check_fits_wire
-from router.errors import ApiError, bad_request
+from router.errors import bad_request
 
 # Caps on the stop conditions a request carries to a worker. Within the body-size limit alone, a stop list could
 # make the Generate message pass the workers' 4 MiB gRPC receive limit, a 503 for what is bad input; capped, it
