@@ -268,8 +268,9 @@ class Scheduler:
         # Priority: the running requests the head of the waiting queue outranks come after its admission, so that
         # their prompt chunks cannot take the budget it needs (with fcfs, or no such head, all come first).
         split = len(self.running)
-        if self.waiting and self.by_priority:
-            split = bisect.bisect_right(self.running, self.waiting[0].sampling_params.priority,
+        head = first_admissible(self.waiting, self.running, self.config.max_loras) if self.by_priority else None
+        if head is not None:
+            split = bisect.bisect_right(self.running, head.sampling_params.priority,
                                         key=lambda r: r.sampling_params.priority)
         first, then = self.running[:split], self.running[split:]
         budget = self._schedule_running(out, first, budget, ahead, in_flight)
