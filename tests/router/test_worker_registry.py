@@ -161,3 +161,26 @@ def test_a_draining_worker_is_polled_and_reachable_but_never_routed(workers: dic
             await registry.close()
 
     asyncio.run(scenario())
+
+
+def test_a_load_poll_answered_after_a_later_one_is_dropped(workers: dict[str, FakeWorker]) -> None:
+    """A slow poll (started first, its load older) must not overwrite the answer of a poll started after it."""
+    decode = workers["decode-0"]
+
+    async def scenario() -> None:
+        registry = WorkerRegistry(lambda: [info_of(decode)], refresh_interval_s=60, load_timeout_s=2)
+        await registry.start()
+        try:
+            decode.load.num_requests_running = 7
+            decode.load_delay_s = 0.8
+            slow = asyncio.ensure_future(registry.poll_loads())  # answers 7, late
+            await asyncio.sleep(0.2)
+            decode.load.num_requests_running = 3
+            decode.load_delay_s = 0.0
+            await registry.poll_loads()  # answers 3, first
+            await slow
+            assert [load.num_running for load in registry.loads()] == [3]
+        finally:
+            await registry.close()
+
+    asyncio.run(scenario())
