@@ -16,9 +16,11 @@
     POST /v1/unload_lora_adapter {"lora_name": ...}
         → 200 "Success: LoRA adapter '<name>' removed successfully."; 404 no worker serves it
 
-  An adapter loaded at run time lives until its worker restarts; a worker started later (scaling, a restart) serves
-  the --lora-modules adapters only, and the gateway routes each adapter's requests to the workers that serve it.
-  Keyed like /v1/* when API keys are set. Loads and unloads run one at a time.
+  A worker that restarts or joins later (scaling) starts with the --lora-modules adapters only: the gateway gives it
+  the adapters it loaded at run time again once a load poll shows the lack (`RuntimeAdapters`; one try per worker
+  and adapter every RELOAD_BACKOFF_S), and meanwhile routes each adapter's requests to the workers that serve it.
+  Another gateway replica knows only its own loads. Keyed like /v1/* when API keys are set. Loads, unloads and
+  reloads run one at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -46,6 +49,7 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _CALL_TIMEOUT_S = 120.0  # reading an adapter's files and moving it to the device
 _REFUSED = ("INVALID_ARGUMENT", "ALREADY_EXISTS")  # the worker refused the adapter: it loaded nothing
+RELOAD_BACKOFF_S = 30.0
 
 
 class ServedModels:
@@ -105,19 +109,62 @@ def install_lora_routes(app: FastAPI, models: ServedModels, registry: WorkerRegi
     if not runtime_lora_updating():
         return
     one_at_a_time = asyncio.Lock()  # two loads of one name must not undo each other's
+    loaded = RuntimeAdapters(registry, one_at_a_time)
+    registry.add_listener(loaded.reconcile)
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:
         check_json_text(body.lora_name, "lora_name")
         check_json_text(body.lora_path, "lora_path")
         async with one_at_a_time:
-            return await _load_everywhere(models, registry, body)
+            answer = await _load_everywhere(models, registry, body)
+            loaded.paths[body.lora_name] = body.lora_path
+            return answer
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> str:
         check_json_text(body.lora_name, "lora_name")
         async with one_at_a_time:
+            loaded.paths.pop(body.lora_name, None)
             return await _unload_everywhere(registry, body.lora_name)
+
+
+class RuntimeAdapters:
+    """The adapters this gateway loaded at run time (name -> path), given again to a worker whose load poll shows it
+    lacks one (restarted, or joined since), under the same lock as the loads and unloads."""
+
+    def __init__(self, registry: WorkerRegistry, lock: asyncio.Lock) -> None:
+        self.paths: dict[str, str] = {}
+        self._registry = registry
+        self._lock = lock
+        self._tried: dict[tuple[str, str], float] = {}  # (worker, adapter) -> when last given
+
+    def reconcile(self) -> None:
+        """After each load poll (a registry listener, on the event loop): a reload for each lack found."""
+        now = time.monotonic()
+        for snapshot in self._registry.snapshots():
+            if not snapshot.healthy or snapshot.stats is None:
+                continue
+            held = {a.name for a in snapshot.stats.lora_adapters}
+            for name in self.paths.keys() - held:
+                key = (snapshot.info.worker_id, name)
+                if now - self._tried.get(key, -RELOAD_BACKOFF_S) >= RELOAD_BACKOFF_S:
+                    self._tried[key] = now
+                    self._registry.spawn(self._reload(*key), name=f"reload-lora-{name}-{key[0]}")
+
+    async def _reload(self, worker_id: str, name: str) -> None:
+        async with self._lock:
+            path = self.paths.get(name)
+            if path is None:  # unloaded meanwhile
+                return
+            request = serving_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+            reply, error = await _call(self._registry, worker_id, lambda stub: stub.LoadLoRAAdapter(
+                request, timeout=_CALL_TIMEOUT_S))
+        if reply is not None:
+            logger.info("LoRA adapter %r loaded again on worker %s", name, worker_id)
+            self._registry.note_lora_adapter(worker_id, name, reply.adapter)
+        elif error is not None and not error.startswith("ALREADY_EXISTS"):
+            logger.warning("LoRA adapter %r could not be loaded again on worker %s: %s", name, worker_id, error)
 
 
 async def _load_everywhere(models: ServedModels, registry: WorkerRegistry, body: LoadLoRAAdapterRequest) -> str:

@@ -224,3 +224,18 @@ def test_a_load_that_timed_out_somewhere_is_undone_there_too(runtime_client, wor
     failed = runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "slow", "lora_path": "/a/slow"})
     assert failed.status_code == 502 and "DEADLINE_EXCEEDED" in failed.text
     assert all(workers[w].lora_calls == ["load slow", "unload slow"] for w in ("prefill-0", "decode-0", "decode-1"))
+
+
+def test_a_worker_that_lost_a_runtime_adapter_is_given_it_again(runtime_client, workers) -> None:  # noqa: ANN001
+    assert runtime_client.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": "/a/chat"}
+                               ).status_code == 200
+    restarted = workers["decode-1"]
+    del restarted.load.lora_adapters[:]  # as a restarted worker reports: its --lora-modules only
+    runtime_client.get("/metrics")  # a poll shows the lack
+    assert restarted.wait_for(lambda w: w.lora_calls == ["load chat", "load chat"], timeout_s=5)
+    assert [a.path for a in restarted.load.lora_adapters] == ["/a/chat"]
+    assert runtime_client.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 200
+    del restarted.load.lora_adapters[:]
+    runtime_client.get("/metrics")  # unloaded: nothing to give again
+    time.sleep(0.3)
+    assert restarted.lora_calls == ["load chat", "load chat", "unload chat"]
