@@ -129,7 +129,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
     loras = None
     if config.enable_lora:  # a LoRAError (ValueError) naming the adapter that cannot load
         loras = LoRARegistry(mc, device=device, dtype=dtype, max_lora_rank=config.max_lora_rank,
-                             max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+                             max_cpu_loras=config.max_cpu_loras,
                              shard=getattr(model, "lora_shards", None))
         try:
             for name, path in config.lora_modules:
@@ -148,6 +148,7 @@ def build_engine_parts(config: EngineConfig, checkpoint: Checkpoint | None = Non
                 num_kv_blocks * block_bytes / GIB)
     runner = ModelRunner(model, num_blocks=num_kv_blocks, block_size=config.block_size, seed=config.seed,
                          kv_cache_dtype=config.kv_cache_dtype)
+    runner.uses_lora = loras is not None
     cuda_graph_capture_seconds = _capture_cuda_graphs(runner, config, attention, device, max_model_len)
     # Quantized weights compute other logits, hence other KV: a quantization's blocks are never another's.
     model_name = config.model_id or checkpoint.model_id or model_identity(checkpoint.path)

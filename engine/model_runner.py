@@ -59,6 +59,7 @@ class ModelRunner:
         self.grammars: GrammarMatchers | None = None
         self.graphs: DecodeGraphs | None = None  # the captured decode steps (cuda only; capture_cuda_graphs)
         self._last: LaunchedStep | None = None  # the step launched last: where placeholders come from
+        self.uses_lora = False  # requests may run under LoRA adapters (--enable-lora): each step looks for them
 
     def use_grammars(self, compilers: GrammarCompilerCache) -> None:
         """Structured outputs from now on: the requests' grammar matchers, over grammars `compilers` compiled."""
@@ -114,7 +115,7 @@ class ModelRunner:
             if feed is not None:
                 feed(input_ids)
             lora = LoRAStep.of(((item.request.lora, item.num_new_tokens) for item in items),  # type: ignore[misc]
-                               self.device)
+                               self.device) if self.uses_lora else None
             hidden = (self.model.forward(input_ids, positions, self.kv_caches, meta) if lora is None else
                       self.model.forward(input_ids, positions, self.kv_caches, meta, lora))
             prompt_logprobs = self._prompt_logprobs(items, hidden)

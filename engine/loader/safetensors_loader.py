@@ -31,7 +31,7 @@ _ALWAYS_QKV_BIAS = frozenset({"qwen2"})
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a derived buffer some old checkpoints saved
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
@@ -68,7 +68,7 @@ def _rope(hf: dict[str, Any], source: Path) -> tuple[float, RopeScaling | None]:
 def architecture_of(model_dir: Path) -> str:
     """config.json's model_type, refused by name (`UnsupportedArchitectureError`) unless the engine implements it."""
     source = model_dir / CONFIG_FILE
-    model_type = _read_json(source).get("model_type")
+    model_type = read_json(source).get("model_type")
     if not isinstance(model_type, str):
         raise ModelLoadError(f"{source}: no model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
@@ -83,12 +83,12 @@ def config_from_hf(model_dir: Path, *, has_lm_head: bool) -> ModelConfig:
     """
     source = model_dir / CONFIG_FILE
     model_type = architecture_of(model_dir)
-    hf = _read_json(source)
+    hf = read_json(source)
 
     eos_ids = _ids(hf.get("eos_token_id"))
     generation = model_dir / GENERATION_CONFIG_FILE
     if generation.is_file():  # instruct models often list their end-of-turn ids only here
-        eos_ids += [i for i in _ids(_read_json(generation).get("eos_token_id")) if i not in eos_ids]
+        eos_ids += [i for i in _ids(read_json(generation).get("eos_token_id")) if i not in eos_ids]
     tie = hf.get("tie_word_embeddings")
     try:
         rope_theta, rope_scaling = _rope(hf, source)
@@ -122,7 +122,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files holding the weights: the shards an index names, or the single file."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index}: no weight_map")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]

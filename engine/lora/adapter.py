@@ -17,7 +17,6 @@ rank or alpha patterns, embedding or LM-head adapters), as are weights that do n
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.loader.errors import ModelLoadError
+from engine.loader.safetensors_loader import read_json
 from engine.model.config import ModelConfig
 from engine.request.lora import LoRAError
 
@@ -104,13 +105,9 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, *, max_l
 
 def _read_config(name: str, file: Path) -> dict[str, Any]:
     try:
-        settings = json.loads(file.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise LoRAError(f"LoRA adapter {name!r}: cannot read {file} ({err.strerror or err})") from err
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise LoRAError(f"LoRA adapter {name!r}: {file} is not valid JSON ({err})") from err
-    if not isinstance(settings, dict):
-        raise LoRAError(f"LoRA adapter {name!r}: {file} must hold a JSON object")
+        settings = read_json(file)
+    except ModelLoadError as err:  # unreadable, not JSON, not an object: named with the file
+        raise LoRAError(f"LoRA adapter {name!r}: {err}") from err
     peft_type = settings.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {peft_type!r} is not LORA")

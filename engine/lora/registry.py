@@ -41,7 +41,7 @@ class Registered:
 
 class LoRARegistry:
     def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype, max_lora_rank: int,
-                 max_loras: int, max_cpu_loras: int | None = None, shard: AdapterShards | None = None) -> None:
+                 max_cpu_loras: int | None = None, shard: AdapterShards | None = None) -> None:
         """`config`: the whole model's shape (adapters are loaded for TP 1); `max_cpu_loras`: the most adapters
         resident at once (None: every registered one); `shard` at tensor_parallel_size > 1: what cuts each adapter
         into every rank's shard and keeps rank 0's (engine/distributed/lora_shards.py)."""
@@ -49,7 +49,6 @@ class LoRARegistry:
         self.device = device
         self.dtype = dtype
         self.max_lora_rank = max_lora_rank
-        self.max_loras = max_loras  # the most adapters one step runs (the scheduler keeps to it)
         self.max_cpu_loras = max_cpu_loras
         self._shard = shard
         self._registered: dict[str, Registered] = {}
